@@ -1,0 +1,93 @@
+/*
+ * tawpipe shard kernels: framework-agnostic C API.
+ *
+ * Moves many tensors into / out of one flat buffer with a dtype cast, in one call:
+ * the unit of work is a table of segments, each a (src, dst, dtype pair, numel).
+ * Weight pipelining packs hundreds to thousands of parameters per transfer, so the
+ * whole table is handled by one parallel region (CPU) or one kernel launch (CUDA)
+ * instead of one copy per tensor.
+ *
+ * No framework headers: plain C/C++, CuPy (via ctypes) or JAX custom calls can link
+ * the library built from csrc/kernels (see CMakeLists.txt) and call these functions.
+ *
+ * Semantics per segment, elementwise over numel elements:
+ *   accumulate == 0:  dst[k] = cast<dst_dtype>(src[k])
+ *   accumulate != 0:  dst[k] = cast<dst_dtype>(float(dst[k]) + alpha * float(src[k]))
+ * Arithmetic is float32; narrowing casts round to nearest even (NaN stays NaN).
+ * The caller guarantees that no segment's dst overlaps another segment's dst or any src.
+ */
+#ifndef TAWPIPE_SHARD_OPS_H_
+#define TAWPIPE_SHARD_OPS_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element types, stored in tawpipe_segment.src_dtype / dst_dtype. */
+enum {
+  TAWPIPE_DTYPE_F32 = 0,
+  TAWPIPE_DTYPE_BF16 = 1,
+  TAWPIPE_DTYPE_F16 = 2
+};
+
+/* Return codes of every function below. */
+enum {
+  TAWPIPE_OK = 0,
+  TAWPIPE_ERR_INVALID_ARGUMENT = 1, /* bad dtype, negative numel, null pointer, short workspace */
+  TAWPIPE_ERR_CUDA = 2,             /* a CUDA runtime call failed: see tawpipe_cuda_last_error */
+  TAWPIPE_ERR_STREAM_CAPTURING = 3, /* the stream is capturing a CUDA graph (unsupported) */
+  TAWPIPE_ERR_OUT_OF_MEMORY = 4     /* a host allocation failed */
+};
+
+typedef struct tawpipe_segment {
+  const void* src;
+  void* dst;
+  int64_t numel;     /* elements; 0 is allowed and skipped */
+  int32_t src_dtype; /* TAWPIPE_DTYPE_* */
+  int32_t dst_dtype; /* TAWPIPE_DTYPE_* */
+} tawpipe_segment;
+
+/* A short, static description of a return code. */
+const char* tawpipe_status_string(int status);
+
+/*
+ * Host memory. Runs all segments with num_threads threads (0: the OpenMP default),
+ * splitting the concatenated element range of all segments into equal parts, so a table of
+ * many tiny segments parallelises as well as one large one.
+ */
+int tawpipe_shard_segments_cpu(const tawpipe_segment* segments, int64_t num_segments,
+                               int accumulate, float alpha, int num_threads);
+
+/* Declared compatibly with cuda_runtime_api.h, so this header needs no CUDA include. */
+struct CUstream_st;
+
+/* Bytes of device workspace (and of optional host staging) needed for num_segments segments. */
+size_t tawpipe_shard_cuda_workspace_bytes(int64_t num_segments);
+
+/*
+ * Device memory. Enqueues exactly one kernel (plus one host-to-device copy of the segment
+ * table into device_workspace) on stream; returns without synchronising.
+ *
+ * device_workspace: device memory of at least workspace_bytes(num_segments) bytes that stays
+ *   allocated until the kernel has run (stream-ordered allocators give this for free).
+ * host_staging: NULL, or host memory of the same size in which the table is built and from
+ *   which it is copied. Pass pinned memory for a fully asynchronous copy; the caller must then
+ *   keep it unmodified until the copy has run on stream. With NULL, an internal pageable
+ *   buffer is used (the copy is then staged by the driver before this call returns).
+ */
+int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int64_t num_segments,
+                                int accumulate, float alpha, void* device_workspace,
+                                void* host_staging, size_t workspace_bytes,
+                                struct CUstream_st* stream);
+
+/* Text of the last CUDA error seen by this thread in tawpipe_shard_segments_cuda. */
+const char* tawpipe_cuda_last_error(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* TAWPIPE_SHARD_OPS_H_ */

@@ -1,0 +1,215 @@
+// CPU implementation of the shard kernels (see shard_ops.h).
+//
+// All segments are treated as one concatenated element range that is cut into equal parts, one
+// per thread. Each thread walks the segments its part covers, so thousands of tiny tensors cost
+// one parallel region, and a single huge tensor is still split across all threads.
+#include "shard_ops.h"
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+// Below this many elements per thread, starting another thread costs more than it saves.
+constexpr int64_t kGrainElements = 1 << 15;
+// Thread boundaries fall on multiples of this, keeping each thread's inner loops vector-aligned.
+constexpr int64_t kSplitQuantum = 64;
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+    return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN: keep sign, force quiet
+  }
+  // Adding 0x7FFF plus the lowest kept bit rounds the dropped 16 bits to nearest, ties to even.
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu;
+  const uint32_t mantissa = h & 0x3FFu;
+  if (exponent == 0x1Fu) return bits_float(sign | 0x7F800000u | (mantissa << 13));  // inf, NaN
+  if (exponent != 0) return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  // Zero or subnormal: mantissa * 2^-24, exact in float32.
+  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+  return sign ? -magnitude : magnitude;
+}
+
+inline uint16_t float_to_f16(float f) {
+  const uint32_t u = float_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));  // NaN
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
+  if (a >= 0x38800000u) {
+    // Normal half: rebias the exponent (127 -> 15) and round 23 mantissa bits to 10, ties to
+    // even; a carry out of the mantissa correctly bumps the exponent.
+    const uint32_t rebased = a - 0x38000000u;
+    return static_cast<uint16_t>(sign | ((rebased + 0xFFFu + ((rebased >> 13) & 1u)) >> 13));
+  }
+  if (a <= 0x33000000u) return sign;  // <= 2^-25: rounds to (signed) zero, the tie included
+  // Subnormal half: the value in units of 2^-24 is m * 2^(e - 126), with e <= 112.
+  const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
+  const uint32_t shift = 126u - (a >> 23);
+  uint32_t q = m >> shift;
+  const uint32_t rest = m & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  if (rest > half || (rest == half && (q & 1u))) ++q;
+  return static_cast<uint16_t>(sign | q);
+}
+
+template <int Dtype>
+struct Elem;
+
+template <>
+struct Elem<TAWPIPE_DTYPE_F32> {
+  using T = float;
+  static float load(T v) { return v; }
+  static T store(float f) { return f; }
+};
+
+template <>
+struct Elem<TAWPIPE_DTYPE_BF16> {
+  using T = uint16_t;
+  static float load(T v) { return bf16_to_float(v); }
+  static T store(float f) { return float_to_bf16(f); }
+};
+
+template <>
+struct Elem<TAWPIPE_DTYPE_F16> {
+  using T = uint16_t;
+  static float load(T v) { return f16_to_float(v); }
+  static T store(float f) { return float_to_f16(f); }
+};
+
+// Elements [begin, end) of one segment.
+using RangeFn = void (*)(const void* src, void* dst, int64_t begin, int64_t end, float alpha);
+
+template <int S, int D, bool Accumulate>
+void run_range(const void* src_v, void* dst_v, int64_t begin, int64_t end, float alpha) {
+  using ST = typename Elem<S>::T;
+  using DT = typename Elem<D>::T;
+  const ST* __restrict src = static_cast<const ST*>(src_v) + begin;
+  DT* __restrict dst = static_cast<DT*>(dst_v) + begin;
+  const int64_t n = end - begin;
+  if constexpr (!Accumulate && S == D) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(ST));
+  } else {
+    for (int64_t k = 0; k < n; ++k) {
+      float v = Elem<S>::load(src[k]);
+      if constexpr (Accumulate) v = Elem<D>::load(dst[k]) + alpha * v;
+      dst[k] = Elem<D>::store(v);
+    }
+  }
+}
+
+template <bool Accumulate>
+constexpr RangeFn kRangeFns[3][3] = {
+    {run_range<0, 0, Accumulate>, run_range<0, 1, Accumulate>, run_range<0, 2, Accumulate>},
+    {run_range<1, 0, Accumulate>, run_range<1, 1, Accumulate>, run_range<1, 2, Accumulate>},
+    {run_range<2, 0, Accumulate>, run_range<2, 1, Accumulate>, run_range<2, 2, Accumulate>},
+};
+
+bool valid_dtype(int32_t d) { return d == TAWPIPE_DTYPE_F32 || d == TAWPIPE_DTYPE_BF16 || d == TAWPIPE_DTYPE_F16; }
+
+// Runs the concatenated elements [lo, hi) given each segment's exclusive end in that range.
+void run_span(const tawpipe_segment* segs, const std::vector<int64_t>& ends, int64_t lo,
+              int64_t hi, bool accumulate, float alpha) {
+  size_t s = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
+  while (lo < hi) {
+    const tawpipe_segment& seg = segs[s];
+    const int64_t seg_begin = ends[s] - seg.numel;
+    const int64_t stop = std::min(hi, ends[s]);
+    if (stop > lo) {
+      const RangeFn fn = accumulate ? kRangeFns<true>[seg.src_dtype][seg.dst_dtype]
+                                    : kRangeFns<false>[seg.src_dtype][seg.dst_dtype];
+      fn(seg.src, seg.dst, lo - seg_begin, stop - seg_begin, alpha);
+      lo = stop;
+    }
+    ++s;
+  }
+}
+
+}  // namespace
+
+extern "C" const char* tawpipe_status_string(int status) {
+  switch (status) {
+    case TAWPIPE_OK:
+      return "success";
+    case TAWPIPE_ERR_INVALID_ARGUMENT:
+      return "invalid argument (dtype, numel, null pointer or workspace size)";
+    case TAWPIPE_ERR_CUDA:
+      return "CUDA runtime error";
+    case TAWPIPE_ERR_OUT_OF_MEMORY:
+      return "out of host memory";
+    case TAWPIPE_ERR_STREAM_CAPTURING:
+      return "the stream is capturing a CUDA graph, which tawpipe shard kernels do not support";
+    default:
+      return "unknown status";
+  }
+}
+
+extern "C" int tawpipe_shard_segments_cpu(const tawpipe_segment* segments, int64_t num_segments,
+                                          int accumulate, float alpha, int num_threads) {
+  if (num_segments < 0 || (num_segments > 0 && segments == nullptr)) return TAWPIPE_ERR_INVALID_ARGUMENT;
+  for (int64_t i = 0; i < num_segments; ++i) {
+    const tawpipe_segment& seg = segments[i];
+    if (!valid_dtype(seg.src_dtype) || !valid_dtype(seg.dst_dtype) || seg.numel < 0 ||
+        (seg.numel > 0 && (seg.src == nullptr || seg.dst == nullptr))) {
+      return TAWPIPE_ERR_INVALID_ARGUMENT;
+    }
+  }
+  std::vector<int64_t> ends;
+  try {
+    ends.resize(static_cast<size_t>(num_segments));
+  } catch (const std::bad_alloc&) {
+    return TAWPIPE_ERR_OUT_OF_MEMORY;
+  }
+  int64_t total = 0;
+  for (int64_t i = 0; i < num_segments; ++i) {
+    total += segments[i].numel;
+    ends[static_cast<size_t>(i)] = total;
+  }
+  if (total == 0) return TAWPIPE_OK;
+
+  const bool acc = accumulate != 0;
+#ifdef _OPENMP
+  const int64_t wanted = num_threads > 0 ? num_threads : omp_get_max_threads();
+  const int64_t threads = std::min(wanted, total / kGrainElements);
+  if (threads > 1) {
+#pragma omp parallel num_threads(static_cast<int>(threads))
+    {
+      const int64_t parts = omp_get_num_threads();
+      const int64_t chunk =
+          ((total + parts - 1) / parts + kSplitQuantum - 1) / kSplitQuantum * kSplitQuantum;
+      const int64_t lo = std::min(total, chunk * omp_get_thread_num());
+      run_span(segments, ends, lo, std::min(total, lo + chunk), acc, alpha);
+    }
+    return TAWPIPE_OK;
+  }
+#else
+  (void)num_threads;  // built without OpenMP: always one thread
+#endif
+  run_span(segments, ends, 0, total, acc, alpha);
+  return TAWPIPE_OK;
+}

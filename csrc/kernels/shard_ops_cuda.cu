@@ -1,0 +1,276 @@
+// CUDA implementation of the shard kernels (see shard_ops.h).
+//
+// One launch per call, whatever the number of tensors: the segments are cut into tiles of
+// kTile elements, numbered consecutively across segments, and a device-side table records each
+// segment's first tile. Every block takes an equal, contiguous run of tiles (so work is balanced
+// by element count, not by tensor count), finds its first segment by binary search once, then
+// walks forward. A tile of a segment whose pointers are aligned uses 16-byte vector accesses.
+#include "shard_ops.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <new>
+#include <vector>
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kTile = 4096;  // elements per work item; a multiple of kThreads * 8
+constexpr int kBlocksPerSm = 8;
+
+// One row of the device table. Only segments with numel > 0 are stored, so first_tile is
+// strictly increasing.
+struct DeviceSegment {
+  const void* src;
+  void* dst;
+  int64_t numel;
+  int64_t first_tile;
+  int32_t src_dtype;
+  int32_t dst_dtype;
+  int32_t vectorized;  // both pointers aligned to a full vector of their element type
+  int32_t unused;
+};
+
+thread_local const char* g_last_cuda_error = "no error";
+
+template <int Dtype>
+struct Elem;
+
+template <>
+struct Elem<TAWPIPE_DTYPE_F32> {
+  using T = float;
+  __device__ static float load(T v) { return v; }
+  __device__ static T store(float f) { return f; }
+};
+
+template <>
+struct Elem<TAWPIPE_DTYPE_BF16> {
+  using T = __nv_bfloat16;
+  __device__ static float load(T v) { return __bfloat162float(v); }
+  __device__ static T store(float f) { return __float2bfloat16_rn(f); }
+};
+
+template <>
+struct Elem<TAWPIPE_DTYPE_F16> {
+  using T = __half;
+  __device__ static float load(T v) { return __half2float(v); }
+  __device__ static T store(float f) { return __float2half_rn(f); }
+};
+
+__host__ __device__ constexpr int dtype_bytes(int dtype) { return dtype == TAWPIPE_DTYPE_F32 ? 4 : 2; }
+
+// Elements per vector access for a dtype pair: the wider side moves 16 bytes.
+__host__ __device__ constexpr int vector_width(int src_dtype, int dst_dtype) {
+  return 16 / (dtype_bytes(src_dtype) > dtype_bytes(dst_dtype) ? dtype_bytes(src_dtype)
+                                                                 : dtype_bytes(dst_dtype));
+}
+
+template <class T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// Elements [begin, end) of one segment, end - begin <= kTile; begin is a multiple of kTile.
+template <int S, int D, bool Accumulate>
+__device__ __forceinline__ void run_tile(const DeviceSegment& seg, int64_t begin, int64_t end,
+                                         float alpha) {
+  using ST = typename Elem<S>::T;
+  using DT = typename Elem<D>::T;
+  constexpr int V = vector_width(S, D);
+  constexpr int kIters = static_cast<int>(kTile / (kThreads * V));
+  // 32-bit indices within the tile keep register use low.
+  const ST* src = static_cast<const ST*>(seg.src) + begin;
+  DT* dst = static_cast<DT*>(seg.dst) + begin;
+  const int n = static_cast<int>(end - begin);
+
+  int scalar_begin = 0;
+  if (seg.vectorized) {
+    using SV = Vec<ST, V>;
+    using DV = Vec<DT, V>;
+    const int full = n / V;  // whole vectors in this tile
+    const int lane = static_cast<int>(threadIdx.x);
+    // Per-thread base pointers: every access below is base + a compile-time offset.
+    const SV* __restrict__ src_v = reinterpret_cast<const SV*>(src) + lane;
+    DV* __restrict__ dst_v = reinterpret_cast<DV*>(dst) + lane;
+    // Loads are not batched into arrays: across nine inlined dtype pairs that tripled register
+    // use (and cut occupancy); segments never overlap, so __restrict__ leaves ptxas free to
+    // overlap the unrolled iterations itself.
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      if (it * kThreads + lane < full) {
+        const SV in = src_v[it * kThreads];
+        DV out;
+        if constexpr (Accumulate) out = dst_v[it * kThreads];
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          float x = Elem<S>::load(in.v[k]);
+          if constexpr (Accumulate) x = Elem<D>::load(out.v[k]) + alpha * x;
+          out.v[k] = Elem<D>::store(x);
+        }
+        dst_v[it * kThreads] = out;
+      }
+    }
+    scalar_begin = full * V;
+  }
+  for (int i = scalar_begin + static_cast<int>(threadIdx.x); i < n; i += kThreads) {
+    float x = Elem<S>::load(src[i]);
+    if constexpr (Accumulate) x = Elem<D>::load(dst[i]) + alpha * x;
+    dst[i] = Elem<D>::store(x);
+  }
+}
+
+// Tiles [tile, tile_end) of one segment, with its dtype pair resolved at compile time.
+template <int S, int D, bool Accumulate>
+__device__ __forceinline__ void run_tiles(const DeviceSegment& seg, int64_t tile,
+                                          int64_t tile_end, float alpha) {
+  for (; tile < tile_end; ++tile) {
+    const int64_t begin = (tile - seg.first_tile) * kTile;
+    const int64_t end = begin + kTile < seg.numel ? begin + kTile : seg.numel;
+    run_tile<S, D, Accumulate>(seg, begin, end, alpha);
+  }
+}
+
+template <bool Accumulate>
+__global__ void __launch_bounds__(kThreads)
+    shard_kernel(const DeviceSegment* __restrict__ table, int64_t num_segments,
+                 int64_t total_tiles, float alpha) {
+  const int64_t block = blockIdx.x;
+  const int64_t per_block = total_tiles / gridDim.x;
+  const int64_t extra = total_tiles % gridDim.x;
+  int64_t tile = block * per_block + (block < extra ? block : extra);
+  const int64_t tile_end = tile + per_block + (block < extra ? 1 : 0);
+
+  // Last segment whose first tile is <= tile.
+  int64_t lo = 0;
+  int64_t hi = num_segments - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (table[mid].first_tile <= tile) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  for (int64_t s = lo; tile < tile_end; ++s) {
+    const DeviceSegment seg = table[s];
+    const int64_t seg_tiles_end = seg.first_tile + (seg.numel + kTile - 1) / kTile;
+    const int64_t stop = seg_tiles_end < tile_end ? seg_tiles_end : tile_end;
+    // The dtype pair is uniform across the block, so this switch never diverges.
+    switch (seg.src_dtype * 3 + seg.dst_dtype) {
+      case 0: run_tiles<0, 0, Accumulate>(seg, tile, stop, alpha); break;
+      case 1: run_tiles<0, 1, Accumulate>(seg, tile, stop, alpha); break;
+      case 2: run_tiles<0, 2, Accumulate>(seg, tile, stop, alpha); break;
+      case 3: run_tiles<1, 0, Accumulate>(seg, tile, stop, alpha); break;
+      case 4: run_tiles<1, 1, Accumulate>(seg, tile, stop, alpha); break;
+      case 5: run_tiles<1, 2, Accumulate>(seg, tile, stop, alpha); break;
+      case 6: run_tiles<2, 0, Accumulate>(seg, tile, stop, alpha); break;
+      case 7: run_tiles<2, 1, Accumulate>(seg, tile, stop, alpha); break;
+      default: run_tiles<2, 2, Accumulate>(seg, tile, stop, alpha); break;
+    }
+    tile = stop;
+  }
+}
+
+bool valid_dtype(int32_t d) {
+  return d == TAWPIPE_DTYPE_F32 || d == TAWPIPE_DTYPE_BF16 || d == TAWPIPE_DTYPE_F16;
+}
+
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+int cuda_failed(cudaError_t err) {
+  g_last_cuda_error = cudaGetErrorString(err);
+  return TAWPIPE_ERR_CUDA;
+}
+
+}  // namespace
+
+extern "C" size_t tawpipe_shard_cuda_workspace_bytes(int64_t num_segments) {
+  return num_segments > 0 ? static_cast<size_t>(num_segments) * sizeof(DeviceSegment) : 0;
+}
+
+extern "C" const char* tawpipe_cuda_last_error(void) { return g_last_cuda_error; }
+
+extern "C" int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int64_t num_segments,
+                                           int accumulate, float alpha, void* device_workspace,
+                                           void* host_staging, size_t workspace_bytes,
+                                           struct CUstream_st* stream) {
+  if (num_segments < 0 || (num_segments > 0 && segments == nullptr)) return TAWPIPE_ERR_INVALID_ARGUMENT;
+  int64_t active = 0;
+  for (int64_t i = 0; i < num_segments; ++i) {
+    const tawpipe_segment& seg = segments[i];
+    if (!valid_dtype(seg.src_dtype) || !valid_dtype(seg.dst_dtype) || seg.numel < 0 ||
+        (seg.numel > 0 && (seg.src == nullptr || seg.dst == nullptr))) {
+      return TAWPIPE_ERR_INVALID_ARGUMENT;
+    }
+    active += seg.numel > 0 ? 1 : 0;
+  }
+  if (active == 0) return TAWPIPE_OK;
+  const size_t needed = tawpipe_shard_cuda_workspace_bytes(active);
+  if (device_workspace == nullptr || workspace_bytes < needed ||
+      !aligned(device_workspace, alignof(DeviceSegment)) ||
+      (host_staging != nullptr && !aligned(host_staging, alignof(DeviceSegment)))) {
+    return TAWPIPE_ERR_INVALID_ARGUMENT;
+  }
+
+  // A captured graph would replay the copy from a host buffer that is reused after this call.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) return cuda_failed(err);
+  if (capture != cudaStreamCaptureStatusNone) return TAWPIPE_ERR_STREAM_CAPTURING;
+
+  thread_local std::vector<DeviceSegment> pageable;
+  DeviceSegment* table = static_cast<DeviceSegment*>(host_staging);
+  if (table == nullptr) {
+    try {
+      pageable.resize(static_cast<size_t>(active));
+    } catch (const std::bad_alloc&) {
+      return TAWPIPE_ERR_OUT_OF_MEMORY;
+    }
+    table = pageable.data();
+  }
+  int64_t tiles = 0;
+  int64_t row = 0;
+  for (int64_t i = 0; i < num_segments; ++i) {
+    const tawpipe_segment& seg = segments[i];
+    if (seg.numel == 0) continue;
+    const int v = vector_width(seg.src_dtype, seg.dst_dtype);
+    DeviceSegment d;
+    d.src = seg.src;
+    d.dst = seg.dst;
+    d.numel = seg.numel;
+    d.first_tile = tiles;
+    d.src_dtype = seg.src_dtype;
+    d.dst_dtype = seg.dst_dtype;
+    d.vectorized = aligned(seg.src, static_cast<size_t>(v) * dtype_bytes(seg.src_dtype)) &&
+                   aligned(seg.dst, static_cast<size_t>(v) * dtype_bytes(seg.dst_dtype));
+    d.unused = 0;
+    table[row++] = d;
+    tiles += (seg.numel + kTile - 1) / kTile;
+  }
+
+  err = cudaMemcpyAsync(device_workspace, table, needed, cudaMemcpyHostToDevice, stream);
+  if (err != cudaSuccess) return cuda_failed(err);
+
+  int device = 0;
+  int sms = 0;
+  err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return cuda_failed(err);
+  const int64_t grid =
+      std::max<int64_t>(1, std::min<int64_t>({tiles, static_cast<int64_t>(sms) * kBlocksPerSm, INT_MAX}));
+
+  const DeviceSegment* device_table = static_cast<const DeviceSegment*>(device_workspace);
+  if (accumulate != 0) {
+    shard_kernel<true><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(device_table, active, tiles, alpha);
+  } else {
+    shard_kernel<false><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(device_table, active, tiles, alpha);
+  }
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return cuda_failed(err);
+  return TAWPIPE_OK;
+}

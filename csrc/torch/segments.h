@@ -1,0 +1,25 @@
+// Argument validation shared by the CPU and CUDA implementations of the tawpipe ops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <vector>
+
+#include "kernels/shard_ops.h"
+
+namespace tawpipe {
+
+// Which side of a segment the flat buffer is: pack writes it, unpack reads it.
+enum class FlatRole { kDestination, kSource };
+
+// Checks every argument of a tawpipe op before any work is done and returns the kernel's
+// segment table. Throws c10::ValueError (Python ValueError) naming the problem and the fix.
+std::vector<tawpipe_segment> make_segments(const char* op, at::TensorList tensors,
+                                           const at::Tensor& flat, at::IntArrayRef offsets,
+                                           FlatRole flat_role);
+
+// Turns a non-zero kernel status into an exception.
+void check_status(const char* op, int status, const char* detail);
+
+}  // namespace tawpipe

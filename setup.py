@@ -1,0 +1,76 @@
+"""Builds tawpipe._C, the native ops (metadata lives in pyproject.toml).
+
+The CPU kernels always build. The CUDA kernels build when torch is a CUDA build and nvcc is
+found; TAWPIPE_BUILD_CUDA=0 skips them, TAWPIPE_BUILD_CUDA=1 makes their absence an error.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = Path(__file__).resolve().parent
+
+CPU_SOURCES = [
+    "csrc/kernels/shard_ops_cpu.cpp",
+    "csrc/torch/segments.cpp",
+    "csrc/torch/ops.cpp",
+    "csrc/torch/module.cpp",
+]
+CUDA_SOURCES = ["csrc/kernels/shard_ops_cuda.cu", "csrc/torch/ops_cuda.cpp"]
+
+
+def build_cuda() -> bool:
+    """Whether to compile the CUDA kernels, from TAWPIPE_BUILD_CUDA and what is installed."""
+    flag = os.environ.get("TAWPIPE_BUILD_CUDA", "").strip()
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"TAWPIPE_BUILD_CUDA must be 0 or 1, got {flag!r}")
+    possible = torch.version.cuda is not None and CUDA_HOME is not None
+    if flag == "1" and not possible:
+        raise RuntimeError(
+            "TAWPIPE_BUILD_CUDA=1 but the CUDA kernels cannot be built: "
+            f"torch.version.cuda={torch.version.cuda!r}, CUDA_HOME={CUDA_HOME!r}. "
+            "Install a CUDA build of torch and the CUDA toolkit (nvcc), or unset TAWPIPE_BUILD_CUDA."
+        )
+    return flag != "0" and possible
+
+
+def openmp_flags() -> list[str]:
+    """["-fopenmp"] if the C++ compiler builds and links OpenMP code, else [] (CPU kernels then
+    run on one thread)."""
+    cxx = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.cpp"
+        probe.write_text("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+        try:
+            done = subprocess.run(
+                [cxx, "-fopenmp", str(probe), "-o", str(Path(tmp) / "probe")], capture_output=True
+            )
+        except OSError:
+            return []
+    return ["-fopenmp"] if done.returncode == 0 else []
+
+
+def extension() -> CppExtension:
+    omp = openmp_flags()
+    common = {
+        "name": "tawpipe._C",
+        "include_dirs": [str(ROOT / "csrc")],
+        "extra_link_args": omp,
+    }
+    if build_cuda():
+        return CUDAExtension(
+            sources=CPU_SOURCES + CUDA_SOURCES,
+            extra_compile_args={"cxx": ["-O3", *omp], "nvcc": ["-O3"]},
+            **common,
+        )
+    return CppExtension(sources=CPU_SOURCES, extra_compile_args={"cxx": ["-O3", *omp]}, **common)
+
+
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExtension})

@@ -1,0 +1,1 @@
+"""tawpipe: topology-aware weight pipeline parallelism for PyTorch."""

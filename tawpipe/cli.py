@@ -1,0 +1,137 @@
+"""The ``tawpipe`` command line.
+
+Each subcommand is registered by one ``_add_<name>(subparsers)`` function listed in
+``_SUBCOMMANDS``. ``plan`` lives here. ``train`` and ``bench`` belong to ``tawpipe.train`` and
+``tawpipe.bench``, which are imported only when their subcommand runs: such a module may define
+``add_arguments(parser)`` and must define ``main(args: argparse.Namespace) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from .plan import ALGOS, GRAD_ROUTES, build_plan, verify
+from .topology import Topology
+from .traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
+
+
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan", help="print the schedule of one iteration and its traffic",
+        description="Build, verify and print the plan of one iteration (the same plan the engine runs).",
+    )
+    p.add_argument("--nodes", type=int, required=True, help="number of groups G (one per node)")
+    p.add_argument("--per-node", type=int, required=True, help="devices per group s")
+    p.add_argument("--layers", type=int, required=True, help="decoder layers L (>= G x s)")
+    p.add_argument("--micro-batches", type=int, required=True, help="micro-batches per device (acc)")
+    p.add_argument("--algo", choices=ALGOS, default="tawpipe")
+    p.add_argument("--grad-route", choices=GRAD_ROUTES, default="rail",
+                   help="router of inter-node gradients: the owner's rail peer, or local index 0")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead")
+    p.add_argument("--no-table", action="store_true", help="print only the summary")
+    m = p.add_argument_group("model (optional: gives sizes in bytes and the peer estimates)")
+    m.add_argument("--hidden", type=int, help="hidden size H")
+    m.add_argument("--heads", type=int, default=32)
+    m.add_argument("--kv-heads", type=int, default=None)
+    m.add_argument("--vocab", type=int, default=32000)
+    m.add_argument("--seq", type=int, default=4096, help="sequence length S")
+    m.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch B")
+    m.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/activation element")
+    m.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient element on the wire")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    if rest:
+        raise SystemExit(f"tawpipe plan: unrecognized arguments: {' '.join(rest)}")
+    try:
+        topo = Topology(args.nodes, args.per_node)
+        dims = None
+        if args.hidden is not None:
+            dims = ModelDims(
+                hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
+                dtype_bytes=args.dtype_bytes, grad_bytes=args.grad_bytes,
+            )
+            sizes = dict(layer_numel=dims.layer_numel, weight_bytes=dims.dtype_bytes,
+                         grad_bytes=dims.grad_bytes, replicated_numel=dims.replicated_numel)
+        else:  # sizes in units of one layer's parameters
+            sizes = dict(layer_numel=1, weight_bytes=1, grad_bytes=1, replicated_numel=0)
+        plan = build_plan(topo, args.layers, args.micro_batches, algo=args.algo,
+                          grad_route=args.grad_route, **sizes)
+    except ValueError as e:
+        raise SystemExit(f"tawpipe plan: {e}") from None
+    report = verify(plan)
+    if args.json:
+        print(plan.to_json())
+        return 0
+    if not args.no_table:
+        print(plan.table())
+        print()
+    layers = [stop - start for start, stop in (plan.chunk_layers[k] for k in plan.model_order)]
+    route = f", gradient route {args.grad_route}" if args.algo == "tawpipe" else ""
+    print(f"{args.algo}: {topo.nodes} nodes x {topo.per_node} devices, {plan.num_layers} layers in "
+          f"chunks of {layers} (model order), {plan.micro_batches} micro-batches{route}, "
+          f"{plan.num_slots} slots + prologue")
+    print(f"verified: {report.actions} actions, {report.p2p_messages} P2P messages, "
+          f"{report.collectives} collectives, {report.weight_buffers} weight and "
+          f"{report.grad_buffers} gradient buffers per rank, {report.contributions} gradient "
+          "contributions delivered, no deadlock")
+    print(f"traffic per iteration (sent; {'bytes' if dims else 'units: parameters of one layer'}):")
+    print(plan_traffic(plan).summary(in_bytes=dims is not None))
+    if dims is not None:
+        print(f"peers on the same model and global batch (closed form, {dims.decoder_numel:,} decoder "
+              f"+ {dims.replicated_numel:,} replicated parameters):")
+        print(f"{'method':>10}  {'sent per rank':>14}  {'inter-node per node':>20}")
+        for method in PEER_METHODS:
+            e = estimate(method, dims, topo, args.micro_batches)
+            print(f"{method:>10}  {e.sent_per_rank / 1e9:>11.2f} GB  {e.inter_node_per_node / 1e9:>17.2f} GB")
+    return 0
+
+
+def _delegated(name: str, module: str, help: str) -> Callable[[argparse._SubParsersAction], None]:
+    """Register ``name`` so that its own module parses its arguments, imported only when used."""
+
+    def add(subparsers: argparse._SubParsersAction) -> None:
+        p = subparsers.add_parser(name, help=help, add_help=False)
+        p.set_defaults(run=lambda _args, rest: _run_delegated(name, module, rest))
+
+    return add
+
+
+def _run_delegated(name: str, module: str, rest: Sequence[str]) -> int:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise SystemExit(f"tawpipe {name}: not available in this installation ({module} is missing)") from None
+    parser = argparse.ArgumentParser(prog=f"tawpipe {name}", description=mod.__doc__)
+    if hasattr(mod, "add_arguments"):
+        mod.add_arguments(parser)
+    return int(mod.main(parser.parse_args(list(rest))) or 0)
+
+
+_add_train = _delegated("train", "tawpipe.train", "train a model with tawpipe")
+_add_bench = _delegated("bench", "tawpipe.bench", "benchmark tawpipe against its peers")
+_SUBCOMMANDS = (_add_plan, _add_train, _add_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tawpipe", description="Topology-aware weight pipeline parallelism.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    return args.run(args, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

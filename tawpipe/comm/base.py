@@ -1,0 +1,153 @@
+"""The communication interface the engine talks to, and the in-order channel that runs it.
+
+A backend (`Comm`) offers blocking primitives over global ranks. The engine never calls them on
+its own thread: it submits them to a `Channel`, which runs them one after another in submission
+order (like a CUDA stream) on a worker thread, so communication overlaps the compute running on
+the caller's thread. Every submission returns a `Handle`; work that needs the result waits on it,
+always with a timeout.
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+Group = tuple[int, ...]
+
+
+class Comm(abc.ABC):
+    """Blocking communication over the ranks of one job (global rank numbers throughout)."""
+
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def send(self, tensor: torch.Tensor, peer: int) -> None: ...
+
+    @abc.abstractmethod
+    def recv(self, tensor: torch.Tensor, peer: int) -> None: ...
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int, group: Group) -> None: ...
+
+    @abc.abstractmethod
+    def reduce(self, tensor: torch.Tensor, root: int, group: Group) -> None:
+        """Sum over `group` into `tensor` on `root`; other members' tensors are undefined after."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, group: Group) -> None: ...
+
+    def channel_comm(self, name: str) -> "Comm":
+        """A Comm whose operations are independent of this one's (own process groups), so two
+        channels may run concurrently without their collectives interleaving."""
+        return self
+
+
+class CommTimeout(RuntimeError):
+    pass
+
+
+class Handle:
+    """Completion of one piece of work. On CUDA it also carries an event for stream ordering."""
+
+    __slots__ = ("_done", "_error", "_event", "label")
+
+    def __init__(self, label: str = "") -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._event: torch.cuda.Event | None = None
+        self.label = label
+
+    @staticmethod
+    def completed(event: "torch.cuda.Event | None" = None, label: str = "") -> "Handle":
+        h = Handle(label)
+        h._event = event
+        h._done.set()
+        return h
+
+    def _finish(self, error: BaseException | None = None, event: "torch.cuda.Event | None" = None) -> None:
+        self._error, self._event = error, event
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Block the host until issued (CPU: finished), then order `stream` (or the current CUDA
+        stream) after the work's event."""
+        if not self._done.wait(timeout):
+            raise CommTimeout(
+                f"timed out after {timeout:.0f}s waiting for {self.label or 'communication'}; "
+                "a peer is missing or stuck (raise the timeout with TAWPIPE_TIMEOUT for slow links)"
+            )
+        if self._error is not None:
+            raise RuntimeError(f"{self.label} failed: {self._error}") from self._error
+        if self._event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self._event)
+
+
+class Channel:
+    """Runs submitted work strictly in order on one worker thread.
+
+    Before a piece of work starts, the channel waits for its dependencies (handles of earlier
+    compute or of other channels). On CUDA, work runs on the channel's own stream and each handle
+    records an event there; dependencies become stream waits, so the host never blocks on the GPU.
+    """
+
+    def __init__(self, name: str, timeout: float, device: torch.device) -> None:
+        self.name = name
+        self.timeout = timeout
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._queue: queue.Queue = queue.Queue()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"tawpipe-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None], deps: Sequence[Handle] = (), label: str = "") -> Handle:
+        if self._failed is not None:
+            raise RuntimeError(f"channel {self.name} failed earlier: {self._failed}") from self._failed
+        handle = Handle(label)
+        self._queue.put((fn, tuple(deps), handle))
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, deps, handle = item
+            if self._failed is not None:
+                handle._finish(error=self._failed)
+                continue
+            try:
+                event = None
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        for d in deps:
+                            d.wait(self.timeout, self.stream)
+                        fn()
+                        event = torch.cuda.Event()
+                        event.record(self.stream)
+                else:
+                    for d in deps:
+                        d.wait(self.timeout)
+                    fn()
+                handle._finish(event=event)
+            except BaseException as e:  # noqa: BLE001 - surfaced to the waiter
+                self._failed = e
+                handle._finish(error=e)
+
+    def drain(self) -> None:
+        """Wait until everything submitted so far has finished (host-side)."""
+        self.submit(lambda: None, label=f"{self.name} drain").wait(self.timeout)
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=self.timeout)

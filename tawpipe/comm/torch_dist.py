@@ -1,0 +1,72 @@
+"""Comm over torch.distributed: gloo on the CPU, NCCL on CUDA.
+
+Process groups are created eagerly (every rank must create them in the same order): one world
+clone for point-to-point traffic and one subgroup per topology group, per channel, so that each
+channel's operations never interleave with another channel's.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..topology import Topology
+from .base import Comm, Group
+
+
+class TorchDistComm(Comm):
+    def __init__(self, topology: Topology, timeout: float, _channel: str = "main") -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call tawpipe.launch.init_distributed() "
+                "(or dist.init_process_group) before building the engine"
+            )
+        if dist.get_world_size() != topology.world_size:
+            raise ValueError(
+                f"topology has {topology.world_size} ranks ({topology.nodes} nodes x "
+                f"{topology.per_node}) but the job has {dist.get_world_size()}; "
+                "launch as many processes as the topology names"
+            )
+        self.topology = topology
+        self.timeout = timeout
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.name = _channel
+        td = timedelta(seconds=timeout)
+        world = tuple(range(self.world_size))
+        self._groups: dict[Group, dist.ProcessGroup] = {world: dist.new_group(list(world), timeout=td)}
+        for g in range(topology.nodes):
+            ranks = topology.group_ranks(g)
+            if len(ranks) > 1 and ranks != world:
+                self._groups[ranks] = dist.new_group(list(ranks), timeout=td)
+        self._p2p = self._groups[world]
+        self._channels: dict[str, Comm] = {_channel: self}
+
+    def channel_comm(self, name: str) -> Comm:
+        # Created on first use; every rank asks for the same channels in the same order.
+        if name not in self._channels:
+            self._channels[name] = TorchDistComm(self.topology, self.timeout, _channel=name)
+        return self._channels[name]
+
+    def _pg(self, group: Group) -> dist.ProcessGroup:
+        try:
+            return self._groups[tuple(group)]
+        except KeyError:
+            raise ValueError(f"group {group} is not a topology group or the world") from None
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        dist.send(tensor, dst=peer, group=self._p2p)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        dist.recv(tensor, src=peer, group=self._p2p)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, group: Group) -> None:
+        dist.broadcast(tensor, src=root, group=self._pg(group))
+
+    def reduce(self, tensor: torch.Tensor, root: int, group: Group) -> None:
+        dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, group=self._pg(group))
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._pg(group))

@@ -1,0 +1,264 @@
+"""A LLaMA-style decoder, split so that a weight-pipeline engine can hold its parts separately.
+
+The model is three pieces plus a per-sequence context:
+
+* ``model.embed``  — token embedding, ``embed(tokens) -> hidden`` (replicated by the engine);
+* ``model.blocks`` — ``nn.ModuleList`` of structurally identical :class:`Block` s, each
+  ``block(h, cos, sin) -> h`` (the pipelined weights; identical structure lets one flat buffer
+  layout serve every block);
+* ``model.head``   — final RMSNorm + LM projection, ``head(h) -> logits`` (replicated). When
+  embeddings are tied, ``head.out.weight`` *is* ``embed.weight``;
+* ``model.block_context(seq_len, device)`` — the RoPE tables every block needs, passed to
+  :func:`block_forward` as keyword arguments.
+
+Blocks carry no layer index and no buffers, so any block can run with any other block's weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's model family: 48 layers, 32 heads (no GQA), 32k vocabulary, tied embeddings.
+    "paper-1024": dict(vocab_size=32000, hidden=1024, n_layers=48, n_heads=32, n_kv_heads=32,
+                       max_seq_len=2048, tie_embeddings=True),
+    "paper-2048": dict(vocab_size=32000, hidden=2048, n_layers=48, n_heads=32, n_kv_heads=32,
+                       max_seq_len=2048, tie_embeddings=True),
+    "paper-4096": dict(vocab_size=32000, hidden=4096, n_layers=48, n_heads=32, n_kv_heads=32,
+                       max_seq_len=2048, tie_embeddings=True),
+    # Byte-level models small enough to train on a CPU.
+    "tiny": dict(vocab_size=256, hidden=128, n_layers=8, n_heads=4, n_kv_heads=2,
+                 max_seq_len=256, tie_embeddings=True),
+    "micro": dict(vocab_size=256, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                  max_seq_len=64, tie_embeddings=True),
+}
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 256
+    hidden: int = 128
+    n_layers: int = 8
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int | None = None  # None: 32 * ceil((8 * hidden / 3) / 32), the LLaMA sizing
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 32 * math.ceil(8 * self.hidden / 3 / 32)
+        if self.hidden % self.n_heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of "
+                             f"n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
+        """A named configuration; ``overrides`` replace fields (ffn_hidden follows a new hidden)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The mean of squares is taken in float32: in bf16 it loses too many bits.
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of position * frequency, each (seq_len, head_dim // 2), float32.
+
+    Angles are formed in float64 so that large positions keep their precision.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
+                         / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + d/2) of ``x`` (B, heads, T, d) by their position's angles.
+
+    Done in float32 and cast back, so low-precision activations still rotate accurately.
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: query head i reads key/value head i // (n_heads / n_kv)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # enable_gqa lets SDPA share each K/V head across its query group without copying it.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer; holds weights only, the RoPE tables come in as arguments."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cos, sin)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+def block_forward(block: nn.Module, hidden: torch.Tensor, **ctx: torch.Tensor) -> torch.Tensor:
+    """The engine's hook for running one block with the context from ``block_context``."""
+    return block(hidden, ctx["cos"], ctx["sin"])
+
+
+class Head(nn.Module):
+    """Final RMSNorm followed by the projection to vocabulary logits."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.out = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.head = Head(cfg)
+        if cfg.tie_embeddings:
+            self.head.out.weight = self.embed.weight
+        # Kept off the module (not buffers) so .to()/.half() never move or round them, and built
+        # on the CPU explicitly so a model constructed under torch.device("meta") still has them.
+        self._rope = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device="cpu")
+        self._rope_cache: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw every weight once, in registration order, from the global torch RNG.
+
+        One pass over the whole model (no per-module seeding) means a model built after
+        ``torch.manual_seed(s)`` is the same whether it is then run whole or cut into chunks.
+        Residual-branch outputs get std / sqrt(2 * n_layers) so the residual stream's variance
+        does not grow with depth.
+        """
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():  # a tied weight is listed (and drawn) once
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, std)
+
+    def block_context(self, seq_len: int, device: torch.device | str,
+                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Keyword arguments every block needs for a sequence of ``seq_len`` tokens.
+
+        ``dtype`` None keeps the tables in float32 (the rotation is computed in float32 anyway).
+        """
+        if not 0 < seq_len <= self.config.max_seq_len:
+            raise ValueError(f"seq_len={seq_len} outside 1..max_seq_len="
+                             f"{self.config.max_seq_len}")
+        key = (torch.device(device), dtype or torch.float32)
+        if key not in self._rope_cache:
+            self._rope_cache[key] = tuple(t.to(device=key[0], dtype=key[1]) for t in self._rope)
+        cos, sin = self._rope_cache[key]
+        return {"cos": cos[:seq_len], "sin": sin[:seq_len]}
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Single-device reference: (B, T) int64 tokens -> (B, T, vocab) logits."""
+        h = self.embed(tokens)
+        ctx = self.block_context(tokens.shape[1], tokens.device)
+        for block in self.blocks:
+            h = block_forward(block, h, **ctx)
+        return self.head(h)
+
+
+def llama_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position, computed in float32."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def num_params(model: Llama, *, exclude_embedding: bool = False) -> int:
+    """Distinct parameters (a tied embedding counts once); optionally without ``embed.weight``.
+
+    With tied embeddings, excluding the embedding also excludes the head projection (same tensor).
+    """
+    total = sum(p.numel() for p in model.parameters())
+    return total - model.embed.weight.numel() if exclude_embedding else total
+
+
+def block_numel(cfg: LlamaConfig) -> int:
+    """Parameters in one :class:`Block`, from the config alone (for sizing weight buffers)."""
+    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    attn = cfg.hidden * q_out + 2 * cfg.hidden * kv_out + q_out * cfg.hidden
+    return attn + 3 * cfg.hidden * cfg.ffn_hidden + 2 * cfg.hidden
+
+
+def embed_head_numel(cfg: LlamaConfig) -> int:
+    """Distinct parameters in ``embed`` + ``head`` together (the replicated part)."""
+    table = cfg.vocab_size * cfg.hidden
+    return table + cfg.hidden + (0 if cfg.tie_embeddings else table)

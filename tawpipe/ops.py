@@ -1,0 +1,338 @@
+"""Move many tensors into one flat buffer and back, with dtype casts, in one call.
+
+Weight pipelining ships a stage's parameters (hundreds to thousands of tensors) as one flat
+buffer per transfer and folds gradients back the same way. A per-tensor copy loop costs one
+kernel launch (or thread fork) per tensor; these ops cost one per call.
+
+The four ops are ``torch.ops.tawpipe.{pack, unpack, pack_accumulate, unpack_accumulate}``
+(schemas in csrc/torch/ops.cpp). The wrappers here validate arguments once, in Python, then run
+either the native kernels (default) or ``tawpipe.triton_ops``; the backend is chosen per call or
+with the environment variable ``TAWPIPE_OPS_BACKEND`` (``native`` or ``triton``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import operator
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+BACKEND_ENV = "TAWPIPE_OPS_BACKEND"
+BACKENDS = ("native", "triton")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+try:
+    from tawpipe import _C  # noqa: F401  (importing registers torch.ops.tawpipe.*)
+except ImportError as exc:  # the pure-Python parts (ShardLayout, triton backend) still work
+    _NATIVE_IMPORT_ERROR: ImportError | None = exc
+else:
+    _NATIVE_IMPORT_ERROR = None
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "SUPPORTED_DTYPES",
+    "ShardLayout",
+    "pack",
+    "pack_accumulate",
+    "resolve_backend",
+    "unpack",
+    "unpack_accumulate",
+    "validate_segments",
+]
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """The backend a call uses: ``backend`` if given, else ``$TAWPIPE_OPS_BACKEND``, else native."""
+    name = backend if backend is not None else os.environ.get(BACKEND_ENV, "native")
+    if name not in BACKENDS:
+        source = "backend argument" if backend is not None else f"${BACKEND_ENV}"
+        raise ValueError(f"unknown tawpipe ops backend {name!r} (from {source}); use one of {BACKENDS}")
+    return name
+
+
+def validate_segments(
+    op: str,
+    tensors: Sequence[Tensor],
+    flat: Tensor,
+    offsets: Sequence[int],
+    *,
+    flat_is_dst: bool,
+    check_memory: bool = True,
+) -> None:
+    """Raise ValueError/TypeError naming the problem and the fix if an op's arguments are bad.
+
+    The single Python validation, shared by every wrapper, every backend and the fake (tracing)
+    implementations; the native ops repeat it in C++ so direct ``torch.ops.tawpipe`` calls are
+    safe too. ``check_memory`` compares data pointers (aliasing), which fake tensors lack.
+    """
+    lst, buf = ("srcs", "out") if flat_is_dst else ("dsts", "flat")
+    if not isinstance(flat, Tensor):
+        raise TypeError(f"{op}: {buf} must be a torch.Tensor, got {type(flat).__name__}")
+    if len(tensors) != len(offsets):
+        raise ValueError(
+            f"{op}: got {len(tensors)} {lst} but {len(offsets)} offsets; pass exactly one offset per tensor"
+        )
+    if flat.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{op}: {buf} has dtype {flat.dtype}; supported dtypes are float32, bfloat16 and float16")
+    if flat.dim() != 1:
+        raise ValueError(f"{op}: {buf} must be 1-D, got shape {tuple(flat.shape)}; pass a flat buffer, e.g. {buf}.view(-1)")
+    if not flat.is_contiguous():
+        raise ValueError(f"{op}: {buf} must be contiguous (stride 1), got stride {flat.stride()}; allocate it with torch.empty(n)")
+    capacity = flat.numel()
+    device = flat.device
+    nonempty: list[int] = []
+    for i, (t, offset) in enumerate(zip(tensors, offsets)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {lst}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{op}: {lst}[{i}] has dtype {t.dtype}; supported dtypes are float32, bfloat16 and float16")
+        if t.device != device:
+            raise ValueError(f"{op}: {lst}[{i}] is on {t.device} but {buf} is on {device}; move all tensors to one device")
+        if not t.is_contiguous():
+            fix = "pass srcs[i].contiguous()" if flat_is_dst else "unpack into a contiguous tensor and copy it into the strided one"
+            raise ValueError(f"{op}: {lst}[{i}] is not contiguous; {fix}")
+        numel = t.numel()
+        if offset < 0 or offset > capacity - numel:
+            raise ValueError(
+                f"{op}: segment {i} (offset {offset}, numel {numel}) does not fit in {buf} of {capacity} "
+                f"elements; need 0 <= offset and offset + numel <= {buf}.numel(): fix the offsets or enlarge {buf}"
+            )
+        if numel:
+            nonempty.append(i)
+
+    # Segments must be disjoint ranges of the flat buffer: sort by offset, compare neighbours.
+    order = sorted(nonempty, key=offsets.__getitem__)
+    for prev, cur in zip(order, order[1:]):
+        prev_end = offsets[prev] + tensors[prev].numel()
+        if offsets[cur] < prev_end:
+            raise ValueError(
+                f"{op}: segments {prev} [{offsets[prev]}, {prev_end}) and {cur} "
+                f"[{offsets[cur]}, {offsets[cur] + tensors[cur].numel()}) overlap in {buf}; "
+                "give every tensor its own range (see ShardLayout)"
+            )
+    if not check_memory or not nonempty or capacity == 0:
+        return
+
+    # Memory the op writes must not be read or written by another segment.
+    def span(t: Tensor) -> tuple[int, int]:
+        begin = t.data_ptr()
+        return begin, begin + t.numel() * t.element_size()
+
+    flat_begin, flat_end = span(flat)
+    for i in nonempty:
+        begin, end = span(tensors[i])
+        if begin < flat_end and flat_begin < end:
+            fix = "pack into a separate buffer" if flat_is_dst else "unpack from a separate buffer"
+            raise ValueError(f"{op}: {buf} shares memory with {lst}[{i}]; {fix}")
+    if not flat_is_dst:
+        spans = sorted((*span(tensors[i]), i) for i in nonempty)
+        for (_, prev_end, a), (begin, _, b) in zip(spans, spans[1:]):
+            if begin < prev_end:
+                raise ValueError(
+                    f"{op}: dsts[{min(a, b)}] and dsts[{max(a, b)}] share memory; "
+                    "every destination must be a distinct tensor"
+                )
+
+
+def _offsets(offsets: Iterable[int]) -> list[int]:
+    return [operator.index(o) for o in offsets]
+
+
+def _kernel(name: str, backend: str | None) -> Callable[..., None]:
+    if resolve_backend(backend) == "triton":
+        try:
+            module = importlib.import_module("tawpipe.triton_ops")
+        except ImportError as exc:
+            raise ImportError(
+                f"tawpipe ops backend 'triton' needs tawpipe.triton_ops and triton ({exc}); "
+                f"install triton or use backend='native'"
+            ) from exc
+        return getattr(module, name)
+    if _NATIVE_IMPORT_ERROR is not None:
+        raise RuntimeError(
+            f"tawpipe native ops are not built (import tawpipe._C failed: {_NATIVE_IMPORT_ERROR}); "
+            "run `pip install --no-build-isolation -e .` or use backend='triton'"
+        ) from _NATIVE_IMPORT_ERROR
+    return getattr(torch.ops.tawpipe, name)
+
+
+def _run(
+    name: str, tensors: Sequence[Tensor], flat: Tensor, offsets: Iterable[int], backend: str | None,
+    *, flat_is_dst: bool, alpha: float | None = None,
+) -> None:
+    kernel = _kernel(name, backend)
+    tensors = list(tensors)
+    offsets = _offsets(offsets)
+    # Under torch.compile tensors are fake (no data pointers); the native op checks aliasing at run time.
+    validate_segments(
+        f"tawpipe::{name}", tensors, flat, offsets, flat_is_dst=flat_is_dst,
+        check_memory=not torch.compiler.is_compiling(),
+    )
+    args = (tensors, flat, offsets) if flat_is_dst else (flat, tensors, offsets)
+    if alpha is None:
+        kernel(*args)
+    else:
+        kernel(*args, float(alpha))
+
+
+def pack(srcs: Sequence[Tensor], out: Tensor, offsets: Iterable[int], backend: str | None = None) -> None:
+    """``out[offsets[i] : offsets[i] + srcs[i].numel()] = srcs[i].flatten()`` cast to out's dtype."""
+    _run("pack", srcs, out, offsets, backend, flat_is_dst=True)
+
+
+def unpack(flat: Tensor, dsts: Sequence[Tensor], offsets: Iterable[int], backend: str | None = None) -> None:
+    """``dsts[i][...] = flat[offsets[i] : offsets[i] + dsts[i].numel()]`` cast to dsts[i]'s dtype."""
+    _run("unpack", dsts, flat, offsets, backend, flat_is_dst=False)
+
+
+def pack_accumulate(
+    srcs: Sequence[Tensor], out: Tensor, offsets: Iterable[int], alpha: float = 1.0, backend: str | None = None
+) -> None:
+    """``out[segment i] += alpha * srcs[i]``, computed in float32 (e.g. gradient harvesting)."""
+    _run("pack_accumulate", srcs, out, offsets, backend, flat_is_dst=True, alpha=alpha)
+
+
+def unpack_accumulate(
+    flat: Tensor, dsts: Sequence[Tensor], offsets: Iterable[int], alpha: float = 1.0, backend: str | None = None
+) -> None:
+    """``dsts[i] += alpha * flat[segment i]``, computed in float32."""
+    _run("unpack_accumulate", dsts, flat, offsets, backend, flat_is_dst=False, alpha=alpha)
+
+
+if _NATIVE_IMPORT_ERROR is None:
+    # Shape-only implementations so the mutating ops trace under torch.compile / make_fx.
+
+    @torch.library.register_fake("tawpipe::pack")
+    def _pack_fake(srcs: list[Tensor], out: Tensor, offsets: list[int]) -> None:
+        validate_segments("tawpipe::pack", srcs, out, offsets, flat_is_dst=True, check_memory=False)
+
+    @torch.library.register_fake("tawpipe::unpack")
+    def _unpack_fake(flat: Tensor, dsts: list[Tensor], offsets: list[int]) -> None:
+        validate_segments("tawpipe::unpack", dsts, flat, offsets, flat_is_dst=False, check_memory=False)
+
+    @torch.library.register_fake("tawpipe::pack_accumulate")
+    def _pack_accumulate_fake(srcs: list[Tensor], out: Tensor, offsets: list[int], alpha: float) -> None:
+        validate_segments("tawpipe::pack_accumulate", srcs, out, offsets, flat_is_dst=True, check_memory=False)
+
+    @torch.library.register_fake("tawpipe::unpack_accumulate")
+    def _unpack_accumulate_fake(flat: Tensor, dsts: list[Tensor], offsets: list[int], alpha: float) -> None:
+        validate_segments("tawpipe::unpack_accumulate", dsts, flat, offsets, flat_is_dst=False, check_memory=False)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where each tensor of a group lives in one flat buffer.
+
+    Segment i is ``[offsets[i], offsets[i] + prod(shapes[i]))``; every offset, and ``numel`` (the
+    buffer length), is a multiple of ``align`` elements, so segments start on aligned addresses
+    (vectorised kernels, NCCL) and equal-length buffers can be split evenly. Gaps are padding.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    align: int = 1
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if not (len(self.shapes) == len(self.dtypes) == len(self.offsets) == n):
+            raise ValueError("ShardLayout: names, shapes, dtypes and offsets must have one entry per tensor")
+        if not isinstance(self.align, int) or self.align < 1:
+            raise ValueError(f"ShardLayout: align must be a positive number of elements, got {self.align!r}")
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: Iterable[Tensor], names: Sequence[str] | None = None, align: int = 1
+    ) -> ShardLayout:
+        """Lay tensors out back to back in the given order, each offset rounded up to ``align``."""
+        tensors = list(tensors)
+        if names is None:
+            names = [str(i) for i in range(len(tensors))]
+        if len(names) != len(tensors):
+            raise ValueError(f"ShardLayout: got {len(tensors)} tensors but {len(names)} names")
+        if not isinstance(align, int) or align < 1:
+            raise ValueError(f"ShardLayout: align must be a positive number of elements, got {align!r}")
+        offsets = []
+        cursor = 0
+        for t in tensors:
+            offset = _round_up(cursor, align)
+            offsets.append(offset)
+            cursor = offset + t.numel()
+        return cls(
+            names=tuple(names),
+            shapes=tuple(t.shape for t in tensors),
+            dtypes=tuple(t.dtype for t in tensors),
+            offsets=tuple(offsets),
+            numel=_round_up(cursor, align),
+            align=align,
+        )
+
+    @classmethod
+    def from_module(cls, module: nn.Module, align: int = 1) -> ShardLayout:
+        """Layout of ``module.named_parameters()`` (shared parameters appear once)."""
+        named = list(module.named_parameters())
+        return cls.from_tensors([p for _, p in named], names=[name for name, _ in named], align=align)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(shape) for shape in self.shapes)
+
+    def new_flat(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Tensor:
+        """A zero-filled flat buffer; zeros, so padding never injects NaN into reductions over it."""
+        return torch.zeros(self.numel, dtype=dtype, device=device)
+
+    def _check(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        tensors = list(tensors)
+        if len(tensors) != len(self):
+            raise ValueError(f"ShardLayout: got {len(tensors)} tensors for a layout of {len(self)}")
+        for i, (t, shape) in enumerate(zip(tensors, self.shapes)):
+            if t.shape != shape:
+                raise ValueError(
+                    f"ShardLayout: tensor {i} ({self.names[i]!r}) has shape {tuple(t.shape)} "
+                    f"but the layout expects {tuple(shape)}; rebuild the layout for these tensors"
+                )
+        return tensors
+
+    def pack(self, tensors: Sequence[Tensor], flat: Tensor, backend: str | None = None) -> None:
+        """Copy ``tensors`` into their segments of ``flat``."""
+        pack(self._check(tensors), flat, self.offsets, backend)
+
+    def unpack(self, flat: Tensor, tensors: Sequence[Tensor], backend: str | None = None) -> None:
+        """Copy the segments of ``flat`` into ``tensors``."""
+        unpack(flat, self._check(tensors), self.offsets, backend)
+
+    def pack_accumulate(
+        self, tensors: Sequence[Tensor], flat: Tensor, alpha: float = 1.0, backend: str | None = None
+    ) -> None:
+        """Add ``alpha * tensors[i]`` into segment i of ``flat``."""
+        pack_accumulate(self._check(tensors), flat, self.offsets, alpha, backend)
+
+    def unpack_accumulate(
+        self, flat: Tensor, tensors: Sequence[Tensor], alpha: float = 1.0, backend: str | None = None
+    ) -> None:
+        """Add ``alpha * segment i of flat`` into ``tensors[i]``."""
+        unpack_accumulate(flat, self._check(tensors), self.offsets, alpha, backend)
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Per-tensor views into ``flat`` (no copy), e.g. to make module parameters alias it."""
+        if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() < self.numel:
+            raise ValueError(
+                f"ShardLayout.views: need a contiguous 1-D buffer of at least {self.numel} elements, "
+                f"got shape {tuple(flat.shape)} (contiguous={flat.is_contiguous()}); use new_flat()"
+            )
+        return [flat.narrow(0, o, n).view(shape) for o, n, shape in zip(self.offsets, self.numels, self.shapes)]

@@ -1,0 +1,160 @@
+"""Rank functions for the engine tests (module level, so spawned processes can import them).
+
+Each rank runs tawpipe and, independently, plain single-process training on the whole global
+batch; the parent test compares them. The reference never touches tawpipe code.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tawpipe.comm import RecordingComm
+from tawpipe.comm.torch_dist import TorchDistComm
+from tawpipe.engine import TawPipe
+from tawpipe.topology import Topology
+
+VOCAB, HIDDEN, SEQ, MB_ROWS = 61, 24, 7, 2
+
+
+class MLPBlock(nn.Module):
+    """A residual block with matrices, vectors and biases: odd sizes on purpose."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.up = nn.Linear(h, 3 * h - 1)
+        self.down = nn.Linear(3 * h - 1, h)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.down(F.gelu(self.up(self.norm(x))))
+        return x + (y * scale.to(y.dtype) if scale is not None else y)
+
+
+class Head(nn.Module):
+    def __init__(self, h: int, v: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.proj = nn.Linear(h, v, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(MLPBlock(HIDDEN) for _ in range(layers))
+        self.head = Head(HIDDEN, VOCAB)
+        with torch.no_grad():  # non-trivial norms and biases
+            for p in self.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+
+    def context(self, tokens: torch.Tensor) -> dict:
+        # a per-batch extra input, to exercise the block_forward hook
+        return {"scale": torch.linspace(0.5, 1.5, tokens.shape[1]).unsqueeze(-1)}
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        ctx = self.context(tokens)
+        for b in self.blocks:
+            h = b(h, **ctx)
+        return self.head(h)
+
+
+_KIND = {
+    "SEND_W": "send", "SEND_G": "send", "RECV_W": "recv", "RECV_G": "recv", "BCAST_W": "broadcast",
+    "REDUCE_G": "reduce", "ALLREDUCE_REPLICATED": "all_reduce",
+}
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def global_batch(step: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tok = torch.randint(0, VOCAB, (n_rows, SEQ + 1), generator=g)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
+
+
+def reference_run(model: TinyLM, n_rows: int, steps: int, max_grad_norm: float | None) -> tuple[TinyLM, list[float]]:
+    """Single-process training on the whole global batch: the ground truth."""
+    model = copy.deepcopy(model)
+    opt = adamw(list(model.parameters()))
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, n_rows)
+        loss = lm_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def exactness(rank: int, cases: list[dict]) -> list[dict]:
+    """For each case: tawpipe vs the reference after `steps` steps; returns per-case errors."""
+    out = []
+    world = torch.distributed.get_world_size()
+    for case in cases:
+        nodes, acc, layers = case["nodes"], case["acc"], case["layers"]
+        steps, dtype = case.get("steps", 3), case.get("dtype", torch.float32)
+        clip = case.get("max_grad_norm")
+        topo = Topology(nodes=nodes, per_node=world // nodes)
+        torch.manual_seed(case.get("seed", 0))
+        model = TinyLM(layers)
+        ref, ref_losses = reference_run(model, world * acc * MB_ROWS, steps, clip)
+        log: list = []
+        comm = RecordingComm(TorchDistComm(topo, timeout=120))
+        comm.log = log
+        eng_model = copy.deepcopy(model)
+        engine = TawPipe(
+            eng_model.blocks, eng_model.embed, eng_model.head, lm_loss, topology=topo,
+            micro_batches=acc, optimizer=adamw, compute_dtype=dtype, max_grad_norm=clip,
+            block_forward=lambda blk, h, **ctx: blk(h, **ctx), block_context=eng_model.context,
+            comm=comm, grad_route=case.get("grad_route", "rail"), overlap=case.get("overlap", True),
+        )
+        losses = []
+        rows = acc * MB_ROWS
+        for step in range(steps):
+            x, y = global_batch(step, world * rows)
+            losses.append(engine.step((x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])))
+            if step == 0:
+                first_log = list(log)
+        ref_params = dict(ref.named_parameters())
+        errs = {n: rel_err(p.detach(), ref_params[n].detach()) for n, p in engine.named_parameters()}
+        upd = {
+            n: rel_err(p.detach() - dict(model.named_parameters())[n].detach(),
+                       ref_params[n].detach() - dict(model.named_parameters())[n].detach())
+            for n, p in engine.named_parameters()
+        }
+        plan_comm = [
+            (_KIND[a.op.value], a.peer if a.peer is not None else a.root, a.group, a.bytes)
+            for a in engine.plan.actions[rank] if a.op.value in _KIND
+        ]
+        recorded = [(r.channel, r.op, r.peer if r.peer is not None else r.root, r.group, r.bytes) for r in first_log]
+        mem = engine.memory_report()
+        engine.close()
+        out.append({
+            "case": case, "rank": rank, "param_err": max(errs.values()), "update_err": max(upd.values()),
+            "worst": max(errs, key=errs.get), "losses": losses, "ref_losses": ref_losses,
+            "plan_comm": plan_comm, "recorded": recorded, "memory": mem, "own_chunk": engine.own_chunk,
+            "finite": all(math.isfinite(v) for v in losses),
+        })
+    return out

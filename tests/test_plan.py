@@ -1,0 +1,530 @@
+"""The plan as data: the spec's worked examples, the §3.4 rule, verify, JSON, degenerate shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tawpipe.plan import Action, Op, Plan, PlanError, build_plan, verify
+from tawpipe.topology import Topology
+
+# Spec §3.5 and §3.6, verbatim.
+SPEC_N4_G2_ACC2 = """
+| slot | group 0 (ranks 0, 1) | group 1 (ranks 2, 3) |
+|---|---|---|
+| −1 | bcast W0 from r0 | |
+| 0 | **F0**(m0); P2P W1 r2→r0; bcast from r0 | idle; P2P W0 r0→r2; bcast from r2 |
+| 1 | **F1**(m0); bcast W2 from r1 | **F0**(m0); bcast W1 from r2 |
+| 2 | **F2**(m0); P2P W3 r3→r1; bcast from r1 | **F1**(m0); P2P W2 r1→r3; bcast from r3 |
+| 3 | **F3**(m0) | **F2**(m0); bcast W3 from r3 |
+| 4 | **B3**(m0); bcast W2 from r1 | **F3**(m0) |
+| 5 | **B2**(m0); P2P W1 r2→r0; bcast from r0; reduce G3→r0; P2P G3 r0→r3 | **B3**(m0); P2P W2 r1→r3; bcast from r3 |
+| 6 | **B1**(m0); bcast W0 from r0; reduce G2→r1 | **B2**(m0); bcast W1 from r2; reduce G3→r3 |
+| 7 | **B0**(m0); reduce G1→r0; P2P G1 r0→r2 | **B1**(m0); P2P W0 r0→r2; bcast from r2; reduce G2→r2; P2P G2 r2→r1 |
+| 8 | **F0**(m1); P2P W1 r2→r0; bcast from r0; reduce G0→r0 | **B0**(m0); reduce G1→r2 |
+| 9 | **F1**(m1); bcast W2 from r1 | **F0**(m1); bcast W1 from r2; reduce G0→r2; P2P G0 r2→r0 |
+| 10 | **F2**(m1); P2P W3 r3→r1; bcast from r1 | **F1**(m1); P2P W2 r1→r3; bcast from r3 |
+| 11 | **F3**(m1) | **F2**(m1); bcast W3 from r3 |
+| 12 | **B3**(m1); bcast W2 from r1 | **F3**(m1) |
+| 13 | **B2**(m1); P2P W1 r2→r0; bcast from r0; reduce G3→r0; P2P G3 r0→r3 | **B3**(m1); P2P W2 r1→r3; bcast from r3 |
+| 14 | **B1**(m1); bcast W0 from r0; reduce G2→r1 | **B2**(m1); bcast W1 from r2; reduce G3→r3 |
+| 15 | **B0**(m1); reduce G1→r0; P2P G1 r0→r2 | **B1**(m1); P2P W0 r0→r2; bcast from r2; reduce G2→r2; P2P G2 r2→r1 |
+| 16 | idle; reduce G0→r0 | **B0**(m1); reduce G1→r2 |
+| 17 | idle | idle; reduce G0→r2; P2P G0 r2→r0 |
+"""
+
+SPEC_N6_G3_ACC1 = """
+| slot | group 0 (ranks 0, 1) | group 1 (ranks 2, 3) | group 2 (ranks 4, 5) |
+|---|---|---|---|
+| −1 | bcast W0 from r0 | | |
+| 0 | **F0**; P2P W1 r2→r0; bcast from r0 | idle; P2P W0 r0→r2; bcast from r2 | idle |
+| 1 | **F1**; P2P W2 r4→r0; bcast from r0 | **F0**; bcast W1 from r2 | idle; P2P W0 r0→r4; bcast from r4 |
+| 2 | **F2**; bcast W3 from r1 | **F1**; P2P W2 r4→r2; bcast from r2 | **F0**; P2P W1 r2→r4; bcast from r4 |
+| 3 | **F3**; P2P W4 r3→r1; bcast from r1 | **F2**; P2P W3 r1→r3; bcast from r3 | **F1**; bcast W2 from r4 |
+| 4 | **F4**; P2P W5 r5→r1; bcast from r1 | **F3**; bcast W4 from r3 | **F2**; P2P W3 r1→r5; bcast from r5 |
+| 5 | **F5** | **F4**; P2P W5 r5→r3; bcast from r3 | **F3**; P2P W4 r3→r5; bcast from r5 |
+| 6 | **B5**; P2P W4 r3→r1; bcast from r1 | **F5** | **F4**; bcast W5 from r5 |
+| 7 | **B4**; bcast W3 from r1; reduce G5→r0; P2P G5 r0→r5 | **B5**; bcast W4 from r3 | **F5** |
+| 8 | **B3**; P2P W2 r4→r0; bcast from r0; reduce G4→r0; P2P G4 r0→r3 | **B4**; P2P W3 r1→r3; bcast from r3; reduce G5→r2; P2P G5 r2→r5 | **B5**; P2P W4 r3→r5; bcast from r5 |
+| 9 | **B2**; P2P W1 r2→r0; bcast from r0; reduce G3→r1 | **B3**; P2P W2 r4→r2; bcast from r2; reduce G4→r3 | **B4**; P2P W3 r1→r5; bcast from r5; reduce G5→r5 |
+| 10 | **B1**; bcast W0 from r0; reduce G2→r0; P2P G2 r0→r4 | **B2**; bcast W1 from r2; reduce G3→r2; P2P G3 r2→r1 | **B3**; bcast W2 from r4; reduce G4→r4; P2P G4 r4→r3 |
+| 11 | **B0**; reduce G1→r0; P2P G1 r0→r2 | **B1**; P2P W0 r0→r2; bcast from r2; reduce G2→r2; P2P G2 r2→r4 | **B2**; P2P W1 r2→r4; bcast from r4; reduce G3→r4; P2P G3 r4→r1 |
+| 12 | idle; reduce G0→r0 | **B0**; reduce G1→r2 | **B1**; P2P W0 r0→r4; bcast from r4; reduce G2→r4 |
+| 13 | idle | idle; reduce G0→r2; P2P G0 r2→r0 | **B0**; reduce G1→r4; P2P G1 r4→r2 |
+| 14 | idle | idle | idle; reduce G0→r4; P2P G0 r4→r0 |
+"""
+
+# Spec §2.4, verbatim.
+SPEC_WEIPIPE_N4_ACC2 = """
+| step | worker 0 | worker 1 | worker 2 | worker 3 |
+|---|---|---|---|---|
+| 0 | F:W0(m0) ⇒ f0 | ⇒ f1 | ⇒ f2 | ⇒ f3 |
+| 1 | F:W3(m0) ⇒ f3 | F:W0(m0) ⇒ f0 | ⇒ f1 | ⇒ f2 |
+| 2 | F:W2(m0) ⇒ f2 | F:W3(m0) ⇒ f3 | F:W0(m0) ⇒ f0 | ⇒ f1 |
+| 3 | F:W1(m0) ⇒ seed W0→1 | F:W2(m0) ⇒ seed W1→0 | F:W3(m0) ⇒ seed W2→3 | F:W0(m0) ⇒ seed W3→2 |
+| 4 | F:W0(m1) B:W1(m0) ⇒ f0,b1,g1 | F:W1(m0) ⇒ f1,b0 | F:W2(m0) ⇒ f2,b3 | F:W3(m0) ⇒ f3,b2 |
+| 5 | F:W3(m1) B:W2(m0) ⇒ f3,b2,g2 | F:W0(m1) B:W1(m0) ⇒ f0,b1,g1 | F:W1(m0) ⇒ f1,b0 | F:W2(m0) ⇒ f2,b3 |
+| 6 | F:W2(m1) B:W3(m0) ⇒ f2,b3,g3 | F:W3(m1) B:W2(m0) ⇒ f3,b2,g2 | F:W0(m1) B:W1(m0) ⇒ f0,b1,g1 | F:W1(m0) ⇒ f1,b0 |
+| 7 | F:W1(m1) B:W0(m0) ⇒ b0,g0 | F:W2(m1) B:W3(m0) ⇒ b3,g3 | F:W3(m1) B:W2(m0) ⇒ b2,g2 | F:W0(m1) B:W1(m0) ⇒ b1,g1 |
+| 8 | B:W1(m1) ⇒ f0,b1,g1 | F:W1(m1) B:W0(m0) ⇒ f1,b0,g0 | F:W2(m1) B:W3(m0) ⇒ f2,b3,g3 | F:W3(m1) B:W2(m0) ⇒ f3,b2,g2 |
+| 9 | B:W2(m1) ⇒ f3,b2,g2 | B:W1(m1) ⇒ f0,b1,g1 | F:W1(m1) B:W0(m0) ⇒ f1,b0,g0 | F:W2(m1) B:W3(m0) ⇒ f2,b3,g3 |
+| 10 | B:W3(m1) ⇒ f2,b3,g3 | B:W2(m1) ⇒ f3,b2,g2 | B:W1(m1) ⇒ f0,b1,g1 | F:W1(m1) B:W0(m0) ⇒ f1,b0,g0 |
+| 11 | B:W0(m1) ⇒ b0,g0 | B:W3(m1) ⇒ b3,g3 | B:W2(m1) ⇒ b2,g2 | B:W1(m1) ⇒ b1,g1 |
+| 12 | ⇒ b1 | B:W0(m1) ⇒ b0,g0 | B:W3(m1) ⇒ b3,g3 | B:W2(m1) ⇒ b2,g2 |
+| 13 | ⇒ b2 | ⇒ b1 | B:W0(m1) ⇒ b0,g0 | B:W3(m1) ⇒ b3,g3 |
+| 14 | | | | B:W0(m1) |
+"""
+
+
+def parse_table(md: str) -> tuple[list[str], dict[str, list[str]]]:
+    """Header cells and {first cell: other cells} of a markdown table."""
+    rows = [line.strip() for line in md.strip().splitlines() if line.strip().startswith("|")]
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    return cells(rows[0]), {c[0]: c[1:] for c in map(cells, rows[2:])}
+
+
+def assert_tables_equal(got: str, want: str) -> None:
+    got_head, got_rows = parse_table(got)
+    want_head, want_rows = parse_table(want)
+    assert got_head == want_head
+    assert list(got_rows) == list(want_rows)
+    for slot, cells in want_rows.items():
+        for g, (a, b) in enumerate(zip(got_rows[slot], cells, strict=True)):
+            assert a.split("; ") == b.split("; "), f"slot {slot} group {g}: {a!r} != {b!r}"
+
+
+# ------------------------------------------------------------------------------- worked examples
+
+
+def test_tawpipe_n4_g2_acc2_matches_spec_cell_by_cell():
+    plan = build_plan(Topology(2, 2), 4, 2, grad_route="leader")
+    assert plan.owner == (0, 2, 1, 3)
+    assert_tables_equal(plan.table(), SPEC_N4_G2_ACC2)
+    assert plan.table().strip() == SPEC_N4_G2_ACC2.strip()  # the rendering itself, too
+    verify(plan)
+
+
+def test_tawpipe_n6_g3_acc1_matches_spec_cell_by_cell():
+    plan = build_plan(Topology(3, 2), 6, 1, grad_route="leader")
+    assert plan.owner == (0, 2, 4, 1, 3, 5)
+    assert_tables_equal(plan.table(), SPEC_N6_G3_ACC1)
+    verify(plan)
+
+
+def test_rail_route_changes_only_the_inter_group_gradient_router():
+    leader = parse_table(build_plan(Topology(2, 2), 4, 2, grad_route="leader").table())[1]
+    rail = parse_table(build_plan(Topology(2, 2), 4, 2, grad_route="rail").table())[1]
+    # the spec's note on slot 5 of §3.5: the owner of W3 has local index 1
+    assert rail["5"][0] == "**B2**(m0); P2P W1 r2→r0; bcast from r0; reduce G3→r1; P2P G3 r1→r3"
+    changed = 0
+    for slot in leader:
+        for g, (a, b) in enumerate(zip(leader[slot], rail[slot])):
+            if a == b:
+                continue
+            changed += 1
+            # remote chunk whose owner has local index 1 (W3 for group 0, W2 for group 1): the
+            # router moves from local index 0 to local index 1 of the same group
+            k = 3 if g == 0 else 2
+            lead, peer = 2 * g, 2 * g + 1
+            assert b == a.replace(f"reduce G{k}→r{lead}", f"reduce G{k}→r{peer}").replace(
+                f"P2P G{k} r{lead}→", f"P2P G{k} r{peer}→")
+    assert changed == 4  # W3 and W2, once per micro-batch
+
+
+WEI_LAST = (2 + 2) * 4 - 2  # last compute step of N=4, acc=2
+
+
+def _spec_weipipe() -> tuple[dict, dict]:
+    """(step, worker) -> set of compute entries, and -> list of sends, from the spec table."""
+    _, rows = parse_table(SPEC_WEIPIPE_N4_ACC2)
+    comp, sends = {}, {}
+    for step, cells in rows.items():
+        for w, cell in enumerate(cells):
+            left, _, right = cell.partition("⇒")
+            comp[(int(step), w)] = set(left.split())
+            sends[(int(step), w)] = [s for s in right.strip().split(",") if s]
+    return comp, sends
+
+
+def test_weipipe_n4_acc2_reproduces_the_spec_table():
+    n = 4
+    plan = build_plan(Topology(1, n), 4, 2, algo="weipipe")
+    assert plan.owner == (0, 1, 2, 3)
+    assert plan.model_order == (0, 3, 2, 1)  # position p uses W((-p) mod N)
+    spec_comp, spec_sends = _spec_weipipe()
+
+    comp = {(t, w): set() for t in range(WEI_LAST + 1) for w in range(n)}
+    weights, grads, finals = set(), set(), set()
+    for a in (a for acts in plan.actions for a in acts):
+        if a.op in (Op.F, Op.B):
+            comp[(a.slot, a.rank)].add(f"{a.op.value}:W{a.chunk}(m{a.mb})")
+        elif a.op is Op.SEND_W:
+            t, w = a.slot, a.rank
+            if t == n - 1:
+                weights.add((t, w, f"seed W{a.chunk}→{a.peer}"))
+            elif a.chunk == (w - t) % n:  # the F-ring's chunk at (w, t)
+                weights.add((t, w, f"f{a.chunk}"))
+            else:
+                assert a.chunk == (t - w + 1) % n  # the B-ring's chunk at (w, t)
+                weights.add((t, w, f"b{a.chunk}"))
+        elif a.op is Op.SEND_G and a.slot <= WEI_LAST:
+            assert a.peer == (a.rank + 1) % n
+            grads.add((a.slot - 1, a.rank, f"g{a.chunk}"))  # sent the step after the B
+        elif a.op is Op.SEND_G:
+            finals.add((a.rank, a.peer, a.chunk))
+    assert comp == spec_comp
+
+    spec_w = {(t, w, s) for (t, w), ss in spec_sends.items() for s in ss if s[0] in "fbs"}
+    spec_g = {(t, w, s) for (t, w), ss in spec_sends.items() for s in ss if s[0] == "g"}
+    assert weights <= spec_w
+    dropped = spec_w - weights
+    assert {(8, 0, "f0"), (12, 0, "b1"), (13, 0, "b2")} <= dropped  # named droppable by the spec
+    for t, w, s in dropped:  # every dropped send is one that nobody consumes
+        ring, x = s[0], int(s[1:])
+        for j in range(1, WEI_LAST - t + 1):
+            if ring == "f" and (t + j) % n == 0:
+                break  # the F-ring reloads the owners' chunks
+            uses = spec_comp[(t + j, (w + j) % n)]
+            assert not any(u.startswith(f"{ring.upper()}:W{x}(") for u in uses), (t, w, s)
+    # gradient ring: every spec send is there; the extra ones carry completed sums to the exchange
+    assert spec_g <= grads
+    for t, w, _ in grads - spec_g:
+        assert not any(u.startswith("B:") for u in spec_comp.get((t, w), ())), (t, w)
+    # final exchange u <-> (N-1-u): each owner receives its own chunk's complete sum
+    assert finals == {(u, (n - 1 - u) % n, (n - 1 - u) % n) for u in range(n)}
+    report = verify(plan)
+    assert report.contributions == n * n * 2
+
+
+# ------------------------------------------------------------------------ the §3.4 rule, independently
+
+
+def spec_rule_events(n: int, G: int, acc: int, route: str) -> set[tuple]:
+    """The pseudocode of spec §3.4 (router: rail peer or local index 0) as (slot, op, src, dst, chunk)."""
+    s = n // G
+    owner = lambda k: (k % G) * s + k // G  # noqa: E731
+
+    def chunk(g: int, tau: int):
+        u = tau - g
+        if not 0 <= u < 2 * acc * n:
+            return None
+        v = u % (2 * n)
+        return ("F", v) if v < n else ("B", 2 * n - 1 - v)
+
+    out = set()
+    for tau in range(-1, 2 * acc * n + G):
+        for g in range(G):
+            cur, nxt = chunk(g, tau), chunk(g, tau + 1)
+            if nxt is not None and (cur is None or cur[1] != nxt[1]):
+                k = nxt[1]
+                if k % G == g:
+                    root = owner(k)
+                else:
+                    root = g * s + k // G
+                    out.add((tau, "SEND_W", owner(k), root, k))
+                if s > 1:
+                    out.add((tau, "BCAST_W", root, g, k))
+            prev = chunk(g, tau - 1)
+            if prev is not None and prev[0] == "B":
+                k = prev[1]
+                root = owner(k) if k % G == g else g * s + (k // G if route == "rail" else 0)
+                if s > 1:
+                    out.add((tau, "REDUCE_G", root, g, k))
+                if root != owner(k):
+                    out.add((tau, "SEND_G", root, owner(k), k))
+    return out
+
+
+def plan_events(plan: Plan) -> set[tuple]:
+    topo = plan.topology
+    out = set()
+    for a in (a for acts in plan.actions for a in acts):
+        if a.op in (Op.SEND_W, Op.SEND_G):
+            out.add((a.slot, a.op.value, a.rank, a.peer, a.chunk))
+        elif a.op in (Op.BCAST_W, Op.REDUCE_G):
+            out.add((a.slot, a.op.value, a.root, topo.group_of(a.rank), a.chunk))
+    return out
+
+
+SPEC_MATRIX = [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4), (9, 3), (12, 3), (12, 4), (16, 2), (16, 4),
+               (24, 3), (24, 4), (4, 1), (8, 1), (4, 4), (6, 6)]
+
+
+@pytest.mark.parametrize("n,G", SPEC_MATRIX)
+def test_plan_equals_the_spec_rule_and_verifies(n, G):
+    for acc in (1, 2, 3):
+        for route in ("rail", "leader"):
+            plan = build_plan(Topology(G, n // G), n, acc, grad_route=route)
+            assert plan_events(plan) == spec_rule_events(n, G, acc, route)
+            report = verify(plan)
+            assert report.weight_buffers == 3 and report.contributions == n * n * acc
+
+
+# ---------------------------------------------------------------------------------- property matrix
+
+
+@st.composite
+def shapes(draw):
+    n = draw(st.integers(1, 32))
+    G = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+    algo = draw(st.sampled_from(["tawpipe", "weipipe"] if n >= 2 else ["tawpipe"]))
+    return (G, n // G, draw(st.integers(n, 3 * n)), draw(st.integers(1, 4)),
+            draw(st.sampled_from(["rail", "leader"])), algo)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes())
+def test_verify_passes_on_the_property_matrix(shape):
+    G, s, L, acc, route, algo = shape
+    plan = build_plan(Topology(G, s), L, acc, algo=algo, grad_route=route, layer_numel=3)
+    report = verify(plan)
+    n = G * s
+    assert report.contributions == n * n * acc
+    sizes = sorted({e - b for b, e in plan.chunk_layers})
+    assert sizes == ([L // n] if L % n == 0 else [L // n, L // n + 1])
+    if algo == "tawpipe":
+        assert report.weight_buffers <= 3
+
+
+@pytest.mark.parametrize("G", [2, 4, 8])
+def test_verify_n64_in_a_few_seconds(G):
+    t0 = time.perf_counter()
+    plan = build_plan(Topology(G, 64 // G), 128, 4)
+    report = verify(plan)
+    elapsed = time.perf_counter() - t0
+    assert report.contributions == 64 * 64 * 4
+    assert elapsed < 10, f"build + verify took {elapsed:.1f}s"
+
+
+# ---------------------------------------------------------------------------------- §3.9 counts
+
+
+@pytest.mark.parametrize("n,G,acc", [(8, 2, 3), (12, 3, 2), (12, 4, 4)])
+def test_cost_table_counts_of_section_3_9(n, G, acc):
+    s = n // G
+    plan = build_plan(Topology(G, s), n, acc)
+    topo = plan.topology
+    for g in range(G):
+        leader = topo.rank_of(g, 0)
+        bcasts = [a for a in plan.actions[leader] if a.op is Op.BCAST_W]
+        assert len(bcasts) == 1 + 2 * acc * (n - 1)
+        mult = {k: sum(a.chunk == k for a in bcasts) for k in range(n)}
+        assert mult[0] == 1 + acc and mult[n - 1] == acc
+        assert all(mult[k] == 2 * acc for k in range(1, n - 1))
+        assert sum(a.op is Op.REDUCE_G for a in plan.actions[leader]) == acc * n
+        members = set(topo.group_ranks(g))
+        grad_out = [a for r in members for a in plan.actions[r] if a.op is Op.SEND_G]
+        assert len(grad_out) == acc * (n - s)
+        weight_in = [a for r in members for a in plan.actions[r] if a.op is Op.RECV_W]
+        assert len(weight_in) == sum(mult[k] for k in range(n) if k % G != g)
+        assert len(weight_in) == pytest.approx(2 * acc * (n - 1) * (G - 1) / G, rel=0.15)
+    for acts in plan.actions:  # a device receives at most one weight message per slot
+        slots = [a.slot for a in acts if a.op is Op.RECV_W]
+        assert len(slots) == len(set(slots))
+
+
+# ---------------------------------------------------------------------------------- degenerate shapes
+
+
+def test_one_device_per_group_is_pure_p2p_and_owner_may_send_three_times():
+    plan = build_plan(Topology(6, 1), 6, 2)
+    ops = {a.op for acts in plan.actions for a in acts}
+    assert Op.BCAST_W not in ops and Op.REDUCE_G not in ops
+    verify(plan)
+    sends = {}
+    for a in (a for acts in plan.actions for a in acts if a.op in (Op.SEND_W, Op.SEND_G)):
+        sends[(a.slot, a.rank)] = sends.get((a.slot, a.rank), 0) + 1
+    assert max(sends.values()) == 3  # spec §3.4: an owner can have 3 sends in one slot
+
+
+def test_single_group_uses_only_collectives():
+    plan = build_plan(Topology(1, 4), 8, 2)
+    ops = {a.op for acts in plan.actions for a in acts}
+    assert not ops & {Op.SEND_W, Op.RECV_W, Op.SEND_G, Op.RECV_G}
+    verify(plan)
+
+
+def test_single_device():
+    plan = build_plan(Topology(1, 1), 3, 2)
+    assert [a.op for a in plan.actions[0] if a.op not in (Op.F, Op.B)] == [
+        Op.LOAD_W, Op.LOAD_W, Op.ACC_G, Op.ALLREDUCE_REPLICATED, Op.ACC_G, Op.STEP]
+    verify(plan)
+
+
+def test_uneven_layers_size_every_message_to_its_chunk():
+    plan = build_plan(Topology(2, 2), 7, 1, layer_numel=10, weight_bytes=2, grad_bytes=4,
+                      replicated_numel=5)
+    assert plan.chunk_layers == ((0, 2), (2, 4), (4, 6), (6, 7))
+    for a in (a for acts in plan.actions for a in acts):
+        layers = None if a.chunk is None else plan.chunk_layers[a.chunk][1] - plan.chunk_layers[a.chunk][0]
+        if a.op in (Op.SEND_W, Op.RECV_W, Op.BCAST_W):
+            assert a.bytes == layers * 10 * 2
+        elif a.op in (Op.SEND_G, Op.RECV_G, Op.REDUCE_G):
+            assert a.bytes == layers * 10 * 4
+        elif a.op is Op.ALLREDUCE_REPLICATED:
+            assert a.bytes == 5 * 4 and a.group == (0, 1, 2, 3)
+    verify(plan)
+
+
+def test_replicated_allreduce_follows_the_last_b_and_step_is_last():
+    plan = build_plan(Topology(3, 2), 6, 2)
+    for acts in plan.actions:
+        i = next(i for i, a in enumerate(acts) if a.op is Op.ALLREDUCE_REPLICATED)
+        last_b = max(i for i, a in enumerate(acts) if a.op is Op.B)
+        assert acts[last_b].chunk == 0 and acts[i].slot == acts[last_b].slot + 1
+        assert acts[i - 1].slot == acts[last_b].slot  # first thing of the slot after the last B
+        assert acts[-1].op is Op.STEP and acts[-1].slot == plan.num_slots - 1
+        assert acts[0] == Action(-1, acts[0].rank, Op.LOAD_W, chunk=plan.own_chunk(acts[0].rank), buf="w_own")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(topology=Topology(2, 2), num_layers=3, micro_batches=1), "num_layers=3 < world size 4"),
+    (dict(topology=Topology(2, 2), num_layers=4, micro_batches=0), "micro_batches"),
+    (dict(topology=Topology(2, 2), num_layers=4, micro_batches=1, algo="gpipe"), "algo"),
+    (dict(topology=Topology(2, 2), num_layers=4, micro_batches=1, grad_route="ring"), "grad_route"),
+    (dict(topology=Topology(1, 1), num_layers=4, micro_batches=1, algo="weipipe"), "ring of at least 2"),
+    (dict(topology=(2, 2), num_layers=4, micro_batches=1), "Topology"),
+])
+def test_invalid_arguments_are_rejected_clearly(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_plan(**kwargs)
+
+
+# ---------------------------------------------------------------------------------- JSON
+
+
+@pytest.mark.parametrize("algo", ["tawpipe", "weipipe"])
+def test_json_round_trip(algo):
+    plan = build_plan(Topology(2, 3), 8, 2, algo=algo, layer_numel=7, replicated_numel=11)
+    text = plan.to_json()
+    back = Plan.from_json(text)
+    assert back == plan
+    doc = json.loads(text)
+    assert len(doc["actions"]) == sum(len(acts) for acts in plan.actions)
+    send = next(d for d in doc["actions"] if d["op"] == "SEND_W")
+    assert {"slot", "rank", "op", "chunk", "peer", "bytes", "buf"} <= set(send)
+    bcast = next((d for d in doc["actions"] if d["op"] == "BCAST_W"), None)
+    assert algo == "weipipe" or {"root", "group", "bytes"} <= set(bcast)
+    with pytest.raises(ValueError, match="not a tawpipe plan"):
+        Plan.from_json(json.dumps({"format": "other"}))
+
+
+# ---------------------------------------------------------------------------------- verify catches
+
+
+def _edit(plan: Plan, rank: int, edit) -> Plan:
+    acts = list(plan.actions[rank])
+    edit(acts)
+    actions = list(plan.actions)
+    actions[rank] = tuple(acts)
+    return dataclasses.replace(plan, actions=tuple(actions))
+
+
+def _index(acts, pred) -> int:
+    return next(i for i, a in enumerate(acts) if pred(a))
+
+
+@pytest.fixture
+def n4():
+    return build_plan(Topology(2, 2), 4, 2, grad_route="leader")
+
+
+def test_verify_catches_a_dropped_recv(n4):
+    bad = _edit(n4, 0, lambda acts: acts.pop(_index(acts, lambda a: a.op is Op.RECV_W)))
+    with pytest.raises(PlanError, match="deadlock|matched by"):
+        verify(bad)
+
+
+def test_verify_catches_swapped_buffers(n4):
+    def swap(acts):
+        i = _index(acts, lambda a: a.op is Op.F and a.chunk == 1)
+        acts[i] = dataclasses.replace(acts[i], buf="w0" if acts[i].buf == "w1" else "w1")
+    with pytest.raises(PlanError, match=r"slot 1 rank 0 F W1 .* holding W2"):
+        verify(_edit(n4, 0, swap))
+
+
+def test_verify_catches_a_wrong_chunk(n4):
+    def wrong(acts):
+        i = _index(acts, lambda a: a.op is Op.BCAST_W and a.chunk == 2)
+        acts[i] = dataclasses.replace(acts[i], chunk=3)
+    with pytest.raises(PlanError, match="differ|holding|needs"):
+        verify(_edit(n4, 0, wrong))
+
+
+def test_verify_catches_a_wrong_compute_order(n4):
+    # relabel the model so that chunk 2 comes before chunk 1: every buffer is still consistent,
+    # but the forward now visits the layers out of order
+    layers = list(n4.chunk_layers)
+    layers[1], layers[2] = layers[2], layers[1]
+    with pytest.raises(PlanError, match=r"forward visits chunks \[0, 1, 2, 3\], expected \[0, 2, 1, 3\]"):
+        verify(dataclasses.replace(n4, chunk_layers=tuple(layers)))
+
+
+def test_verify_catches_a_duplicated_contribution(n4):
+    def dup(acts):
+        i = _index(acts, lambda a: a.op is Op.ACC_G)
+        acts.insert(i + 1, acts[i])
+    with pytest.raises(PlanError, match="count twice"):
+        verify(_edit(n4, 0, dup))
+
+
+def test_verify_catches_a_missing_contribution(n4):
+    last_acc = lambda acts: max(i for i, a in enumerate(acts) if a.op is Op.ACC_G)  # noqa: E731
+    bad = _edit(n4, 0, lambda acts: acts.pop(last_acc(acts)))
+    with pytest.raises(PlanError, match=r"rank 0 .* accumulated 6 .* instead of 8; missing .*\[\(0, 2, 1\), \(0, 3, 1\)\]"):
+        verify(bad)
+
+
+def test_verify_catches_a_reorder_that_deadlocks(n4):
+    def reorder(acts):  # slot 0: r0 receives W1 from r2, then sends W0 to r2; make it send first
+        i = _index(acts, lambda a: a.op is Op.RECV_W and a.slot == 0)
+        j = _index(acts, lambda a: a.op is Op.SEND_W and a.slot == 0)
+        acts[i], acts[j] = acts[j], acts[i]
+    with pytest.raises(PlanError, match="deadlock"):
+        verify(_edit(n4, 0, reorder))
+
+
+def test_verify_catches_an_overwritten_pending_gradient(n4):
+    # without its ACC_G, the reduced gradient stays pending in g* until a later B overwrites it
+    bad = _edit(n4, 0, lambda acts: acts.pop(_index(acts, lambda a: a.op is Op.ACC_G)))
+    with pytest.raises(PlanError, match=r"B chunk .* overwrites \[g\d\] while it still holds the pending"):
+        verify(bad)
+
+
+def test_verify_catches_a_gradient_in_the_wrong_buffer(n4):
+    def other_buf(acts):
+        i = _index(acts, lambda a: a.op is Op.B and a.chunk == 2)
+        acts[i] = dataclasses.replace(acts[i], grad_buf="g0" if acts[i].grad_buf == "g1" else "g1")
+    with pytest.raises(PlanError, match=r"REDUCE_G chunk 2 .* reads \[g1\], which was never written"):
+        verify(_edit(n4, 1, other_buf))
+
+
+def test_verify_catches_mismatched_bytes_and_missing_allreduce(n4):
+    def fat(acts):
+        i = _index(acts, lambda a: a.op is Op.SEND_G)
+        acts[i] = dataclasses.replace(acts[i], bytes=acts[i].bytes + 1)
+    with pytest.raises(PlanError, match="bytes"):
+        verify(_edit(n4, 0, fat))
+    bad = _edit(n4, 3, lambda acts: acts.pop(_index(acts, lambda a: a.op is Op.ALLREDUCE_REPLICATED)))
+    with pytest.raises(PlanError, match="ALLREDUCE_REPLICATED"):
+        verify(bad)
+
+
+def test_verify_catches_a_fourth_weight_buffer(n4):
+    def extra(acts):  # from slot 8 on, stage into a fresh buffer instead of w1
+        for i, a in enumerate(acts):
+            if a.buf == "w1" and a.slot >= 8:
+                acts[i] = dataclasses.replace(a, buf="w2")
+    plan = n4
+    for r in range(4):
+        plan = _edit(plan, r, extra)
+    with pytest.raises(PlanError, match="at most 3"):
+        verify(plan)
