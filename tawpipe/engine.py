@@ -27,6 +27,12 @@ from . import ops
 from .comm.base import Channel, Comm, Handle
 from .ops import ShardLayout
 from .plan import COMM_OPS, Action, Op, Plan, build_plan
+
+# Weight prefetches and gradient routing run on separate in-order channels (each with its own
+# process groups), so a prefetch never queues behind gradient traffic. ACC_G runs on the gradient
+# channel right after the receive it consumes: the compute side never waits for gradients.
+_WEIGHT_OPS = frozenset({Op.SEND_W, Op.RECV_W, Op.BCAST_W})
+_GRAD_OPS = frozenset({Op.REDUCE_G, Op.SEND_G, Op.RECV_G, Op.ACC_G})
 from .topology import Topology
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -282,10 +288,12 @@ class TawPipe:
             for b in sorted(names_used)
         }
         self._comm = comm
-        self._main = Channel("main", self.timeout, self.device)
-        self._replicated = Channel("replicated", self.timeout, self.device)
+        self._grad_comm = comm.channel_comm("grads")
         self._rep_comm = comm.channel_comm("replicated")
         self._step_comm = comm.channel_comm("step")
+        self._channels = {
+            name: Channel(name, self.timeout, self.device) for name in ("weights", "grads", "replicated")
+        }
 
     # ------------------------------------------------------------------ public API
 
@@ -313,7 +321,7 @@ class TawPipe:
             for a in self.plan.actions[self.rank]:
                 reads, writes = _reads_writes(a)
                 deps = hazards.deps(reads, writes)
-                if a.op in COMM_OPS:
+                if a.op in COMM_OPS or a.op is Op.ACC_G:
                     h = self._submit(a, deps)
                     if not self.overlap:
                         h.wait(self.timeout)
@@ -402,15 +410,14 @@ class TawPipe:
         return out
 
     def close(self) -> None:
-        self._main.close()
-        self._replicated.close()
+        for ch in self._channels.values():
+            ch.close()
 
     # ------------------------------------------------------------------ execution
 
     def _abort(self) -> None:
         # A failed step leaves channels with work queued against stale buffers: stop them.
-        self._main.close()
-        self._replicated.close()
+        self.close()
 
     def _tensor(self, a: Action, buf: str | None = None) -> torch.Tensor:
         start, stop = self.plan.chunk_layers[a.chunk]
@@ -421,20 +428,27 @@ class TawPipe:
         if a.op is Op.ALLREDUCE_REPLICATED:
             self._pack_replicated()
             flat, group, rep = self._rep_flat, a.group, self._rep_comm
-            self._rep_handle = self._replicated.submit(lambda: rep.all_reduce(flat, group), deps, label)
+            self._rep_handle = self._channels["replicated"].submit(lambda: rep.all_reduce(flat, group), deps, label)
             return self._rep_handle
         t = self._tensor(a)
-        if a.op in (Op.SEND_W, Op.SEND_G):
+        if a.op in _GRAD_OPS:
+            comm, channel = self._grad_comm, self._channels["grads"]
+        elif a.op in _WEIGHT_OPS:
+            channel = self._channels["weights"]
+        else:
+            raise ValueError(f"engine cannot execute communication op {a.op}")
+        if a.op is Op.ACC_G:
+            acc = self._grad_acc
+            fn = lambda: acc.add_(t)  # noqa: E731
+        elif a.op in (Op.SEND_W, Op.SEND_G):
             fn = lambda: comm.send(t, a.peer)  # noqa: E731
         elif a.op in (Op.RECV_W, Op.RECV_G):
             fn = lambda: comm.recv(t, a.peer)  # noqa: E731
         elif a.op is Op.BCAST_W:
             fn = lambda: comm.broadcast(t, a.root, a.group)  # noqa: E731
-        elif a.op is Op.REDUCE_G:
-            fn = lambda: comm.reduce(t, a.root, a.group)  # noqa: E731
         else:
-            raise ValueError(f"engine cannot execute communication op {a.op}")
-        return self._main.submit(fn, deps, label)
+            fn = lambda: comm.reduce(t, a.root, a.group)  # noqa: E731
+        return channel.submit(fn, deps, label)
 
     def _compute_done(self, a: Action) -> Handle:
         if self.device.type == "cuda":
@@ -451,8 +465,6 @@ class TawPipe:
             self._backward(a)
         elif a.op is Op.LOAD_W:
             self._tensor(a).copy_(self._master)
-        elif a.op is Op.ACC_G:
-            self._grad_acc.add_(self._tensor(a))
         elif a.op is Op.STEP:
             self._step()
         else:
@@ -518,7 +530,8 @@ class TawPipe:
         self._rep_flat[-1] = self._loss_sum
 
     def _step(self) -> None:
-        self._main.drain()
+        self._channels["weights"].drain()
+        self._channels["grads"].drain()
         self._rep_handle.wait(self.timeout)
         flat = self._rep_flat
         n_total = self.topology.world_size * self.micro_batches

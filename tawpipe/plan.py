@@ -868,7 +868,8 @@ def _check_static(plan: Plan) -> None:
                 if a.group != topo.group_ranks(g) or a.root not in a.group:
                     raise fail(a, f"must span exactly group {g} {list(topo.group_ranks(g))} with a root in it")
             if has_sizes and a.op in COMM_OPS:
-                want = plan.weight_message_bytes(a.chunk) if a.op in _WEIGHT_OPS else plan.grad_message_bytes(a.chunk)
+                sized = plan.weight_message_bytes if a.op in _WEIGHT_OPS else plan.grad_message_bytes
+                want = sized(a.chunk)
                 if a.bytes != want:
                     raise fail(a, f"carries {a.bytes} bytes, chunk {a.chunk} needs {want}")
 

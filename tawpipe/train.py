@@ -35,7 +35,7 @@ class TrainConfig:
     preset: str = "tiny"
     layers: int | None = None
     data: str | None = None
-    steps: int = 60
+    steps: int = 100
     micro_batches: int = 2
     batch_size: int = 4
     seq_len: int = 128
@@ -106,7 +106,7 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
         block_context=lambda t: model.block_context(t.shape[1], device, dtype),
         device=device, grad_route=cfg.grad_route,
     )
-    del model  # the engine holds its own chunk and the replicated modules
+    del model.blocks  # the engine holds its own chunk; the other blocks can go
     traffic = plan_traffic(engine.plan)
     intra, inter = traffic.node_bytes(rank)
     tokens_per_step = topology.world_size * cfg.micro_batches * cfg.batch_size * cfg.seq_len

@@ -67,6 +67,7 @@ class TinyLM(nn.Module):
         return self.head(h)
 
 
+_CHANNEL = {"W": "main", "G": "grads", "D": "replicated"}  # by the op name's last letter
 _KIND = {
     "SEND_W": "send", "SEND_G": "send", "RECV_W": "recv", "RECV_G": "recv", "BCAST_W": "broadcast",
     "REDUCE_G": "reduce", "ALLREDUCE_REPLICATED": "all_reduce",
@@ -145,7 +146,7 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
             for n, p in engine.named_parameters()
         }
         plan_comm = [
-            (_KIND[a.op.value], a.peer if a.peer is not None else a.root, a.group, a.bytes)
+            (_CHANNEL[a.op.value[-1]], _KIND[a.op.value], a.peer if a.peer is not None else a.root, a.group, a.bytes)
             for a in engine.plan.actions[rank] if a.op.value in _KIND
         ]
         recorded = [(r.channel, r.op, r.peer if r.peer is not None else r.root, r.group, r.bytes) for r in first_log]

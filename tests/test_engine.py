@@ -34,13 +34,17 @@ def _check(results: list[list[dict]]) -> None:
 def _check_traffic(results: list[list[dict]]) -> None:
     for rank_results in results:
         for r in rank_results:
-            main = [rec[1:] for rec in r["recorded"] if rec[0] == "main"]
-            rep = [rec[1:] for rec in r["recorded"] if rec[0] == "replicated"]
-            plan_main = [p for p in r["plan_comm"] if p[0] != "all_reduce"]
-            plan_rep = [p for p in r["plan_comm"] if p[0] == "all_reduce"]
-            assert main == plan_main, (r["case"], r["rank"])
-            assert rep == plan_rep, (r["case"], r["rank"])
-            assert len(main) > 0 or len(r["plan_comm"]) <= 1
+            # each channel executes exactly its part of the plan, in plan order
+            for channel in ("main", "grads", "replicated"):
+                executed = [rec[1:] for rec in r["recorded"] if rec[0] == channel]
+                planned = [p[1:] for p in r["plan_comm"] if p[0] == channel]
+                assert executed == planned, (r["case"], r["rank"], channel)
+            assert sum(rec[0] != "step" for rec in r["recorded"]) == len(r["plan_comm"])
+            # beyond the plan: one 16-byte all-reduce (norm, overflow flag) when clipping
+            step = [rec[1:] for rec in r["recorded"] if rec[0] == "step"]
+            world = tuple(range(len(results)))
+            expected = [("all_reduce", None, world, 16)] if r["case"].get("max_grad_norm") else []
+            assert step == expected, (r["case"], step)
 
 
 CI_CASES = {

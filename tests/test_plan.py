@@ -326,9 +326,10 @@ def test_cost_table_counts_of_section_3_9(n, G, acc):
         weight_in = [a for r in members for a in plan.actions[r] if a.op is Op.RECV_W]
         assert len(weight_in) == sum(mult[k] for k in range(n) if k % G != g)
         assert len(weight_in) == pytest.approx(2 * acc * (n - 1) * (G - 1) / G, rel=0.15)
-    for acts in plan.actions:  # a device receives at most one weight message per slot
-        slots = [a.slot for a in acts if a.op is Op.RECV_W]
-        assert len(slots) == len(set(slots))
+    for acts in plan.actions:  # a device receives at most one weight message per slot, and a
+        for op in (Op.RECV_W, Op.BCAST_W, Op.REDUCE_G):  # group runs at most one bcast and reduce
+            slots = [a.slot for a in acts if a.op is op]
+            assert len(slots) == len(set(slots))
 
 
 # ---------------------------------------------------------------------------------- degenerate shapes

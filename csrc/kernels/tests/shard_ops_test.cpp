@@ -299,7 +299,7 @@ void check_case(Where where, std::mt19937_64& rng, int tensor_dtype, int flat_dt
   if (pack) {
     for (int64_t f = 0; f < flat_numel; ++f) {
       if (!covered[static_cast<size_t>(f)]) {
-        expect(load_bits(flat, flat_dtype, f) == poison, label + ": gap element " + std::to_string(f) + " written");
+        expect(load_bits(flat, flat_dtype, f) == (poison >> (32 - 8 * elem_bytes(flat_dtype))), label + ": gap element " + std::to_string(f) + " written");
       }
     }
     for (int i = 0; i < n_segments; ++i) expect(tensors[i] == tensors_before[i], label + ": a source changed");

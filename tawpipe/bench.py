@@ -1,0 +1,120 @@
+"""`tawpipe bench`: measurements that back the library's claims.
+
+`overlap`: step time with communication overlapped against the same job with every transfer
+waited for at once. A delay is injected into every communication operation (DelayComm), sized so
+that a rank's communication takes about as long as its compute; the ratio is measured in one run
+on one machine, with the same processes, model and data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .comm import DelayComm
+from .comm.torch_dist import TorchDistComm
+from .data import batch as draw_batch
+from .data import load_tokens
+from .engine import TawPipe
+from .launch import run_local
+from .models.llama import Llama, LlamaConfig, block_forward, llama_loss
+from .plan import COMM_OPS, Op
+from .topology import Topology
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=("overlap",), help="which measurement")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--per-node", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--preset", default="micro")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per variant (after one warm-up)")
+    p.add_argument("--comm-ratio", type=float, default=1.0, help="injected comm time / compute time")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results", "overlap_cpu.json"))
+
+
+def _engine(model: Llama, topo: Topology, acc: int, comm, overlap: bool) -> TawPipe:
+    return TawPipe(
+        model.blocks, model.embed, model.head, llama_loss, topology=topo, micro_batches=acc,
+        block_forward=block_forward, block_context=lambda t: model.block_context(t.shape[1], "cpu"),
+        comm=comm, overlap=overlap,
+    )
+
+
+def _time_steps(engine: TawPipe, batches: list, steps: int) -> list[float]:
+    engine.step(batches[0])  # warm-up
+    out = []
+    for i in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.step(batches[(i + 1) % len(batches)])
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _overlap_rank(rank: int, a: dict) -> dict:
+    topo = Topology(a["nodes"], a["per_node"])
+    acc = a["micro_batches"]
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset(a["preset"], n_layers=a["layers"], max_seq_len=a["seq_len"]))
+    src = load_tokens(None)
+    batches = []
+    for step in range(3):
+        parts = [draw_batch(src.train, a["seq_len"], a["batch_size"], seed=0, step=step, index=rank * acc + i)
+                 for i in range(acc)]
+        batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+    # Calibrate: compute-bound step time without any injected delay.
+    base = _engine(model, topo, acc, TorchDistComm(topo, 120), overlap=True)
+    t_compute = statistics.median(_time_steps(base, batches, a["steps"]))
+    n_ops = sum(1 for x in base.plan.actions[rank] if x.op in COMM_OPS and x.op is not Op.ALLREDUCE_REPLICATED)
+    base.close()
+    stats = torch.tensor([t_compute, float(n_ops)], dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    delay = a["comm_ratio"] * stats[0].item() / stats[1].item()
+    result = {"rank": rank, "t_no_delay": t_compute, "delay_per_op_s": delay, "comm_ops": n_ops}
+    for overlap in (False, True):
+        eng = _engine(model, topo, acc, DelayComm(TorchDistComm(topo, 120), delay), overlap=overlap)
+        result["overlap" if overlap else "serial"] = statistics.median(_time_steps(eng, batches, a["steps"]))
+        eng.close()
+    return result
+
+
+def overlap(a: dict) -> dict:
+    ranks = run_local(_overlap_rank, a["nodes"] * a["per_node"], a)
+    serial = max(r["serial"] for r in ranks)
+    over = max(r["overlap"] for r in ranks)
+    return {
+        "benchmark": "overlap", "config": a, "device": "cpu", "cpus": os.cpu_count(),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "step_s_no_delay": max(r["t_no_delay"] for r in ranks),
+        "delay_per_op_s": ranks[0]["delay_per_op_s"],
+        "step_s_serial": serial, "step_s_overlap": over, "ratio": over / serial, "ranks": ranks,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    a = {k: v for k, v in vars(args).items() if k not in ("what", "out")}
+    res = overlap(a)
+    print(f"overlap on {a['nodes']} nodes x {a['per_node']} ranks, {a['preset']} x {a['layers']} layers, "
+          f"acc {a['micro_batches']}, injected {res['delay_per_op_s'] * 1e3:.2f} ms per comm op")
+    print(f"{'variant':<28}{'step time (s, median, slowest rank)':>36}")
+    print(f"{'compute only (no delay)':<28}{res['step_s_no_delay']:>36.3f}")
+    print(f"{'delay, serial (no overlap)':<28}{res['step_s_serial']:>36.3f}")
+    print(f"{'delay, overlapped':<28}{res['step_s_overlap']:>36.3f}")
+    print(f"ratio overlapped / serial = {res['ratio']:.3f}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,539 @@
+"""tawpipe.ops and the native torch.ops.tawpipe.* ops against plain-torch references.
+
+Outputs are poisoned (NaN) before every call, segments sit in shuffled order with gaps, so the
+checks see unwritten elements as well as writes outside the segments. Copies must match torch's
+casts bit for bit; accumulation may differ by a fused multiply-add, so it is compared within
+one unit in the last place. CUDA cases run wherever a GPU is present.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from tawpipe import ops
+from tawpipe.ops import ShardLayout
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
+OPS = ["pack", "unpack", "pack_accumulate", "unpack_accumulate"]
+HAS_CUDA = torch.cuda.is_available()
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+)
+DEVICES = ["cpu", CUDA]
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@pytest.fixture(autouse=True)
+def native_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests pick backends explicitly; a TAWPIPE_OPS_BACKEND from the environment must not leak in."""
+    monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
+
+
+def dtype_id(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def random_shape(gen: torch.Generator) -> tuple[int, ...]:
+    """0-d, zero-element, odd 1-D/2-D/3-D, and sometimes more than one CUDA tile (4096)."""
+    kind = int(torch.randint(0, 10, (), generator=gen))
+    r = lambda lo, hi: int(torch.randint(lo, hi, (), generator=gen))  # noqa: E731
+    if kind == 0:
+        return ()
+    if kind == 1:
+        return (0,) if r(0, 2) else (r(1, 5), 0)
+    if kind == 2:
+        return (r(4097, 9000),)
+    if kind < 6:
+        return (r(1, 130),)
+    if kind < 9:
+        return (r(1, 40), r(1, 40))
+    return (r(1, 9), r(1, 9), r(1, 9))
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str, gen: torch.Generator) -> Tensor:
+    """Nonzero values over many magnitudes: casts must round, overflow float16 and go subnormal."""
+    mag = torch.pow(10.0, torch.empty(shape).uniform_(-7, 5.5, generator=gen))
+    sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
+    values = sign * mag * (1 + torch.rand(shape, generator=gen))
+    return values.to(dtype).to(device)
+
+
+def layout(numels: list[int], gen: torch.Generator) -> tuple[list[int], int]:
+    """Offsets in a shuffled order with 0-3 element gaps (so both aligned and odd starts)."""
+    offsets = [0] * len(numels)
+    cursor = 0
+    for i in torch.randperm(len(numels), generator=gen).tolist():
+        cursor += int(torch.randint(0, 4, (), generator=gen))
+        offsets[i] = cursor
+        cursor += numels[i]
+    return offsets, cursor + 3
+
+
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
+
+
+def reference(op: str, tensors: list[Tensor], flat: Tensor, offsets: list[int], alpha: float):
+    """The op in plain torch: float32 arithmetic, one rounding to the destination dtype."""
+    tensors = [t.clone() for t in tensors]
+    flat = flat.clone()
+    for t, o in zip(tensors, offsets):
+        seg = flat[o : o + t.numel()]
+        if op == "pack":
+            seg.copy_(t.reshape(-1).to(flat.dtype))
+        elif op == "pack_accumulate":
+            seg.copy_((seg.float() + alpha * t.reshape(-1).float()).to(flat.dtype))
+        elif op == "unpack":
+            t.copy_(seg.reshape(t.shape).to(t.dtype))
+        else:
+            t.copy_((t.float() + alpha * seg.reshape(t.shape).float()).to(t.dtype))
+    return tensors, flat
+
+
+def assert_accumulated(actual: Tensor, expected: Tensor) -> None:
+    """Equal within one ulp of the dtype (a fused multiply-add may round differently)."""
+    torch.testing.assert_close(
+        actual.double(), expected.double(), rtol=torch.finfo(actual.dtype).eps, atol=1e-30, equal_nan=True
+    )
+
+
+def make_case(op: str, list_dtypes: list[torch.dtype], flat_dtype: torch.dtype, device: str, gen: torch.Generator):
+    shapes = [random_shape(gen) for _ in list_dtypes]
+    offsets, total = layout([math.prod(s) for s in shapes], gen)
+    flat = torch.full((total,), math.nan, dtype=flat_dtype, device=device)
+    tensors = []
+    for shape, dtype, o in zip(shapes, list_dtypes, offsets):
+        n = math.prod(shape)
+        if op.startswith("pack"):
+            tensors.append(random_tensor(shape, dtype, device, gen))
+            if op == "pack_accumulate":
+                flat[o : o + n] = random_tensor((n,), flat_dtype, device, gen)
+        else:
+            flat[o : o + n] = random_tensor((n,), flat_dtype, device, gen)
+            fill = random_tensor(shape, dtype, device, gen) if op == "unpack_accumulate" else None
+            tensors.append(fill if fill is not None else torch.full(shape, math.nan, dtype=dtype, device=device))
+    return tensors, flat, offsets
+
+
+def call(op: str, tensors: list[Tensor], flat: Tensor, offsets: list[int], alpha: float, **kw) -> None:
+    fn = getattr(ops, op)
+    if op.startswith("pack"):
+        fn(tensors, flat, offsets, *([alpha] if "accumulate" in op else []), **kw)
+    else:
+        fn(flat, tensors, offsets, *([alpha] if "accumulate" in op else []), **kw)
+
+
+def check_op(op: str, list_dtypes: list[torch.dtype], flat_dtype: torch.dtype, device: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    tensors, flat, offsets = make_case(op, list_dtypes, flat_dtype, device, gen)
+    alpha = float(torch.empty(()).uniform_(-3, 3, generator=gen))
+    want_tensors, want_flat = reference(op, tensors, flat, offsets, alpha)
+    call(op, tensors, flat, offsets, alpha)
+    if op.startswith("pack"):
+        for t, w in zip(tensors, want_tensors):
+            assert same_bits(t, w), "a source tensor was modified"
+        if op == "pack":
+            assert same_bits(flat, want_flat)  # every segment, and NaN left in every gap
+        else:
+            assert_accumulated(flat, want_flat)  # NaN (the gaps) exactly where expected
+    else:
+        assert same_bits(flat, want_flat), "the source flat buffer was modified"
+        for t, w in zip(tensors, want_tensors):
+            if op == "unpack":
+                assert same_bits(t, w)
+            else:
+                assert_accumulated(t, w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("list_dtype,flat_dtype", PAIRS, ids=[f"{dtype_id(a)}-{dtype_id(b)}" for a, b in PAIRS])
+@pytest.mark.parametrize("op", OPS)
+def test_op_matches_torch_every_dtype_pair(op: str, list_dtype: torch.dtype, flat_dtype: torch.dtype, device: str) -> None:
+    seed = hash((op, dtype_id(list_dtype), dtype_id(flat_dtype))) % 2**31
+    n = int(torch.randint(1, 70, (), generator=torch.Generator().manual_seed(seed)))
+    check_op(op, [list_dtype] * n, flat_dtype, device, seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n", [0, 1, 2000])
+def test_op_mixed_dtypes_many_tensors(op: str, n: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(n * 7 + len(op))
+    list_dtypes = [DTYPES[i] for i in torch.randint(0, 3, (n,), generator=gen).tolist()]
+    flat_dtype = DTYPES[int(torch.randint(0, 3, (), generator=gen))]
+    check_op(op, list_dtypes, flat_dtype, device, seed=n + 11 * len(op))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_large_segments_split_across_threads_and_blocks(op: str, device: str) -> None:
+    """Totals far above one thread's share and one CUDA tile, with segments straddling the cuts."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(70_001,), (3,), (129_999,), (1,), (40_000,)]
+    offsets, total = layout([math.prod(s) for s in shapes], gen)
+    flat = torch.full((total,), math.nan, device=device)
+    tensors = []
+    for shape, o in zip(shapes, offsets):
+        flat[o : o + math.prod(shape)] = random_tensor(shape, torch.float32, device, gen)
+        tensors.append(random_tensor(shape, torch.bfloat16, device, gen) if "accumulate" in op
+                       else torch.full(shape, math.nan, dtype=torch.bfloat16, device=device))
+    if op.startswith("pack"):
+        tensors = [random_tensor(s, torch.bfloat16, device, gen) for s in shapes]
+    want_tensors, want_flat = reference(op, tensors, flat, offsets, 0.75)
+    call(op, tensors, flat, offsets, 0.75)
+    if op == "pack":
+        assert same_bits(flat, want_flat)
+    elif op == "pack_accumulate":
+        assert_accumulated(flat, want_flat)
+    else:
+        for t, w in zip(tensors, want_tensors):
+            if op == "unpack":
+                assert same_bits(t, w)
+            else:
+                assert_accumulated(t, w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_accumulate_rounds_once_in_float32(dtype: torch.dtype, device: str) -> None:
+    """(1+e)(1+e/2) - (1+e) is exact in float32 but not if alpha*src is rounded to dtype first."""
+    eps = torch.finfo(dtype).eps
+    src = torch.full((5,), 1 + eps, dtype=dtype, device=device)
+    alpha = 1 + eps / 2
+    once = (-src.float() + alpha * src.float()).to(dtype)
+    twice = (-src + (alpha * src.float()).to(dtype)).to(dtype)
+    assert not torch.equal(once, twice)  # the values do tell the two apart
+    flat = -src.clone()
+    ops.pack_accumulate([src], flat, [0], alpha)
+    assert same_bits(flat, once)
+    dst = -src.clone()
+    ops.unpack_accumulate(src.clone(), [dst], [0], alpha)
+    assert same_bits(dst, once)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_lists_and_zero_element_tensors_are_noops(device: str) -> None:
+    out = torch.full((6,), math.nan, device=device)
+    before = out.clone()
+    ops.pack([], out, [])
+    ops.unpack_accumulate(out, [], [], 2.0)
+    empties = [torch.empty(0, device=device), torch.empty(3, 0, dtype=torch.float16, device=device)]
+    ops.pack(empties, out, [6, 0])  # a zero-element segment may sit at the very end
+    ops.unpack(out, empties, [0, 6])
+    torch.ops.tawpipe.pack_accumulate(empties, out, [6, 2], 1.0)
+    assert same_bits(out, before)
+
+
+# --- torch.library integration -------------------------------------------------------------
+
+
+def opcheck_args(op: str, device: str) -> tuple:
+    gen = torch.Generator().manual_seed(3)
+    tensors = [random_tensor(s, d, device, gen) for s, d in [((3, 5), torch.float32), ((), torch.bfloat16), ((7,), torch.float16), ((0,), torch.float32)]]
+    flat = random_tensor((30,), torch.bfloat16, device, gen)
+    offsets = [2, 0, 20, 30]
+    args = (tensors, flat, offsets) if op.startswith("pack") else (flat, tensors, offsets)
+    return args + ((0.5,) if "accumulate" in op else ())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(op: str, device: str) -> None:
+    torch.library.opcheck(getattr(torch.ops.tawpipe, op).default, opcheck_args(op, device))
+
+
+def pipeline(params: list[Tensor], grads: list[Tensor], flat: Tensor, acc: Tensor, offsets: list[int]) -> Tensor:
+    """A weight round trip: pack params, unpack them back, fold grads into an accumulator."""
+    ops.pack(params, flat, offsets)
+    ops.unpack(flat, params, offsets)
+    torch.ops.tawpipe.pack_accumulate(grads, acc, offsets, 0.25)
+    ops.unpack_accumulate(acc, grads, offsets, -1.5)
+    return flat.float().sum() + acc.sum()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_matches_eager(backend: str, device: str) -> None:
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(4, 3), (5,), (), (2, 2, 2)]
+    offsets, total = layout([math.prod(s) for s in shapes], gen)
+    params = [random_tensor(s, torch.float32, device, gen) for s in shapes]
+    grads = [random_tensor(s, torch.bfloat16, device, gen) for s in shapes]
+    flat = torch.zeros(total, dtype=torch.bfloat16, device=device)
+    acc = random_tensor((total,), torch.float32, device, gen)
+    state = lambda: ([p.clone() for p in params], [g.clone() for g in grads], flat.clone(), acc.clone())  # noqa: E731
+
+    eager_state = state()
+    eager_out = pipeline(*eager_state, offsets)
+    torch._dynamo.reset()
+    compiled_state = state()
+    compiled_out = torch.compile(pipeline, backend=backend, fullgraph=True)(*compiled_state, offsets)
+    torch.testing.assert_close(compiled_out, eager_out)
+    for a, b in zip(compiled_state, eager_state):
+        for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+            assert same_bits(x, y)
+
+
+# --- bad input: a clear exception before any work, from the wrapper and the raw op ------------
+
+
+def bad_cases(device: str):
+    """(name, op, args, expected exception, message fragment)."""
+    f = lambda *shape, dtype=torch.float32: torch.ones(*shape, dtype=dtype, device=device)  # noqa: E731
+    out = torch.full((10,), math.nan, device=device)
+    aliased = torch.full((10,), math.nan, device=device)
+    return [
+        ("lengths differ", "pack", ([f(2), f(2)], out, [0]), ValueError, "one offset per tensor"),
+        ("negative offset", "pack", ([f(2), f(2)], out, [0, -1]), ValueError, "does not fit"),
+        ("past the end", "pack", ([f(2), f(4)], out, [0, 7]), ValueError, "does not fit"),
+        ("overlap", "pack", ([f(4), f(1), f(3)], out, [0, 9, 2]), ValueError, "overlap"),
+        ("unsupported src dtype", "pack", ([f(2), f(2, dtype=torch.float64)], out, [0, 4]), ValueError, "dtype"),
+        ("unsupported out dtype", "pack", ([f(2)], torch.zeros(4, dtype=torch.int32, device=device), [0]), ValueError, "dtype"),
+        ("out not 1-D", "pack", ([f(2)], torch.zeros(2, 5, device=device), [0]), ValueError, "1-D"),
+        ("out not contiguous", "pack", ([f(2)], torch.zeros(20, device=device)[::2], [0]), ValueError, "contiguous"),
+        ("src not contiguous", "pack", ([f(2), f(3, 2).t()], out, [0, 4]), ValueError, "not contiguous"),
+        ("out aliases a src", "pack", ([f(2), aliased[6:]], aliased, [0, 2]), ValueError, "shares memory"),
+        ("dst not contiguous", "unpack", (out, [f(2), f(3, 2).t()], [0, 4]), ValueError, "not contiguous"),
+        ("dst aliases flat", "unpack_accumulate", (aliased, [f(2), aliased[:3]], [0, 5], 1.0), ValueError, "shares memory"),
+        ("dsts alias each other", "unpack", (out, [f(4)[1:]] * 2 + [f(1)], [0, 3, 6]), ValueError, "share memory"),
+    ]
+
+
+def untouched(args: tuple) -> list[Tensor]:
+    return [t.clone() for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, Tensor)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("raw", [False, True], ids=["wrapper", "torch.ops"])
+@pytest.mark.parametrize("case", range(13))
+def test_bad_input_raises_before_any_work(case: int, raw: bool, device: str) -> None:
+    name, op, args, exc, fragment = bad_cases(device)[case]
+    before = untouched(args)
+    fn = getattr(torch.ops.tawpipe, op) if raw else getattr(ops, op)
+    with pytest.raises(exc, match=fragment):
+        fn(*args)
+    for a, b in zip(untouched(args), before):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
+
+
+def test_device_mismatch_is_rejected() -> None:
+    other = "cuda" if HAS_CUDA else "meta"
+    out = torch.zeros(8)
+    srcs = [torch.ones(2), torch.ones(2, device=other)]
+    for fn in (ops.pack, torch.ops.tawpipe.pack):
+        with pytest.raises(ValueError, match="move all tensors to one device"):
+            fn(srcs, out, [0, 4])
+    assert torch.equal(out, torch.zeros(8))
+
+
+def test_wrapper_rejects_non_tensors() -> None:
+    with pytest.raises(TypeError, match=r"srcs\[1\] must be a torch.Tensor"):
+        ops.pack([torch.ones(2), [1.0, 2.0]], torch.zeros(4), [0, 2])
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        ops.pack([torch.ones(2)], [0.0] * 4, [0])
+
+
+def test_overlap_check_scales_to_many_segments() -> None:
+    """200k one-element segments in reverse order with one overlap at the far end: found, and
+    fast (a quadratic check would take minutes)."""
+    n = 200_000
+    srcs = [torch.ones(())] * n
+    offsets = list(range(n - 1, -1, -1))
+    offsets[0] = 0  # collides with the last segment
+    with pytest.raises(ValueError, match="overlap"):
+        torch.ops.tawpipe.pack(srcs, torch.zeros(n), offsets)
+
+
+# --- backend selection -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_triton(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Replace tawpipe.triton_ops with a recorder of (function, args)."""
+    calls: list[tuple] = []
+    module = types.ModuleType("tawpipe.triton_ops")
+    for name in OPS:
+        setattr(module, name, lambda *args, _name=name: calls.append((_name, args)))
+    monkeypatch.setitem(sys.modules, "tawpipe.triton_ops", module)
+    return calls
+
+
+def test_backend_from_argument_and_environment(monkeypatch: pytest.MonkeyPatch, fake_triton: list[tuple]) -> None:
+    src, out = torch.ones(3), torch.zeros(4)
+    ops.pack_accumulate([src], out, [1], 2.0, backend="triton")
+    assert fake_triton == [("pack_accumulate", ([src], out, [1], 2.0))]
+    assert torch.equal(out, torch.zeros(4))  # the native op did not run
+
+    monkeypatch.setenv(ops.BACKEND_ENV, "triton")
+    ops.unpack(out, [src], [0])
+    assert fake_triton[-1] == ("unpack", (out, [src], [0]))
+    ops.pack([src], out, [1], backend="native")  # the argument wins over the environment
+    assert len(fake_triton) == 2 and torch.equal(out, torch.tensor([0.0, 1, 1, 1]))
+
+
+def test_triton_backend_gets_validated_input(fake_triton: list[tuple]) -> None:
+    with pytest.raises(ValueError, match="overlap"):
+        ops.pack([torch.ones(3), torch.ones(3)], torch.zeros(8), [0, 2], backend="triton")
+    assert fake_triton == []
+
+
+def test_unknown_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="unknown tawpipe ops backend 'cuda'"):
+        ops.pack([], torch.zeros(1), [], backend="cuda")
+    monkeypatch.setenv(ops.BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match=ops.BACKEND_ENV):
+        ops.pack([], torch.zeros(1), [])
+    assert ops.resolve_backend("native") == "native"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_native_matches_triton_backend(op: str) -> None:
+    """The two independent implementations agree (compiled on a GPU, interpreted on CPU)."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton on CPU tensors needs TRITON_INTERPRET=1 before triton is imported")
+    pytest.importorskip("triton")
+    pytest.importorskip("tawpipe.triton_ops")
+    gen = torch.Generator().manual_seed(21)
+    list_dtypes = [DTYPES[i] for i in torch.randint(0, 3, (40,), generator=gen).tolist()]
+    tensors, flat, offsets = make_case(op, list_dtypes, torch.bfloat16, device, gen)
+    results = []
+    for backend in ops.BACKENDS:
+        t, f = [x.clone() for x in tensors], flat.clone()
+        call(op, t, f, offsets, 0.5, backend=backend)
+        results.append((t, f))
+    (t_native, f_native), (t_triton, f_triton) = results
+    for a, b in zip([f_native, *t_native], [f_triton, *t_triton]):
+        if "accumulate" in op:
+            assert_accumulated(a, b)
+        else:
+            assert same_bits(a, b)
+
+
+# --- CUDA specifics --------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_one_kernel_launch_on_the_current_stream() -> None:
+    gen = torch.Generator().manual_seed(4)
+    srcs = [random_tensor(random_shape(gen), torch.float32, "cuda", gen) for _ in range(2000)]
+    offsets, total = layout([s.numel() for s in srcs], gen)
+    out = torch.full((total,), math.nan, dtype=torch.bfloat16, device="cuda")
+    _, want = reference("pack", srcs, out, offsets, 1.0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.cuda.stream(stream):
+            ops.pack(srcs, out, offsets)
+        stream.synchronize()
+    kernels = [e for e in prof.events() if "shard_kernel" in e.name]
+    assert len(kernels) == 1
+    assert same_bits(out, want)
+
+
+# --- ShardLayout -----------------------------------------------------------------------------
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3, bias=False))
+    model[2].weight.data = model[2].weight.data.to(torch.bfloat16)
+    return model
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 50), max_size=12), st.integers(1, 16))
+def test_layout_offsets_are_aligned_disjoint_and_tight(numels: list[int], align: int) -> None:
+    layout_ = ShardLayout.from_tensors([torch.empty(n) for n in numels], align=align)
+    assert layout_.numels == tuple(numels)
+    end = 0
+    for offset, n in zip(layout_.offsets, numels):
+        assert offset % align == 0 and end <= offset < end + align  # aligned, in order, no waste
+        end = offset + n
+    assert layout_.numel % align == 0 and end <= layout_.numel < end + align
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flat_dtype", DTYPES, ids=dtype_id)
+def test_layout_round_trip_of_a_module(flat_dtype: torch.dtype, device: str) -> None:
+    model = small_model().to(device)
+    named = list(model.named_parameters())
+    params = [p.detach() for _, p in named]
+    lay = ShardLayout.from_module(model, align=8)
+    assert lay.names == tuple(n for n, _ in named)
+    assert lay.shapes == tuple(p.shape for p in params)
+    assert lay.dtypes == tuple(p.dtype for p in params)
+    flat = lay.new_flat(flat_dtype, device)
+    assert flat.shape == (lay.numel,) and flat.dtype == flat_dtype and not flat.any()
+    offsets = list(lay.offsets)
+
+    lay.pack(params, flat)
+    copies = [torch.full_like(p, math.nan) for p in params]
+    lay.unpack(flat, copies)
+    for p, c in zip(params, copies):
+        assert same_bits(c, p.to(flat_dtype).to(p.dtype))  # exact when flat_dtype holds p
+
+    _, want_flat = reference("pack_accumulate", params, flat, offsets, -1.0)
+    lay.pack_accumulate(params, flat, alpha=-1.0)
+    assert_accumulated(flat, want_flat)
+    want_copies, _ = reference("unpack_accumulate", copies, flat, offsets, 3.0)
+    lay.unpack_accumulate(flat, copies, alpha=3.0)
+    for c, w in zip(copies, want_copies):
+        assert_accumulated(c, w)
+    padding = torch.ones(lay.numel, dtype=torch.bool, device=device)
+    for o, n in zip(lay.offsets, lay.numels):
+        padding[o : o + n] = False
+    assert not flat[padding].any()  # padding stays zero
+
+
+def test_layout_views_alias_the_flat_buffer() -> None:
+    model = small_model().float()
+    lay = ShardLayout.from_module(model, align=4)
+    flat = lay.new_flat()
+    views = lay.views(flat)
+    for i, (v, o, shape) in enumerate(zip(views, lay.offsets, lay.shapes)):
+        assert v.shape == shape and v.data_ptr() == flat.data_ptr() + o * flat.element_size()
+        v.fill_(i + 1)
+    for i, (o, n) in enumerate(zip(lay.offsets, lay.numels)):
+        assert torch.equal(flat[o : o + n], torch.full((n,), i + 1.0))
+    assert int((flat == 0).sum()) == lay.numel - sum(lay.numels)
+
+    # Bind the module's parameters to the views: the module now reads its weights from flat.
+    lay.pack(list(model.parameters()), flat)
+    for (name, _), v in zip(list(model.named_parameters()), views):
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, nn.Parameter(v))
+    x = torch.randn(2, 5)
+    y = model(x)
+    flat.zero_()
+    assert torch.equal(model(x), torch.zeros_like(y))  # every weight and bias came from flat
+    assert not torch.equal(y, torch.zeros_like(y))
+
+
+def test_layout_errors() -> None:
+    tensors = [torch.ones(3), torch.ones(2, 2)]
+    with pytest.raises(ValueError, match="2 tensors but 1 names"):
+        ShardLayout.from_tensors(tensors, names=["a"])
+    with pytest.raises(ValueError, match="align"):
+        ShardLayout.from_tensors(tensors, align=0)
+    lay = ShardLayout.from_tensors(tensors, names=["a", "b"])
+    assert lay.names == ("a", "b") and ShardLayout.from_tensors(tensors).names == ("0", "1")
+    with pytest.raises(ValueError, match="tensor 1 \\('b'\\) has shape \\(4,\\)"):
+        lay.pack([torch.ones(3), torch.ones(4)], lay.new_flat())
+    with pytest.raises(ValueError, match="got 1 tensors for a layout of 2"):
+        lay.unpack(lay.new_flat(), [torch.ones(3)])
+    with pytest.raises(ValueError, match="at least 7 elements"):
+        lay.views(torch.zeros(6))
+    with pytest.raises(ValueError, match="one entry per tensor"):
+        ShardLayout(names=("a",), shapes=(), dtypes=(), offsets=(), numel=0)

@@ -1,0 +1,129 @@
+"""Traffic accounting of plans against the spec's cost model (§2.6, §3.9) and the peer estimates."""
+
+from __future__ import annotations
+
+import pytest
+
+from tawpipe.plan import Op, build_plan
+from tawpipe.topology import Topology
+from tawpipe.traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
+
+
+def elements(topo: Topology, layers: int, acc: int, **kw):
+    """Traffic in elements: with one parameter per layer, Psi = layers."""
+    return plan_traffic(build_plan(topo, layers, acc, layer_numel=1, weight_bytes=1, grad_bytes=1, **kw))
+
+
+def test_tawpipe_paper_setup_n24_g3_acc64():
+    """Spec §3.9: ~123-128 Psi across nodes per node, of which acc·N·(G-1)/G chunks are gradients."""
+    psi = 24
+    t = elements(Topology(3, 8), psi, 64)
+    per_node = t.per_node()
+    assert all(122 * psi <= v <= 128 * psi for v in per_node), [v / psi for v in per_node]
+    assert max(per_node) == pytest.approx(3 * 64 * (3 - 1) / 3 * psi, rel=0.01)
+    assert t.per_node(kind="grads") == [64 * 24 * 2 / 3] * 3  # 1024 chunks = 42.7 Psi
+    weights = t.per_node(kind="weights")  # spec: "80-85 Psi are weights"
+    assert all(80 * psi <= v <= 85.5 * psi for v in weights), [v / psi for v in weights]
+    # weight traffic spreads over the rails: at most 2·acc·(G-1) chunks per device
+    assert t.busiest(kind="weights")[1] == 2 * 64 * 2
+
+
+@pytest.mark.parametrize("G,s,acc", [(2, 4, 4), (4, 2, 3), (3, 3, 2), (8, 1, 2), (4, 4, 4)])
+def test_tawpipe_inter_node_volume_is_about_3_acc_g_minus_1_over_g_psi(G, s, acc):
+    n = G * s
+    t = elements(Topology(G, s), n, acc)
+    mean = sum(t.per_node()) / G
+    # exactly: every chunk is fetched 2·acc·(N-1)+1 times per group (§3.9), by G-1 groups from
+    # another node; every group sends acc·(N-s) gradients to other nodes
+    assert mean == pytest.approx((G - 1) / G * (2 * acc * (n - 1) + 1 + acc * n))
+    assert mean == pytest.approx(3 * acc * (G - 1) / G * n, rel=1 / n)
+    assert sum(t.per_node()) == t.total(inter=True) == t.total(inter=True, direction="received")
+
+
+@pytest.mark.parametrize("acc", [4, 8, 16])
+def test_weipipe_ring_link_across_nodes_carries_about_3_acc_plus_1_psi(acc):
+    psi, topo = 8, Topology(2, 4)
+    plan = build_plan(topo, psi, acc, algo="weipipe", layer_numel=1, weight_bytes=1, grad_bytes=1)
+    link = sum(a.bytes for acts in plan.actions for a in acts
+               if a.op in (Op.SEND_W, Op.SEND_G) and (a.rank, a.peer) == (3, 4))
+    # the spec counts the reference's sends (acc+1 rounds); the plan drops the unconsumed ones
+    assert 3 * acc * psi * 0.95 <= link <= 3 * (acc + 1) * psi
+
+
+def test_rail_routing_cuts_the_busiest_ranks_inter_node_gradients_by_s():
+    for G, s, acc in [(3, 8, 8), (2, 4, 3), (4, 2, 2)]:
+        leader = elements(Topology(G, s), G * s, acc, grad_route="leader")
+        rail = elements(Topology(G, s), G * s, acc, grad_route="rail")
+        r_lead, v_lead = leader.busiest(kind="grads")
+        _, v_rail = rail.busiest(kind="grads")
+        assert Topology(G, s).local_index(r_lead) == 0
+        assert v_lead == acc * G * s * (G - 1) / G  # everything leaves from local index 0
+        assert v_lead / v_rail == pytest.approx(s)
+        assert rail.per_rail(kind="grads") == [v_rail * G] * s  # balanced over the rails
+        assert rail.total(kind="grads", inter=True) == leader.total(kind="grads", inter=True)
+
+
+def test_collectives_stay_inside_nodes_and_p2p_between_them():
+    single = elements(Topology(1, 4), 8, 2)
+    assert single.total(inter=True) == 0 and single.total(inter=False) > 0
+    pure_p2p = elements(Topology(4, 1), 8, 2)
+    assert pure_p2p.total(inter=False) == 0 and pure_p2p.total(inter=True) > 0
+
+
+def test_chain_model_of_a_broadcast_and_received_equals_sent():
+    # G=1, s=4, one chunk of one layer per rank: every broadcast is 3 hops, every reduce 3 hops
+    plan = build_plan(Topology(1, 4), 4, 1, layer_numel=1, weight_bytes=1, grad_bytes=1)
+    t = plan_traffic(plan)
+    bcasts = sum(a.op is Op.BCAST_W for a in plan.actions[0])
+    reduces = sum(a.op is Op.REDUCE_G for a in plan.actions[0])
+    assert t.total(kind="weights") == 3 * bcasts
+    assert t.total(kind="grads") == 3 * reduces
+    assert t.total(direction="received") == t.total(direction="sent")
+    intra, inter = t.node_bytes(0)
+    assert inter == 0 and intra == t.total(0)
+
+
+def test_replicated_allreduce_is_a_world_ring():
+    t = plan_traffic(build_plan(Topology(2, 2), 4, 1, replicated_numel=10, grad_bytes=4))
+    for r in range(4):
+        assert t.total(r, kind="replicated") == pytest.approx(2 * 3 / 4 * 40)
+    assert t.total(kind="replicated", inter=True) == pytest.approx(2 * 2 * 3 / 4 * 40)  # 1->2, 3->0
+
+
+def test_model_dims_match_the_spec_model_sizes():
+    small = ModelDims(hidden=1024, layers=48)
+    assert small.ffn_hidden == 2752
+    assert small.decoder_numel + small.replicated_numel == pytest.approx(640e6, rel=0.002)
+    big = ModelDims(hidden=4096, layers=48)
+    assert big.decoder_numel + big.replicated_numel == pytest.approx(9.81e9, rel=0.002)
+    gqa = ModelDims(hidden=1024, layers=48, heads=16, kv_heads=4)
+    assert small.layer_numel - gqa.layer_numel == 2 * 1024 * (1024 - 256)
+    with pytest.raises(ValueError, match="heads"):
+        ModelDims(hidden=1000, layers=2, heads=32)
+
+
+def test_estimates_agree_with_plans_and_with_each_other():
+    topo, acc = Topology(3, 8), 8
+    dims = ModelDims(hidden=256, layers=24, heads=8, vocab=1000, seq=1024)
+    plan = build_plan(topo, dims.layers, acc, layer_numel=dims.layer_numel, weight_bytes=dims.dtype_bytes,
+                      grad_bytes=dims.grad_bytes, replicated_numel=dims.replicated_numel)
+    t = plan_traffic(plan)
+    taw = estimate("tawpipe", dims, topo, acc)
+    assert max(t.per_node()) == pytest.approx(taw.inter_node_per_node, rel=0.05)
+    assert t.total() / topo.world_size == pytest.approx(taw.sent_per_rank, rel=0.05)
+    wplan = build_plan(topo, dims.layers, acc, algo="weipipe", layer_numel=dims.layer_numel,
+                       weight_bytes=dims.dtype_bytes, grad_bytes=dims.grad_bytes,
+                       replicated_numel=dims.replicated_numel)
+    wei = estimate("weipipe", dims, topo, acc)
+    assert plan_traffic(wplan).total() / topo.world_size == pytest.approx(wei.sent_per_rank, rel=0.15)
+    est = {m: estimate(m, dims, topo, acc) for m in PEER_METHODS}
+    assert est["tawpipe"].inter_node_per_node < est["weipipe"].inter_node_per_node
+    assert est["hsdp"].inter_node_per_node < est["fsdp"].inter_node_per_node
+    p = dims.decoder_numel + dims.replicated_numel
+    assert est["ddp"].inter_node_per_node == pytest.approx(2 * 23 / 24 * p * 4)
+    longer = ModelDims(hidden=256, layers=24, heads=8, vocab=1000, seq=2048)
+    for m in PEER_METHODS:  # only activation passing grows with the sequence length
+        ratio = estimate(m, longer, topo, acc).sent_per_rank / est[m].sent_per_rank
+        assert ratio == pytest.approx(2.0 if m == "1f1b" else 1.0)
+    with pytest.raises(ValueError, match="unknown method"):
+        estimate("zero-bubble", dims, topo, acc)
