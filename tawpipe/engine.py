@@ -5,9 +5,12 @@ accumulator) plus a few chunk-sized staging buffers. The plan says which chunk s
 buffer at every moment; this module only runs the actions in order, orders work on each buffer by
 dataflow (`_Hazards`), and keeps communication on in-order channels so it overlaps compute.
 
-Note on recompute: the forward of a chunk keeps only the chunk's input activation; its backward
-re-runs the forward with gradients enabled on the weights then resident in the plan's buffer
-(chunk-level activation recompute, the paper's setting).
+Note on recompute: with ``recompute="chunk"`` (the paper's setting) the forward of a chunk keeps
+only the chunk's input activation, and its backward re-runs the forward with gradients enabled on
+the weights then resident in the plan's buffer. With ``recompute="none"`` the forward keeps its
+graph; tensors it saves that alias its weight buffer are stored as (offset, size, stride) and
+re-read at backward time from the buffer the plan names for that backward, which holds the same
+chunk by then. No weight copy is kept and no saved tensor points into a buffer being refilled.
 """
 
 from __future__ import annotations
@@ -124,6 +127,28 @@ def _reads_writes(a: Action) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return (), ()
 
 
+def weights_saved_by_reference(
+    buf: torch.Tensor, backward_buf: Callable[[], torch.Tensor]
+) -> torch.autograd.graph.saved_tensors_hooks:
+    """Autograd hooks under which tensors saved for backward that alias `buf` are stored as
+    (offset, size, stride) and read back from `backward_buf()` when the backward runs."""
+    base, ptr = buf.storage_offset(), buf.untyped_storage().data_ptr()
+
+    def pack(t: torch.Tensor):
+        if t.device == buf.device and t.untyped_storage().data_ptr() == ptr:
+            return ("weights", t.storage_offset() - base, t.size(), t.stride())
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, tuple) and saved and saved[0] == "weights":
+            _, offset, size, stride = saved
+            b = backward_buf()
+            return b.as_strided(size, stride, b.storage_offset() + offset)
+        return saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """Persistent per-rank bytes, by kind. `model_bytes_16` is 16 bytes x decoder parameters / N."""
@@ -183,6 +208,7 @@ class TawPipe:
         grad_route: str = "rail",
         overlap: bool = True,
         loss_scale: float | str | None = "auto",
+        recompute: str = "chunk",
         timeout: float | None = None,
         names: tuple[str, str, str] = ("embed", "blocks", "head"),
     ) -> None:
@@ -198,6 +224,8 @@ class TawPipe:
                 )
         if not sig:
             raise ValueError("the blocks have no parameters: nothing to shard")
+        if recompute not in ("chunk", "none"):
+            raise ValueError(f"recompute must be 'chunk' or 'none', got {recompute!r}")
         if compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype {compute_dtype} unsupported; use one of {_DTYPES}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -207,20 +235,12 @@ class TawPipe:
         if not (loss_scale is None or loss_scale == "dynamic" or (isinstance(loss_scale, (int, float)) and loss_scale > 0)):
             raise ValueError(f"loss_scale must be None, 'dynamic', 'auto' or a positive number, got {loss_scale!r}")
         self.timeout = float(timeout if timeout is not None else os.environ.get("TAWPIPE_TIMEOUT", 300))
-        if comm is None:
-            from .comm.torch_dist import TorchDistComm
-
-            comm = TorchDistComm(topology, self.timeout)
-        if comm.world_size != topology.world_size:
-            raise ValueError(
-                f"the comm backend has {comm.world_size} ranks but the topology {topology.world_size}"
-            )
         self.device = torch.device(device) if device is not None else next(embed.parameters()).device
         self.topology = topology
-        self.rank = comm.rank
         self.compute_dtype = compute_dtype
         self.max_grad_norm = max_grad_norm
         self.overlap = overlap
+        self.recompute = recompute
         self.loss_fn = loss_fn
         self.block_context = block_context
         self.names = names
@@ -240,6 +260,16 @@ class TawPipe:
             grad_bytes=4, replicated_numel=self._rep_flat.numel(),
         )
         self.micro_batches = micro_batches
+        # Communication starts only now, after every check above and the (pure) plan passed.
+        if comm is None:
+            from .comm.torch_dist import TorchDistComm
+
+            comm = TorchDistComm(topology, self.timeout)
+        if comm.world_size != topology.world_size:
+            raise ValueError(
+                f"the comm backend has {comm.world_size} ranks but the topology {topology.world_size}"
+            )
+        self.rank = comm.rank
         self.num_chunks = len(self.plan.chunk_layers)
         self.own_chunk = self.plan.owner.index(self.rank)
         self.decoder_params = block_numel * len(blocks)
@@ -312,6 +342,7 @@ class TawPipe:
         self._ctx = [self.block_context(t) if self.block_context else {} for t in self._mb_in]
         self._x: dict[tuple[int, int], torch.Tensor] = {}
         self._dy: dict[tuple[int, int], torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], tuple] = {}
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._rep_handle: Handle | None = None
         hazards = _Hazards()
@@ -487,9 +518,13 @@ class TawPipe:
             self._x[(0, m)] = self._embed(self._mb_in[m]).to(self.compute_dtype)
         x = self._x[(k, m)]
         start, stop = self.plan.chunk_layers[k]
-        y = self._run_chunk(a, x, self._layouts[stop - start].views(self._tensor(a)))
+        views = self._layouts[stop - start].views(self._tensor(a))
+        if self.recompute == "none":
+            y = self._forward_keep_graph(a, x, views)
+        else:
+            y = self._run_chunk(a, x, views)
         if k + 1 < self.num_chunks:
-            self._x[(k + 1, m)] = y
+            self._x[(k + 1, m)] = y.detach()
             return
         # Last chunk: head and loss now, so the backward of this micro-batch can start next slot.
         with torch.enable_grad():
@@ -500,14 +535,28 @@ class TawPipe:
         self._loss_sum += loss.detach().float()
         self._dy[(k, m)] = y.grad
 
+    def _forward_keep_graph(self, a: Action, x: torch.Tensor, views: list[torch.Tensor]) -> torch.Tensor:
+        x = x.detach().requires_grad_()
+        leaves = [v.detach().requires_grad_() for v in views]
+        with torch.enable_grad(), weights_saved_by_reference(self._bufs[a.buf], lambda: self._backward_buf):
+            y = self._run_chunk(a, x, leaves)
+        self._graphs[(a.chunk, a.mb)] = (x, y, leaves)
+        return y
+
     def _backward(self, a: Action) -> None:
         k, m = a.chunk, a.mb
         start, stop = self.plan.chunk_layers[k]
         layout = self._layouts[stop - start]
-        x = self._x.pop((k, m)).detach().requires_grad_()
-        leaves = [v.detach().requires_grad_() for v in layout.views(self._tensor(a))]
+        if self.recompute == "none":
+            x, y, leaves = self._graphs.pop((k, m))
+            self._x.pop((k, m))
+            self._backward_buf = self._bufs[a.buf]
+        else:
+            x = self._x.pop((k, m)).detach().requires_grad_()
+            leaves = [v.detach().requires_grad_() for v in layout.views(self._tensor(a))]
+            with torch.enable_grad():
+                y = self._run_chunk(a, x, leaves)
         with torch.enable_grad():
-            y = self._run_chunk(a, x, leaves)
             torch.autograd.backward(y, self._dy.pop((k, m)))
         grads = [l.grad if l.grad is not None else torch.zeros_like(l) for l in leaves]
         gbuf = self._tensor(a, a.grad_buf)

@@ -759,7 +759,10 @@ def verify(plan: Plan) -> VerifyReport:
                 b = waiting[a.peer]
                 if b is None or b.peer != r or (b.op in _SENDS) == (a.op in _SENDS):
                     break
-                pair(a, b) if a.op in _SENDS else pair(b, a)
+                if a.op in _SENDS:
+                    pair(a, b)
+                else:
+                    pair(b, a)
                 waiting[r] = waiting[a.peer] = None
                 pcs[r] += 1
                 pcs[a.peer] += 1

@@ -57,6 +57,7 @@ CI_CASES = {
         dict(nodes=1, acc=1, layers=5),  # G = 1
         dict(nodes=2, acc=1, layers=4, overlap=False),
         dict(nodes=2, acc=2, layers=4, max_grad_norm=0.05),
+        dict(nodes=2, acc=2, layers=5, recompute="none"),
     ],
     6: [dict(nodes=3, acc=2, layers=7)],
 }
@@ -102,3 +103,13 @@ def test_memory_is_sharded() -> None:
         assert len(weights) <= 3, mem.staging
         chunk_bytes_f32 = 4 * mem.decoder_params / 4
         assert all(v <= chunk_bytes_f32 for v in mem.staging.values()), mem.staging
+
+
+def test_checkpoint_resume_and_full_state_dict(tmp_path) -> None:
+    from engine_cases import resume
+
+    results = run_local(resume, 4, str(tmp_path), timeout=240)
+    for r in results:
+        assert r["loss3_resumed"] == pytest.approx(r["loss3"], rel=1e-6)
+        assert r["resumed_err"] <= 1e-6
+    assert results[0]["full_err"] <= PARAM_RTOL

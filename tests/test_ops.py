@@ -39,6 +39,17 @@ def native_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
 
 
+@pytest.fixture
+def fake_triton(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Replace tawpipe.triton_ops with a recorder of (function, args)."""
+    calls: list[tuple] = []
+    module = types.ModuleType("tawpipe.triton_ops")
+    for name in OPS:
+        setattr(module, name, lambda *args, _name=name: calls.append((_name, args)))
+    monkeypatch.setitem(sys.modules, "tawpipe.triton_ops", module)
+    return calls
+
+
 def dtype_id(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
@@ -61,11 +72,16 @@ def random_shape(gen: torch.Generator) -> tuple[int, ...]:
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str, gen: torch.Generator) -> Tensor:
-    """Nonzero values over many magnitudes: casts must round, overflow float16 and go subnormal."""
+    """Nonzero values over many magnitudes: casts must round, overflow float16 and go subnormal;
+    a quarter are exact ties of the bfloat16 or float16 rounding (round half to even)."""
     mag = torch.pow(10.0, torch.empty(shape).uniform_(-7, 5.5, generator=gen))
     sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
     values = sign * mag * (1 + torch.rand(shape, generator=gen))
-    return values.to(dtype).to(device)
+    bits = values.view(torch.int32)
+    kind = torch.randint(0, 8, shape, generator=gen)
+    bits = torch.where(kind == 0, (bits & ~0xFFFF) | 0x8000, bits)  # halfway between two bfloat16
+    bits = torch.where(kind == 1, (bits & ~0x1FFF) | 0x1000, bits)  # halfway between two float16
+    return bits.view(torch.float32).to(dtype).to(device)
 
 
 def layout(numels: list[int], gen: torch.Generator) -> tuple[list[int], int]:
@@ -314,14 +330,19 @@ def untouched(args: tuple) -> list[Tensor]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("raw", [False, True], ids=["wrapper", "torch.ops"])
+@pytest.mark.parametrize("entry", ["wrapper", "wrapper-triton", "torch.ops"])
 @pytest.mark.parametrize("case", range(13))
-def test_bad_input_raises_before_any_work(case: int, raw: bool, device: str) -> None:
+def test_bad_input_raises_before_any_work(case: int, entry: str, device: str, fake_triton: list[tuple]) -> None:
+    """The wrapper's Python validation (seen alone through the triton backend, which has no
+    other checks) and the C++ validation of a direct torch.ops call both reject it."""
     name, op, args, exc, fragment = bad_cases(device)[case]
     before = untouched(args)
-    fn = getattr(torch.ops.tawpipe, op) if raw else getattr(ops, op)
     with pytest.raises(exc, match=fragment):
-        fn(*args)
+        if entry == "torch.ops":
+            getattr(torch.ops.tawpipe, op)(*args)
+        else:
+            getattr(ops, op)(*args, backend="triton" if entry == "wrapper-triton" else "native")
+    assert fake_triton == []
     for a, b in zip(untouched(args), before):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
 
@@ -355,17 +376,6 @@ def test_overlap_check_scales_to_many_segments() -> None:
 
 
 # --- backend selection -----------------------------------------------------------------------
-
-
-@pytest.fixture
-def fake_triton(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
-    """Replace tawpipe.triton_ops with a recorder of (function, args)."""
-    calls: list[tuple] = []
-    module = types.ModuleType("tawpipe.triton_ops")
-    for name in OPS:
-        setattr(module, name, lambda *args, _name=name: calls.append((_name, args)))
-    monkeypatch.setitem(sys.modules, "tawpipe.triton_ops", module)
-    return calls
 
 
 def test_backend_from_argument_and_environment(monkeypatch: pytest.MonkeyPatch, fake_triton: list[tuple]) -> None:

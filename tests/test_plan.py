@@ -296,12 +296,12 @@ def test_verify_passes_on_the_property_matrix(shape):
 
 @pytest.mark.parametrize("G", [2, 4, 8])
 def test_verify_n64_in_a_few_seconds(G):
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: robust to other jobs sharing the machine
     plan = build_plan(Topology(G, 64 // G), 128, 4)
     report = verify(plan)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert report.contributions == 64 * 64 * 4
-    assert elapsed < 10, f"build + verify took {elapsed:.1f}s"
+    assert elapsed < 10, f"build + verify took {elapsed:.1f}s of CPU"
 
 
 # ---------------------------------------------------------------------------------- §3.9 counts
