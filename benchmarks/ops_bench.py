@@ -406,11 +406,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", choices=("native", "triton"), default="native")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch and the native ops (default: torch's)")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default: benchmarks/results/ops_bench_<device>.json, "
                         "with a _triton suffix for the triton backend)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     report = run(args)
     print_report(report)
     out = args.out
