@@ -95,7 +95,7 @@ class Timing:
 
 
 def _timed_call(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of one call: CUDA events on a GPU, perf_counter on a CPU (CPU ops are synchronous)."""
+    """Seconds of one call: CUDA events on a GPU, perf_counter on a CPU (synchronous there)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -109,7 +109,11 @@ def _timed_call(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def time_fns(
-    fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, iters: int, rounds: int = 3
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    rounds: int = 3,
 ) -> dict[str, Timing]:
     """Time every callable ``iters`` times, in ``rounds`` rounds that visit them in turn.
 
@@ -141,10 +145,8 @@ def load_ops(backend: str, device: torch.device) -> dict[str, tuple[Callable[...
     else:
         from tawpipe import triton_ops as direct
     names = ("pack", "unpack", "unpack_accumulate")
-    return {
-        name: (getattr(direct, name), functools.partial(getattr(tawpipe.ops, name), backend=backend))
-        for name in names
-    }
+    wrapped = {n: functools.partial(getattr(tawpipe.ops, n), backend=backend) for n in names}
+    return {name: (getattr(direct, name), wrapped[name]) for name in names}
 
 
 def implementations(
@@ -233,6 +235,11 @@ def device_slug(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(device).lower()).strip("_")
 
 
+def load_average() -> float | None:
+    """The 1-minute load average, where the OS has one."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
 def machine_info(device: torch.device, backend: str) -> dict[str, object]:
     info: dict[str, object] = {
         "device": device.type,
@@ -244,8 +251,8 @@ def machine_info(device: torch.device, backend: str) -> dict[str, object]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         # Other processes on the machine skew CPU timings (a descheduled thread stalls a whole
-        # parallel region): the 1-minute load average at the start is kept for judging that.
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        # parallel region): the 1-minute load averages at the start and end are kept for that.
+        "load_average_1min": load_average(),
     }
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
@@ -323,7 +330,7 @@ def bench_workload(
 def run(args: argparse.Namespace) -> dict[str, object]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ops = load_ops(args.backend, device)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    load = load_average() or 0.0
     if device.type == "cpu" and load > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs; timings will be noisy",
               file=sys.stderr)
@@ -338,12 +345,14 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     }
     for name in args.workloads:
         shapes = WORKLOADS[name]()
-        report["workloads"][name] = {"tensors": len(shapes), "elements": sum(map(math.prod, shapes))}
+        n = sum(map(math.prod, shapes))
+        report["workloads"][name] = {"tensors": len(shapes), "elements": n}
         results, ratios = bench_workload(name, shapes, ops, device, args)
         report["results"] += results
         report["ratios"] += ratios
     report["targets"] = targets(report["ratios"])
     report["copy_sweep"] = copy_sweep(device, args.warmup, args.iters)
+    report["machine"]["load_average_1min_end"] = load_average()
     return report
 
 
@@ -366,8 +375,10 @@ def targets(ratios: list[dict[str, object]]) -> list[dict[str, object]]:
 
 def print_report(report: dict[str, object]) -> None:
     m = report["machine"]
-    print(f"device: {m.get('device_name', m['device'])}  backend: {m['backend']}  torch {m['torch']}"
-          f"  cpus: {m['cpu_count']}  load: {m['load_average_1min']}  iters: {report['iters']}"
+    print(f"device: {m.get('device_name', m['device'])}  backend: {m['backend']}"
+          f"  torch {m['torch']}  cpus: {m['cpu_count']}  threads: {m['torch_threads']}"
+          f"  load (start, end): {m['load_average_1min']}, {m['load_average_1min_end']}"
+          f"  iters: {report['iters']}"
           f"  warmup: {report['warmup']}")
     print(FORMULA)
     for wname, w in report["workloads"].items():
@@ -391,7 +402,7 @@ def print_report(report: dict[str, object]) -> None:
                 print(f"{r['op']:<18}{r['case']:<11}{cells[0]:>14}{cells[1]:>14}{cells[2]:>15}"
                       f"{cells[3]:>14}")
     if report["targets"]:
-        print("\ntarget (small_2000_mixed, pack/unpack: >= 0.7x contiguous and >= 5x loop, medians):")
+        print("\ntarget (small_2000_mixed, pack/unpack: >= 0.7x contiguous, >= 5x loop; medians):")
         for t in report["targets"]:
             print(f"  {t['op']:<8}{t['case']:<11}{t['fraction_of_contiguous']:.2f}x contiguous  "
                   f"{t['speedup_vs_loop']:.2f}x loop  {'met' if t['met'] else 'MISSED'}")
@@ -421,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
     if out is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         suffix = "" if args.backend == "native" else f"_{args.backend}"
-        out = Path(__file__).resolve().parent / "results" / f"ops_bench_{device_slug(device)}{suffix}.json"
+        name = f"ops_bench_{device_slug(device)}{suffix}.json"
+        out = Path(__file__).resolve().parent / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out}", file=sys.stderr)

@@ -458,6 +458,7 @@ class TawPipe:
         comm, label = self._comm, f"{a.op.value} chunk {a.chunk} slot {a.slot}"
         if a.op is Op.ALLREDUCE_REPLICATED:
             self._pack_replicated()
+            deps = [*deps, self._compute_done(a)]  # on CUDA: the pack's event on the compute stream
             flat, group, rep = self._rep_flat, a.group, self._rep_comm
             self._rep_handle = self._channels["replicated"].submit(lambda: rep.all_reduce(flat, group), deps, label)
             return self._rep_handle

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 BACKEND_ENV = "TAWPIPE_OPS_BACKEND"
 BACKENDS = ("native", "triton")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES_TEXT = "supported dtypes are float32, bfloat16 and float16"
 
 try:
     from tawpipe import _C  # noqa: F401  (importing registers torch.ops.tawpipe.*)
@@ -76,32 +77,47 @@ def validate_segments(
         raise TypeError(f"{op}: {buf} must be a torch.Tensor, got {type(flat).__name__}")
     if len(tensors) != len(offsets):
         raise ValueError(
-            f"{op}: got {len(tensors)} {lst} but {len(offsets)} offsets; pass exactly one offset per tensor"
+            f"{op}: got {len(tensors)} {lst} but {len(offsets)} offsets; "
+            "pass exactly one offset per tensor"
         )
     if flat.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{op}: {buf} has dtype {flat.dtype}; supported dtypes are float32, bfloat16 and float16")
+        raise ValueError(f"{op}: {buf} has dtype {flat.dtype}; {_DTYPES_TEXT}")
     if flat.dim() != 1:
-        raise ValueError(f"{op}: {buf} must be 1-D, got shape {tuple(flat.shape)}; pass a flat buffer, e.g. {buf}.view(-1)")
+        raise ValueError(
+            f"{op}: {buf} must be 1-D, got shape {tuple(flat.shape)}; pass a flat buffer, e.g. {buf}.view(-1)"
+        )
     if not flat.is_contiguous():
-        raise ValueError(f"{op}: {buf} must be contiguous (stride 1), got stride {flat.stride()}; allocate it with torch.empty(n)")
+        raise ValueError(
+            f"{op}: {buf} must be contiguous (stride 1), got stride {flat.stride()}; "
+            "allocate it with torch.empty(n)"
+        )
     capacity = flat.numel()
     device = flat.device
-    nonempty: list[int] = []
+    nonempty: list[int] = []  # indices of tensors with elements; only those occupy memory
+    numels: list[int] = []
     for i, (t, offset) in enumerate(zip(tensors, offsets)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{op}: {lst}[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{op}: {lst}[{i}] has dtype {t.dtype}; supported dtypes are float32, bfloat16 and float16")
+            raise ValueError(f"{op}: {lst}[{i}] has dtype {t.dtype}; {_DTYPES_TEXT}")
         if t.device != device:
-            raise ValueError(f"{op}: {lst}[{i}] is on {t.device} but {buf} is on {device}; move all tensors to one device")
+            raise ValueError(
+                f"{op}: {lst}[{i}] is on {t.device} but {buf} is on {device}; move all tensors to one device"
+            )
         if not t.is_contiguous():
-            fix = "pass srcs[i].contiguous()" if flat_is_dst else "unpack into a contiguous tensor and copy it into the strided one"
+            fix = (
+                "pass srcs[i].contiguous()"
+                if flat_is_dst
+                else "unpack into a contiguous tensor and copy it into the strided one"
+            )
             raise ValueError(f"{op}: {lst}[{i}] is not contiguous; {fix}")
         numel = t.numel()
+        numels.append(numel)
         if offset < 0 or offset > capacity - numel:
             raise ValueError(
-                f"{op}: segment {i} (offset {offset}, numel {numel}) does not fit in {buf} of {capacity} "
-                f"elements; need 0 <= offset and offset + numel <= {buf}.numel(): fix the offsets or enlarge {buf}"
+                f"{op}: segment {i} (offset {offset}, numel {numel}) does not fit in {buf} of "
+                f"{capacity} elements; need 0 <= offset and offset + numel <= {buf}.numel(): "
+                f"fix the offsets or enlarge {buf}"
             )
         if numel:
             nonempty.append(i)
@@ -109,29 +125,29 @@ def validate_segments(
     # Segments must be disjoint ranges of the flat buffer: sort by offset, compare neighbours.
     order = sorted(nonempty, key=offsets.__getitem__)
     for prev, cur in zip(order, order[1:]):
-        prev_end = offsets[prev] + tensors[prev].numel()
+        prev_end = offsets[prev] + numels[prev]
         if offsets[cur] < prev_end:
             raise ValueError(
                 f"{op}: segments {prev} [{offsets[prev]}, {prev_end}) and {cur} "
-                f"[{offsets[cur]}, {offsets[cur] + tensors[cur].numel()}) overlap in {buf}; "
+                f"[{offsets[cur]}, {offsets[cur] + numels[cur]}) overlap in {buf}; "
                 "give every tensor its own range (see ShardLayout)"
             )
     if not check_memory or not nonempty or capacity == 0:
         return
 
     # Memory the op writes must not be read or written by another segment.
-    def span(t: Tensor) -> tuple[int, int]:
-        begin = t.data_ptr()
-        return begin, begin + t.numel() * t.element_size()
-
-    flat_begin, flat_end = span(flat)
+    flat_begin = flat.data_ptr()
+    flat_end = flat_begin + flat.nbytes
+    spans = []
     for i in nonempty:
-        begin, end = span(tensors[i])
+        begin = tensors[i].data_ptr()
+        end = begin + tensors[i].nbytes
         if begin < flat_end and flat_begin < end:
             fix = "pack into a separate buffer" if flat_is_dst else "unpack from a separate buffer"
             raise ValueError(f"{op}: {buf} shares memory with {lst}[{i}]; {fix}")
+        spans.append((begin, end, i))
     if not flat_is_dst:
-        spans = sorted((*span(tensors[i]), i) for i in nonempty)
+        spans.sort()
         for (_, prev_end, a), (begin, _, b) in zip(spans, spans[1:]):
             if begin < prev_end:
                 raise ValueError(
@@ -151,7 +167,7 @@ def _kernel(name: str, backend: str | None) -> Callable[..., None]:
         except ImportError as exc:
             raise ImportError(
                 f"tawpipe ops backend 'triton' needs tawpipe.triton_ops and triton ({exc}); "
-                f"install triton or use backend='native'"
+                "install triton or use backend='native'"
             ) from exc
         return getattr(module, name)
     if _NATIVE_IMPORT_ERROR is not None:
@@ -163,16 +179,23 @@ def _kernel(name: str, backend: str | None) -> Callable[..., None]:
 
 
 def _run(
-    name: str, tensors: Sequence[Tensor], flat: Tensor, offsets: Iterable[int], backend: str | None,
-    *, flat_is_dst: bool, alpha: float | None = None,
+    name: str,
+    tensors: Sequence[Tensor],
+    flat: Tensor,
+    offsets: Iterable[int],
+    backend: str | None,
+    *,
+    flat_is_dst: bool,
+    alpha: float | None = None,
 ) -> None:
     kernel = _kernel(name, backend)
     tensors = list(tensors)
     offsets = _offsets(offsets)
-    # Under torch.compile tensors are fake (no data pointers); the native op checks aliasing at run time.
+    # Under torch.compile tensors are fake (no data pointers); the native op checks aliasing at
+    # run time.
+    compiling = torch.compiler.is_compiling()
     validate_segments(
-        f"tawpipe::{name}", tensors, flat, offsets, flat_is_dst=flat_is_dst,
-        check_memory=not torch.compiler.is_compiling(),
+        f"tawpipe::{name}", tensors, flat, offsets, flat_is_dst=flat_is_dst, check_memory=not compiling
     )
     args = (tensors, flat, offsets) if flat_is_dst else (flat, tensors, offsets)
     if alpha is None:
@@ -181,25 +204,37 @@ def _run(
         kernel(*args, float(alpha))
 
 
-def pack(srcs: Sequence[Tensor], out: Tensor, offsets: Iterable[int], backend: str | None = None) -> None:
+def pack(
+    srcs: Sequence[Tensor], out: Tensor, offsets: Iterable[int], backend: str | None = None
+) -> None:
     """``out[offsets[i] : offsets[i] + srcs[i].numel()] = srcs[i].flatten()`` cast to out's dtype."""
     _run("pack", srcs, out, offsets, backend, flat_is_dst=True)
 
 
-def unpack(flat: Tensor, dsts: Sequence[Tensor], offsets: Iterable[int], backend: str | None = None) -> None:
+def unpack(
+    flat: Tensor, dsts: Sequence[Tensor], offsets: Iterable[int], backend: str | None = None
+) -> None:
     """``dsts[i][...] = flat[offsets[i] : offsets[i] + dsts[i].numel()]`` cast to dsts[i]'s dtype."""
     _run("unpack", dsts, flat, offsets, backend, flat_is_dst=False)
 
 
 def pack_accumulate(
-    srcs: Sequence[Tensor], out: Tensor, offsets: Iterable[int], alpha: float = 1.0, backend: str | None = None
+    srcs: Sequence[Tensor],
+    out: Tensor,
+    offsets: Iterable[int],
+    alpha: float = 1.0,
+    backend: str | None = None,
 ) -> None:
     """``out[segment i] += alpha * srcs[i]``, computed in float32 (e.g. gradient harvesting)."""
     _run("pack_accumulate", srcs, out, offsets, backend, flat_is_dst=True, alpha=alpha)
 
 
 def unpack_accumulate(
-    flat: Tensor, dsts: Sequence[Tensor], offsets: Iterable[int], alpha: float = 1.0, backend: str | None = None
+    flat: Tensor,
+    dsts: Sequence[Tensor],
+    offsets: Iterable[int],
+    alpha: float = 1.0,
+    backend: str | None = None,
 ) -> None:
     """``dsts[i] += alpha * flat[segment i]``, computed in float32."""
     _run("unpack_accumulate", dsts, flat, offsets, backend, flat_is_dst=False, alpha=alpha)
@@ -218,15 +253,26 @@ if _NATIVE_IMPORT_ERROR is None:
 
     @torch.library.register_fake("tawpipe::pack_accumulate")
     def _pack_accumulate_fake(srcs: list[Tensor], out: Tensor, offsets: list[int], alpha: float) -> None:
-        validate_segments("tawpipe::pack_accumulate", srcs, out, offsets, flat_is_dst=True, check_memory=False)
+        validate_segments(
+            "tawpipe::pack_accumulate", srcs, out, offsets, flat_is_dst=True, check_memory=False
+        )
 
     @torch.library.register_fake("tawpipe::unpack_accumulate")
-    def _unpack_accumulate_fake(flat: Tensor, dsts: list[Tensor], offsets: list[int], alpha: float) -> None:
-        validate_segments("tawpipe::unpack_accumulate", dsts, flat, offsets, flat_is_dst=False, check_memory=False)
+    def _unpack_accumulate_fake(
+        flat: Tensor, dsts: list[Tensor], offsets: list[int], alpha: float
+    ) -> None:
+        validate_segments(
+            "tawpipe::unpack_accumulate", dsts, flat, offsets, flat_is_dst=False, check_memory=False
+        )
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _check_align(align: int) -> None:
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"ShardLayout: align must be a positive number of elements, got {align!r}")
 
 
 @dataclass(frozen=True)
@@ -248,9 +294,10 @@ class ShardLayout:
     def __post_init__(self) -> None:
         n = len(self.names)
         if not (len(self.shapes) == len(self.dtypes) == len(self.offsets) == n):
-            raise ValueError("ShardLayout: names, shapes, dtypes and offsets must have one entry per tensor")
-        if not isinstance(self.align, int) or self.align < 1:
-            raise ValueError(f"ShardLayout: align must be a positive number of elements, got {self.align!r}")
+            raise ValueError(
+                "ShardLayout: names, shapes, dtypes and offsets must have one entry per tensor"
+            )
+        _check_align(self.align)
 
     @classmethod
     def from_tensors(
@@ -262,8 +309,7 @@ class ShardLayout:
             names = [str(i) for i in range(len(tensors))]
         if len(names) != len(tensors):
             raise ValueError(f"ShardLayout: got {len(tensors)} tensors but {len(names)} names")
-        if not isinstance(align, int) or align < 1:
-            raise ValueError(f"ShardLayout: align must be a positive number of elements, got {align!r}")
+        _check_align(align)
         offsets = []
         cursor = 0
         for t in tensors:
@@ -292,7 +338,9 @@ class ShardLayout:
     def numels(self) -> tuple[int, ...]:
         return tuple(math.prod(shape) for shape in self.shapes)
 
-    def new_flat(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Tensor:
+    def new_flat(
+        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> Tensor:
         """A zero-filled flat buffer; zeros, so padding never injects NaN into reductions over it."""
         return torch.zeros(self.numel, dtype=dtype, device=device)
 
@@ -335,4 +383,6 @@ class ShardLayout:
                 f"ShardLayout.views: need a contiguous 1-D buffer of at least {self.numel} elements, "
                 f"got shape {tuple(flat.shape)} (contiguous={flat.is_contiguous()}); use new_flat()"
             )
-        return [flat.narrow(0, o, n).view(shape) for o, n, shape in zip(self.offsets, self.numels, self.shapes)]
+        return [
+            flat.narrow(0, o, n).view(shape) for o, n, shape in zip(self.offsets, self.numels, self.shapes)
+        ]

@@ -78,7 +78,7 @@ def test_cuda_kernel_logic_in_host_emulation(tmp_path: Path) -> None:
     through the same C++ test program as ctest (every dtype pair, copy and accumulate)."""
     source = (KERNELS / "shard_ops_cuda.cu").read_text()
     emulated, launches = re.subn(
-        r"(\w+<\w+>)<<<([^,]+),\s*([^,]+),[^>]*>>>\(", r"emulated_launch(\1, \2, \3, ", source
+        r"(\w+(?:<\w+>)?)<<<([^,]+),\s*([^,]+),[^>]*>>>\(\s*", r"emulated_launch(\1, \2, \3, ", source
     )
     assert launches >= 1, "no kernel launch found to emulate"
     kernel = tmp_path / "shard_ops_cuda_emulated.cpp"

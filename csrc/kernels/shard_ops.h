@@ -27,11 +27,7 @@ extern "C" {
 #endif
 
 /* Element types, stored in tawpipe_segment.src_dtype / dst_dtype. */
-enum {
-  TAWPIPE_DTYPE_F32 = 0,
-  TAWPIPE_DTYPE_BF16 = 1,
-  TAWPIPE_DTYPE_F16 = 2
-};
+enum { TAWPIPE_DTYPE_F32 = 0, TAWPIPE_DTYPE_BF16 = 1, TAWPIPE_DTYPE_F16 = 2 };
 
 /* Return codes of every function below. */
 enum {
@@ -58,18 +54,26 @@ const char* tawpipe_status_string(int status);
  * splitting the concatenated element range of all segments into equal parts, so a table of
  * many tiny segments parallelises as well as one large one.
  */
-int tawpipe_shard_segments_cpu(const tawpipe_segment* segments, int64_t num_segments,
-                               int accumulate, float alpha, int num_threads);
+int tawpipe_shard_segments_cpu(const tawpipe_segment* segments, int64_t num_segments, int accumulate,
+                               float alpha, int num_threads);
 
 /* Declared compatibly with cuda_runtime_api.h, so this header needs no CUDA include. */
 struct CUstream_st;
+
+/*
+ * TAWPIPE_OK if shard work may be enqueued on stream, TAWPIPE_ERR_STREAM_CAPTURING while the
+ * stream captures a CUDA graph (a replay would re-read a host table that has since changed), or
+ * TAWPIPE_ERR_CUDA. Lets callers refuse before allocating anything.
+ */
+int tawpipe_shard_cuda_check_stream(struct CUstream_st* stream);
 
 /* Bytes of device workspace (and of optional host staging) needed for num_segments segments. */
 size_t tawpipe_shard_cuda_workspace_bytes(int64_t num_segments);
 
 /*
- * Device memory. Enqueues exactly one kernel (plus one host-to-device copy of the segment
- * table into device_workspace) on stream; returns without synchronising.
+ * Device memory of the current device. Enqueues exactly one kernel (plus one host-to-device
+ * copy of the segment table into device_workspace) on stream; returns without synchronising.
+ * Checks the stream as tawpipe_shard_cuda_check_stream does.
  *
  * device_workspace: device memory of at least workspace_bytes(num_segments) bytes that stays
  *   allocated until the kernel has run (stream-ordered allocators give this for free).
@@ -78,12 +82,11 @@ size_t tawpipe_shard_cuda_workspace_bytes(int64_t num_segments);
  *   keep it unmodified until the copy has run on stream. With NULL, an internal pageable
  *   buffer is used (the copy is then staged by the driver before this call returns).
  */
-int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int64_t num_segments,
-                                int accumulate, float alpha, void* device_workspace,
-                                void* host_staging, size_t workspace_bytes,
-                                struct CUstream_st* stream);
+int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int64_t num_segments, int accumulate,
+                                float alpha, void* device_workspace, void* host_staging,
+                                size_t workspace_bytes, struct CUstream_st* stream);
 
-/* Text of the last CUDA error seen by this thread in tawpipe_shard_segments_cuda. */
+/* Text of the last CUDA error seen by this thread in the tawpipe_shard_cuda_* functions. */
 const char* tawpipe_cuda_last_error(void);
 
 #ifdef __cplusplus

@@ -33,49 +33,47 @@ inline float bits_float(uint32_t u) {
   return f;
 }
 
+// The conversions below are branch-free (every case computed, then selected) so that the
+// compiler vectorises the loops that use them.
+
 inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 
 inline uint16_t float_to_bf16(float f) {
   const uint32_t u = float_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
-    return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN: keep sign, force quiet
-  }
   // Adding 0x7FFF plus the lowest kept bit rounds the dropped 16 bits to nearest, ties to even.
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x0040u;  // keeps the sign
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
 }
 
 inline float f16_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exponent = (h >> 10) & 0x1Fu;
   const uint32_t mantissa = h & 0x3FFu;
-  if (exponent == 0x1Fu) return bits_float(sign | 0x7F800000u | (mantissa << 13));  // inf, NaN
-  if (exponent != 0) return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-  // Zero or subnormal: mantissa * 2^-24, exact in float32.
-  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
-  return sign ? -magnitude : magnitude;
+  const uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);  // rebias 15 -> 127
+  const uint32_t inf_nan = 0x7F800000u | (mantissa << 13);
+  // Zero and subnormals are mantissa * 2^-24: exact, and never a float32 subnormal, so this
+  // stays right when denormals are flushed (torch.set_flush_denormal).
+  const uint32_t small = float_bits(static_cast<float>(mantissa) * 5.9604644775390625e-8f);
+  return bits_float(sign | (exponent == 0 ? small : exponent == 0x1Fu ? inf_nan : normal));
 }
 
 inline uint16_t float_to_f16(float f) {
   const uint32_t u = float_bits(f);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));  // NaN
-  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
-  if (a >= 0x38800000u) {
-    // Normal half: rebias the exponent (127 -> 15) and round 23 mantissa bits to 10, ties to
-    // even; a carry out of the mantissa correctly bumps the exponent.
-    const uint32_t rebased = a - 0x38000000u;
-    return static_cast<uint16_t>(sign | ((rebased + 0xFFFu + ((rebased >> 13) & 1u)) >> 13));
-  }
-  if (a <= 0x33000000u) return sign;  // <= 2^-25: rounds to (signed) zero, the tie included
-  // Subnormal half: the value in units of 2^-24 is m * 2^(e - 126), with e <= 112.
-  const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
-  const uint32_t shift = 126u - (a >> 23);
-  uint32_t q = m >> shift;
-  const uint32_t rest = m & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1u);
-  if (rest > half || (rest == half && (q & 1u))) ++q;
-  return static_cast<uint16_t>(sign | q);
+  // Normal half (|f| >= 2^-14): rebias the exponent (127 -> 15) and round 23 mantissa bits to
+  // 10, ties to even; a carry out of the mantissa correctly bumps the exponent.
+  const uint32_t rebased = a - 0x38000000u;
+  const uint32_t normal = (rebased + 0xFFFu + ((rebased >> 13) & 1u)) >> 13;
+  // Subnormal half (|f| < 2^-14): in |f| + 0.5 the last mantissa bit is worth 2^-24, the
+  // half-precision subnormal step, so the float addition itself rounds to nearest even.
+  const uint32_t subnormal = float_bits(bits_float(a) + 0.5f) - 0x3F000000u;
+  const uint32_t nan = 0x7E00u | ((a >> 13) & 0x3FFu);
+  uint32_t r = a >= 0x38800000u ? normal : subnormal;
+  r = a >= 0x477FF000u ? 0x7C00u : r;  // >= 65520 rounds to inf (and inf stays inf)
+  r = a > 0x7F800000u ? nan : r;
+  return static_cast<uint16_t>(sign | r);
 }
 
 template <int Dtype>
@@ -130,11 +128,13 @@ constexpr RangeFn kRangeFns[3][3] = {
     {run_range<2, 0, Accumulate>, run_range<2, 1, Accumulate>, run_range<2, 2, Accumulate>},
 };
 
-bool valid_dtype(int32_t d) { return d == TAWPIPE_DTYPE_F32 || d == TAWPIPE_DTYPE_BF16 || d == TAWPIPE_DTYPE_F16; }
+bool valid_dtype(int32_t d) {
+  return d == TAWPIPE_DTYPE_F32 || d == TAWPIPE_DTYPE_BF16 || d == TAWPIPE_DTYPE_F16;
+}
 
 // Runs the concatenated elements [lo, hi) given each segment's exclusive end in that range.
-void run_span(const tawpipe_segment* segs, const std::vector<int64_t>& ends, int64_t lo,
-              int64_t hi, bool accumulate, float alpha) {
+void run_span(const tawpipe_segment* segs, const std::vector<int64_t>& ends, int64_t lo, int64_t hi,
+              bool accumulate, float alpha) {
   size_t s = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
   while (lo < hi) {
     const tawpipe_segment& seg = segs[s];
@@ -154,18 +154,15 @@ void run_span(const tawpipe_segment* segs, const std::vector<int64_t>& ends, int
 
 extern "C" const char* tawpipe_status_string(int status) {
   switch (status) {
-    case TAWPIPE_OK:
-      return "success";
+    case TAWPIPE_OK: return "success";
     case TAWPIPE_ERR_INVALID_ARGUMENT:
       return "invalid argument (dtype, numel, null pointer or workspace size)";
-    case TAWPIPE_ERR_CUDA:
-      return "CUDA runtime error";
-    case TAWPIPE_ERR_OUT_OF_MEMORY:
-      return "out of host memory";
+    case TAWPIPE_ERR_CUDA: return "CUDA runtime error";
+    case TAWPIPE_ERR_OUT_OF_MEMORY: return "out of host memory";
     case TAWPIPE_ERR_STREAM_CAPTURING:
-      return "the stream is capturing a CUDA graph, which tawpipe shard kernels do not support";
-    default:
-      return "unknown status";
+      return "the stream is capturing a CUDA graph, which tawpipe shard kernels do not support; "
+             "run them outside graph capture";
+    default: return "unknown status";
   }
 }
 

@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstring>
 #include <new>
 #include <vector>
 
@@ -21,7 +20,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kTile = 4096;  // elements per work item; a multiple of kThreads * 8
-constexpr int kBlocksPerSm = 8;
 
 // One row of the device table. Only segments with numel > 0 are stored, so first_tile is
 // strictly increasing.
@@ -67,7 +65,7 @@ __host__ __device__ constexpr int dtype_bytes(int dtype) { return dtype == TAWPI
 // Elements per vector access for a dtype pair: the wider side moves 16 bytes.
 __host__ __device__ constexpr int vector_width(int src_dtype, int dst_dtype) {
   return 16 / (dtype_bytes(src_dtype) > dtype_bytes(dst_dtype) ? dtype_bytes(src_dtype)
-                                                                 : dtype_bytes(dst_dtype));
+                                                               : dtype_bytes(dst_dtype));
 }
 
 template <class T, int N>
@@ -126,8 +124,8 @@ __device__ __forceinline__ void run_tile(const DeviceSegment& seg, int64_t begin
 
 // Tiles [tile, tile_end) of one segment, with its dtype pair resolved at compile time.
 template <int S, int D, bool Accumulate>
-__device__ __forceinline__ void run_tiles(const DeviceSegment& seg, int64_t tile,
-                                          int64_t tile_end, float alpha) {
+__device__ __forceinline__ void run_tiles(const DeviceSegment& seg, int64_t tile, int64_t tile_end,
+                                          float alpha) {
   for (; tile < tile_end; ++tile) {
     const int64_t begin = (tile - seg.first_tile) * kTile;
     const int64_t end = begin + kTile < seg.numel ? begin + kTile : seg.numel;
@@ -137,8 +135,8 @@ __device__ __forceinline__ void run_tiles(const DeviceSegment& seg, int64_t tile
 
 template <bool Accumulate>
 __global__ void __launch_bounds__(kThreads)
-    shard_kernel(const DeviceSegment* __restrict__ table, int64_t num_segments,
-                 int64_t total_tiles, float alpha) {
+    shard_kernel(const DeviceSegment* __restrict__ table, int64_t num_segments, int64_t total_tiles,
+                 float alpha) {
   const int64_t block = blockIdx.x;
   const int64_t per_block = total_tiles / gridDim.x;
   const int64_t extra = total_tiles % gridDim.x;
@@ -189,6 +187,13 @@ int cuda_failed(cudaError_t err) {
 
 }  // namespace
 
+extern "C" int tawpipe_shard_cuda_check_stream(struct CUstream_st* stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) return cuda_failed(err);
+  return capture == cudaStreamCaptureStatusNone ? TAWPIPE_OK : TAWPIPE_ERR_STREAM_CAPTURING;
+}
+
 extern "C" size_t tawpipe_shard_cuda_workspace_bytes(int64_t num_segments) {
   return num_segments > 0 ? static_cast<size_t>(num_segments) * sizeof(DeviceSegment) : 0;
 }
@@ -217,11 +222,8 @@ extern "C" int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int6
     return TAWPIPE_ERR_INVALID_ARGUMENT;
   }
 
-  // A captured graph would replay the copy from a host buffer that is reused after this call.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cudaError_t err = cudaStreamIsCapturing(stream, &capture);
-  if (err != cudaSuccess) return cuda_failed(err);
-  if (capture != cudaStreamCaptureStatusNone) return TAWPIPE_ERR_STREAM_CAPTURING;
+  const int stream_status = tawpipe_shard_cuda_check_stream(stream);
+  if (stream_status != TAWPIPE_OK) return stream_status;
 
   thread_local std::vector<DeviceSegment> pageable;
   DeviceSegment* table = static_cast<DeviceSegment*>(host_staging);
@@ -253,23 +255,24 @@ extern "C" int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int6
     tiles += (seg.numel + kTile - 1) / kTile;
   }
 
-  err = cudaMemcpyAsync(device_workspace, table, needed, cudaMemcpyHostToDevice, stream);
+  cudaError_t err = cudaMemcpyAsync(device_workspace, table, needed, cudaMemcpyHostToDevice, stream);
   if (err != cudaSuccess) return cuda_failed(err);
 
+  // One wave: as many blocks as can be resident at once, each with an equal share of tiles.
+  const auto kernel = accumulate != 0 ? shard_kernel<true> : shard_kernel<false>;
   int device = 0;
   int sms = 0;
+  int per_sm = 0;
   err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   if (err != cudaSuccess) return cuda_failed(err);
-  const int64_t grid =
-      std::max<int64_t>(1, std::min<int64_t>({tiles, static_cast<int64_t>(sms) * kBlocksPerSm, INT_MAX}));
+  const int64_t resident = static_cast<int64_t>(sms) * std::max(per_sm, 1);
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>({tiles, resident, INT_MAX}));
 
-  const DeviceSegment* device_table = static_cast<const DeviceSegment*>(device_workspace);
-  if (accumulate != 0) {
-    shard_kernel<true><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(device_table, active, tiles, alpha);
-  } else {
-    shard_kernel<false><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(device_table, active, tiles, alpha);
-  }
+  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+      static_cast<const DeviceSegment*>(device_workspace), active, tiles, alpha);
   err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_failed(err);
   return TAWPIPE_OK;

@@ -7,8 +7,8 @@
 namespace tawpipe {
 namespace {
 
-void run_cpu(const char* op, at::TensorList tensors, const at::Tensor& flat,
-             at::IntArrayRef offsets, FlatRole role, bool accumulate, double alpha) {
+void run_cpu(const char* op, at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets,
+             FlatRole role, bool accumulate, double alpha) {
   const std::vector<tawpipe_segment> segments = make_segments(op, tensors, flat, offsets, role);
   const int status =
       tawpipe_shard_segments_cpu(segments.data(), static_cast<int64_t>(segments.size()),

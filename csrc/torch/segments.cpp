@@ -11,17 +11,10 @@ namespace {
 
 bool kernel_dtype(at::ScalarType t, int32_t* out) {
   switch (t) {
-    case at::kFloat:
-      *out = TAWPIPE_DTYPE_F32;
-      return true;
-    case at::kBFloat16:
-      *out = TAWPIPE_DTYPE_BF16;
-      return true;
-    case at::kHalf:
-      *out = TAWPIPE_DTYPE_F16;
-      return true;
-    default:
-      return false;
+    case at::kFloat: *out = TAWPIPE_DTYPE_F32; return true;
+    case at::kBFloat16: *out = TAWPIPE_DTYPE_BF16; return true;
+    case at::kHalf: *out = TAWPIPE_DTYPE_F16; return true;
+    default: return false;
   }
 }
 
@@ -44,8 +37,8 @@ std::vector<tawpipe_segment> make_segments(const char* op, at::TensorList tensor
   const bool pack = flat_role == FlatRole::kDestination;
   const char* list = pack ? "srcs" : "dsts";
   const char* buf = pack ? "out" : "flat";
-  TORCH_CHECK_VALUE(tensors.size() == offsets.size(), op, ": got ", tensors.size(), " ", list,
-                    " but ", offsets.size(), " offsets; pass exactly one offset per tensor");
+  TORCH_CHECK_VALUE(tensors.size() == offsets.size(), op, ": got ", tensors.size(), " ", list, " but ",
+                    offsets.size(), " offsets; pass exactly one offset per tensor");
   int32_t flat_dtype = 0;
   TORCH_CHECK_VALUE(kernel_dtype(flat.scalar_type(), &flat_dtype), op, ": ", buf, " has dtype ",
                     flat.scalar_type(), "; supported dtypes are float32, bfloat16 and float16");
@@ -95,15 +88,16 @@ std::vector<tawpipe_segment> make_segments(const char* op, at::TensorList tensor
   // Segments must be disjoint ranges of the flat buffer: sort by offset, compare neighbours.
   std::vector<size_t> order(nonempty.size());
   std::iota(order.begin(), order.end(), size_t{0});
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return offsets[nonempty[a]] < offsets[nonempty[b]]; });
+  std::stable_sort(order.begin(), order.end(),  // stable: same message as Python
+                   [&](size_t a, size_t b) { return offsets[nonempty[a]] < offsets[nonempty[b]]; });
   for (size_t k = 1; k < order.size(); ++k) {
     const size_t prev = nonempty[order[k - 1]];
     const size_t cur = nonempty[order[k]];
     const int64_t prev_end = offsets[prev] + tensors[prev].numel();
     TORCH_CHECK_VALUE(offsets[cur] >= prev_end, op, ": segments ", prev, " [", offsets[prev], ", ",
-                      prev_end, ") and ", cur, " [", offsets[cur], ", ", offsets[cur] + tensors[cur].numel(),
-                      ") overlap in ", buf, "; give every tensor its own range (see ShardLayout)");
+                      prev_end, ") and ", cur, " [", offsets[cur], ", ",
+                      offsets[cur] + tensors[cur].numel(), ") overlap in ", buf,
+                      "; give every tensor its own range (see ShardLayout)");
   }
 
   // Memory the kernel writes must not be read or written by another segment.
@@ -133,8 +127,9 @@ std::vector<tawpipe_segment> make_segments(const char* op, at::TensorList tensor
 }
 
 void check_status(const char* op, int status, const char* detail) {
-  TORCH_CHECK(status == TAWPIPE_OK, op, ": kernel failed: ", tawpipe_status_string(status),
-              detail != nullptr ? detail : "");
+  TORCH_CHECK(status == TAWPIPE_OK, op, ": ", tawpipe_status_string(status),
+              detail != nullptr ? " (" : "", detail != nullptr ? detail : "",
+              detail != nullptr ? ")" : "");
 }
 
 }  // namespace tawpipe

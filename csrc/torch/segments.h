@@ -19,7 +19,7 @@ std::vector<tawpipe_segment> make_segments(const char* op, at::TensorList tensor
                                            const at::Tensor& flat, at::IntArrayRef offsets,
                                            FlatRole flat_role);
 
-// Turns a non-zero kernel status into an exception.
+// Turns a non-zero kernel status into a RuntimeError; detail (may be null) is appended.
 void check_status(const char* op, int status, const char* detail);
 
 }  // namespace tawpipe

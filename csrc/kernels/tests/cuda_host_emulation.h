@@ -22,8 +22,9 @@ inline thread_local dim3 emulated_grid_dim;
 #define gridDim emulated_grid_dim
 #define __launch_bounds__(...)
 
-// Few "SMs", so grids are small and each block walks many tiles and segments.
+// Few "SMs" and resident blocks, so grids are small and each block walks many tiles and segments.
 constexpr int kEmulatedMultiprocessors = 3;
+constexpr int kEmulatedBlocksPerMultiprocessor = 2;
 
 inline cudaError_t emulated_copy(void* dst, const void* src, size_t bytes) {
   std::memcpy(dst, src, bytes);
@@ -40,6 +41,8 @@ inline cudaError_t emulated_not_capturing(cudaStreamCaptureStatus* status) {
 #define cudaStreamIsCapturing(stream, status) emulated_not_capturing(status)
 #define cudaGetDevice(device) (*(device) = 0, cudaSuccess)
 #define cudaDeviceGetAttribute(value, attr, device) (*(value) = kEmulatedMultiprocessors, cudaSuccess)
+#define cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, smem) \
+  (*(blocks) = kEmulatedBlocksPerMultiprocessor, cudaSuccess)
 #define cudaGetLastError() cudaSuccess
 #define cudaMalloc(ptr, bytes) (*(ptr) = std::malloc(bytes), cudaSuccess)
 #define cudaFree(ptr) (std::free(ptr), cudaSuccess)

@@ -90,7 +90,8 @@ uint32_t encode(int dtype, float x) {
   const double a = std::fabs(static_cast<double>(x));
   const Table& t = table(dtype);
   if (a >= t.value.back()) return sign | t.bits.back();
-  const size_t hi = static_cast<size_t>(std::upper_bound(t.value.begin(), t.value.end(), a) - t.value.begin());
+  const size_t hi =
+      static_cast<size_t>(std::upper_bound(t.value.begin(), t.value.end(), a) - t.value.begin());
   const size_t lo = hi - 1;  // t.value[0] == 0 <= a
   const double dlo = a - t.value[lo];
   const double dhi = t.value[hi] - a;
@@ -131,8 +132,7 @@ float random_value(std::mt19937_64& rng, int dst_dtype) {
       return normal(rng) * 1e-6f;
     case 3:  // around the float16 maximum (overflow to inf)
       return normal(rng) * 6e4f;
-    default:
-      return normal(rng) * 3.f;
+    default: return normal(rng) * 3.f;
   }
 }
 
@@ -157,7 +157,8 @@ enum class Where { kCpu, kCuda };
 int run(Where where, std::vector<tawpipe_segment> segs, std::vector<std::vector<uint8_t>*> buffers,
         int accumulate, float alpha) {
   if (where == Where::kCpu) {
-    return tawpipe_shard_segments_cpu(segs.data(), static_cast<int64_t>(segs.size()), accumulate, alpha, 0);
+    return tawpipe_shard_segments_cpu(segs.data(), static_cast<int64_t>(segs.size()), accumulate, alpha,
+                                      0);
   }
 #ifdef TAWPIPE_KERNELS_CUDA
   // Mirror every host buffer on the device and translate the segment pointers.
@@ -183,8 +184,8 @@ int run(Where where, std::vector<tawpipe_segment> segs, std::vector<std::vector<
   const size_t bytes = tawpipe_shard_cuda_workspace_bytes(static_cast<int64_t>(segs.size()));
   void* workspace = nullptr;
   cudaMalloc(&workspace, std::max<size_t>(bytes, 1));
-  const int status = tawpipe_shard_segments_cuda(segs.data(), static_cast<int64_t>(segs.size()), accumulate,
-                                                 alpha, workspace, nullptr, bytes, nullptr);
+  const int status = tawpipe_shard_segments_cuda(segs.data(), static_cast<int64_t>(segs.size()),
+                                                 accumulate, alpha, workspace, nullptr, bytes, nullptr);
   expect(cudaDeviceSynchronize() == cudaSuccess, "cuda kernel ran");
   for (size_t b = 0; b < buffers.size(); ++b) {
     cudaMemcpy(buffers[b]->data(), device[b], buffers[b]->size(), cudaMemcpyDeviceToHost);
@@ -202,9 +203,9 @@ int run(Where where, std::vector<tawpipe_segment> segs, std::vector<std::vector<
 // pack == true: tensors -> flat; else flat -> tensors. mixed: every tensor gets its own dtype.
 void check_case(Where where, std::mt19937_64& rng, int tensor_dtype, int flat_dtype, bool pack,
                 int accumulate, bool mixed, int n_segments) {
-  const std::string label = std::string(where == Where::kCpu ? "cpu " : "cuda ") + (pack ? "pack " : "unpack ") +
-                            (mixed ? "mixed" : kNames[tensor_dtype]) + "<->" + kNames[flat_dtype] +
-                            (accumulate ? " accumulate" : " copy");
+  const std::string label = std::string(where == Where::kCpu ? "cpu " : "cuda ") +
+                            (pack ? "pack " : "unpack ") + (mixed ? "mixed" : kNames[tensor_dtype]) +
+                            "<->" + kNames[flat_dtype] + (accumulate ? " accumulate" : " copy");
   std::uniform_int_distribution<int> size_kind(0, 9);
   std::uniform_int_distribution<int> small(0, 37);
   std::uniform_int_distribution<int> medium(38, 9000);
@@ -217,7 +218,10 @@ void check_case(Where where, std::mt19937_64& rng, int tensor_dtype, int flat_dt
   std::vector<int> dtype(n_segments);
   for (int i = 0; i < n_segments; ++i) {
     const int k = size_kind(rng);
-    numel[i] = i == 0 ? 70000 : k == 0 ? 0 : k == 9 ? medium(rng) : small(rng);  // 70000: split across threads
+    numel[i] = i == 0   ? 70000
+               : k == 0 ? 0
+               : k == 9 ? medium(rng)
+                        : small(rng);  // 70000: split across threads
     dtype[i] = mixed ? any_dtype(rng) : tensor_dtype;
   }
   // Segments sit in the flat buffer in an order shuffled relative to the list, with gaps;
@@ -242,10 +246,12 @@ void check_case(Where where, std::mt19937_64& rng, int tensor_dtype, int flat_dt
     for (int64_t j = 0; j < numel[i]; ++j) {
       if (pack) {
         store_bits(tensors[i], dtype[i], j, random_element(rng, dtype[i], flat_dtype));
-        if (accumulate) store_bits(flat, flat_dtype, offset[i] + j, random_element(rng, flat_dtype, flat_dtype));
+        if (accumulate)
+          store_bits(flat, flat_dtype, offset[i] + j, random_element(rng, flat_dtype, flat_dtype));
       } else {
         store_bits(flat, flat_dtype, offset[i] + j, random_element(rng, flat_dtype, dtype[i]));
-        store_bits(tensors[i], dtype[i], j, accumulate ? random_element(rng, dtype[i], dtype[i]) : poison);
+        store_bits(tensors[i], dtype[i], j,
+                   accumulate ? random_element(rng, dtype[i], dtype[i]) : poison);
       }
     }
   }
@@ -275,7 +281,8 @@ void check_case(Where where, std::mt19937_64& rng, int tensor_dtype, int flat_dt
       const int sd = pack ? dtype[i] : flat_dtype;
       const int dd = pack ? flat_dtype : dtype[i];
       const uint32_t s = pack ? load_bits(tensors_before[i], sd, j) : load_bits(flat_before, sd, f);
-      const uint32_t d_before = pack ? load_bits(flat_before, dd, f) : load_bits(tensors_before[i], dd, j);
+      const uint32_t d_before =
+          pack ? load_bits(flat_before, dd, f) : load_bits(tensors_before[i], dd, j);
       const uint32_t got = pack ? load_bits(flat, dd, f) : load_bits(tensors[i], dd, j);
       uint32_t want;
       if (accumulate) {
@@ -289,8 +296,8 @@ void check_case(Where where, std::mt19937_64& rng, int tensor_dtype, int flat_dt
       const bool ok = both_nan || (accumulate ? ulp_distance(dd, got, want) <= 1 : got == want);
       if (!ok && bad++ < 3) {
         char msg[256];
-        std::snprintf(msg, sizeof msg, "%s: segment %d element %lld: got 0x%x want 0x%x", label.c_str(), i,
-                      static_cast<long long>(j), got, want);
+        std::snprintf(msg, sizeof msg, "%s: segment %d element %lld: got 0x%x want 0x%x", label.c_str(),
+                      i, static_cast<long long>(j), got, want);
         expect(false, msg);
       }
     }
@@ -299,10 +306,12 @@ void check_case(Where where, std::mt19937_64& rng, int tensor_dtype, int flat_dt
   if (pack) {
     for (int64_t f = 0; f < flat_numel; ++f) {
       if (!covered[static_cast<size_t>(f)]) {
-        expect(load_bits(flat, flat_dtype, f) == (poison >> (32 - 8 * elem_bytes(flat_dtype))), label + ": gap element " + std::to_string(f) + " written");
+        expect(load_bits(flat, flat_dtype, f) == (poison >> (32 - 8 * elem_bytes(flat_dtype))),
+               label + ": gap element " + std::to_string(f) + " written");
       }
     }
-    for (int i = 0; i < n_segments; ++i) expect(tensors[i] == tensors_before[i], label + ": a source changed");
+    for (int i = 0; i < n_segments; ++i)
+      expect(tensors[i] == tensors_before[i], label + ": a source changed");
   } else {
     expect(flat == flat_before, label + ": the source flat buffer changed");
   }
@@ -342,12 +351,15 @@ void check_invalid_arguments() {
   rejected({nullptr, dst2, 4, TAWPIPE_DTYPE_F32, TAWPIPE_DTYPE_F32}, "null src");
   rejected({src, nullptr, 4, TAWPIPE_DTYPE_F32, TAWPIPE_DTYPE_F32}, "null dst");
   expect(tawpipe_shard_segments_cpu(nullptr, 0, 0, 1.f, 0) == TAWPIPE_OK, "empty table is a no-op");
-  expect(tawpipe_shard_segments_cpu(nullptr, 3, 0, 1.f, 0) == TAWPIPE_ERR_INVALID_ARGUMENT, "null table");
+  expect(tawpipe_shard_segments_cpu(nullptr, 3, 0, 1.f, 0) == TAWPIPE_ERR_INVALID_ARGUMENT,
+         "null table");
   const tawpipe_segment empty{nullptr, nullptr, 0, TAWPIPE_DTYPE_F16, TAWPIPE_DTYPE_BF16};
-  expect(tawpipe_shard_segments_cpu(&empty, 1, 1, 2.f, 0) == TAWPIPE_OK, "zero-element segment is a no-op");
+  expect(tawpipe_shard_segments_cpu(&empty, 1, 1, 2.f, 0) == TAWPIPE_OK,
+         "zero-element segment is a no-op");
 #ifdef TAWPIPE_KERNELS_CUDA
   const tawpipe_segment one{src, dst, 4, TAWPIPE_DTYPE_F32, TAWPIPE_DTYPE_F32};
-  expect(tawpipe_shard_segments_cuda(&one, 1, 0, 1.f, nullptr, nullptr, 0, nullptr) == TAWPIPE_ERR_INVALID_ARGUMENT,
+  expect(tawpipe_shard_segments_cuda(&one, 1, 0, 1.f, nullptr, nullptr, 0, nullptr) ==
+             TAWPIPE_ERR_INVALID_ARGUMENT,
          "cuda: missing workspace");
 #endif
 }
