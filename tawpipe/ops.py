@@ -57,6 +57,16 @@ def resolve_backend(backend: str | None = None) -> str:
     return name
 
 
+def check_types(op: str, tensors: Sequence[Tensor], flat: Tensor, *, flat_is_dst: bool) -> None:
+    """TypeError for non-tensor arguments (the dispatcher would only say 'expected Tensor')."""
+    lst, buf = ("srcs", "out") if flat_is_dst else ("dsts", "flat")
+    if not isinstance(flat, Tensor):
+        raise TypeError(f"{op}: {buf} must be a torch.Tensor, got {type(flat).__name__}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {lst}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+
+
 def validate_segments(
     op: str,
     tensors: Sequence[Tensor],
@@ -73,8 +83,7 @@ def validate_segments(
     safe too. ``check_memory`` compares data pointers (aliasing), which fake tensors lack.
     """
     lst, buf = ("srcs", "out") if flat_is_dst else ("dsts", "flat")
-    if not isinstance(flat, Tensor):
-        raise TypeError(f"{op}: {buf} must be a torch.Tensor, got {type(flat).__name__}")
+    check_types(op, tensors, flat, flat_is_dst=flat_is_dst)
     if len(tensors) != len(offsets):
         raise ValueError(
             f"{op}: got {len(tensors)} {lst} but {len(offsets)} offsets; "
@@ -96,8 +105,6 @@ def validate_segments(
     nonempty: list[int] = []  # indices of tensors with elements; only those occupy memory
     numels: list[int] = []
     for i, (t, offset) in enumerate(zip(tensors, offsets)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{op}: {lst}[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{op}: {lst}[{i}] has dtype {t.dtype}; {_DTYPES_TEXT}")
         if t.device != device:
@@ -191,12 +198,11 @@ def _run(
     kernel = _kernel(name, backend)
     tensors = list(tensors)
     offsets = _offsets(offsets)
-    # Under torch.compile tensors are fake (no data pointers); the native op checks aliasing at
-    # run time.
-    compiling = torch.compiler.is_compiling()
-    validate_segments(
-        f"tawpipe::{name}", tensors, flat, offsets, flat_is_dst=flat_is_dst, check_memory=not compiling
-    )
+    if resolve_backend(backend) == "triton":
+        # The native op validates in C++ with the same messages; Triton kernels trust their input.
+        validate_segments(f"tawpipe::{name}", tensors, flat, offsets, flat_is_dst=flat_is_dst)
+    else:
+        check_types(f"tawpipe::{name}", tensors, flat, flat_is_dst=flat_is_dst)
     args = (tensors, flat, offsets) if flat_is_dst else (flat, tensors, offsets)
     if alpha is None:
         kernel(*args)
