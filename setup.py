@@ -21,6 +21,7 @@ CPU_SOURCES = [
     "csrc/kernels/shard_ops_cpu.cpp",
     "csrc/torch/segments.cpp",
     "csrc/torch/ops.cpp",
+    "csrc/torch/bound.cpp",
     "csrc/torch/module.cpp",
 ]
 CUDA_SOURCES = ["csrc/kernels/shard_ops_cuda.cu", "csrc/torch/ops_cuda.cpp"]
@@ -41,27 +42,42 @@ def build_cuda() -> bool:
     return flag != "0" and possible
 
 
-def openmp_flags() -> list[str]:
-    """["-fopenmp"] if the C++ compiler builds and links OpenMP code, else [] (CPU kernels then
-    run on one thread)."""
+def compiles(flags: list[str], source: str) -> bool:
+    """Whether the C++ compiler builds and links source with flags."""
     cxx = os.environ.get("CXX", "c++")
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.cpp"
-        probe.write_text("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+        probe.write_text(source)
         try:
             done = subprocess.run(
-                [cxx, "-fopenmp", str(probe), "-o", str(Path(tmp) / "probe")], capture_output=True
+                [cxx, *flags, str(probe), "-o", str(Path(tmp) / "probe")], capture_output=True
             )
         except OSError:
-            return []
-    return ["-fopenmp"] if done.returncode == 0 else []
+            return False
+    return done.returncode == 0
+
+
+def openmp_flags() -> list[str]:
+    """["-fopenmp"] if the C++ compiler builds and links OpenMP code, else [] (CPU kernels then
+    run on one thread)."""
+    source = "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+    return ["-fopenmp"] if compiles(["-fopenmp"], source) else []
+
+
+def masked_epilogue_flags() -> list[str]:
+    """GCC's masked (AVX-512) loop epilogues where the compiler takes them: the CPU kernels run
+    thousands of short cast loops per call, whose scalar remainders would otherwise dominate."""
+    flag = "--param=vect-partial-vector-usage=1"
+    return [flag] if compiles([flag], "int main() { return 0; }\n") else []
 
 
 def extension() -> CppExtension:
     omp = openmp_flags()
     # -fno-trapping-math lets the compiler vectorise the branch-free dtype conversions (it may
     # then compute both sides of a select); the kernels never read floating-point exception flags.
-    cxx = ["-O3", "-fno-trapping-math", *omp]
+    # -ffp-contract=off: no fused multiply-add in any CPU clone (csrc/kernels), so accumulation
+    # rounds the same on every CPU.
+    cxx = ["-O3", "-fno-trapping-math", "-ffp-contract=off", *masked_epilogue_flags(), *omp]
     common = {
         "name": "tawpipe._C",
         "include_dirs": [str(ROOT / "csrc")],
@@ -70,6 +86,7 @@ def extension() -> CppExtension:
     if build_cuda():
         return CUDAExtension(
             sources=CPU_SOURCES + CUDA_SOURCES,
+            define_macros=[("TAWPIPE_TORCH_CUDA", None)],  # csrc/torch/bound.cpp binds CUDA tensors
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
             **common,
         )

@@ -8,6 +8,9 @@ The four ops are ``torch.ops.tawpipe.{pack, unpack, pack_accumulate, unpack_accu
 (schemas in csrc/torch/ops.cpp). The wrappers here validate arguments once, in Python, then run
 either the native kernels (default) or ``tawpipe.triton_ops``; the backend is chosen per call or
 with the environment variable ``TAWPIPE_OPS_BACKEND`` (``native`` or ``triton``).
+
+For tensors that persist across steps, ``ShardLayout.bind`` gives a ``BoundShards`` whose calls
+skip per-call validation and the per-tensor cost of the op binding (native backend, eager only).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
     "SUPPORTED_DTYPES",
+    "BoundShards",
     "ShardLayout",
     "pack",
     "pack_accumulate",
@@ -382,6 +386,10 @@ class ShardLayout:
         """Add ``alpha * segment i of flat`` into ``tensors[i]``."""
         unpack_accumulate(flat, self._check(tensors), self.offsets, alpha, backend)
 
+    def bind(self, tensors: Sequence[Tensor], flat: Tensor) -> BoundShards:
+        """``tensors`` and ``flat`` bound for repeated pack / unpack calls (see BoundShards)."""
+        return BoundShards(self, self._check(tensors), flat)
+
     def views(self, flat: Tensor) -> list[Tensor]:
         """Per-tensor views into ``flat`` (no copy), e.g. to make module parameters alias it."""
         if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() < self.numel:
@@ -392,3 +400,66 @@ class ShardLayout:
         return [
             flat.narrow(0, o, n).view(shape) for o, n, shape in zip(self.offsets, self.numels, self.shapes)
         ]
+
+
+# Modes of torch.ops.tawpipe._run_bound (csrc/torch/bound.cpp).
+_BOUND_MODES = {"pack": 0, "unpack": 1, "pack_accumulate": 2, "unpack_accumulate": 3}
+
+
+class BoundShards:
+    """A ShardLayout bound to fixed tensors and one flat buffer: the eager fast path for tensors
+    that persist across steps (parameters, master weights, persistent gradients).
+
+    Binding validates once (with the native ops' checks and messages, under the name
+    ``ShardLayout.bind``; the tensors are checked as unpack destinations, which covers packing
+    from them too) and builds the segment table once, in C++. Each call then passes only that
+    table to the native kernels: a constant cost, where the plain ops pass every tensor through
+    the op binding (about as long as copying 2000 small tensors takes).
+
+    Each call re-checks in C++ that every tensor and the flat buffer still have the storage,
+    numel, dtype and layout they had when bound, and raises RuntimeError otherwise: replacing a
+    tensor's data (``param.data = ...``, ``resize_``, ``set_``) needs a new ``bind``. The tensors
+    stay referenced here, so they stay alive. Native backend only; the table hides the tensors
+    from torch.compile, so calls raise while compiling (use the ShardLayout methods there);
+    without ``fullgraph=True``, Dynamo turns that error into a graph break and runs the call eagerly.
+    """
+
+    def __init__(self, layout: ShardLayout, tensors: Sequence[Tensor], flat: Tensor) -> None:
+        bind_op = _kernel("_bind", "native")
+        self._refuse_compiling("bind")
+        tensors = list(tensors)
+        check_types("ShardLayout.bind", tensors, flat, flat_is_dst=False)
+        self.layout = layout
+        self.tensors = tuple(tensors)
+        self.flat = flat
+        self._table: Tensor = bind_op(tensors, flat, list(layout.offsets))
+        self._run_bound = torch.ops.tawpipe._run_bound.default
+
+    @staticmethod
+    def _refuse_compiling(method: str) -> None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"BoundShards.{method} cannot run under torch.compile: its tensors are hidden from "
+                "the graph in a bound table (it is an eager fast path); use the ShardLayout "
+                "methods (or tawpipe.ops.pack / unpack / ...) in compiled code"
+            )
+
+    def _run(self, mode: str, alpha: float) -> None:
+        self._refuse_compiling(mode)
+        self._run_bound(self._table, _BOUND_MODES[mode], float(alpha))
+
+    def pack(self) -> None:
+        """Copy the bound tensors into their segments of the flat buffer."""
+        self._run("pack", 1.0)
+
+    def unpack(self) -> None:
+        """Copy the segments of the flat buffer into the bound tensors."""
+        self._run("unpack", 1.0)
+
+    def pack_accumulate(self, alpha: float = 1.0) -> None:
+        """Add ``alpha * tensors[i]`` into segment i of the flat buffer."""
+        self._run("pack_accumulate", alpha)
+
+    def unpack_accumulate(self, alpha: float = 1.0) -> None:
+        """Add ``alpha * segment i of the flat buffer`` into ``tensors[i]``."""
+        self._run("unpack_accumulate", alpha)

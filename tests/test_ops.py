@@ -13,6 +13,7 @@ import os
 import sys
 import types
 import zlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -169,11 +170,34 @@ def call(op: str, tensors: list[Tensor], flat: Tensor, offsets: list[int], alpha
     getattr(ops, op)(*args, *([alpha] if "accumulate" in op else []), **kw)
 
 
+def layout_of(tensors: list[Tensor], offsets: list[int], numel: int) -> ShardLayout:
+    """A ShardLayout with the given (shuffled, gapped) offsets."""
+    return ShardLayout(
+        names=tuple(map(str, range(len(tensors)))),
+        shapes=tuple(t.shape for t in tensors),
+        dtypes=tuple(t.dtype for t in tensors),
+        offsets=tuple(offsets),
+        numel=numel,
+    )
+
+
+def call_bound(op: str, tensors: list[Tensor], flat: Tensor, offsets: list[int], alpha: float) -> None:
+    """The op through ShardLayout.bind: bind, then call the bound method."""
+    bound = layout_of(tensors, offsets, flat.numel()).bind(tensors, flat)
+    getattr(bound, op)(*([alpha] if "accumulate" in op else []))
+
+
 def check_against_reference(
-    op: str, tensors: list[Tensor], flat: Tensor, offsets: list[int], alpha: float, **kw
+    op: str,
+    tensors: list[Tensor],
+    flat: Tensor,
+    offsets: list[int],
+    alpha: float,
+    runner: Callable[..., None] = call,
+    **kw,
 ) -> None:
     want_tensors, want_flat, scale = reference(op, tensors, flat, offsets, alpha)
-    call(op, tensors, flat, offsets, alpha, **kw)
+    runner(op, tensors, flat, offsets, alpha, **kw)
     if op.startswith("pack"):
         assert all(same_bits(t, w) for t, w in zip(tensors, want_tensors)), "a source was modified"
         if op == "pack":
@@ -190,12 +214,17 @@ def check_against_reference(
 
 
 def check_op(
-    op: str, list_dtypes: list[torch.dtype], flat_dtype: torch.dtype, device: str, seed: int
+    op: str,
+    list_dtypes: list[torch.dtype],
+    flat_dtype: torch.dtype,
+    device: str,
+    seed: int,
+    runner: Callable[..., None] = call,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     tensors, flat, offsets = make_case(op, list_dtypes, flat_dtype, device, gen)
     alpha = float(torch.empty(()).uniform_(-3, 3, generator=gen))
-    check_against_reference(op, tensors, flat, offsets, alpha)
+    check_against_reference(op, tensors, flat, offsets, alpha, runner)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -588,3 +617,166 @@ def test_layout_errors() -> None:
         lay.views(torch.zeros(6))
     with pytest.raises(ValueError, match="one entry per tensor"):
         ShardLayout(names=("a",), shapes=(), dtypes=(), offsets=(), numel=0)
+
+
+# --- bound fast path (ShardLayout.bind) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("list_dtype,flat_dtype", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("op", OPS)
+def test_bound_matches_torch_every_dtype_pair(
+    op: str, list_dtype: torch.dtype, flat_dtype: torch.dtype, device: str
+) -> None:
+    seed = seed_of(op, list_dtype, flat_dtype, "bound")
+    n = randint(1, 70, torch.Generator().manual_seed(seed))
+    check_op(op, [list_dtype] * n, flat_dtype, device, seed, runner=call_bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n", [0, 1, 2000])
+def test_bound_mixed_dtypes_many_tensors(op: str, n: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(seed_of(op, n, "bound"))
+    list_dtypes = [DTYPES[i] for i in torch.randint(0, 3, (n,), generator=gen).tolist()]
+    flat_dtype = DTYPES[randint(0, 3, gen)]
+    check_op(op, list_dtypes, flat_dtype, device, seed_of(op, n, "bound data"), runner=call_bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bound_calls_see_new_values_and_rebinding_follows_replaced_tensors(device: str) -> None:
+    """A binding is reused across steps (values change in place); replacing a tensor's data
+    makes calls raise until bind is called again, which then uses the new tensor."""
+    gen = torch.Generator().manual_seed(seed_of("rebind"))
+    model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3)).to(device)
+    params = list(model.parameters())
+    lay = ShardLayout.from_module(model, align=4)
+    flat = poisoned((lay.numel,), torch.bfloat16, device)
+    bound = lay.bind(params, flat)
+    with torch.no_grad():
+        for step in range(3):
+            for p in params:
+                p.copy_(random_tensor(tuple(p.shape), torch.float32, device, gen))
+            _, want, _ = reference("pack", params, flat, list(lay.offsets), 1.0)
+            bound.pack()
+            assert same_bits(flat, want), f"step {step}"
+
+        params[1].data = random_tensor((4,), torch.float32, device, gen)  # a new storage
+        before = flat.clone()
+        with pytest.raises(RuntimeError, match="bound tensor 1 no longer has the storage.*bind again"):
+            bound.pack()
+        assert same_bits(flat, before)  # refused before any work
+        bound = lay.bind(params, flat)
+        _, want, _ = reference("pack", params, flat, list(lay.offsets), 1.0)
+        bound.pack()
+        assert same_bits(flat, want)
+
+
+def changes() -> list[tuple[str, Callable[[list[Tensor], Tensor], None], str]]:
+    """(name, change to the bound tensors or flat buffer, which one the error names)."""
+
+    def replace_data(ts: list[Tensor], flat: Tensor) -> None:
+        ts[2].data = torch.zeros_like(ts[2])
+
+    def set_storage(ts: list[Tensor], flat: Tensor) -> None:
+        ts[0].set_(torch.zeros_like(ts[0]))
+
+    def free_storage(ts: list[Tensor], flat: Tensor) -> None:
+        ts[1].untyped_storage().resize_(0)
+
+    return [
+        ("resize to more elements", lambda ts, flat: ts[0].resize_(50), "bound tensor 0"),
+        ("resize to fewer elements", lambda ts, flat: ts[1].resize_(1), "bound tensor 1"),
+        ("param.data = ...", replace_data, "bound tensor 2"),
+        ("set_", set_storage, "bound tensor 0"),
+        ("storage freed", free_storage, "bound tensor 1"),
+        ("transposed in place", lambda ts, flat: ts[2].t_(), "bound tensor 2"),
+        ("flat resized", lambda ts, flat: flat.resize_(flat.numel() + 10_000), "the flat buffer"),
+    ]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("change", [c[0] for c in changes()])
+def test_bound_call_after_a_change_raises_instead_of_corrupting(change: str, op: str) -> None:
+    _, apply, culprit = next(c for c in changes() if c[0] == change)
+    gen = torch.Generator().manual_seed(5)
+    tensors = [random_tensor(s, torch.float32, "cpu", gen) for s in [(7,), (3,), (2, 3)]]
+    lay = ShardLayout.from_tensors(tensors)
+    flat = random_tensor((lay.numel,), torch.float16, "cpu", gen)
+    bound = lay.bind(tensors, flat)
+    apply(tensors, flat)
+    before = [t.clone() for t in [*tensors, flat] if t.untyped_storage().nbytes()]
+    with pytest.raises(RuntimeError, match=f"{culprit} no longer has the storage"):
+        getattr(bound, op)(*([0.5] if "accumulate" in op else []))
+    after = [t for t in [*tensors, flat] if t.untyped_storage().nbytes()]
+    assert all(same_bits(a, b) for a, b in zip(after, before))
+
+
+BIND_BAD_CASES = [c for c in BAD_CASES if c != "lengths differ"]  # a ShardLayout cannot differ
+
+
+@pytest.mark.parametrize("case", BIND_BAD_CASES)
+def test_bind_validates_with_the_native_checks_and_messages(case: str) -> None:
+    """bind checks its tensors as unpack destinations (which covers packing from them), with the
+    message of tawpipe::unpack under bind's name."""
+    _, op, args, fragment = next(c for c in bad_cases("cpu") if c[0] == case)
+    tensors, flat, offsets = (args[0], args[1], args[2]) if op == "pack" else (args[1], args[0], args[2])
+    with pytest.raises(ValueError) as unpack_error:
+        torch.ops.tawpipe.unpack(flat, tensors, offsets)
+    lay = layout_of(tensors, offsets, flat.numel())
+    with pytest.raises(ValueError, match=fragment) as bind_error:
+        lay.bind(tensors, flat)
+    want = str(unpack_error.value).replace("tawpipe::unpack", "ShardLayout.bind")
+    assert str(bind_error.value).splitlines()[0] == want.splitlines()[0]
+
+
+def test_bind_rejects_non_tensors_and_wrong_shapes() -> None:
+    lay = ShardLayout.from_tensors([torch.ones(3)])
+    with pytest.raises(TypeError, match=r"ShardLayout.bind: flat must be a torch.Tensor"):
+        lay.bind([torch.ones(3)], [0.0] * 3)
+    with pytest.raises(ValueError, match="tensor 0 \\('0'\\) has shape \\(4,\\)"):
+        lay.bind([torch.ones(4)], lay.new_flat())
+
+
+def test_run_bound_accepts_only_tables_from_bind() -> None:
+    """The private op must not turn arbitrary bytes (or a copy of a table) into pointers."""
+    lay = ShardLayout.from_tensors([torch.ones(3)])
+    bound = lay.bind([torch.ones(3)], lay.new_flat())
+    for fake in (bound._table.clone(), torch.zeros(4096, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match="not a table made by tawpipe::_bind"):
+            torch.ops.tawpipe._run_bound(fake, 0, 1.0)
+    with pytest.raises(ValueError, match="mode must be 0-3"):
+        torch.ops.tawpipe._run_bound(bound._table, 4, 1.0)
+
+
+def test_bound_tensors_stay_alive() -> None:
+    lay = ShardLayout.from_tensors([torch.ones(3), torch.ones(2)])
+    flat = lay.new_flat()
+    bound = lay.bind([torch.full((3,), 2.0), torch.full((2,), 3.0)], flat)  # only bound refers
+    torch.ones(1000)  # reuse freed memory, if any were freed
+    bound.pack()
+    assert torch.equal(flat, torch.tensor([2.0, 2, 2, 3, 3]))
+
+
+def test_bound_refuses_to_be_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its tensors are invisible to the graph: torch.compile(fullgraph=True) must fail with the
+    reason, and bind / every call refuse while compiling."""
+    tensors = [torch.ones(3), torch.ones(2)]
+    lay = ShardLayout.from_tensors(tensors)
+    flat = lay.new_flat()
+    bound = lay.bind(tensors, flat)
+
+    def step(x: Tensor) -> Tensor:
+        bound.unpack_accumulate(2.0)
+        return x + 1
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="BoundShards.unpack_accumulate cannot run under torch.compile"):
+        torch.compile(step, backend="eager", fullgraph=True)(torch.ones(1))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for method in OPS:
+        with pytest.raises(RuntimeError, match=f"BoundShards.{method} cannot run under torch.compile"):
+            getattr(bound, method)(*([1.0] if "accumulate" in method else []))
+    with pytest.raises(RuntimeError, match="BoundShards.bind cannot run under torch.compile"):
+        lay.bind(tensors, flat)
+    assert torch.equal(flat, torch.zeros(5)) and all(torch.equal(t, torch.ones_like(t)) for t in tensors)

@@ -41,6 +41,9 @@ TORCH_LIBRARY(tawpipe, m) {
   m.def("unpack(Tensor flat, Tensor(a!)[] dsts, int[] offsets) -> ()");
   m.def("pack_accumulate(Tensor[] srcs, Tensor(a!) out, int[] offsets, float alpha) -> ()");
   m.def("unpack_accumulate(Tensor flat, Tensor(a!)[] dsts, int[] offsets, float alpha) -> ()");
+  // Private: the bound fast path behind tawpipe.ops.BoundShards (eager only; see bound.cpp).
+  m.def("_bind(Tensor[] tensors, Tensor flat, int[] offsets) -> Tensor");
+  m.def("_run_bound(Tensor table, int mode, float alpha) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tawpipe, CPU, m) {

@@ -15,13 +15,13 @@ void check_cuda_status(const char* op, int status) {
   check_status(op, status, status == TAWPIPE_ERR_CUDA ? tawpipe_cuda_last_error() : nullptr);
 }
 
-void run_cuda(const char* op, at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets,
-              FlatRole role, bool accumulate, double alpha) {
-  const std::vector<tawpipe_segment> segments = make_segments(op, tensors, flat, offsets, role);
+}  // namespace
+
+void launch_cuda(const char* op, c10::Device device, const std::vector<tawpipe_segment>& segments,
+                 bool accumulate, double alpha) {
   if (segments.empty()) return;
-  const c10::DeviceGuard guard(flat.device());
-  const c10::Stream stream =
-      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(flat.device());
+  const c10::DeviceGuard guard(device);
+  const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
   auto* const cuda_stream = static_cast<CUstream_st*>(stream.native_handle());
   check_cuda_status(op, tawpipe_shard_cuda_check_stream(cuda_stream));  // before allocating
   const auto count = static_cast<int64_t>(segments.size());
@@ -30,7 +30,8 @@ void run_cuda(const char* op, at::TensorList tensors, const at::Tensor& flat, at
   // stream-ordered caching allocator, so freeing it when this function returns is safe.
   const at::Tensor staging =
       at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  const at::Tensor table = at::empty({static_cast<int64_t>(bytes)}, flat.options().dtype(at::kByte));
+  const at::Tensor table =
+      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().device(device).dtype(at::kByte));
   const int status = tawpipe_shard_segments_cuda(segments.data(), count, accumulate ? 1 : 0,
                                                  static_cast<float>(alpha), table.mutable_data_ptr(),
                                                  staging.mutable_data_ptr(), bytes, cuda_stream);
@@ -39,6 +40,13 @@ void run_cuda(const char* op, at::TensorList tensors, const at::Tensor& flat, at
   at::getHostAllocator(at::kCUDA)->record_event(staging.mutable_data_ptr(),
                                                 staging.storage().data_ptr().get_context(), stream);
   check_cuda_status(op, status);
+}
+
+namespace {
+
+void run_cuda(const char* op, at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets,
+              FlatRole role, bool accumulate, double alpha) {
+  launch_cuda(op, flat.device(), make_segments(op, tensors, flat, offsets, role), accumulate, alpha);
 }
 
 void pack_cuda(at::TensorList srcs, const at::Tensor& out, at::IntArrayRef offsets) {

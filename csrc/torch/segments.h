@@ -22,4 +22,9 @@ std::vector<tawpipe_segment> make_segments(const char* op, at::TensorList tensor
 // Turns a non-zero kernel status into a RuntimeError; detail (may be null) is appended.
 void check_status(const char* op, int status, const char* detail);
 
+// Enqueues a validated table on the current stream of a CUDA device (defined in ops_cuda.cpp,
+// which is built, with TAWPIPE_TORCH_CUDA defined, only when the CUDA kernels are).
+void launch_cuda(const char* op, c10::Device device, const std::vector<tawpipe_segment>& segments,
+                 bool accumulate, double alpha);
+
 }  // namespace tawpipe

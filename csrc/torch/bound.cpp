@@ -1,0 +1,126 @@
+// The bound fast path (tawpipe.ops.BoundShards): the segment table of a fixed group of tensors
+// and one flat buffer, validated once and kept in an opaque tensor. A step's pack or unpack then
+// passes three arguments through the dispatcher instead of thousands of tensors, which for many
+// small tensors costs about as much as the copy itself.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "segments.h"
+
+namespace tawpipe {
+namespace {
+
+// What a bound tensor's memory was at bind time: while all of it still holds, the table's
+// pointers address that tensor's elements, so the kernels may use them.
+struct Snapshot {
+  const void* storage;
+  size_t storage_nbytes;
+  int64_t storage_offset;
+  int64_t numel;
+  caffe2::TypeMeta dtype;
+  bool contiguous;
+
+  bool operator==(const Snapshot& o) const {
+    return storage == o.storage && storage_nbytes == o.storage_nbytes &&
+           storage_offset == o.storage_offset && numel == o.numel && dtype == o.dtype &&
+           contiguous == o.contiguous;
+  }
+};
+
+Snapshot snapshot_of(const at::Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const c10::Storage& storage = impl->storage();
+  return {storage.data(),         storage.nbytes(), impl->storage_offset(),
+          impl->numel(),          impl->dtype(),    impl->is_contiguous()};
+}
+
+struct BoundTable {
+  c10::Device device;
+  std::vector<at::Tensor> tensors;      // the bound tensors, then the flat buffer (kept alive)
+  std::vector<Snapshot> snapshots;      // of tensors, at bind time
+  std::vector<tawpipe_segment> pack;    // tensors -> flat
+  std::vector<tawpipe_segment> unpack;  // flat -> tensors
+};
+
+// The deleter of every table tensor's data, which also tells tables from other tensors.
+void delete_table(void* table) { delete static_cast<BoundTable*>(table); }
+
+// Modes of _run_bound; tawpipe/ops.py (_BOUND_MODES) mirrors them.
+enum Mode : int64_t { kPack = 0, kUnpack = 1, kPackAccumulate = 2, kUnpackAccumulate = 3 };
+
+at::Tensor bind(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets) {
+  constexpr const char* op = "ShardLayout.bind";
+  // Unpack writes every bound tensor; its checks include pack's, so they cover all four modes.
+  std::vector<tawpipe_segment> unpack = make_segments(op, tensors, flat, offsets, FlatRole::kSource);
+#ifdef TAWPIPE_TORCH_CUDA
+  constexpr bool cuda = true;
+#else
+  constexpr bool cuda = false;
+#endif
+  TORCH_CHECK_VALUE(flat.is_cpu() || (cuda && flat.is_cuda()), op, ": tensors on ", flat.device(),
+                    " cannot be bound (this build of tawpipe binds ", cuda ? "CPU and CUDA" : "CPU",
+                    " tensors); use ShardLayout.pack / unpack");
+  auto table = std::make_unique<BoundTable>(BoundTable{flat.device(), tensors.vec(), {}, {}, {}});
+  table->tensors.push_back(flat);
+  for (const at::Tensor& t : table->tensors) table->snapshots.push_back(snapshot_of(t));
+  table->pack = unpack;
+  for (tawpipe_segment& seg : table->pack) {
+    std::swap(seg.src_dtype, seg.dst_dtype);
+    const void* tensor = seg.dst;
+    seg.dst = const_cast<void*>(seg.src);  // the flat buffer, which pack writes
+    seg.src = tensor;
+  }
+  table->unpack = std::move(unpack);
+  BoundTable* raw = table.release();
+  return at::for_blob(raw, {static_cast<int64_t>(sizeof(BoundTable))})
+      .context(raw, &delete_table)
+      .options(at::TensorOptions().dtype(at::kByte))
+      .make_tensor();
+}
+
+void run_bound(const at::Tensor& table_tensor, int64_t mode, double alpha) {
+  constexpr const char* op = "tawpipe::_run_bound";
+  TORCH_CHECK_VALUE(mode >= kPack && mode <= kUnpackAccumulate, op, ": mode must be 0-3, got ", mode);
+  const c10::DataPtr& data = table_tensor.storage().data_ptr();
+  TORCH_CHECK_VALUE(data.get_deleter() == &delete_table, op,
+                    ": table is not a table made by tawpipe::_bind; use ShardLayout.bind");
+  const BoundTable& table = *static_cast<const BoundTable*>(data.get_context());
+  const size_t count = table.tensors.size() - 1;
+  for (size_t i = 0; i <= count; ++i) {
+    TORCH_CHECK(snapshot_of(table.tensors[i]) == table.snapshots[i], op, ": ",
+                i == count ? std::string("the flat buffer") : "bound tensor " + std::to_string(i),
+                " no longer has the storage, numel, dtype or layout it had when bound (it was "
+                "resized, or its data replaced, e.g. param.data = ...); bind again");
+  }
+  const bool unpack = mode == kUnpack || mode == kUnpackAccumulate;
+  const bool accumulate = mode == kPackAccumulate || mode == kUnpackAccumulate;
+  const std::vector<tawpipe_segment>& segments = unpack ? table.unpack : table.pack;
+#ifdef TAWPIPE_TORCH_CUDA
+  if (table.device.is_cuda()) {
+    launch_cuda(op, table.device, segments, accumulate, alpha);
+    return;
+  }
+#endif  // without it, bind made CPU tables only
+  const int status =
+      tawpipe_shard_segments_cpu(segments.data(), static_cast<int64_t>(segments.size()),
+                                 accumulate ? 1 : 0, static_cast<float>(alpha), at::get_num_threads());
+  check_status(op, status, nullptr);
+}
+
+}  // namespace
+
+// Device-generic: bind takes tensors of any device (and rejects unsupported ones itself); the
+// table passed to _run_bound is always a CPU tensor, whatever the bound tensors' device.
+TORCH_LIBRARY_IMPL(tawpipe, CompositeExplicitAutograd, m) {
+  m.impl("_bind", &bind);
+  m.impl("_run_bound", &run_bound);
+}
+
+}  // namespace tawpipe
