@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=4, help="timed steps per variant (after one warm-up)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant (after one warm-up)")
     p.add_argument("--comm-ratio", type=float, default=1.0, help="injected comm time / compute time")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "overlap_cpu.json"))
 
