@@ -45,13 +45,13 @@ BlockForward = Callable[..., torch.Tensor]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def default_optimizer(params: list[nn.Parameter], lr: float = 1e-3) -> torch.optim.Optimizer:
     """AdamW as in the paper: lr 1e-3, betas (0.9, 0.95), weight decay 0.1 on matrices only."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.95),
+        lr=lr, betas=(0.9, 0.95),
     )
 
 

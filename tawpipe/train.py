@@ -8,6 +8,7 @@ entry point trains across real nodes (NCCL on GPUs), with the topology read from
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import time
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from .checkpoint import save_atomic
 from .data import batch as draw_batch
 from .data import load_tokens
-from .engine import TawPipe
+from .engine import TawPipe, default_optimizer
 from .launch import init_distributed, run_local
 from .models.llama import Llama, LlamaConfig, block_forward, llama_loss
 from .topology import Topology
@@ -102,7 +103,7 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
         model.blocks, model.embed, model.head, llama_loss, topology=topology,
         micro_batches=cfg.micro_batches, compute_dtype=dtype, max_grad_norm=cfg.max_grad_norm,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg)),
-        optimizer=lambda params: _adamw(params, cfg.lr), block_forward=block_forward,
+        optimizer=functools.partial(default_optimizer, lr=cfg.lr), block_forward=block_forward,
         block_context=lambda t: model.block_context(t.shape[1], device, dtype),
         device=device, grad_route=cfg.grad_route,
     )
@@ -135,15 +136,6 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
     engine.close()
     return {"losses": losses, "seconds": time.perf_counter() - t0, "memory": memory,
             "intra_bytes": intra, "inter_bytes": inter, "tokens_per_step": tokens_per_step}
-
-
-def _adamw(params, lr: float) -> torch.optim.Optimizer:
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95),
-    )
 
 
 def _progress(total: int):

@@ -157,7 +157,7 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
             "case": case, "rank": rank, "param_err": max(errs.values()), "update_err": max(upd.values()),
             "worst": max(errs, key=errs.get), "losses": losses, "ref_losses": ref_losses,
             "plan_comm": plan_comm, "recorded": recorded, "memory": mem, "own_chunk": engine.own_chunk,
-            "finite": all(math.isfinite(v) for v in losses),
+            "finite": all(math.isfinite(v) for v in losses), "skipped": engine.skipped_steps,
         })
     return out
 

@@ -82,13 +82,15 @@ def test_exact_full_matrix(world: int) -> None:
     _check_traffic(results)
 
 
-def test_bf16_loss_trajectory_follows_fp32() -> None:
-    cases = [dict(nodes=2, acc=2, layers=4, steps=6, dtype=torch.bfloat16)]
+def test_low_precision_loss_trajectory_follows_fp32() -> None:
+    """bf16 compute, and fp16 with dynamic loss scaling: float32 masters and accumulators keep the
+    loss trajectory within 2e-2 of single-process float32 training."""
+    cases = [dict(nodes=2, acc=2, layers=4, steps=6, dtype=dt) for dt in (torch.bfloat16, torch.float16)]
     results = run_local(exactness, 4, cases, timeout=240)
     for r in results[0]:
         diffs = [abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])]
-        assert max(diffs) <= 2e-2, diffs
-        assert r["losses"][-1] < r["losses"][0]
+        assert r["finite"] and max(diffs) <= 2e-2, (r["case"], diffs)
+        assert r["skipped"] == 0, r["case"]  # no overflow at this scale: every step was taken
 
 
 def test_memory_is_sharded() -> None:

@@ -84,3 +84,23 @@ def test_bad_batch_and_resume_shard() -> None:
     with pytest.raises(ValueError, match="owns chunk"):
         eng.load_state_dict(state)
     eng.close()
+
+
+def test_fp16_overflow_skips_the_step_and_backs_off() -> None:
+    """Dynamic loss scaling: an overflowing step changes nothing and halves the scale, until
+    steps fit in float16 again."""
+    torch.manual_seed(0)
+    m = TinyLM(2)
+    huge = lambda logits, targets: 3e4 * lm_loss(logits, targets)  # noqa: E731
+    eng = TawPipe(m.blocks, m.embed, m.head, huge, topology=Topology(1, 1), micro_batches=1,
+                  comm=NoComm(1), block_context=m.context, compute_dtype=torch.float16)
+    before = {n: p.detach().clone() for n, p in eng.named_parameters()}
+    x = torch.randint(0, 10, (2, 5))
+    eng.step((x, x))
+    assert eng.skipped_steps == 1
+    assert all(torch.equal(p, before[n]) for n, p in eng.named_parameters())
+    for _ in range(20):
+        eng.step((x, x))
+    assert 1 < eng.skipped_steps < 21  # backed off, then took steps
+    assert any(not torch.equal(p, before[n]) for n, p in eng.named_parameters())
+    eng.close()
