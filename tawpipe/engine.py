@@ -363,7 +363,7 @@ class TawPipe:
                     h = self._compute_done(a)
                 hazards.record(h, reads, writes)
         except BaseException:
-            self._abort()
+            self.close()  # queued work refers to this step's buffers: stop the channels
             raise
         return self._last_loss
 
@@ -445,10 +445,6 @@ class TawPipe:
             ch.close()
 
     # ------------------------------------------------------------------ execution
-
-    def _abort(self) -> None:
-        # A failed step leaves channels with work queued against stale buffers: stop them.
-        self.close()
 
     def _tensor(self, a: Action, buf: str | None = None) -> torch.Tensor:
         start, stop = self.plan.chunk_layers[a.chunk]
@@ -600,8 +596,8 @@ class TawPipe:
             # Each chunk has one owner, so the owners' squared norms add up to the global one;
             # replicated gradients are identical everywhere and count once.
             own_sq = self._grad_acc.double().square().sum()
-            rep_sq = sum((g.double().square().sum() for g in (p.grad for p in rep_params)), torch.zeros((), dtype=torch.float64, device=self.device))
-            stats = torch.stack([own_sq, (~torch.isfinite(own_sq)).double()]).to(torch.float64)
+            rep_sq = sum(p.grad.double().square().sum() for p in rep_params)
+            stats = torch.stack([own_sq, (~torch.isfinite(own_sq)).double()])
             self._step_comm.all_reduce(stats, tuple(range(self.topology.world_size)))
             total_sq = stats[0] + rep_sq
             found_inf = bool(stats[1].item() > 0) or not math.isfinite(total_sq.item())

@@ -97,7 +97,8 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
     mcfg = LlamaConfig.preset(cfg.preset, max_seq_len=max(cfg.seq_len, 16), **overrides)
     torch.manual_seed(cfg.seed)
     model = Llama(mcfg)  # every rank builds the same model; the engine keeps its own chunk
-    model.embed.to(device), model.head.to(device)
+    model.embed.to(device)
+    model.head.to(device)
     dtype = _DTYPES[cfg.dtype]
     engine = TawPipe(
         model.blocks, model.embed, model.head, llama_loss, topology=topology,

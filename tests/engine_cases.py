@@ -67,10 +67,11 @@ class TinyLM(nn.Module):
         return self.head(h)
 
 
-_CHANNEL = {"W": "main", "G": "grads", "D": "replicated"}  # by the op name's last letter
-_KIND = {
-    "SEND_W": "send", "SEND_G": "send", "RECV_W": "recv", "RECV_G": "recv", "BCAST_W": "broadcast",
-    "REDUCE_G": "reduce", "ALLREDUCE_REPLICATED": "all_reduce",
+# plan op -> (engine channel, backend call)
+_EXECUTED_AS = {
+    "SEND_W": ("main", "send"), "RECV_W": ("main", "recv"), "BCAST_W": ("main", "broadcast"),
+    "SEND_G": ("grads", "send"), "RECV_G": ("grads", "recv"), "REDUCE_G": ("grads", "reduce"),
+    "ALLREDUCE_REPLICATED": ("replicated", "all_reduce"),
 }
 
 
@@ -109,6 +110,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
+def _engine(model: TinyLM, topo: Topology, acc: int, comm=None, **options) -> TawPipe:
+    return TawPipe(
+        model.blocks, model.embed, model.head, lm_loss, topology=topo, micro_batches=acc,
+        optimizer=adamw, block_context=model.context, comm=comm or TorchDistComm(topo, timeout=120),
+        **options,
+    )
+
+
 def exactness(rank: int, cases: list[dict]) -> list[dict]:
     """For each case: tawpipe vs the reference after `steps` steps; returns per-case errors."""
     out = []
@@ -125,12 +134,10 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
         comm = RecordingComm(TorchDistComm(topo, timeout=120))
         comm.log = log
         eng_model = copy.deepcopy(model)
-        engine = TawPipe(
-            eng_model.blocks, eng_model.embed, eng_model.head, lm_loss, topology=topo,
-            micro_batches=acc, optimizer=adamw, compute_dtype=dtype, max_grad_norm=clip,
-            block_forward=lambda blk, h, **ctx: blk(h, **ctx), block_context=eng_model.context,
-            comm=comm, grad_route=case.get("grad_route", "rail"), overlap=case.get("overlap", True),
-            recompute=case.get("recompute", "chunk"),
+        engine = _engine(
+            eng_model, topo, acc, comm, compute_dtype=dtype, max_grad_norm=clip,
+            block_forward=lambda blk, h, **ctx: blk(h, **ctx), grad_route=case.get("grad_route", "rail"),
+            overlap=case.get("overlap", True), recompute=case.get("recompute", "chunk"),
         )
         losses = []
         rows = acc * MB_ROWS
@@ -147,8 +154,8 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
             for n, p in engine.named_parameters()
         }
         plan_comm = [
-            (_CHANNEL[a.op.value[-1]], _KIND[a.op.value], a.peer if a.peer is not None else a.root, a.group, a.bytes)
-            for a in engine.plan.actions[rank] if a.op.value in _KIND
+            (*_EXECUTED_AS[a.op.value], a.peer if a.peer is not None else a.root, a.group, a.bytes)
+            for a in engine.plan.actions[rank] if a.op.value in _EXECUTED_AS
         ]
         recorded = [(r.channel, r.op, r.peer if r.peer is not None else r.root, r.group, r.bytes) for r in first_log]
         mem = engine.memory_report()
@@ -162,11 +169,6 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
     return out
 
 
-def _engine(model: TinyLM, topo: Topology, acc: int) -> TawPipe:
-    return TawPipe(
-        model.blocks, model.embed, model.head, lm_loss, topology=topo, micro_batches=acc,
-        optimizer=adamw, block_context=model.context, comm=TorchDistComm(topo, timeout=120),
-    )
 
 
 def resume(rank: int, directory: str) -> dict:
