@@ -1,8 +1,9 @@
 """The ``tawpipe`` command line.
 
 Each subcommand is registered by one ``_add_<name>(subparsers)`` function listed in
-``_SUBCOMMANDS``. ``plan`` lives here. ``train`` and ``bench`` belong to ``tawpipe.train`` and
-``tawpipe.bench``, which are imported only when their subcommand runs: such a module may define
+``_SUBCOMMANDS``. ``plan`` lives here. ``train``, ``bench`` and ``cluster`` belong to
+``tawpipe.train``, ``tawpipe.bench`` and ``tawpipe.cluster``, which are imported only when their
+subcommand runs: such a module may define
 ``add_arguments(parser)`` and must define ``main(args: argparse.Namespace) -> int``.
 """
 
@@ -117,7 +118,8 @@ def _run_delegated(name: str, module: str, rest: Sequence[str]) -> int:
 
 _add_train = _delegated("train", "tawpipe.train", "train a model with tawpipe")
 _add_bench = _delegated("bench", "tawpipe.bench", "benchmark tawpipe against its peers")
-_SUBCOMMANDS = (_add_plan, _add_train, _add_bench)
+_add_cluster = _delegated("cluster", "tawpipe.cluster", "an emulated multi-node cluster on this machine (root)")
+_SUBCOMMANDS = (_add_plan, _add_train, _add_bench, _add_cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:

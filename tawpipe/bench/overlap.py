@@ -1,6 +1,4 @@
-"""`tawpipe bench`: measurements that back the library's claims.
-
-`overlap`: step time with communication overlapped against the same job with every transfer
+"""`tawpipe bench overlap`: step time with communication overlapped against the same job with every transfer
 waited for at once. A delay is injected into every communication operation (DelayComm), sized so
 that a rank's communication takes about as long as its compute; the ratio is measured in one run
 on one machine, with the same processes, model and data.
@@ -18,19 +16,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from .comm import DelayComm
-from .comm.torch_dist import TorchDistComm
-from .data import batch as draw_batch
-from .data import load_tokens
-from .engine import TawPipe
-from .launch import run_local
-from .models.llama import Llama, LlamaConfig, block_forward, llama_loss
-from .plan import COMM_OPS, Op
-from .topology import Topology
+from ..comm import DelayComm
+from ..comm.torch_dist import TorchDistComm
+from ..data import batch as draw_batch
+from ..data import load_tokens
+from ..engine import TawPipe
+from ..launch import run_local
+from ..models.llama import Llama, LlamaConfig, block_forward, llama_loss
+from ..plan import COMM_OPS, Op
+from ..topology import Topology
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=("overlap",), help="which measurement")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--per-node", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=2)
@@ -103,7 +100,7 @@ def overlap(a: dict) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    a = {k: v for k, v in vars(args).items() if k not in ("what", "out")}
+    a = {k: v for k, v in vars(args).items() if k not in ("what", "out", "bench_main")}
     res = overlap(a)
     print(f"overlap on {a['nodes']} nodes x {a['per_node']} ranks, {a['preset']} x {a['layers']} layers, "
           f"acc {a['micro_batches']}, injected {res['delay_per_op_s'] * 1e3:.2f} ms per comm op")
