@@ -12,11 +12,21 @@ from __future__ import annotations
 import abc
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 Group = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One half of a point-to-point transfer, as posted in a batch (see Comm.batch_p2p)."""
+
+    op: str  # "send" | "recv"
+    tensor: torch.Tensor
+    peer: int
 
 
 class Comm(abc.ABC):
@@ -41,10 +51,21 @@ class Comm(abc.ABC):
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> None: ...
 
+    def batch_p2p(self, ops: Sequence[P2P]) -> None:
+        """Post every send and receive of ``ops`` at once; return when all have completed.
+
+        A batch lets a rank send and receive at the same time (full duplex, one NCCL group call).
+        This default runs them one after another, which is correct for every plan (``verify``
+        proves the blocking order deadlock-free too) but gives up the concurrency.
+        """
+        for o in ops:
+            (self.send if o.op == "send" else self.recv)(o.tensor, o.peer)
+
+    @abc.abstractmethod
     def channel_comm(self, name: str) -> "Comm":
-        """A Comm whose operations are independent of this one's (own process groups), so two
-        channels may run concurrently without their collectives interleaving."""
-        return self
+        """The Comm of channel ``name``: its operations never interleave with another channel's
+        (its own process groups or communicators), so channels may run concurrently. Every rank
+        must ask for the same channels in the same order."""
 
 
 class CommTimeout(RuntimeError):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Comm, Group
+from .base import P2P, Comm, Group
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,11 @@ class _Wrapper(Comm):
     def all_reduce(self, tensor, group):
         self._before("all_reduce", tensor, group=tuple(group))
         self.inner.all_reduce(tensor, group)
+
+    def batch_p2p(self, ops: list[P2P]) -> None:
+        for o in ops:
+            self._before(o.op, o.tensor, peer=o.peer)
+        self.inner.batch_p2p(ops)
 
 
 class RecordingComm(_Wrapper):

@@ -7,13 +7,14 @@ channel's operations never interleave with another channel's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..topology import Topology
-from .base import Comm, Group
+from .base import P2P, Comm, Group
 
 
 class TorchDistComm(Comm):
@@ -61,6 +62,11 @@ class TorchDistComm(Comm):
 
     def recv(self, tensor: torch.Tensor, peer: int) -> None:
         dist.recv(tensor, src=peer, group=self._p2p)
+
+    def batch_p2p(self, ops: Sequence[P2P]) -> None:
+        works = [(dist.isend if o.op == "send" else dist.irecv)(o.tensor, o.peer, group=self._p2p) for o in ops]
+        for w in works:
+            w.wait()
 
     def broadcast(self, tensor: torch.Tensor, root: int, group: Group) -> None:
         dist.broadcast(tensor, src=root, group=self._pg(group))
