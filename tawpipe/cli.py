@@ -14,9 +14,11 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from .plan import ALGOS, GRAD_ROUTES, build_plan, verify
+from .plan import ALGOS, GRAD_ROUTES
+from .schedule import build_plan
 from .topology import Topology
 from .traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
+from .verify import verify
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:

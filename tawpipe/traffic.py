@@ -2,7 +2,8 @@
 
 TawPipe's claim is about *where* bytes flow (inside a node vs across nodes, and over which rail),
 not only how many, so every byte of a plan is attributed to the rank that sends it, the rank that
-receives it, a kind (weights, gradients, replicated) and a scope (intra- or inter-node). The
+receives it, a kind (weights, gradients, replicated, the step's statistics) and a scope (intra- or
+inter-node). The
 closed forms put DDP, FSDP, HSDP, 1F1B, WeiPipe and TawPipe side by side on one LLaMA-like model.
 
 Collectives are counted with NCCL's bandwidth-optimal ring/chain model: a broadcast or reduce of
@@ -16,15 +17,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .plan import Action, Op, Plan
+from .plan import OPS, Action, Op, Plan
 from .topology import Topology
 
-KINDS = ("weights", "grads", "replicated")
-_KIND = {
-    Op.SEND_W: "weights", Op.BCAST_W: "weights",
-    Op.SEND_G: "grads", Op.REDUCE_G: "grads",
-    Op.ALLREDUCE_REPLICATED: "replicated",
-}
+KINDS = ("weights", "grads", "replicated", "stats")
+Kind = str | tuple[str, ...] | None
 
 
 @dataclass(frozen=True)
@@ -34,12 +31,13 @@ class Traffic:
     topology: Topology
     flows: dict[tuple[int, str, str, bool], float]
 
-    def total(self, rank: int | None = None, *, direction: str = "sent", kind: str | None = None,
+    def total(self, rank: int | None = None, *, direction: str = "sent", kind: Kind = None,
               inter: bool | None = None) -> float:
-        """Bytes matching every given filter (None = any)."""
+        """Bytes matching every given filter (None = any; ``kind`` may name several kinds)."""
+        kinds = (kind,) if isinstance(kind, str) else kind
         return sum(
             v for (r, d, k, x), v in self.flows.items()
-            if d == direction and (rank is None or r == rank) and (kind is None or k == kind)
+            if d == direction and (rank is None or r == rank) and (kinds is None or k in kinds)
             and (inter is None or x == inter)
         )
 
@@ -47,7 +45,7 @@ class Traffic:
         """(intra-node, inter-node) bytes that ``rank`` sends per iteration."""
         return self.total(rank, inter=False), self.total(rank, inter=True)
 
-    def busiest(self, *, direction: str = "sent", kind: str | None = None,
+    def busiest(self, *, direction: str = "sent", kind: Kind = None,
                 inter: bool | None = True) -> tuple[int, float]:
         """The rank with the most matching bytes (lowest rank on ties) and its bytes."""
         per = [self.total(r, direction=direction, kind=kind, inter=inter)
@@ -55,13 +53,13 @@ class Traffic:
         best = max(range(len(per)), key=lambda r: (per[r], -r))
         return best, per[best]
 
-    def per_node(self, *, direction: str = "sent", kind: str | None = None) -> list[float]:
+    def per_node(self, *, direction: str = "sent", kind: Kind = None) -> list[float]:
         """Inter-node bytes of each node (group)."""
         t = self.topology
         return [sum(self.total(r, direction=direction, kind=kind, inter=True) for r in t.group_ranks(g))
                 for g in range(t.nodes)]
 
-    def per_rail(self, *, direction: str = "sent", kind: str | None = None) -> list[float]:
+    def per_rail(self, *, direction: str = "sent", kind: Kind = None) -> list[float]:
         """Inter-node bytes of each rail (all ranks with the same local index)."""
         t = self.topology
         return [sum(self.total(t.rank_of(g, i), direction=direction, kind=kind, inter=True)
@@ -95,19 +93,17 @@ def plan_traffic(plan: Plan) -> Traffic:
 
     for acts in plan.actions:
         for a in acts:
-            kind = _KIND.get(a.op)
-            if kind is None:
-                continue
-            if a.op in (Op.SEND_W, Op.SEND_G):
-                hop(a.rank, a.peer, kind, a.bytes)
-            elif a.op is Op.ALLREDUCE_REPLICATED:
+            spec = OPS[a.op]
+            if spec.transfer == "send":
+                hop(a.rank, a.peer, spec.kind, a.bytes)
+            elif spec.transfer == "collective" and a.root is None:  # an all-reduce: a ring
                 k = len(a.group)
                 if k > 1:
                     i = a.group.index(a.rank)
-                    hop(a.rank, a.group[(i + 1) % k], kind, 2 * (k - 1) / k * a.bytes)
-            elif a.rank == a.root:  # one chain per collective, counted once from the root
+                    hop(a.rank, a.group[(i + 1) % k], spec.kind, 2 * (k - 1) / k * a.bytes)
+            elif spec.transfer == "collective" and a.rank == a.root:  # a chain, counted from the root
                 for src, dst in _chain(a):
-                    hop(src, dst, kind, a.bytes)
+                    hop(src, dst, spec.kind, a.bytes)
     return Traffic(topology=topo, flows=dict(flows))
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tawpipe.comm import RecordingComm
 from tawpipe.comm.torch_dist import TorchDistComm
 from tawpipe.engine import TawPipe
+from tawpipe.plan import OPS, Op
 from tawpipe.topology import Topology
 
 VOCAB, HIDDEN, SEQ, MB_ROWS = 61, 24, 7, 2
@@ -67,12 +68,17 @@ class TinyLM(nn.Module):
         return self.head(h)
 
 
-# plan op -> (engine channel, backend call)
-_EXECUTED_AS = {
-    "SEND_W": ("main", "send"), "RECV_W": ("main", "recv"), "BCAST_W": ("main", "broadcast"),
-    "SEND_G": ("grads", "send"), "RECV_G": ("grads", "recv"), "REDUCE_G": ("grads", "reduce"),
-    "ALLREDUCE_REPLICATED": ("replicated", "all_reduce"),
+# plan op -> the backend call that executes it (its channel comes from the op table)
+_CALLS = {
+    Op.SEND_W: "send", Op.RECV_W: "recv", Op.BCAST_W: "broadcast", Op.SEND_G: "send",
+    Op.RECV_G: "recv", Op.REDUCE_G: "reduce", Op.ALLREDUCE_REPLICATED: "all_reduce",
+    Op.ALLREDUCE_STATS: "all_reduce",
 }
+
+
+# case keys passed to the engine as they are
+_ENGINE_OPTIONS = ("grad_route", "overlap", "recompute", "algo", "prefetch_depth", "mb_per_fetch",
+                   "grad_wire_dtype")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -134,10 +140,10 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
         comm = RecordingComm(TorchDistComm(topo, timeout=120))
         comm.log = log
         eng_model = copy.deepcopy(model)
+        options = {k: case[k] for k in _ENGINE_OPTIONS if k in case}
         engine = _engine(
             eng_model, topo, acc, comm, compute_dtype=dtype, max_grad_norm=clip,
-            block_forward=lambda blk, h, **ctx: blk(h, **ctx), grad_route=case.get("grad_route", "rail"),
-            overlap=case.get("overlap", True), recompute=case.get("recompute", "chunk"),
+            block_forward=lambda blk, h, **ctx: blk(h, **ctx), **options,
         )
         losses = []
         rows = acc * MB_ROWS
@@ -154,8 +160,8 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
             for n, p in engine.named_parameters()
         }
         plan_comm = [
-            (*_EXECUTED_AS[a.op.value], a.peer if a.peer is not None else a.root, a.group, a.bytes)
-            for a in engine.plan.actions[rank] if a.op.value in _EXECUTED_AS
+            (OPS[a.op].channel, _CALLS[a.op], a.peer if a.peer is not None else a.root, a.group, a.bytes)
+            for a in engine.plan.actions[rank] if OPS[a.op].is_comm
         ]
         recorded = [(r.channel, r.op, r.peer if r.peer is not None else r.root, r.group, r.bytes) for r in first_log]
         mem = engine.memory_report()

@@ -14,7 +14,8 @@ import pytest
 
 import tawpipe
 from tawpipe.cli import main
-from tawpipe.plan import Plan, build_plan
+from tawpipe.plan import Plan
+from tawpipe.schedule import build_plan
 from tawpipe.topology import Topology
 
 SPEC_N4_SLOT5 = ("| 5 | **B2**(m0); P2P W1 r2→r0; bcast from r0; reduce G3→r0; P2P G3 r0→r3 "

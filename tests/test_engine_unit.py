@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tawpipe.engine import _Hazards, weights_saved_by_reference
+from tawpipe.compute import weights_saved_by_reference
+from tawpipe.plan import Hazards
 from tawpipe.comm import Handle
 
 
@@ -34,7 +35,7 @@ def test_saved_weights_are_read_from_the_backward_buffer() -> None:
 
 def test_hazards_order_writers_after_readers() -> None:
     h_write, h_read1, h_read2, h_write2 = (Handle.completed(label=s) for s in "abcd")
-    hz = _Hazards()
+    hz = Hazards()
     hz.record(h_write, (), ("w0",))
     assert hz.deps(("w0",), ()) == [h_write]  # read after write
     hz.record(h_read1, ("w0",), ())

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tawpipe.plan import Action, Op, Plan, PlanError, build_plan, verify
+from tawpipe.plan import Action, Op, Plan, PlanError
+from tawpipe.schedule import build_plan
+from tawpipe.verify import verify
 from tawpipe.topology import Topology
 
 # Spec §3.5 and §3.6, verbatim.
@@ -356,7 +358,7 @@ def test_single_group_uses_only_collectives():
 def test_single_device():
     plan = build_plan(Topology(1, 1), 3, 2)
     assert [a.op for a in plan.actions[0] if a.op not in (Op.F, Op.B)] == [
-        Op.LOAD_W, Op.LOAD_W, Op.ACC_G, Op.ALLREDUCE_REPLICATED, Op.ACC_G, Op.STEP]
+        Op.LOAD_W, Op.LOAD_W, Op.ACC_G, Op.ALLREDUCE_REPLICATED, Op.ACC_G, Op.ALLREDUCE_STATS, Op.STEP]
     verify(plan)
 
 

@@ -23,7 +23,7 @@ from ..data import load_tokens
 from ..engine import TawPipe
 from ..launch import run_local
 from ..models.llama import Llama, LlamaConfig, block_forward, llama_loss
-from ..plan import COMM_OPS, Op
+from ..plan import OPS
 from ..topology import Topology
 
 
@@ -73,7 +73,7 @@ def _overlap_rank(rank: int, a: dict) -> dict:
     # Calibrate: compute-bound step time without any injected delay.
     base = _engine(model, topo, acc, TorchDistComm(topo, 120), overlap=True)
     t_compute = statistics.median(_time_steps(base, batches, a["steps"]))
-    n_ops = sum(1 for x in base.plan.actions[rank] if x.op in COMM_OPS and x.op is not Op.ALLREDUCE_REPLICATED)
+    n_ops = sum(1 for x in base.plan.actions[rank] if OPS[x.op].is_comm and OPS[x.op].channel != "replicated")
     base.close()
     stats = torch.tensor([t_compute, float(n_ops)], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)

@@ -169,6 +169,8 @@ class Channel:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def close(self) -> None:
+    def close(self, wait: float = 5.0) -> None:
+        """Stop the worker after the work queued so far; a worker stuck in a transfer is left
+        behind after ``wait`` seconds (it is a daemon thread, and its transfer has a timeout)."""
         self._queue.put(None)
-        self._thread.join(timeout=self.timeout)
+        self._thread.join(timeout=wait)

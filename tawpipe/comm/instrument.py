@@ -25,7 +25,7 @@ class CommRecord:
 
 
 class _Wrapper(Comm):
-    def __init__(self, inner: Comm, channel: str = "main") -> None:
+    def __init__(self, inner: Comm, channel: str = "weights") -> None:
         self.inner = inner
         self.rank = inner.rank
         self.world_size = inner.world_size
@@ -72,7 +72,7 @@ class _Wrapper(Comm):
 class RecordingComm(_Wrapper):
     """Appends a CommRecord per operation to a list shared by all its channels."""
 
-    def __init__(self, inner: Comm, channel: str = "main", log: list[CommRecord] | None = None) -> None:
+    def __init__(self, inner: Comm, channel: str = "weights", log: list[CommRecord] | None = None) -> None:
         super().__init__(inner, channel)
         self.log: list[CommRecord] = [] if log is None else log
 
@@ -87,7 +87,7 @@ class RecordingComm(_Wrapper):
 class DelayComm(_Wrapper):
     """Sleeps `latency + bytes / bandwidth` seconds before each operation (on the comm thread)."""
 
-    def __init__(self, inner: Comm, latency_s: float, bandwidth_Bps: float = float("inf"), channel: str = "main") -> None:
+    def __init__(self, inner: Comm, latency_s: float, bandwidth_Bps: float = float("inf"), channel: str = "weights") -> None:
         super().__init__(inner, channel)
         self.latency_s = latency_s
         self.bandwidth_Bps = bandwidth_Bps

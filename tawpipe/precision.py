@@ -1,0 +1,105 @@
+"""Loss scaling, gradient clipping and non-finite steps: the numerics of one optimizer step.
+
+Masters, optimizer state and gradient accumulators are float32 whatever the compute dtype
+(design §6.4). What remains is to scale the loss so float16 gradients do not underflow, to clip
+by the global norm, and to never let a non-finite loss or gradient reach the parameters.
+
+Each chunk has exactly one owner, so the owners' squared norms add up to the global one: one
+16-byte all-reduce (the plan's ALLREDUCE_STATS) gives every rank the norm and the overflow flag.
+Replicated gradients are identical on every rank after their all-reduce and count once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+NONFINITE = ("skip", "raise")
+
+
+@dataclass
+class Precision:
+    """The per-step numerics; its mutable state is the loss scale and the step counters.
+
+    ``loss_scale``: None (no scaling), a positive number (static) or "dynamic" (start at
+    ``init_scale``, multiply by ``backoff`` on overflow, by ``growth`` after ``growth_interval``
+    good steps). ``nonfinite``: "skip" the step (parameters and optimizer state untouched) or
+    "raise" FloatingPointError. Under dynamic scaling an overflow is routine and always skips.
+    """
+
+    loss_scale: float | str | None = None
+    max_grad_norm: float | None = None
+    nonfinite: str = "skip"
+    init_scale: float = 2.0**16
+    growth: float = 2.0
+    backoff: float = 0.5
+    growth_interval: int = 1000
+
+    def __post_init__(self) -> None:
+        ls = self.loss_scale
+        if not (ls is None or ls == "dynamic" or (isinstance(ls, (int, float)) and not isinstance(ls, bool)
+                                                  and math.isfinite(ls) and ls > 0)):
+            raise ValueError(f"loss_scale must be None, 'dynamic' or a finite positive number, got {ls!r}")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a finite number > 0 (or None), got {self.max_grad_norm}")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}")
+        for name in ("init_scale", "growth"):
+            if not getattr(self, name) > (0 if name == "init_scale" else 1):
+                raise ValueError(f"{name} must be {'> 0' if name == 'init_scale' else '> 1'}")
+        if not 0 < self.backoff < 1 or self.growth_interval < 1:
+            raise ValueError("backoff must be in (0, 1) and growth_interval >= 1")
+        self.dynamic = self.loss_scale == "dynamic"
+        self.scale = self.init_scale if self.dynamic else float(self.loss_scale or 1.0)
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    @staticmethod
+    def local_stats(grad_acc: torch.Tensor) -> torch.Tensor:
+        """[squared norm, non-finite flag] of this rank's own-chunk gradient, to be all-reduced."""
+        sq = grad_acc.double().square().sum()
+        return torch.stack([sq, (~torch.isfinite(sq)).double()])
+
+    def finish(self, step: int, stats: torch.Tensor, loss: float, rep_grad: torch.Tensor,
+               own_grad: torch.Tensor) -> bool:
+        """Unscale, check and clip the step's gradients; True if the optimizer should step.
+
+        ``stats`` is the all-reduced ``local_stats`` (of the scaled gradients); ``rep_grad`` and
+        ``own_grad`` are flat views that are unscaled and clipped in place.
+        """
+        inv = 1.0 / self.scale
+        sq = stats[0].item() * inv * inv + rep_grad.double().square().sum().item() * inv * inv
+        finite = stats[1].item() == 0 and math.isfinite(sq) and math.isfinite(loss)
+        if not finite:
+            self.skipped_steps += 1
+            if self.dynamic:
+                self.scale *= self.backoff
+                self.good_steps = 0
+                return False
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"step {step}: the loss ({loss}) or the gradients are not finite; the parameters "
+                    "and optimizer state are unchanged (nonfinite='skip' skips such steps instead)"
+                )
+            return False
+        coef = inv
+        if self.max_grad_norm is not None:
+            coef *= min(1.0, self.max_grad_norm / (math.sqrt(sq) + 1e-6))
+        if coef != 1.0:
+            own_grad.mul_(coef)
+            rep_grad.mul_(coef)
+        if self.dynamic:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= self.growth
+        return True
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
