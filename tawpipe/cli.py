@@ -10,11 +10,13 @@ subcommand runs: such a module may define
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from .plan import ALGOS, GRAD_ROUTES
+from .cost import largest_fitting_k, memory_per_rank
+from .plan import ALGOS, GRAD_ROUTES, Plan
 from .schedule import build_plan
 from .topology import Topology
 from .traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
@@ -33,9 +35,14 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--algo", choices=ALGOS, default="tawpipe")
     p.add_argument("--grad-route", choices=GRAD_ROUTES, default="rail",
                    help="router of inter-node gradients: the owner's rail peer, or local index 0")
+    p.add_argument("--prefetch-depth", type=int, default=1, help="fetch weights this many slots ahead")
+    p.add_argument("--mb-per-fetch", type=int, default=1,
+                   help="k: micro-batches each resident chunk runs per fetch (divides --micro-batches)")
+    p.add_argument("--link-gbps", type=float, default=10.0,
+                   help="inter-node link rate per node and direction, Gbit/s (for link times)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead")
     p.add_argument("--no-table", action="store_true", help="print only the summary")
-    m = p.add_argument_group("model (optional: gives sizes in bytes and the peer estimates)")
+    m = p.add_argument_group("model (optional: gives sizes in bytes, memory per k and the peer estimates)")
     m.add_argument("--hidden", type=int, help="hidden size H")
     m.add_argument("--heads", type=int, default=32)
     m.add_argument("--kv-heads", type=int, default=None)
@@ -44,7 +51,21 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch B")
     m.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/activation element")
     m.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient element on the wire")
+    m.add_argument("--memory-budget", type=float, default=None,
+                   help="GiB per rank: suggest the largest k whose estimated memory fits")
     p.set_defaults(run=_run_plan)
+
+
+def _dims_and_sizes(args: argparse.Namespace) -> tuple[ModelDims | None, dict]:
+    if args.hidden is None:  # sizes in units of one layer's parameters
+        return None, dict(layer_numel=1, weight_bytes=1, grad_bytes=1, replicated_numel=0)
+    dims = ModelDims(
+        hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+        vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
+        dtype_bytes=args.dtype_bytes, grad_bytes=args.grad_bytes,
+    )
+    return dims, dict(layer_numel=dims.layer_numel, weight_bytes=dims.dtype_bytes,
+                      grad_bytes=dims.grad_bytes, replicated_numel=dims.replicated_numel)
 
 
 def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -52,19 +73,12 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
         raise SystemExit(f"tawpipe plan: unrecognized arguments: {' '.join(rest)}")
     try:
         topo = Topology(args.nodes, args.per_node)
-        dims = None
-        if args.hidden is not None:
-            dims = ModelDims(
-                hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
-                dtype_bytes=args.dtype_bytes, grad_bytes=args.grad_bytes,
-            )
-            sizes = dict(layer_numel=dims.layer_numel, weight_bytes=dims.dtype_bytes,
-                         grad_bytes=dims.grad_bytes, replicated_numel=dims.replicated_numel)
-        else:  # sizes in units of one layer's parameters
-            sizes = dict(layer_numel=1, weight_bytes=1, grad_bytes=1, replicated_numel=0)
-        plan = build_plan(topo, args.layers, args.micro_batches, algo=args.algo,
-                          grad_route=args.grad_route, **sizes)
+        dims, sizes = _dims_and_sizes(args)
+        build = functools.partial(build_plan, topo, args.layers, args.micro_batches, algo=args.algo,
+                                  grad_route=args.grad_route, prefetch_depth=args.prefetch_depth, **sizes)
+        plan = build(mb_per_fetch=args.mb_per_fetch)
+        if not args.link_gbps > 0:
+            raise ValueError(f"--link-gbps must be > 0, got {args.link_gbps}")
     except ValueError as e:
         raise SystemExit(f"tawpipe plan: {e}") from None
     report = verify(plan)
@@ -77,22 +91,48 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
     layers = [stop - start for start, stop in (plan.chunk_layers[k] for k in plan.model_order)]
     route = f", gradient route {args.grad_route}" if args.algo == "tawpipe" else ""
     print(f"{args.algo}: {topo.nodes} nodes x {topo.per_node} devices, {plan.num_layers} layers in "
-          f"chunks of {layers} (model order), {plan.micro_batches} micro-batches{route}, "
+          f"chunks of {layers} (model order), {plan.micro_batches} micro-batches{route}, prefetch depth "
+          f"{args.prefetch_depth}, {args.mb_per_fetch} micro-batch(es) per fetch, "
           f"{plan.num_slots} slots + prologue")
-    print(f"verified: {report.actions} actions, {report.p2p_messages} P2P messages, "
-          f"{report.collectives} collectives, {report.weight_buffers} weight and "
+    print(f"verified (serial and channel models): {report.actions} actions, {report.p2p_messages} P2P "
+          f"messages, {report.collectives} collectives, {report.weight_buffers} weight and "
           f"{report.grad_buffers} gradient buffers per rank, {report.contributions} gradient "
           "contributions delivered, no deadlock")
+    traffic = plan_traffic(plan)
     print(f"traffic per iteration (sent; {'bytes' if dims else 'units: parameters of one layer'}):")
-    print(plan_traffic(plan).summary(in_bytes=dims is not None))
+    print(traffic.summary(in_bytes=dims is not None))
     if dims is not None:
-        print(f"peers on the same model and global batch (closed form, {dims.decoder_numel:,} decoder "
-              f"+ {dims.replicated_numel:,} replicated parameters):")
-        print(f"{'method':>10}  {'sent per rank':>14}  {'inter-node per node':>20}")
-        for method in PEER_METHODS:
-            e = estimate(method, dims, topo, args.micro_batches)
-            print(f"{method:>10}  {e.sent_per_rank / 1e9:>11.2f} GB  {e.inter_node_per_node / 1e9:>17.2f} GB")
+        floor, bursts = traffic.link_seconds(args.link_gbps * 1e9 / 8)
+        print(f"inter-node link at {args.link_gbps:g} Gbit/s per node and direction: floor {floor:.3f} s "
+              f"(busiest link's bytes), per-slot bursts {bursts:.3f} s (each slot's busiest link, summed)")
+        if args.algo == "tawpipe":
+            _print_k_table(args, dims, build)
+        _print_peers(args, dims, topo)
     return 0
+
+
+def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..., Plan]) -> None:
+    ks = [k for k in range(1, args.micro_batches + 1) if args.micro_batches % k == 0]
+    estimates = {}
+    print(f"{'k':>4}  {'inter-node/iter (busiest node)':>31}  {'activations/rank':>17}  {'memory/rank':>12}")
+    for k in ks:
+        plan_k = build(mb_per_fetch=k)
+        estimates[k] = e = memory_per_rank(plan_k, dims)
+        inter = max(plan_traffic(plan_k).per_node())
+        print(f"{k:>4}  {inter / 1e9:>28.3f} GB  {e.activations / 2**30:>13.3f} GiB  {e.total / 2**30:>8.3f} GiB")
+    if args.memory_budget is not None:
+        best = largest_fitting_k(estimates, args.memory_budget * 2**30)
+        shown = best if best else "none (even k=1 exceeds it)"
+        print(f"largest k within {args.memory_budget:g} GiB per rank: {shown}")
+
+
+def _print_peers(args: argparse.Namespace, dims: ModelDims, topo: Topology) -> None:
+    print(f"peers on the same model and global batch (closed form, {dims.decoder_numel:,} decoder "
+          f"+ {dims.replicated_numel:,} replicated parameters):")
+    print(f"{'method':>10}  {'sent per rank':>14}  {'inter-node per node':>20}")
+    for method in PEER_METHODS:
+        e = estimate(method, dims, topo, args.micro_batches)
+        print(f"{method:>10}  {e.sent_per_rank / 1e9:>11.2f} GB  {e.inter_node_per_node / 1e9:>17.2f} GB")
 
 
 def _delegated(name: str, module: str, help: str) -> Callable[[argparse._SubParsersAction], None]:

@@ -193,7 +193,8 @@ class TawPipe:
         return self._last_loss
 
     def _step_state(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepState:
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+                and all(torch.is_tensor(t) for t in batch)):
             raise TypeError("step(batch): batch must be a pair of tensors (inputs, targets)")
         inputs, targets = batch
         acc = self.micro_batches

@@ -161,7 +161,6 @@ OPS: dict[Op, OpSpec] = {
     Op.RECV_MASTER: OpSpec("step", "recv", "state", _none, _buf),
 }
 
-COMM_OPS = frozenset(op for op, spec in OPS.items() if spec.is_comm)
 WEIGHT_OPS = frozenset({Op.LOAD_W, Op.SEND_W, Op.RECV_W, Op.BCAST_W, Op.F, Op.B})  # touch weight bufs
 GRAD_OPS = frozenset({Op.REDUCE_G, Op.SEND_G, Op.RECV_G, Op.ACC_G})  # touch gradient bufs
 

@@ -39,6 +39,46 @@ def build_plan(
     one extra layer. Message sizes are layers x ``layer_numel`` x the dtype size of weights or
     gradients.
     """
+    _check_args(topology, num_layers, micro_batches, algo, grad_route, prefetch_depth, mb_per_fetch,
+                layer_numel, weight_bytes, grad_bytes, replicated_numel)
+    n = topology.world_size
+    base, extra = divmod(num_layers, n)
+    positions, start = [], 0
+    for p in range(n):
+        stop = start + base + (1 if p < extra else 0)
+        positions.append((start, stop))
+        start = stop
+    sizes = dict(w=weight_bytes, g=grad_bytes)
+    options: dict[str, Any] = {
+        "layer_numel": layer_numel, "weight_bytes": weight_bytes, "grad_bytes": grad_bytes,
+        "replicated_numel": replicated_numel, "prefetch_depth": prefetch_depth,
+        "mb_per_fetch": mb_per_fetch,
+    }
+    if algo == "tawpipe":
+        chunk_layers = tuple(positions)
+        owner = tuple((k % topology.nodes) * topology.per_node + k // topology.nodes for k in range(n))
+        options["grad_route"] = grad_route
+    else:
+        chunk_layers = tuple(positions[(-x) % n] for x in range(n))
+        owner = tuple(range(n))
+    nbytes = {kind: [(e - s) * layer_numel * b for s, e in chunk_layers] for kind, b in sizes.items()}
+    rbytes = replicated_numel * grad_bytes
+    if algo == "tawpipe":
+        events, num_slots = _tawpipe(topology, micro_batches, owner, nbytes, rbytes, grad_route,
+                                     prefetch_depth, mb_per_fetch)
+    else:
+        events, num_slots = _weipipe(n, micro_batches, nbytes, rbytes)
+    return Plan(
+        algo=algo, topology=topology, num_layers=num_layers, micro_batches=micro_batches,
+        chunk_layers=chunk_layers, owner=owner, num_slots=num_slots,
+        actions=events.project(n), options=options,
+    )
+
+
+def _check_args(topology: Topology, num_layers: int, micro_batches: int, algo: str, grad_route: str,
+                prefetch_depth: int, mb_per_fetch: int, layer_numel: int, weight_bytes: int,
+                grad_bytes: int, replicated_numel: int) -> None:
+    """ValueError naming the argument and the fix, for anything ``build_plan`` cannot build."""
     if not isinstance(topology, Topology):
         raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
     n = topology.world_size
@@ -73,37 +113,6 @@ def build_plan(
                 "(they are tawpipe options)"
             )
 
-    base, extra = divmod(num_layers, n)
-    positions, start = [], 0
-    for p in range(n):
-        stop = start + base + (1 if p < extra else 0)
-        positions.append((start, stop))
-        start = stop
-    sizes = dict(w=weight_bytes, g=grad_bytes)
-    options: dict[str, Any] = {
-        "layer_numel": layer_numel, "weight_bytes": weight_bytes, "grad_bytes": grad_bytes,
-        "replicated_numel": replicated_numel, "prefetch_depth": prefetch_depth,
-        "mb_per_fetch": mb_per_fetch,
-    }
-    if algo == "tawpipe":
-        chunk_layers = tuple(positions)
-        owner = tuple((k % topology.nodes) * topology.per_node + k // topology.nodes for k in range(n))
-        options["grad_route"] = grad_route
-    else:
-        chunk_layers = tuple(positions[(-x) % n] for x in range(n))
-        owner = tuple(range(n))
-    nbytes = {kind: [(e - s) * layer_numel * b for s, e in chunk_layers] for kind, b in sizes.items()}
-    rbytes = replicated_numel * grad_bytes
-    if algo == "tawpipe":
-        events, num_slots = _tawpipe(topology, micro_batches, owner, nbytes, rbytes, grad_route,
-                                     prefetch_depth, mb_per_fetch)
-    else:
-        events, num_slots = _weipipe(n, micro_batches, nbytes, rbytes)
-    return Plan(
-        algo=algo, topology=topology, num_layers=num_layers, micro_batches=micro_batches,
-        chunk_layers=chunk_layers, owner=owner, num_slots=num_slots,
-        actions=events.project(n), options=options,
-    )
 
 
 class _Events:
@@ -250,7 +259,8 @@ def _tawpipe(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str,
                     out.add(TawPhase.COMPUTE, Action(slot, r, op, chunk=chunk, mb=m, buf=wbuf,
                                                      grad_buf=gbuf, accumulate=op is Op.B and i > 0))
         for r in members:  # right after the group's last B (of chunk 0)
-            out.add(TawPhase.REPLICATED, Action(g + span, r, Op.ALLREDUCE_REPLICATED, group=everyone, bytes=rbytes))
+            out.add(TawPhase.REPLICATED,
+                    Action(g + span, r, Op.ALLREDUCE_REPLICATED, group=everyone, bytes=rbytes))
     _finish(out, TawPhase.STEP, TawPhase.STATS, n, step_slot)
     return out, step_slot + 1
 
@@ -275,6 +285,27 @@ _WEIPIPE_F_BUFS = ("w0", "w1")  # the F-ring ping-pongs between two staging buff
 _WEIPIPE_B_BUFS = ("w2", "w3")  # and so does the B-ring
 
 
+def _f_active(n: int, acc: int, w: int, t: int) -> bool:
+    return w <= t < w + acc * n
+
+
+def _b_active(n: int, acc: int, w: int, t: int) -> bool:
+    return w + n <= t < w + n + acc * n
+
+
+def _ring_needs(n: int, acc: int, last: int) -> tuple[list[list[bool]], list[list[bool]]]:
+    """need[t][w]: worker w must hold its F-ring (B-ring) chunk at step t, because it uses it or
+    because a later worker on the ring will; the other ring transfers are dropped."""
+    need_f = [[False] * n for _ in range(last + 2)]
+    need_b = [[False] * n for _ in range(last + 2)]
+    for t in range(last, -1, -1):
+        for w in range(n):
+            nxt = (w + 1) % n
+            need_f[t][w] = _f_active(n, acc, w, t) or ((t + 1) % n != 0 and need_f[t + 1][nxt])
+            need_b[t][w] = t >= n and (_b_active(n, acc, w, t) or need_b[t + 1][nxt])
+    return need_f, need_b
+
+
 def _weipipe(n: int, acc: int, nbytes: dict[str, list[int]], rbytes: int) -> tuple[_Events, int]:
     """Corrected WeiPipe-Interleave: three same-direction rings w -> w+1 (design §3.4).
 
@@ -289,10 +320,10 @@ def _weipipe(n: int, acc: int, nbytes: dict[str, list[int]], rbytes: int) -> tup
     wb, gb = nbytes["w"], nbytes["g"]
 
     def f_active(w: int, t: int) -> bool:
-        return w <= t < w + acc * n
+        return _f_active(n, acc, w, t)
 
     def b_active(w: int, t: int) -> bool:
-        return w + n <= t < w + n + acc * n
+        return _b_active(n, acc, w, t)
 
     def fbuf(t: int) -> str:
         return "w_own" if t % n == 0 else _WEIPIPE_F_BUFS[t % 2]
@@ -300,14 +331,7 @@ def _weipipe(n: int, acc: int, nbytes: dict[str, list[int]], rbytes: int) -> tup
     def bbuf(t: int) -> str:
         return _WEIPIPE_B_BUFS[t % 2]
 
-    # need_x[t][w]: worker w must hold its ring's chunk at step t (it uses it or passes it on).
-    need_f = [[False] * n for _ in range(last + 2)]
-    need_b = [[False] * n for _ in range(last + 2)]
-    for t in range(last, -1, -1):
-        for w in range(n):
-            nxt = (w + 1) % n
-            need_f[t][w] = f_active(w, t) or ((t + 1) % n != 0 and need_f[t + 1][nxt])
-            need_b[t][w] = t >= n and (b_active(w, t) or need_b[t + 1][nxt])
+    need_f, need_b = _ring_needs(n, acc, last)
 
     for r in everyone:
         out.add(WeiPhase.LOAD, Action(-1, r, Op.LOAD_W, chunk=r, buf="w_own"))
@@ -326,10 +350,12 @@ def _weipipe(n: int, acc: int, nbytes: dict[str, list[int]], rbytes: int) -> tup
             nxt = (w + 1) % n
             if t < last and (t + 1) % n != 0 and need_f[t + 1][nxt]:
                 c = (w - t) % n
-                out.add(WeiPhase.RINGS, *_p2p(t, w, nxt, Op.SEND_W, Op.RECV_W, c, fbuf(t), fbuf(t + 1), wb[c]))
+                out.add(WeiPhase.RINGS, *_p2p(t, w, nxt, Op.SEND_W, Op.RECV_W, c, fbuf(t), fbuf(t + 1),
+                                              wb[c]))
             if t >= n and t < last and need_b[t + 1][nxt]:
                 c = (t - w + 1) % n
-                out.add(WeiPhase.RINGS, *_p2p(t, w, nxt, Op.SEND_W, Op.RECV_W, c, bbuf(t), bbuf(t + 1), wb[c]))
+                out.add(WeiPhase.RINGS, *_p2p(t, w, nxt, Op.SEND_W, Op.RECV_W, c, bbuf(t), bbuf(t + 1),
+                                              wb[c]))
             inc = arriving[w]
             if inc is not None:  # the partial sum from w-1's step t-1 arrives for this step
                 prev = (w - 1) % n
@@ -353,9 +379,11 @@ def _weipipe(n: int, acc: int, nbytes: dict[str, list[int]], rbytes: int) -> tup
         if c == u:
             out.add(WeiPhase.ACC, Action(final, u, Op.ACC_G, chunk=c, buf=f"g{last % 2}"))
         else:
-            out.add(WeiPhase.GRAD_RING, *_p2p(final, u, c, Op.SEND_G, Op.RECV_G, c, f"g{last % 2}", "g_recv", gb[c]))
+            out.add(WeiPhase.GRAD_RING, *_p2p(final, u, c, Op.SEND_G, Op.RECV_G, c, f"g{last % 2}", "g_recv",
+                                              gb[c]))
             out.add(WeiPhase.ACC, Action(final, c, Op.ACC_G, chunk=c, buf="g_recv"))
     for w in range(n):  # right after the worker's last B (of chunk 0)
-        out.add(WeiPhase.REPLICATED, Action(w + n + acc * n, w, Op.ALLREDUCE_REPLICATED, group=everyone, bytes=rbytes))
+        out.add(WeiPhase.REPLICATED,
+                Action(w + n + acc * n, w, Op.ALLREDUCE_REPLICATED, group=everyone, bytes=rbytes))
     _finish(out, WeiPhase.STEP, WeiPhase.STATS, n, step_slot)
     return out, step_slot + 1

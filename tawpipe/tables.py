@@ -61,10 +61,11 @@ def _tawpipe_cell(acts: list[Action], slot: int, acc: int) -> list[str]:
     for a in acts:
         if a.op is Op.RECV_W:
             parts.append(f"P2P W{a.chunk} r{a.peer}→r{a.rank}")
-            staged.add(a.rank)
-    bcasts = {(a.chunk, a.root): a for a in acts if a.op is Op.BCAST_W}
-    for chunk, root in bcasts:
-        parts.append(f"bcast from r{root}" if root in staged else f"bcast W{chunk} from r{root}")
+            staged.add((a.chunk, a.rank))
+    bcasts = list(dict.fromkeys((a.chunk, a.root) for a in acts if a.op is Op.BCAST_W))
+    for chunk, root in bcasts:  # "bcast from rX" right after the one P2P that staged it
+        short = len(bcasts) == 1 and (chunk, root) in staged
+        parts.append(f"bcast from r{root}" if short else f"bcast W{chunk} from r{root}")
     if not bcasts and not staged:
         parts += [f"load W{a.chunk} on r{a.rank}" for a in acts if a.op is Op.LOAD_W and a.buf != "w_own"]
     reduce = next((a for a in acts if a.op is Op.REDUCE_G), None)

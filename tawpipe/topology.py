@@ -1,7 +1,7 @@
 """Device topology: G groups (nodes) of s devices each, ranks contiguous per group.
 
 TawPipe keeps collectives inside a group and sends only rail-aligned P2P messages between groups
-(spec §3.1), so every other module asks this one which group a rank is in and who its rail peers
+(design §3.1), so every other module asks this one which group a rank is in and who its rail peers
 are. Only equal-sized, contiguous groups are supported; anything else is rejected here, at
 construction time, with a message that says what was found.
 """

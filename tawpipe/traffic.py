@@ -15,7 +15,7 @@ every rank sends 2(n-1)/n x M bytes to the next rank.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .plan import OPS, Action, Op, Plan
 from .topology import Topology
@@ -26,10 +26,27 @@ Kind = str | tuple[str, ...] | None
 
 @dataclass(frozen=True)
 class Traffic:
-    """Per-iteration bytes of a plan, keyed by (rank, direction, kind, inter-node?)."""
+    """Per-iteration bytes of a plan, keyed by (rank, direction, kind, inter-node?); and the
+    inter-node bytes of every node's link per slot, keyed by (slot, node, direction)."""
 
     topology: Topology
     flows: dict[tuple[int, str, str, bool], float]
+    node_slots: dict[tuple[int, int, str], float] = field(default_factory=dict)
+
+    def link_seconds(self, rate_bytes_per_s: float) -> tuple[float, float]:
+        """(floor, bursts) at one link of ``rate`` per node and direction (full duplex).
+
+        floor: the busiest node link's bytes in one direction / rate, the least an iteration can
+        take on that network. bursts: the sum over slots of each slot's busiest link time, what
+        the iteration takes if every slot's transfers must finish inside their slot (design §7.2).
+        """
+        per_link: dict[tuple[int, str], float] = defaultdict(float)
+        per_slot: dict[int, float] = defaultdict(float)
+        for (slot, node, d), v in self.node_slots.items():
+            per_link[(node, d)] += v
+            per_slot[slot] = max(per_slot[slot], v)
+        floor = max(per_link.values(), default=0.0) / rate_bytes_per_s
+        return floor, sum(per_slot.values()) / rate_bytes_per_s
 
     def total(self, rank: int | None = None, *, direction: str = "sent", kind: Kind = None,
               inter: bool | None = None) -> float:
@@ -85,26 +102,30 @@ def plan_traffic(plan: Plan) -> Traffic:
     """Attribute every byte of ``plan`` to sender, receiver, kind and scope."""
     topo = plan.topology
     flows: dict[tuple[int, str, str, bool], float] = defaultdict(float)
+    node_slots: dict[tuple[int, int, str], float] = defaultdict(float)
 
-    def hop(src: int, dst: int, kind: str, nbytes: float) -> None:
-        inter = topo.group_of(src) != topo.group_of(dst)
-        flows[(src, "sent", kind, inter)] += nbytes
-        flows[(dst, "received", kind, inter)] += nbytes
+    def hop(slot: int, src: int, dst: int, kind: str, nbytes: float) -> None:
+        gs, gd = topo.group_of(src), topo.group_of(dst)
+        flows[(src, "sent", kind, gs != gd)] += nbytes
+        flows[(dst, "received", kind, gs != gd)] += nbytes
+        if gs != gd:
+            node_slots[(slot, gs, "sent")] += nbytes
+            node_slots[(slot, gd, "received")] += nbytes
 
     for acts in plan.actions:
         for a in acts:
             spec = OPS[a.op]
             if spec.transfer == "send":
-                hop(a.rank, a.peer, spec.kind, a.bytes)
+                hop(a.slot, a.rank, a.peer, spec.kind, a.bytes)
             elif spec.transfer == "collective" and a.root is None:  # an all-reduce: a ring
                 k = len(a.group)
                 if k > 1:
                     i = a.group.index(a.rank)
-                    hop(a.rank, a.group[(i + 1) % k], spec.kind, 2 * (k - 1) / k * a.bytes)
+                    hop(a.slot, a.rank, a.group[(i + 1) % k], spec.kind, 2 * (k - 1) / k * a.bytes)
             elif spec.transfer == "collective" and a.rank == a.root:  # a chain, counted from the root
                 for src, dst in _chain(a):
-                    hop(src, dst, spec.kind, a.bytes)
-    return Traffic(topology=topo, flows=dict(flows))
+                    hop(a.slot, src, dst, spec.kind, a.bytes)
+    return Traffic(topology=topo, flows=dict(flows), node_slots=dict(node_slots))
 
 
 def _chain(a: Action) -> list[tuple[int, int]]:
@@ -209,7 +230,7 @@ def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: in
     if method == "weipipe":  # F-ring + B-ring weights and the gradient ring, (acc+1)·Psi each
         v = (acc + 1) * psi * (2 * wb + gb)
         return Estimate(method, v + rep, cross * (v + rep))
-    if method == "tawpipe":  # spec §3.9
+    if method == "tawpipe":  # design §7.1
         inter_node = (G - 1) / G * (2 * acc * (n - 1) / n * psi * wb + acc * psi * gb)
         intra_rank = (s - 1) / s * acc * psi * (2 * wb + gb)
         return Estimate(method, intra_rank + inter_node / s + rep, inter_node + cross * rep)

@@ -21,6 +21,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from .plan import (
+    CHANNELS,
     GRAD_OPS,
     OPS,
     WEIGHT_OPS,
@@ -81,8 +82,8 @@ class Verifier:
 
     def run(self) -> VerifyReport:
         _check_static(self.plan)
-        self._serial()
-        self._channels()
+        self.run_serial()
+        self.run_channels()
         _check_compute_order(self.plan, self.computes)
         self._check_contributions()
         acts = self.plan.actions
@@ -202,17 +203,23 @@ class Verifier:
 
     # ------------------------------------------------------------------ execution models
 
-    def _serial(self) -> None:
-        """Blocking execution, one queue per rank (the replicated all-reduce has its own)."""
-        units = [[[a] for a in acts if a.op is not Op.ALLREDUCE_REPLICATED] for acts in self.plan.actions]
-        _Simulation(self, units, inline=None).run("serial")
+    def run_serial(self) -> None:
+        """Blocking execution, one action at a time; the replicated all-reduce keeps its channel."""
+        units, deps = self._units(batched=False)
+        inline = frozenset(c for c in CHANNELS if c != "replicated")
+        _Simulation(self, units, deps, inline, contents=True).run("serial")
 
-    def _channels(self) -> None:
+    def run_channels(self) -> None:
         """The engine's model: compute thread + one in-order queue per channel, dataflow waits."""
+        units, deps = self._units(batched=True)
+        _Simulation(self, units, deps, frozenset({"compute"}), contents=False).run("channels")
+
+    def _units(self, batched: bool) -> tuple[list[list[list[Action]]], list[list[set[int]]]]:
+        """Every rank's units (P2P batches, or single actions) and each unit's dependencies."""
         units, deps = [], []
         for acts in self.plan.actions:
             hz: Hazards[int] = Hazards()
-            rank_units = list(batches(acts))
+            rank_units = list(batches(acts)) if batched else [[a] for a in acts]
             rank_deps = []
             for ui, unit in enumerate(rank_units):
                 rw = [(self.plan.reads(a), self.plan.writes(a)) for a in unit]
@@ -221,7 +228,7 @@ class Verifier:
                     hz.record(ui, r, w)
             units.append(rank_units)
             deps.append(rank_deps)
-        _Simulation(self, units, inline="compute", deps=deps).run("channels")
+        return units, deps
 
     def _check_contributions(self) -> None:
         n, acc = self.n, self.plan.micro_batches
@@ -242,9 +249,9 @@ class Verifier:
 class _Simulation:
     """Runs units of actions per rank until everything has finished or nothing can move.
 
-    A rank's units are consumed in order by its *driver* (the compute thread). Units on channel
-    ``inline`` (every unit when ``inline`` is None: the serial model) run on the driver, blocking
-    it; the others go to their channel's queue and the driver moves on. A queued unit starts when
+    A rank's units are consumed in order by its *driver* (the compute thread). Units on the
+    channels in ``inline`` run on the driver, blocking it; the others go to their channel's queue
+    and the driver moves on. A queued unit starts when
     its dependencies (unit indices of the same rank, ``deps``) are done. Its transfers complete
     one at a time: a send meets the matching receive at the head of the peer's queue on the same
     channel; a collective completes when every member is at it. In the serial model the
@@ -252,10 +259,9 @@ class _Simulation:
     that transfers pair up and that nothing deadlocks.
     """
 
-    def __init__(self, v: Verifier, units: list[list[list[Action]]], inline: str | None,
-                 deps: list[list[set[int]]] | None = None) -> None:
-        self.v, self.units, self.inline, self.deps = v, units, inline, deps
-        self.contents = inline is None
+    def __init__(self, v: Verifier, units: list[list[list[Action]]], deps: list[list[set[int]]],
+                 inline: frozenset[str], contents: bool) -> None:
+        self.v, self.units, self.deps, self.inline, self.contents = v, units, deps, inline, contents
         n = len(units)
         self.pc = [0] * n
         self.done = [[False] * len(u) for u in units]
@@ -265,10 +271,10 @@ class _Simulation:
         self.arrived: dict[tuple, set[int]] = {}
 
     def _queued(self, a: Action) -> bool:
-        return self.inline is not None and OPS[a.op].channel != self.inline
+        return OPS[a.op].channel not in self.inline
 
     def _ready(self, r: int, u: int) -> bool:
-        return self.deps is None or all(self.done[r][d] for d in self.deps[r][u])
+        return all(self.done[r][d] for d in self.deps[r][u])
 
     def run(self, model: str) -> None:
         n = len(self.units)

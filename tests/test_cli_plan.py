@@ -41,7 +41,7 @@ def test_plan_prints_the_spec_tables(capsys, nodes, per_node, layers, acc, line)
     out = run(capsys, "plan", "--nodes", str(nodes), "--per-node", str(per_node), "--layers", str(layers),
               "--micro-batches", str(acc), "--grad-route", "leader")
     expected = build_plan(Topology(nodes, per_node), layers, acc, grad_route="leader").table()
-    assert table_of(out) == expected  # equal to the spec's tables: see test_plan.py
+    assert table_of(out) == expected  # equal to the paper's tables: see test_plan.py
     assert line in out.splitlines()
     assert "no deadlock" in out and f"{nodes * per_node * nodes * per_node * acc} gradient" in out
 

@@ -1,4 +1,5 @@
-"""The plan as data: the spec's worked examples, the §3.4 rule, verify, JSON, degenerate shapes."""
+"""The plan as data: the paper's worked schedules, the TawPipe rule (design §3.2), verify, JSON,
+degenerate shapes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from tawpipe.schedule import build_plan
 from tawpipe.verify import verify
 from tawpipe.topology import Topology
 
-# Spec §3.5 and §3.6, verbatim.
+# The paper's worked schedules N=4/G=2 and N=6/G=3 with the paper's leader route, verbatim (the
+# first is design §3.3's table but for the router of remote gradients).
 SPEC_N4_G2_ACC2 = """
 | slot | group 0 (ranks 0, 1) | group 1 (ranks 2, 3) |
 |---|---|---|
@@ -61,7 +63,7 @@ SPEC_N6_G3_ACC1 = """
 | 14 | idle | idle | idle; reduce G0→r4; P2P G0 r4→r0 |
 """
 
-# Spec §2.4, verbatim.
+# The WeiPipe paper's N=4 worked schedule with every ring send drawn, verbatim (design §3.4).
 SPEC_WEIPIPE_N4_ACC2 = """
 | step | worker 0 | worker 1 | worker 2 | worker 3 |
 |---|---|---|---|---|
@@ -124,7 +126,7 @@ def test_tawpipe_n6_g3_acc1_matches_spec_cell_by_cell():
 def test_rail_route_changes_only_the_inter_group_gradient_router():
     leader = parse_table(build_plan(Topology(2, 2), 4, 2, grad_route="leader").table())[1]
     rail = parse_table(build_plan(Topology(2, 2), 4, 2, grad_route="rail").table())[1]
-    # the spec's note on slot 5 of §3.5: the owner of W3 has local index 1
+    # slot 5 of design §3.3: the owner of W3 has local index 1
     assert rail["5"][0] == "**B2**(m0); P2P W1 r2→r0; bcast from r0; reduce G3→r1; P2P G3 r1→r3"
     changed = 0
     for slot in leader:
@@ -145,7 +147,7 @@ WEI_LAST = (2 + 2) * 4 - 2  # last compute step of N=4, acc=2
 
 
 def _spec_weipipe() -> tuple[dict, dict]:
-    """(step, worker) -> set of compute entries, and -> list of sends, from the spec table."""
+    """(step, worker) -> set of compute entries, and -> list of sends, from the paper's table."""
     _, rows = parse_table(SPEC_WEIPIPE_N4_ACC2)
     comp, sends = {}, {}
     for step, cells in rows.items():
@@ -188,7 +190,7 @@ def test_weipipe_n4_acc2_reproduces_the_spec_table():
     spec_g = {(t, w, s) for (t, w), ss in spec_sends.items() for s in ss if s[0] == "g"}
     assert weights <= spec_w
     dropped = spec_w - weights
-    assert {(8, 0, "f0"), (12, 0, "b1"), (13, 0, "b2")} <= dropped  # named droppable by the spec
+    assert {(8, 0, "f0"), (12, 0, "b1"), (13, 0, "b2")} <= dropped  # nobody consumes these
     for t, w, s in dropped:  # every dropped send is one that nobody consumes
         ring, x = s[0], int(s[1:])
         for j in range(1, WEI_LAST - t + 1):
@@ -196,7 +198,7 @@ def test_weipipe_n4_acc2_reproduces_the_spec_table():
                 break  # the F-ring reloads the owners' chunks
             uses = spec_comp[(t + j, (w + j) % n)]
             assert not any(u.startswith(f"{ring.upper()}:W{x}(") for u in uses), (t, w, s)
-    # gradient ring: every spec send is there; the extra ones carry completed sums to the exchange
+    # gradient ring: every paper send is there; the extra ones carry completed sums to the exchange
     assert spec_g <= grads
     for t, w, _ in grads - spec_g:
         assert not any(u.startswith("B:") for u in spec_comp.get((t, w), ())), (t, w)
@@ -206,11 +208,12 @@ def test_weipipe_n4_acc2_reproduces_the_spec_table():
     assert report.contributions == n * n * 2
 
 
-# ------------------------------------------------------------------------ the §3.4 rule, independently
+# ------------------------------------------------------------------------ the rule, independently
 
 
 def spec_rule_events(n: int, G: int, acc: int, route: str) -> set[tuple]:
-    """The pseudocode of spec §3.4 (router: rail peer or local index 0) as (slot, op, src, dst, chunk)."""
+    """The TawPipe rule of design §3.2, re-derived here on its own (router: rail peer or local index
+    0), as (slot, op, src, dst, chunk)."""
     s = n // G
     owner = lambda k: (k % G) * s + k // G  # noqa: E731
 
@@ -306,7 +309,7 @@ def test_verify_n64_in_a_few_seconds(G):
     assert elapsed < 10, f"build + verify took {elapsed:.1f}s of CPU"
 
 
-# ---------------------------------------------------------------------------------- §3.9 counts
+# ---------------------------------------------------------------------------------- design §7.1 counts
 
 
 @pytest.mark.parametrize("n,G,acc", [(8, 2, 3), (12, 3, 2), (12, 4, 4)])
@@ -345,7 +348,7 @@ def test_one_device_per_group_is_pure_p2p_and_owner_may_send_three_times():
     sends = {}
     for a in (a for acts in plan.actions for a in acts if a.op in (Op.SEND_W, Op.SEND_G)):
         sends[(a.slot, a.rank)] = sends.get((a.slot, a.rank), 0) + 1
-    assert max(sends.values()) == 3  # spec §3.4: an owner can have 3 sends in one slot
+    assert max(sends.values()) == 3  # with s = 1 an owner can have 3 sends in one slot
 
 
 def test_single_group_uses_only_collectives():

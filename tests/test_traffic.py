@@ -1,4 +1,4 @@
-"""Traffic accounting of plans against the spec's cost model (§2.6, §3.9) and the peer estimates."""
+"""Traffic accounting of plans against the cost model (design §7.1) and the peer estimates."""
 
 from __future__ import annotations
 
@@ -19,14 +19,15 @@ def elements(topo: Topology, layers: int, acc: int, **kw):
 
 
 def test_tawpipe_paper_setup_n24_g3_acc64():
-    """Spec §3.9: ~123-128 Psi across nodes per node, of which acc·N·(G-1)/G chunks are gradients."""
+    """The paper's setup: ~123-128 Psi across nodes per node, of which acc·N·(G-1)/G chunks are
+    gradients (design §7.1)."""
     psi = 24
     t = elements(Topology(3, 8), psi, 64)
     per_node = t.per_node(kind=MODEL)
     assert all(122 * psi <= v <= 128 * psi for v in per_node), [v / psi for v in per_node]
     assert max(per_node) == pytest.approx(3 * 64 * (3 - 1) / 3 * psi, rel=0.01)
     assert t.per_node(kind="grads") == [64 * 24 * 2 / 3] * 3  # 1024 chunks = 42.7 Psi
-    weights = t.per_node(kind="weights")  # spec: "80-85 Psi are weights"
+    weights = t.per_node(kind="weights")  # 80-85 Psi are weights
     assert all(80 * psi <= v <= 85.5 * psi for v in weights), [v / psi for v in weights]
     # weight traffic spreads over the rails: at most 2·acc·(G-1) chunks per device
     assert t.busiest(kind="weights")[1] == 2 * 64 * 2
@@ -37,7 +38,7 @@ def test_tawpipe_inter_node_volume_is_about_3_acc_g_minus_1_over_g_psi(G, s, acc
     n = G * s
     t = elements(Topology(G, s), n, acc)
     mean = sum(t.per_node(kind=MODEL)) / G
-    # exactly: every chunk is fetched 2·acc·(N-1)+1 times per group (§3.9), by G-1 groups from
+    # exactly: every chunk is fetched 2·acc·(N-1)+1 times per group (design §7.1), by G-1 groups from
     # another node; every group sends acc·(N-s) gradients to other nodes
     assert mean == pytest.approx((G - 1) / G * (2 * acc * (n - 1) + 1 + acc * n))
     assert mean == pytest.approx(3 * acc * (G - 1) / G * n, rel=1 / n)
@@ -52,7 +53,7 @@ def test_weipipe_ring_link_across_nodes_carries_about_3_acc_plus_1_psi(acc):
     plan = build_plan(topo, psi, acc, algo="weipipe", layer_numel=1, weight_bytes=1, grad_bytes=1)
     link = sum(a.bytes for acts in plan.actions for a in acts
                if a.op in (Op.SEND_W, Op.SEND_G) and (a.rank, a.peer) == (3, 4))
-    # the spec counts the reference's sends (acc+1 rounds); the plan drops the unconsumed ones
+    # the paper counts the reference's sends (acc+1 rounds); the plan drops the unconsumed ones
     assert 3 * acc * psi * 0.95 <= link <= 3 * (acc + 1) * psi
 
 

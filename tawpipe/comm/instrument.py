@@ -87,7 +87,8 @@ class RecordingComm(_Wrapper):
 class DelayComm(_Wrapper):
     """Sleeps `latency + bytes / bandwidth` seconds before each operation (on the comm thread)."""
 
-    def __init__(self, inner: Comm, latency_s: float, bandwidth_Bps: float = float("inf"), channel: str = "weights") -> None:
+    def __init__(self, inner: Comm, latency_s: float, bandwidth_Bps: float = float("inf"),
+                 channel: str = "weights") -> None:
         super().__init__(inner, channel)
         self.latency_s = latency_s
         self.bandwidth_Bps = bandwidth_Bps

@@ -1,0 +1,61 @@
+"""What an iteration costs a rank in memory, and which k (micro-batches per fetch) fits a budget.
+
+Bytes on the wire are ``tawpipe.traffic``'s; this module adds the other side of the trade-off of
+design §7.3: running a resident chunk for k micro-batches cuts weight and gradient traffic by k
+and keeps k times as many chunk-boundary activations alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plan import GRAD_OPS, WEIGHT_OPS, Op, Plan
+from .traffic import ModelDims
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank. ``activations`` = saved chunk inputs (exact) + the recompute working set of
+    one chunk for one micro-batch (estimated, see ``working_set_bytes``)."""
+
+    persistent: float  # float32 master, two AdamW moments, float32 gradient accumulator
+    staging: float  # the plan's weight and gradient buffers
+    replicated: float  # embedding/head/norm: parameters, gradients, AdamW moments (float32)
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.persistent + self.staging + self.replicated + self.activations
+
+
+def working_set_bytes(dims: ModelDims, layers: int) -> float:
+    """Activations of ``layers`` transformer layers for one micro-batch while backward runs:
+    s·b·h·(34 + 5·a·s/h) bytes per layer at 2-byte activations (Korthikanti et al. 2022,
+    attention scores materialised), scaled to ``dims.dtype_bytes``. An estimate, not a count."""
+    s, b, h, a = dims.seq, dims.micro_batch, dims.hidden, dims.heads
+    return layers * s * b * h * (34 + 5 * a * s / h) * dims.dtype_bytes / 2
+
+
+def memory_per_rank(plan: Plan, dims: ModelDims) -> MemoryEstimate:
+    """The busiest rank's memory for ``plan`` on a model of ``dims`` (same layers as the plan)."""
+    n = plan.topology.world_size
+    layer = dims.layer_numel
+    chunk_layers = max(stop - start for start, stop in plan.chunk_layers)
+    chunk = chunk_layers * layer
+    weight_bufs = max(len({a.buf for a in acts if a.op in WEIGHT_OPS}) for acts in plan.actions)
+    grad_bufs = max(len({a.grad_buf if a.op is Op.B else a.buf for a in acts
+                         if a.op is Op.B or a.op in GRAD_OPS}) for acts in plan.actions)
+    k = int(plan.options.get("mb_per_fetch", 1))
+    boundary = n * k * dims.activation_numel * dims.dtype_bytes
+    return MemoryEstimate(
+        persistent=16 * chunk,
+        staging=weight_bufs * chunk * dims.dtype_bytes + grad_bufs * chunk * dims.grad_bytes,
+        replicated=16 * dims.replicated_numel,
+        activations=boundary + working_set_bytes(dims, chunk_layers),
+    )
+
+
+def largest_fitting_k(estimates: dict[int, MemoryEstimate], budget: float) -> int | None:
+    """The largest k whose estimate fits ``budget`` bytes (None if none does)."""
+    fitting = [k for k, e in estimates.items() if e.total <= budget]
+    return max(fitting) if fitting else None
