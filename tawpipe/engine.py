@@ -15,6 +15,7 @@ no scheduling decision of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable, Sequence
 
@@ -24,7 +25,8 @@ import torch.nn as nn
 from .comm.base import P2P, Comm
 from .compute import ChunkCompute, Key, StepState
 from .executor import Executor
-from .plan import CHANNELS, OPS, Action, Op, Plan, gather_program
+from . import fingerprint
+from .plan import CHANNELS, OPS, Action, Op, Plan, gather_program, setup_program
 from .precision import Precision
 from .schedule import build_plan
 from .storage import MemoryReport, ChunkStorage, unique_params
@@ -58,6 +60,18 @@ def _signature(block: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype
 def _check_blocks(blocks: list[nn.Module]) -> None:
     if not blocks:
         raise ValueError("blocks is empty: pass the decoder layers as a sequence of nn.Modules")
+    for i, b in enumerate(blocks):
+        if not isinstance(b, nn.Module):
+            raise TypeError(f"blocks[{i}] is a {type(b).__name__}, not an nn.Module")
+    seen: dict[int, int] = {}
+    for i, b in enumerate(blocks):
+        for p in b.parameters():
+            j = seen.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(
+                    f"blocks {j} and {i} share parameters (the same module passed twice?): tawpipe "
+                    "gives every block its own weights; pass distinct blocks"
+                )
     sig = _signature(blocks[0])
     for i, b in enumerate(blocks[1:], 1):
         if _signature(b) != sig:
@@ -67,6 +81,17 @@ def _check_blocks(blocks: list[nn.Module]) -> None:
             )
     if not sig:
         raise ValueError("the blocks have no parameters: nothing to shard")
+
+
+def _check_callables(**kwargs: Any) -> None:
+    for name, value in kwargs.items():
+        if name in ("embed", "head"):
+            if not isinstance(value, nn.Module) or not list(value.parameters()):
+                raise TypeError(f"{name} must be an nn.Module with parameters, got {type(value).__name__}")
+        elif value is not None and not callable(value):
+            raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+        elif value is None and name in ("loss_fn", "optimizer"):
+            raise TypeError(f"{name} is required")
 
 
 class TawPipe:
@@ -111,6 +136,17 @@ class TawPipe:
     ) -> None:
         blocks = list(blocks)
         _check_blocks(blocks)
+        _check_callables(embed=embed, head=head, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                         block_forward=block_forward, block_context=block_context)
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a tawpipe.Topology, got {type(topology).__name__}")
+        if comm is not None and not isinstance(comm, Comm):
+            raise TypeError(f"comm must be a tawpipe.comm.Comm (or None for torch.distributed), got "
+                            f"{type(comm).__name__}")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if not (isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) and n for n in names)):
+            raise ValueError(f"names must be three non-empty strings (embed, blocks, head), got {names!r}")
         if recompute not in ("chunk", "none"):
             raise ValueError(f"recompute must be 'chunk' or 'none', got {recompute!r}")
         if compute_dtype not in _DTYPES:
@@ -149,6 +185,20 @@ class TawPipe:
         self._stats: torch.Tensor | None = None
         self._state: StepState | None = None
         self._last_loss = float("nan")
+        self._check_ranks_agree(blocks[0], replicated, compute_dtype, grad_wire_dtype, recompute)
+
+    def _check_ranks_agree(self, block: nn.Module, replicated: list[tuple[str, nn.Parameter]],
+                           compute_dtype: torch.dtype, grad_dtype: torch.dtype, recompute: str) -> None:
+        """Run the setup program: every rank's fingerprint, compared with rank 0's."""
+        mine = fingerprint.fields(self.plan, compute_dtype=compute_dtype, grad_dtype=grad_dtype, block=block,
+                                  replicated=replicated, optimizer=self.optimizer,
+                                  precision=dataclasses.asdict(self.precision), recompute=recompute)
+        n = self.topology.world_size
+        table = fingerprint.row(self.rank, n, mine).to(self.device)
+        comm = self._comms["step"]
+        self.executor.run(setup_program(self.plan, table.numel() * 8)[self.rank],
+                          lambda unit: lambda: comm.all_reduce(table, unit[0].group))
+        fingerprint.compare(table, mine, self.rank)
 
     def _connect(self, comm: Comm | None) -> None:
         if comm is None:
@@ -198,6 +248,9 @@ class TawPipe:
             raise TypeError("step(batch): batch must be a pair of tensors (inputs, targets)")
         inputs, targets = batch
         acc = self.micro_batches
+        for name, t in (("inputs", inputs), ("targets", targets)):
+            if t.device.type != self.device.type and t.device.type != "cpu":
+                raise ValueError(f"{name} is on {t.device}; pass CPU tensors or tensors on {self.device}")
         if inputs.dim() == 0 or inputs.shape[0] % acc or inputs.shape[0] == 0:
             raise ValueError(f"batch has {inputs.shape[0] if inputs.dim() else 0} rows, not a positive "
                              f"multiple of micro_batches={acc}")

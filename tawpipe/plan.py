@@ -34,6 +34,7 @@ class Op(str, enum.Enum):
     STEP = "STEP"
     SEND_MASTER = "SEND_MASTER"
     RECV_MASTER = "RECV_MASTER"
+    CHECK = "CHECK"
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,9 @@ OPS: dict[Op, OpSpec] = {
     Op.ALLREDUCE_STATS: OpSpec("step", "collective", "stats", _const(ACC), _const(STATS)),
     Op.SEND_MASTER: OpSpec("step", "send", "state", _const(MASTER), _none),
     Op.RECV_MASTER: OpSpec("step", "recv", "state", _none, _buf),
+    # every rank's fingerprint of its configuration, compared before the first step (an all-gather
+    # written as an all-reduce of one row per rank)
+    Op.CHECK: OpSpec("step", "collective", "setup", _none, _const("fingerprint")),
 }
 
 WEIGHT_OPS = frozenset({Op.LOAD_W, Op.SEND_W, Op.RECV_W, Op.BCAST_W, Op.F, Op.B})  # touch weight bufs
@@ -295,7 +299,7 @@ class Plan:
             return STATS_BYTES
         if kind == "state":
             return self.chunk_numel(chunk) * 4
-        return 0
+        return 0  # "setup": sized by the engine's fingerprint
 
     def to_json(self, indent: int | None = None) -> str:
         """The plan as one JSON document; actions are a flat list, rank by rank, in list order."""
@@ -343,6 +347,13 @@ class Plan:
 
 
 STATS_BYTES = 16  # two float64: the squared gradient norm of the own chunk, the non-finite flag
+
+
+def setup_program(plan: Plan, fingerprint_bytes: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's actions before the first step: one CHECK of the ranks' fingerprints. It has the
+    same shape whatever the ranks' configurations are, so comparing them cannot hang."""
+    everyone = tuple(range(plan.topology.world_size))
+    return tuple((Action(-1, r, Op.CHECK, group=everyone, bytes=fingerprint_bytes),) for r in everyone)
 
 
 def gather_program(plan: Plan, root: int = 0) -> tuple[tuple[Action, ...], ...]:

@@ -216,3 +216,23 @@ def resume(rank: int, directory: str) -> dict:
         ref_params = dict(ref.named_parameters())
         out["full_err"] = max(rel_err(p.detach(), ref_params[n].detach()) for n, p in unsharded.named_parameters())
     return out
+
+
+def disagreements(rank: int, cases: list[dict]) -> list[str]:
+    """Build an engine where rank 2 differs from the others in one setting per case; every rank
+    must get a ValueError from the construction-time check (no hang, no silent training)."""
+    world = torch.distributed.get_world_size()
+    out = []
+    for case in cases:
+        odd = rank == 2
+        torch.manual_seed(1 if odd and case.get("seed") else 0)
+        model = TinyLM(5 if odd and case.get("layers") else 4)
+        options = dict(case.get("options", {})) if odd else {}
+        try:
+            topo = Topology(1, world) if odd and case.get("topology") else Topology(2, world // 2)
+            _engine(model, topo, 4 if odd and case.get("acc") else 2, **options)
+        except ValueError as e:
+            out.append(str(e))
+        else:
+            out.append("no error")
+    return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -55,11 +57,90 @@ def _make(layers=4, topo=Topology(2, 2), comm=None, **kw):
     (dict(recompute="layer"), "recompute"),
     (dict(max_grad_norm=-1.0), "max_grad_norm"),
     (dict(loss_scale="sometimes"), "loss_scale"),
+    (dict(loss_scale=float("inf")), "loss_scale"),
+    (dict(max_grad_norm=float("nan")), "max_grad_norm"),
+    (dict(nonfinite="ignore"), "nonfinite"),
     (dict(comm=NoComm(2)), "ranks"),
+    (dict(grad_wire_dtype=torch.float16), "grad_wire_dtype"),
+    (dict(mb_per_fetch=3), "mb_per_fetch=3 does not divide"),
+    (dict(prefetch_depth=0), "prefetch_depth"),
+    (dict(algo="weipipe", mb_per_fetch=2), "weipipe"),
+    (dict(timeout=-1), "timeout"),
+    (dict(names=("embed", "blocks")), "names"),
 ])
 def test_bad_arguments(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         _make(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(topology=(2, 2)), TypeError, "topology must be a tawpipe.Topology"),
+    (dict(comm="gloo"), TypeError, "comm must be a tawpipe.comm.Comm"),
+    (dict(loss_fn=None), TypeError, "loss_fn is required"),
+    (dict(optimizer=torch.optim.AdamW([torch.zeros(1, requires_grad=True)])), TypeError, "optimizer must be callable"),
+    (dict(block_context="rope"), TypeError, "block_context must be callable"),
+    (dict(head=lambda x: x), TypeError, "head must be an nn.Module"),
+])
+def test_bad_argument_types(kwargs, error, message) -> None:
+    torch.manual_seed(0)
+    m = TinyLM(4)
+    args = dict(blocks=m.blocks, embed=m.embed, head=m.head, loss_fn=lm_loss, topology=Topology(2, 2),
+                micro_batches=2, comm=NoComm(4)) | kwargs
+    positional = [args.pop(k) for k in ("blocks", "embed", "head", "loss_fn")]
+    with pytest.raises(error, match=message):
+        TawPipe(*positional, **args)
+
+
+def test_the_same_block_twice_is_refused() -> None:
+    m = TinyLM(4)
+    blocks = [m.blocks[0], m.blocks[1], m.blocks[0], m.blocks[3]]
+    with pytest.raises(ValueError, match="blocks 0 and 2 share parameters"):
+        TawPipe(blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=1, comm=NoComm(4))
+    with pytest.raises(TypeError, match=r"blocks\[1\] is a str"):
+        TawPipe([m.blocks[0], "block"], m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                comm=NoComm(1))
+
+
+def _single(loss_fn=lm_loss, **kw) -> tuple[TawPipe, torch.Tensor]:
+    torch.manual_seed(0)
+    m = TinyLM(2)
+    eng = TawPipe(m.blocks, m.embed, m.head, loss_fn, topology=Topology(1, 1), micro_batches=1,
+                  comm=NoComm(1), block_context=m.context, **kw)
+    return eng, torch.randint(0, 10, (2, 5))
+
+
+def test_a_non_finite_loss_skips_the_step_and_leaves_everything_unchanged() -> None:
+    nan_once = iter([float("nan")])
+
+    def loss_fn(logits, targets):
+        return lm_loss(logits, targets) * next(nan_once, 1.0)
+
+    eng, x = _single(loss_fn)
+    before = {n: p.detach().clone() for n, p in eng.named_parameters()}
+    loss = eng.step((x, x))
+    assert loss != loss and eng.skipped_steps == 1  # NaN reported, step skipped
+    assert all(torch.equal(p, before[n]) for n, p in eng.named_parameters())
+    assert not eng.optimizer.state  # no optimizer state was touched either
+    assert eng.step((x, x)) > 0  # training goes on: a finite loss, and this time an update
+    assert eng.skipped_steps == 1 and all(torch.isfinite(p).all() for _, p in eng.named_parameters())
+    assert any(not torch.equal(p, before[n]) for n, p in eng.named_parameters())
+
+
+def test_nonfinite_raise_names_the_step_and_a_failed_engine_refuses_at_once() -> None:
+    eng, x = _single(lambda logits, targets: lm_loss(logits, targets) * float("inf"), nonfinite="raise")
+    with pytest.raises(FloatingPointError, match="step 0: the loss"):
+        eng.step((x, x))
+    with pytest.raises(RuntimeError, match="an earlier step failed"):
+        eng.step((x, x))
+
+
+def test_bad_step_arguments_are_clear() -> None:
+    eng, x = _single()
+    with pytest.raises(TypeError, match="pair of tensors"):
+        eng.step(x)
+    with pytest.raises(TypeError, match="pair of tensors"):
+        eng.step((x, [1, 2]))
+    eng.step((x, x))  # a rejected call leaves the engine usable
 
 
 def test_blocks_of_different_structure() -> None:
@@ -107,3 +188,24 @@ def test_fp16_overflow_skips_the_step_and_backs_off() -> None:
     assert 1 < eng.skipped_steps < 21  # backed off, then took steps
     assert any(not torch.equal(p, before[n]) for n, p in eng.named_parameters())
     eng.close()
+
+
+def test_ranks_that_disagree_fail_at_construction_naming_rank_and_field() -> None:
+    from tawpipe.launch import run_local
+
+    from engine_cases import disagreements
+
+    cases = [
+        (dict(options=dict(compute_dtype=torch.bfloat16)), "compute_dtype"),
+        (dict(seed=True), "replicated weights"),
+        (dict(acc=True), r"micro_batches \(rank 0: 2, rank 2: 4\)"),
+        (dict(options=dict(grad_route="leader")), "grad_route"),
+        (dict(layers=True), r"num_layers \(rank 0: 4, rank 2: 5\)"),
+        (dict(options=dict(max_grad_norm=1.0)), "precision"),
+    ]
+    topology = (dict(topology=True), r"rank 2 has topology 1x4 but rank 0 has 2x2")
+    results = run_local(disagreements, 4, [c for c, _ in cases] + [topology[0]], timeout=120)
+    for rank, messages in enumerate(results):
+        for (case, field), msg in zip(cases, messages):
+            assert re.search(rf"rank 2 disagrees with rank 0 on {field}", msg), (rank, case, msg)
+        assert re.search(topology[1], messages[-1]), (rank, messages[-1])

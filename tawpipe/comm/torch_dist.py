@@ -18,7 +18,7 @@ from .base import P2P, Comm, Group
 
 
 class TorchDistComm(Comm):
-    def __init__(self, topology: Topology, timeout: float, _channel: str = "main") -> None:
+    def __init__(self, topology: Topology, timeout: float, _channel: str = "weights") -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call tawpipe.launch.init_distributed() "
@@ -35,6 +35,8 @@ class TorchDistComm(Comm):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.name = _channel
+        if _channel == "weights":  # the first channel: agree on the groups before creating them
+            _check_same_topology(topology, self.rank, self.world_size)
         td = timedelta(seconds=timeout)
         world = tuple(range(self.world_size))
         self._groups: dict[Group, dist.ProcessGroup] = {world: dist.new_group(list(world), timeout=td)}
@@ -76,3 +78,16 @@ class TorchDistComm(Comm):
 
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._pg(group))
+
+
+def _check_same_topology(topology: Topology, rank: int, world: int) -> None:
+    """Every rank creates one process group per topology group; ranks that disagree on the
+    topology would create different groups and hang, so compare first (one small all-gather)."""
+    seen: list = [None] * world
+    dist.all_gather_object(seen, (topology.nodes, topology.per_node))
+    for r, shape in enumerate(seen):
+        if shape != seen[0]:
+            raise ValueError(
+                f"rank {r} has topology {shape[0]}x{shape[1]} but rank 0 has {seen[0][0]}x{seen[0][1]} "
+                f"(this is rank {rank}): give every rank the same Topology(nodes, per_node)"
+            )
