@@ -56,6 +56,7 @@ CI_CASES = {
         dict(nodes=2, acc=2, layers=5, recompute="none"),
         dict(nodes=2, acc=2, layers=4, mb_per_fetch=2),  # k = micro-batches
         dict(nodes=2, acc=4, layers=5, mb_per_fetch=2, prefetch_depth=3),
+        dict(nodes=2, acc=4, layers=4, mb_per_fetch=4, grad_route="leader"),  # k = micro-batches = 4
         dict(nodes=2, acc=2, layers=4, prefetch_depth=2, recompute="none", overlap=False),
         dict(nodes=1, acc=2, layers=5, algo="weipipe"),
         dict(nodes=2, acc=3, layers=4, algo="weipipe", recompute="none"),
