@@ -29,7 +29,7 @@ from . import fingerprint
 from .plan import CHANNELS, OPS, Action, Op, Plan, gather_program, setup_program
 from .precision import Precision
 from .schedule import build_plan
-from .storage import MemoryReport, ChunkStorage, unique_params
+from .storage import ChunkStorage, Materialize, MemoryReport, unique_params
 from .topology import Topology
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -102,7 +102,8 @@ class TawPipe:
     machinery. ``prefetch_depth`` fetches weights that many slots ahead; ``mb_per_fetch`` runs
     each resident chunk for that many micro-batches (one fetch and one gradient route per
     group of micro-batches); ``grad_wire_dtype`` (float32 or the compute dtype) is the dtype
-    gradients travel in, always accumulated in float32 by their owner.
+    gradients travel in, always accumulated in float32 by their owner. Blocks may live on the meta
+    device: ``materialize(block, layer_index)`` then gives each rank its own chunk's real blocks.
     """
 
     def __init__(
@@ -133,11 +134,12 @@ class TawPipe:
         recompute: str = "chunk",
         timeout: float | None = None,
         names: tuple[str, str, str] = ("embed", "blocks", "head"),
+        materialize: Materialize | None = None,
     ) -> None:
         blocks = list(blocks)
         _check_blocks(blocks)
         _check_callables(embed=embed, head=head, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                         block_forward=block_forward, block_context=block_context)
+                         block_forward=block_forward, block_context=block_context, materialize=materialize)
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a tawpipe.Topology, got {type(topology).__name__}")
         if comm is not None and not isinstance(comm, Comm):
@@ -173,7 +175,7 @@ class TawPipe:
         self._connect(comm)  # communication starts only now, after every check above passed
         self.storage = ChunkStorage(self.plan, self.rank, blocks, replicated,
                                     block_forward or _default_block_forward, names[1],
-                                    compute_dtype, grad_wire_dtype, self.device)
+                                    compute_dtype, grad_wire_dtype, self.device, materialize)
         backward_of: dict[Key, Action] = {(a.chunk, a.mb): a for a in self.plan.actions[self.rank] if a.op is Op.B}
         self.compute = ChunkCompute(self.storage, embed, head, loss_fn, compute_dtype, recompute, backward_of)
         self.optimizer = optimizer([p for _, p in self.storage.own_params] + [p for _, p in replicated])

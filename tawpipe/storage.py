@@ -25,6 +25,9 @@ from .ops import ShardLayout
 from .plan import Plan
 
 BlockForward = Callable[..., torch.Tensor]
+# Returns block number i (a global layer index) with its initial weights, for blocks built on the
+# meta device: each rank materialises only its own chunk.
+Materialize = Callable[[nn.Module, int], nn.Module]
 
 
 class ChunkRunner(nn.Module):
@@ -91,7 +94,7 @@ class ChunkStorage:
     def __init__(self, plan: Plan, rank: int, blocks: Sequence[nn.Module],
                  replicated: list[tuple[str, nn.Parameter]], block_forward: BlockForward,
                  block_prefix: str, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, materialize: Materialize | None = None) -> None:
         self.plan, self.rank, self.device = plan, rank, device
         self.compute_dtype, self.grad_dtype = compute_dtype, grad_dtype
         self.own_chunk = plan.own_chunk(rank)
@@ -105,17 +108,28 @@ class ChunkStorage:
                 self.layouts[n] = ShardLayout.from_module(stack, align=1)
                 self.runners[n] = ChunkRunner(copy.deepcopy(stack).to("meta"), block_forward)
         self.decoder_params = sum(p.numel() for b in blocks for p in b.parameters())
-        self._init_own(blocks, block_prefix)
+        self._init_own(blocks, block_prefix, materialize)
         self._init_replicated(replicated)
         self._init_staging()
         self._leaves: dict[tuple[str, str, int], list[torch.Tensor]] = {}
 
-    def _init_own(self, blocks: Sequence[nn.Module], prefix: str) -> None:
+    def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None) -> None:
         start, stop = self.plan.chunk_layers[self.own_chunk]
         layout = self.layouts[stop - start]
-        modules = nn.ModuleList(blocks[start:stop])
+        own = []
+        for i in range(start, stop):
+            block = blocks[i]
+            if any(p.is_meta for p in block.parameters()):
+                if materialize is None:
+                    raise ValueError(f"block {i} is on the meta device: pass materialize=fn(block, layer_index) "
+                                     "that returns it with its initial weights (only the own chunk's are asked)")
+                block = materialize(block, i)
+                if not isinstance(block, nn.Module) or any(p.is_meta for p in block.parameters()):
+                    raise ValueError(f"materialize(block, {i}) must return the block with real weights")
+            own.append(block)
+        modules = nn.ModuleList(own)
         self.master = layout.new_flat(torch.float32, self.device)
-        layout.pack([p.detach() for p in modules.parameters()], self.master)
+        layout.pack([p.detach().to(self.device) for p in modules.parameters()], self.master)
         self.grad_acc = torch.zeros_like(self.master)
         self.own_params: list[tuple[str, nn.Parameter]] = []
         for (name, _), view, gview in zip(modules.named_parameters(), layout.views(self.master),

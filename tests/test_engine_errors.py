@@ -209,3 +209,27 @@ def test_ranks_that_disagree_fail_at_construction_naming_rank_and_field() -> Non
         for (case, field), msg in zip(cases, messages):
             assert re.search(rf"rank 2 disagrees with rank 0 on {field}", msg), (rank, case, msg)
         assert re.search(topology[1], messages[-1]), (rank, messages[-1])
+
+
+def test_meta_blocks_are_materialised_only_for_the_own_chunk() -> None:
+    torch.manual_seed(0)
+    real = TinyLM(4)
+    with torch.device("meta"):
+        meta_blocks = TinyLM(4).blocks
+    asked = []
+
+    def materialize(block, i):
+        asked.append(i)
+        return real.blocks[i]
+
+    torch.manual_seed(0)
+    eng = TawPipe(meta_blocks, real.embed, real.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                  comm=NoComm(1), block_context=real.context, materialize=materialize)
+    assert asked == [0, 1, 2, 3]  # a world of one owns every block
+    ref = {f"blocks.{n}": p for n, p in real.blocks.named_parameters()}
+    for n, p in eng.named_parameters():
+        if n.startswith("blocks."):
+            assert torch.equal(p.detach(), ref[n].detach()), n
+    with pytest.raises(ValueError, match="block 0 is on the meta device: pass materialize"):
+        TawPipe(meta_blocks, real.embed, real.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                comm=NoComm(1))
