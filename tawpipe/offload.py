@@ -24,6 +24,12 @@ picks for CPU tensors) applied per tensor of the layout, so it equals torch.opti
 param groups {>= 2-D tensors: weight_decay} and {the rest: no decay} (the paper's setting),
 bit for bit on the CPU.
 
+Overlap: a load waits for the current stream's earlier work (it overwrites buf) and makes that
+stream wait for it, so compute queued later on the *same* stream waits too. To load chunk k+1
+while chunk k computes, call it with another stream current (a comm channel's, or
+``with torch.cuda.stream(side):``) and have the compute stream wait on that stream (or an event
+recorded there) before it reads buf; ``tawpipe bench prefetch`` measures exactly this.
+
 Without CUDA (CPU builds, or ``device="cpu"``) the same calls run through the host prefetcher:
 plain copies, nothing pinned, so the engine's exactness tests can run with offload on a CPU.
 """
@@ -143,13 +149,19 @@ class HostOffload:
             )
         return t[: self.numel]
 
+    @property
+    def _handle(self) -> Tensor:
+        if self._prefetcher is None:
+            raise RuntimeError("HostOffload is closed")
+        return self._prefetcher
+
     @torch.no_grad()
     def load_weights_into(self, dst: Tensor) -> None:
         """``dst[:numel] = master`` cast to dst's dtype. On CUDA the copies are queued on side
         streams and the current stream waits for them; the host returns at once."""
         dst = self._device_buffer("load_weights_into", dst)
         with self._load_lock:
-            torch.ops.tawpipe._prefetch_load(self._prefetcher, self.master, dst)
+            torch.ops.tawpipe._prefetch_load(self._handle, self.master, dst)
 
     @torch.no_grad()
     def accumulate_grad(self, src: Tensor, alpha: float = 1.0) -> None:
@@ -157,11 +169,11 @@ class HostOffload:
         that produces src; returns when done (raises after ``timeout`` seconds)."""
         src = self._device_buffer("accumulate_grad", src)
         with self._acc_lock:
-            torch.ops.tawpipe._prefetch_accumulate(self._prefetcher, src, self.grad, float(alpha), self.timeout)
+            torch.ops.tawpipe._prefetch_accumulate(self._handle, src, self.grad, float(alpha), self.timeout)
 
     def synchronize(self) -> None:
         """Wait until queued loads have read the master (before the host changes it)."""
-        torch.ops.tawpipe._prefetch_synchronize(self._prefetcher, self.timeout)
+        torch.ops.tawpipe._prefetch_synchronize(self._handle, self.timeout)
 
     # ------------------------------------------------------------------ optimizer
 
@@ -211,7 +223,7 @@ class HostOffload:
                 t.fill_(float(self.steps))
 
     def memory(self) -> OffloadMemory:
-        _, device_bytes, staging_host = torch.ops.tawpipe._prefetch_info(self._prefetcher)
+        _, device_bytes, staging_host = torch.ops.tawpipe._prefetch_info(self._handle)
         return OffloadMemory(host_bytes=4 * 4 * self.numel + staging_host, device_bytes=device_bytes)
 
     def close(self) -> None:

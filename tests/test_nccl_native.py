@@ -263,14 +263,21 @@ def _single_rank_ops(rank: int) -> dict:
         out["bad_root"] = str(e)
 
     t0 = time.monotonic()
+    try:  # a communicator of two ranks that only this one joins: init must time out, not hang
+        nn._nccl.Communicator.create(nn._nccl.unique_id(), 2, 0, 0, 2.0)
+    except nn._nccl.NcclTimeout as e:
+        out["init_timeout"] = str(e)
+    out["init_timeout_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
     lonely = nn.Communicator.from_process_group(device=0, timeout=2.0)
-    try:
-        lonely.recv(torch.empty(16, device=dev), 0)  # no matching send: must time out, not hang
-    except CommTimeout as e:
-        out["timeout"] = str(e)
-    out["timeout_s"] = time.monotonic() - t0
+    try:  # a receive without its send: NCCL rejects it or it times out; either way no hang
+        lonely.recv(torch.empty(16, device=dev), 0)
+    except (CommTimeout, nn.NcclError) as e:
+        out["lonely"] = f"{type(e).__name__}: {e}"
+    out["lonely_s"] = time.monotonic() - t0
     try:
         lonely.all_reduce(torch.empty(16, device=dev))
+        out["after_abort"] = "ran"
     except nn.NcclError as e:
         out["after_abort"] = str(e)
     return out
@@ -284,9 +291,10 @@ def test_world_size_one_ops_are_exact_and_time_out() -> None:
     assert r["engine_batch"]
     assert "is on cpu but the communicator is on cuda:0" in r["wrong_device"]
     assert "root 1 is not in group (0,)" in r["bad_root"]
-    assert "not complete after" in r["timeout"] and "[NCCL " in r["timeout"]
-    assert r["timeout_s"] < 60
-    assert "aborted earlier" in r["after_abort"]
+    assert "not complete after 2" in r["init_timeout"] and "[NCCL " in r["init_timeout"], r
+    assert r["init_timeout_s"] < 60
+    assert "[NCCL " in r["lonely"] and r["lonely_s"] < 60, r
+    assert "aborted earlier" in r["after_abort"], r
 
 
 def _engine_exactness(rank: int) -> float:

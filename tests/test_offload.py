@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tawpipe.offload import AdamWConfig, HostOffload
+from tawpipe.offload import AdamWConfig, HostOffload, OffloadMemory
 from tawpipe.ops import ShardLayout
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -128,6 +128,10 @@ def test_bad_input_is_rejected_with_the_fix() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             HostOffload(layout, "cuda")
+    assert off.memory() == OffloadMemory(host_bytes=16 * layout.numel, device_bytes=0)  # no staging on the CPU
+    off.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        off.load_weights_into(torch.empty(layout.numel))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -143,3 +147,22 @@ def test_cuda_load_is_stream_ordered_and_rejects_pageable_memory() -> None:
         torch.ops.tawpipe._prefetch_load(off._prefetcher, torch.zeros(1 << 20), buf)
     with pytest.raises(ValueError, match="is on cpu"):
         off.load_weights_into(torch.empty(1 << 20))
+
+
+def test_prefetch_bench_reports_every_figure(tmp_path) -> None:
+    import argparse
+    import json
+
+    from tawpipe.bench import prefetch
+
+    p = argparse.ArgumentParser()
+    prefetch.add_arguments(p)
+    out = tmp_path / "p.json"
+    args = p.parse_args(["--device", "cpu", "--numel", str(1 << 16), "--pieces", "4096,65536", "--repeats", "1",
+                         "--out", str(out)])
+    assert prefetch.main(args) == 0
+    res = json.loads(out.read_text())
+    assert set(res["load"]) == {"4096", "65536"}
+    figures = [res["pinned_h2d_GBps"], res["accumulate"]["GBps"], res["overlap"]["ratio"],
+               *(r["GBps"] for r in res["load"].values())]
+    assert all(f > 0 for f in figures) and "CPU only" in res["note"]

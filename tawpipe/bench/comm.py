@@ -340,7 +340,8 @@ def _plan(ops: Sequence[str], topo: Topology, backend: str) -> list[tuple[str, s
     runs = []
     for placement, n in (("intra", topo.per_node), ("inter", topo.nodes)):
         for op in ops:
-            if op in PRIMITIVES and not (op == "sendrecv" and n == 1 and backend == "gloo"):  # gloo: no self-send
+            # torch.distributed refuses to send to its own rank; NCCL itself does it within a group
+            if op in PRIMITIVES and not (op == "sendrecv" and n == 1 and backend != "nccl-native"):
                 runs.append((op, placement))
     if topo.nodes >= 2:
         runs += [(op, "both") for op in ops if op in COMPOSITES]

@@ -64,10 +64,11 @@ def loaded_nccl_libraries() -> list[str]:
     """Distinct libnccl files mapped into this process (Linux; empty elsewhere)."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split(maxsplit=5)[-1].strip() for line in f if "libnccl" in line}
+            paths = {line.split(maxsplit=5)[-1].strip() for line in f if "libnccl.so" in line}
     except OSError:
         return []
-    return sorted({os.path.realpath(p) for p in paths if p.startswith("/") and ".so" in p})
+    # libnccl.so* only: network plugins (libnccl-net*.so) are not a second NCCL
+    return sorted({os.path.realpath(p) for p in paths if os.path.basename(p).startswith("libnccl.so")})
 
 
 def _check_one_nccl() -> None:
