@@ -489,11 +489,12 @@ def plot(result: dict, path: str) -> None:
     for ax, placement in zip(axes[0], panels):
         rows = [r for r in result["rows"] if r["placement"] == placement]
         for op in dict.fromkeys(r["op"] for r in rows):
-            pts = [(r["bytes"], r["busbw"]) for r in rows if r["op"] == op]
+            pts = [(r["bytes"], r["busbw"]) for r in rows if r["op"] == op and r["busbw"] > 0]  # n = 1: busbw 0
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=op)
         n = rows[0]["n"]
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        if any(r["busbw"] > 0 for r in rows):
+            ax.set_yscale("log")
         ax.set_title(f"{placement} (n = {n})" if placement != "both" else "composites (rail P2P + node collective)")
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("busbw (GB/s)")
