@@ -25,6 +25,9 @@ CPU_SOURCES = [
     "csrc/torch/module.cpp",
 ]
 CUDA_SOURCES = ["csrc/kernels/shard_ops_cuda.cu", "csrc/torch/ops_cuda.cpp"]
+# The prefetcher behind tawpipe.offload: its host path always, its CUDA path with the CUDA kernels.
+CPU_SOURCES += ["csrc/kernels/prefetch.cpp", "csrc/torch/prefetch.cpp"]
+CUDA_SOURCES += ["csrc/kernels/prefetch_cuda.cu"]
 
 
 def build_cuda() -> bool:
@@ -93,4 +96,50 @@ def extension() -> CppExtension:
     return CppExtension(sources=CPU_SOURCES, extra_compile_args={"cxx": cxx}, **common)
 
 
-setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExtension})
+def nccl_home() -> Path | None:
+    """The NCCL to build tawpipe._nccl against: $TAWPIPE_NCCL_HOME, else the nvidia-nccl wheel
+    that CUDA builds of torch install (so the extension and torch load one libnccl.so.2)."""
+    candidates = [Path(os.environ["TAWPIPE_NCCL_HOME"])] if os.environ.get("TAWPIPE_NCCL_HOME") else []
+    try:
+        import nvidia.nccl  # a namespace package of the nvidia-nccl-cu* wheels
+
+        candidates += [Path(p) for p in nvidia.nccl.__path__]
+    except ImportError:
+        pass
+    for home in candidates:
+        if (home / "include" / "nccl.h").is_file() and (home / "lib" / "libnccl.so.2").exists():
+            return home
+    return None
+
+
+def nccl_extensions() -> list[CUDAExtension]:
+    """tawpipe._nccl (the native NCCL backend) where the CUDA kernels build and NCCL is found;
+    TAWPIPE_BUILD_NCCL=0 skips it, TAWPIPE_BUILD_NCCL=1 makes its absence an error."""
+    flag = os.environ.get("TAWPIPE_BUILD_NCCL", "").strip()
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"TAWPIPE_BUILD_NCCL must be 0 or 1, got {flag!r}")
+    home = nccl_home() if flag != "0" else None
+    if flag == "0" or home is None or not build_cuda():
+        if flag == "1":
+            raise RuntimeError(
+                "TAWPIPE_BUILD_NCCL=1 but tawpipe._nccl cannot be built: it needs the CUDA kernels "
+                f"(buildable: {build_cuda()}) and NCCL (nccl.h and libnccl.so.2: found {home}); install "
+                "the nvidia-nccl-cu* wheel matching torch, or set TAWPIPE_NCCL_HOME"
+            )
+        return []
+    lib = home / "lib"
+    return [
+        CUDAExtension(
+            name="tawpipe._nccl",
+            sources=["csrc/kernels/nccl_group.cpp", "csrc/torch/nccl_module.cpp"],
+            include_dirs=[str(ROOT / "csrc"), str(home / "include")],
+            library_dirs=[str(lib)],
+            # By exact SONAME, found through the wheel (here or next to an installed tawpipe): the
+            # dynamic loader then reuses the libnccl.so.2 torch has already loaded.
+            extra_link_args=["-l:libnccl.so.2", f"-Wl,-rpath,{lib}", "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib"],
+            extra_compile_args={"cxx": ["-O2"]},
+        )
+    ]
+
+
+setup(ext_modules=[extension(), *nccl_extensions()], cmdclass={"build_ext": BuildExtension})

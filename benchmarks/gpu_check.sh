@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# GPU check of the communication and offload work, for a machine with one CUDA GPU and a CUDA
+# build of torch already installed (torch is never reinstalled here; its nvidia-nccl wheel
+# provides nccl.h and libnccl.so.2).
+#
+#   1. builds tawpipe in place with the CUDA kernels and the native NCCL backend (tawpipe._nccl);
+#   2. runs the tests of tests/test_nccl_native.py, tests/test_offload.py, tests/test_comm_bench.py
+#      (world-size-1 NCCL exactness, timeouts, the engine on the native backend, the prefetcher);
+#   3. runs `tawpipe bench prefetch` (targets: >= 90% of pinned-copy bandwidth, overlap <= 1.1);
+#   4. runs `tawpipe bench comm` at world size 1 with the nccl and nccl-native backends.
+#
+# Everything lands in $OUT if set, else benchmarks/results/: gpu_check.json (summary with the GPU
+# name), gpu_env.txt, build.log, tests.xml/tests.log, prefetch_cuda.json, comm_nccl_1x1.{json,png},
+# comm_nccl-native_1x1.{json,png} and their logs. Each step has a time limit; a failing step does
+# not stop the others; the exit code is non-zero if any failed. About 4-8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DEST=${OUT:-benchmarks/results}
+mkdir -p "$DEST"
+export TAWPIPE_TIMEOUT=${TAWPIPE_TIMEOUT:-120}
+declare -A STATUS
+
+step() {  # step NAME SECONDS LOG COMMAND...: run with a time limit, record the exit code
+  local name=$1 limit=$2 log=$3
+  shift 3
+  echo "== $name (limit ${limit}s, log $log)"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
+  STATUS[$name]=$?
+  tail -n 25 "$log"
+  echo "== $name: exit ${STATUS[$name]} after $((SECONDS - t0))s"
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv 2>&1
+  nvcc --version 2>&1 | tail -n 2
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+  "$PY" -c "import nvidia.nccl as n; print('nvidia.nccl at', list(n.__path__))"
+} > "$DEST/gpu_env.txt" 2>&1
+cat "$DEST/gpu_env.txt"
+
+# In place, not pip: keeps the installed torch untouched. The CUDA kernels and tawpipe._nccl are
+# required (a missing nvcc or nccl.h is an error here, not a silent CPU build).
+step build 420 "$DEST/build.log" env TAWPIPE_BUILD_CUDA=1 TAWPIPE_BUILD_NCCL=1 MAX_JOBS="${MAX_JOBS:-16}" \
+  "$PY" setup.py build_ext --inplace
+
+step tests 300 "$DEST/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$DEST/tests.xml" \
+  tests/test_nccl_native.py tests/test_offload.py tests/test_comm_bench.py
+
+step prefetch 180 "$DEST/prefetch.log" "$PY" -m tawpipe bench prefetch --out "$DEST/prefetch_cuda.json"
+
+for backend in nccl nccl-native; do
+  step "comm_$backend" 150 "$DEST/comm_$backend.log" "$PY" -m tawpipe bench comm --backend "$backend" \
+    --nodes 1 --per-node 1 -b 1K -e 256M -f 4 -n 20 -w 5 --json "$DEST/comm_${backend}_1x1.json"
+done
+
+STATUS_TEXT=""
+for k in "${!STATUS[@]}"; do STATUS_TEXT+="$k=${STATUS[$k]} "; done
+"$PY" - "$DEST" "$STATUS_TEXT" <<'EOF'
+import json, os, sys, xml.etree.ElementTree as ET
+
+dest, status = sys.argv[1], dict(kv.split("=") for kv in sys.argv[2].split())
+summary = {"steps": {k: int(v) for k, v in status.items()}}
+try:
+    import torch
+    summary.update(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
+                   torch_nccl=".".join(map(str, torch.cuda.nccl.version())))
+except Exception as e:  # noqa: BLE001 - the summary reports whatever it can
+    summary["gpu_error"] = repr(e)
+try:
+    suite = ET.parse(os.path.join(dest, "tests.xml")).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    summary["skipped_tests"] = [c.get("name") for c in suite.iter("testcase") if c.find("skipped") is not None]
+except Exception as e:  # noqa: BLE001
+    summary["tests_error"] = repr(e)
+try:
+    p = json.load(open(os.path.join(dest, "prefetch_cuda.json")))
+    summary["prefetch"] = {"load_of_pinned": p["load_default_piece"]["of_pinned"], "overlap": p["overlap"]["ratio"],
+                           "pinned_h2d_GBps": p["pinned_h2d_GBps"], "load_GBps": p["load_default_piece"]["GBps"],
+                           "targets_met": p.get("targets", {}).get("met")}
+except Exception as e:  # noqa: BLE001
+    summary["prefetch_error"] = repr(e)
+for backend in ("nccl", "nccl-native"):
+    try:
+        c = json.load(open(os.path.join(dest, f"comm_{backend}_1x1.json")))
+        summary[f"comm_{backend}"] = {"wrong": c["wrong"], "rows": len(c["rows"]), "nccl": c.get("nccl")}
+    except Exception as e:  # noqa: BLE001
+        summary[f"comm_{backend}_error"] = repr(e)
+with open(os.path.join(dest, "gpu_check.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+print(json.dumps(summary, indent=1))
+EOF
+
+for k in "${!STATUS[@]}"; do
+  [ "${STATUS[$k]}" = 0 ] || { echo "gpu_check: step $k failed (exit ${STATUS[$k]})"; exit 1; }
+done
+echo "gpu_check: all steps passed"

@@ -1,0 +1,149 @@
+// Torch binding of the prefetcher (csrc/kernels/prefetch.h), used by tawpipe.offload.HostOffload.
+// A prefetcher lives in an opaque CPU tensor whose deleter destroys it; the ops check every
+// argument, pass the current stream of the device, and turn a failing status into an exception.
+// Device-generic c10 APIs only (no CUDA headers), so this file builds in CPU builds too.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/prefetch.h"
+
+namespace tawpipe {
+namespace {
+
+struct Handle {
+  tawpipe_prefetcher* prefetcher;
+  c10::Device device;
+  ~Handle() { tawpipe_prefetch_destroy(prefetcher); }
+};
+
+void delete_handle(void* handle) { delete static_cast<Handle*>(handle); }
+
+Handle& handle_of(const char* op, const at::Tensor& t) {
+  const c10::DataPtr& data = t.storage().data_ptr();
+  TORCH_CHECK_VALUE(data.get_deleter() == &delete_handle, op,
+                    ": not a prefetcher made by tawpipe::_prefetch_create; use tawpipe.offload.HostOffload");
+  return *static_cast<Handle*>(data.get_context());
+}
+
+void check(const char* op, int status) {
+  if (status == TAWPIPE_OK) return;
+  const std::string detail = tawpipe_prefetch_last_error();
+  if (status == TAWPIPE_ERR_INVALID_ARGUMENT) TORCH_CHECK_VALUE(false, op, ": ", detail);
+  TORCH_CHECK(false, op, ": ", detail);
+}
+
+int dtype_code(const char* op, const char* name, const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return TAWPIPE_DTYPE_F32;
+    case at::kBFloat16: return TAWPIPE_DTYPE_BF16;
+    case at::kHalf: return TAWPIPE_DTYPE_F16;
+    default:
+      TORCH_CHECK_VALUE(false, op, ": ", name, " has dtype ", t.scalar_type(),
+                        "; supported are float32, bfloat16 and float16");
+  }
+  return -1;
+}
+
+// The host-side float32 buffer of a transfer.
+void check_host(const char* op, const char* name, const at::Tensor& t, const Handle& h, int64_t numel) {
+  TORCH_CHECK_VALUE(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), op, ": ", name,
+                    " must be a contiguous float32 CPU tensor, got ", t.scalar_type(), " on ", t.device(),
+                    t.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK_VALUE(t.numel() == numel, op, ": ", name, " has ", t.numel(), " elements but the device buffer has ",
+                    numel, "; pass equally long buffers (slice the longer one)");
+  TORCH_CHECK_VALUE(h.device.is_cpu() || t.is_pinned(), op, ": ", name,
+                    " is pageable host memory: asynchronous copies need pinned memory "
+                    "(torch.empty(..., pin_memory=True))");
+}
+
+// The device-side buffer of a transfer.
+int check_device(const char* op, const char* name, const at::Tensor& t, const Handle& h) {
+  TORCH_CHECK_VALUE(t.device() == h.device, op, ": ", name, " is on ", t.device(), " but the prefetcher is on ",
+                    h.device, "; move it, or create the prefetcher for that device");
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  return dtype_code(op, name, t);
+}
+
+CUstream_st* current_stream(const Handle& h) {
+  if (!h.device.is_cuda()) return nullptr;
+  const c10::Stream s = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(h.device);
+  return static_cast<CUstream_st*>(s.native_handle());
+}
+
+at::Tensor create(int64_t device, int64_t piece_numel, int64_t num_threads) {
+  constexpr const char* op = "tawpipe::_prefetch_create";
+  TORCH_CHECK_VALUE(piece_numel >= 1, op, ": piece_numel must be >= 1, got ", piece_numel);
+  tawpipe_prefetcher* p = nullptr;
+  if (device < 0) {
+    check(op, tawpipe_prefetch_create_host(piece_numel, static_cast<int>(num_threads), &p));
+  } else {
+#ifdef TAWPIPE_TORCH_CUDA
+    check(op, tawpipe_prefetch_create_cuda(static_cast<int>(device), piece_numel, static_cast<int>(num_threads), &p));
+#else
+    TORCH_CHECK(false, op, ": this build of tawpipe has no CUDA prefetcher (built without CUDA); "
+                "rebuild with a CUDA build of torch and nvcc, or use device='cpu'");
+#endif
+  }
+  auto* h = new Handle{p, device < 0 ? c10::Device(c10::kCPU)
+                                     : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))};
+  return at::for_blob(h, {static_cast<int64_t>(sizeof(Handle))})
+      .context(h, &delete_handle)
+      .options(at::TensorOptions().dtype(at::kByte))
+      .make_tensor();
+}
+
+void load(const at::Tensor& handle, const at::Tensor& src, const at::Tensor& dst) {
+  constexpr const char* op = "tawpipe::_prefetch_load";
+  Handle& h = handle_of(op, handle);
+  const int dtype = check_device(op, "dst", dst, h);
+  check_host(op, "src", src, h, dst.numel());
+  check(op, tawpipe_prefetch_load(h.prefetcher, src.const_data_ptr<float>(), dst.mutable_data_ptr(), dtype,
+                                  dst.numel(), current_stream(h)));
+}
+
+void accumulate(const at::Tensor& handle, const at::Tensor& src, const at::Tensor& acc, double alpha,
+                double timeout) {
+  constexpr const char* op = "tawpipe::_prefetch_accumulate";
+  Handle& h = handle_of(op, handle);
+  const int dtype = check_device(op, "src", src, h);
+  check_host(op, "acc", acc, h, src.numel());
+  check(op, tawpipe_prefetch_accumulate(h.prefetcher, src.const_data_ptr(), dtype, acc.mutable_data_ptr<float>(),
+                                        src.numel(), static_cast<float>(alpha), current_stream(h), timeout));
+}
+
+void synchronize(const at::Tensor& handle, double timeout) {
+  constexpr const char* op = "tawpipe::_prefetch_synchronize";
+  check(op, tawpipe_prefetch_synchronize(handle_of(op, handle).prefetcher, timeout));
+}
+
+std::vector<int64_t> info(const at::Tensor& handle) {
+  const tawpipe_prefetcher* p = handle_of("tawpipe::_prefetch_info", handle).prefetcher;
+  return {tawpipe_prefetch_piece_numel(p), static_cast<int64_t>(tawpipe_prefetch_device_bytes(p)),
+          static_cast<int64_t>(tawpipe_prefetch_host_bytes(p))};
+}
+
+}  // namespace
+
+// Private ops behind tawpipe.offload (eager only: they move data between devices by pointer).
+TORCH_LIBRARY_FRAGMENT(tawpipe, m) {
+  m.def("_prefetch_create(int device, int piece_numel, int num_threads) -> Tensor", &create);
+  m.def("_prefetch_load(Tensor handle, Tensor src, Tensor(a!) dst) -> ()");
+  m.def("_prefetch_accumulate(Tensor handle, Tensor src, Tensor(a!) acc, float alpha, float timeout) -> ()");
+  m.def("_prefetch_synchronize(Tensor handle, float timeout) -> ()");
+  m.def("_prefetch_info(Tensor handle) -> int[]");
+}
+
+TORCH_LIBRARY_IMPL(tawpipe, CompositeExplicitAutograd, m) {
+  m.impl("_prefetch_load", &load);
+  m.impl("_prefetch_accumulate", &accumulate);
+  m.impl("_prefetch_synchronize", &synchronize);
+  m.impl("_prefetch_info", &info);
+}
+
+}  // namespace tawpipe

@@ -1,0 +1,555 @@
+"""`tawpipe bench comm`: communication primitives in the style of nccl-tests.
+
+For each operation, placement and size: time per operation, algbw and busbw with nccl-tests'
+definitions (printed with the table), and, with ``-c 1``, the number of wrong elements against
+expected values computed independently on every rank (``#wrong``).
+
+Placements follow the topology (``tawpipe.topology.Topology``): *intra* runs every operation
+inside each node's group (n = ranks per node), *inter* on each rail across nodes (n = nodes),
+all groups or rails at once. TawPipe's composites use both: *chunk_fetch* (a chunk's owner sends
+it by rail P2P to its rail peer in the next node, full duplex around the ring of nodes, then the
+peer broadcasts it in its node) and *grad_route* (each node reduces a gradient to its rail-0
+rank, which sends it by rail P2P to the owner in the next node).
+
+Ranks: spawned locally (``--nodes``/``--per-node``, the default), or under torchrun or
+``tawpipe cluster`` (read from the environment: RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ...).
+Backends: gloo and NCCL through torch.distributed, and tawpipe's native NCCL backend. Every wait
+has a timeout (``-T``). Rank 0 prints the table and writes JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm.base import CommTimeout
+from ..launch import default_timeout, init_distributed, run_local
+from ..topology import Topology
+
+PRIMITIVES = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "sendrecv")
+COMPOSITES = ("chunk_fetch", "grad_route")
+OPS = PRIMITIVES + COMPOSITES
+BACKENDS = ("gloo", "nccl", "nccl-native")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# busbw = algbw x factor(n) (nccl-tests, doc/PERFORMANCE.md)
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "sendrecv": lambda n: 1.0,
+    "chunk_fetch": lambda n: 1.0,
+    "grad_route": lambda n: 1.0,
+}
+DEFINITIONS = (
+    "time = mean wall-clock time per operation over the timed iterations (host clock, device "
+    "synchronised once after them), then aggregated over ranks (-a); algbw = S / time in GB/s "
+    "(1 GB = 1e9 B), S = the size column; busbw = algbw x factor: all_reduce 2(n-1)/n; all_gather "
+    "and reduce_scatter (n-1)/n with S = n x the per-rank bytes; broadcast, reduce and sendrecv 1; "
+    "composites 1 (every rank of every node ends with S bytes, each link carries S once)"
+)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1024', '1K', '64M', '1G' (binary units, as nccl-tests)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGkmg]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not a number with an optional K, M or G suffix")
+    return int(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="smallest size (1K)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier between steps (2)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations, at most (20)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=1, help="warm-up iterations (1, as current nccl-tests)")
+    p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, help="check results (#wrong)")
+    p.add_argument("-a", "--average", type=int, choices=(0, 1, 2, 3), default=1,
+                   help="time over ranks: 0 rank 0, 1 mean, 2 min, 3 max")
+    p.add_argument("-T", "--timeout", type=float, default=None, help="seconds any wait may take ($TAWPIPE_TIMEOUT)")
+    p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--time-budget", type=float, default=0.5,
+                   help="seconds per measurement: fewer than -n iterations when the warm-up says they would "
+                        "take longer (0: always -n)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--backend", choices=BACKENDS, default=None, help="default: nccl with CUDA, else gloo")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes when spawning locally")
+    p.add_argument("--per-node", type=int, default=2, help="ranks per node when spawning locally")
+    p.add_argument("--json", default=None, help="output JSON (default benchmarks/results/comm_<backend>_<G>x<s>.json)")
+    p.add_argument("--plot", default=None, help="output PNG (default: next to the JSON; '' for none)")
+
+
+@dataclass(frozen=True)
+class Row:
+    op: str
+    placement: str  # intra | inter | both
+    n: int  # ranks per team (composites: the world)
+    bytes: int
+    count: int  # elements per rank's buffer (all_gather: input; reduce_scatter: output)
+    iters: int
+    time_us: float
+    algbw: float
+    busbw: float
+    wrong: int
+
+
+@dataclass(frozen=True)
+class Team:
+    """The ranks one operation runs over, in order, and the backend's handle for them."""
+
+    placement: str
+    ranks: tuple[int, ...]
+    index: int
+    handle: Any
+
+
+# ---------------------------------------------------------------------------- backends
+
+
+class _TorchBackend:
+    """gloo or NCCL through torch.distributed process groups (one per node, one per rail)."""
+
+    def __init__(self, name: str, topo: Topology, rank: int, device: torch.device, timeout: float) -> None:
+        self.device, self.timeout = device, timeout
+        kind = "gloo" if name == "gloo" else "nccl"
+        td = timedelta(seconds=timeout)
+        self.world = dist.new_group(backend=kind, timeout=td)
+        self.teams: dict[str, Team] = {}
+        for placement, members in _team_layout(topo):
+            for ranks in members:
+                pg = dist.new_group(list(ranks), backend=kind, timeout=td)  # every rank, same order
+                if rank in ranks:
+                    self.teams[placement] = Team(placement, ranks, ranks.index(rank), pg)
+
+    def broadcast(self, team: Team, t: torch.Tensor, root: int) -> None:
+        dist.broadcast(t, src=team.ranks[root], group=team.handle)
+
+    def reduce(self, team: Team, t: torch.Tensor, root: int) -> None:
+        dist.reduce(t, dst=team.ranks[root], group=team.handle)
+
+    def all_reduce(self, team: Team, t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=team.handle)
+
+    def all_gather(self, team: Team, out: torch.Tensor, inp: torch.Tensor) -> None:
+        dist.all_gather(list(out.chunk(len(team.ranks))), inp, group=team.handle)
+
+    def reduce_scatter(self, team: Team, out: torch.Tensor, inp: torch.Tensor) -> None:
+        dist.reduce_scatter(out, list(inp.chunk(len(team.ranks))), group=team.handle)
+
+    def p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> None:
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer, group=self.world) for op, t, peer in ops]
+        )
+        for w in works:
+            w.wait()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            _wait_event(self.device, self.timeout)
+
+
+class _NativeBackend:
+    """tawpipe's own NCCL communicators: the world and its splits per node and per rail. Ops are
+    queued (Batch.run(wait=False)); synchronize() bounds them with the timeout."""
+
+    def __init__(self, topo: Topology, rank: int, device: torch.device, timeout: float) -> None:
+        from ..comm import nccl_native as nn  # ImportError with the fix where it is not built
+
+        self.nn, self.timeout = nn, timeout
+        self.world_comm = nn.Communicator.from_process_group(device=device.index, timeout=timeout)
+        self.comms = [self.world_comm]
+        self.teams = {}
+        for placement, members in _team_layout(topo):
+            color = next(i for i, ranks in enumerate(members) if rank in ranks)
+            comm = self.world_comm.split(color, rank)
+            self.comms.append(comm)
+            self.teams[placement] = Team(placement, members[color], members[color].index(rank), comm)
+
+    def _run(self, fill: Callable[[Any], Any]) -> None:
+        b = self.nn.Batch()
+        fill(b)
+        b.run(self.timeout, wait=False)
+
+    def broadcast(self, team: Team, t: torch.Tensor, root: int) -> None:
+        self._run(lambda b: b.broadcast(team.handle, t, root))
+
+    def reduce(self, team: Team, t: torch.Tensor, root: int) -> None:
+        self._run(lambda b: b.reduce(team.handle, t, root))
+
+    def all_reduce(self, team: Team, t: torch.Tensor) -> None:
+        self._run(lambda b: b.all_reduce(team.handle, t))
+
+    def all_gather(self, team: Team, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self._run(lambda b: b.all_gather(team.handle, out, inp))
+
+    def reduce_scatter(self, team: Team, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self._run(lambda b: b.reduce_scatter(team.handle, out, inp))
+
+    def p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> None:
+        def fill(b):
+            for op, t, peer in ops:
+                (b.send if op == "send" else b.recv)(self.world_comm, t, peer)
+
+        self._run(fill)
+
+    def synchronize(self) -> None:
+        self.nn.synchronize(self.comms, self.timeout)
+
+
+def _team_layout(topo: Topology) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """Every node's group (intra) and every rail (inter), each a list over all ranks."""
+    nodes = [topo.group_ranks(g) for g in range(topo.nodes)]
+    rails = [tuple(topo.rank_of(g, i) for g in range(topo.nodes)) for i in range(topo.per_node)]
+    return [("intra", nodes), ("inter", rails)]
+
+
+def _wait_event(device: torch.device, timeout: float) -> None:
+    """Wait for the current stream with a deadline (torch.cuda.synchronize has none)."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + timeout
+    while not ev.query():
+        if time.monotonic() > deadline:
+            raise CommTimeout(f"device work did not finish within {timeout:.0f}s: a peer is missing or stuck")
+        time.sleep(1e-4)
+
+
+# ---------------------------------------------------------------------------- operations
+
+
+def _pattern(rank: int, count: int, salt: int) -> torch.Tensor:
+    """Rank ``rank``'s input: small integers, so every sum over ranks is exact in any dtype."""
+    g = torch.Generator().manual_seed(1_000_003 * salt + rank)
+    return torch.randint(-8, 9, (count,), generator=g).double()
+
+
+class _Case:
+    """One operation at one size on this rank: buffers, one call, and its expected result."""
+
+    def __init__(self, op: str, team: Team | None, topo: Topology, rank: int, nbytes: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.op, self.team, self.topo, self.rank, self.dtype, self.device = op, team, topo, rank, dtype, device
+        esize = torch.empty((), dtype=dtype).element_size()
+        self.n = len(team.ranks) if team is not None else topo.world_size
+        per_rank = op in ("all_gather", "reduce_scatter")
+        self.count = max(1, nbytes // (esize * (self.n if per_rank else 1)))
+        self.bytes = self.count * esize * (self.n if per_rank else 1)
+        big = self.count * (self.n if per_rank else 1)
+        self.a = torch.zeros(big if op == "reduce_scatter" else self.count, dtype=dtype, device=device)
+        self.b = torch.zeros(big if op == "all_gather" else self.count, dtype=dtype, device=device)
+
+    def fill(self, salt: int) -> None:
+        self.a.copy_(_pattern(self.rank, self.a.numel(), salt))
+        self.b.zero_()
+
+    def run(self, be) -> None:
+        op, team = self.op, self.team
+        if op == "broadcast":
+            be.broadcast(team, self.a, 0)
+        elif op == "reduce":
+            be.reduce(team, self.a, 0)
+        elif op == "all_reduce":
+            be.all_reduce(team, self.a)
+        elif op == "all_gather":
+            be.all_gather(team, self.b, self.a)
+        elif op == "reduce_scatter":
+            be.reduce_scatter(team, self.b, self.a)
+        elif op == "sendrecv":
+            n, i = len(team.ranks), team.index
+            be.p2p([("send", self.a, team.ranks[(i + 1) % n]), ("recv", self.b, team.ranks[(i - 1) % n])])
+        else:
+            self._composite(be)
+
+    def _composite(self, be) -> None:
+        topo, rank = self.topo, self.rank
+        g, nodes = topo.group_of(rank), topo.nodes
+        router = topo.rank_of(g, 0)  # the rail-0 rank of this node
+        prev, nxt = topo.rank_of((g - 1) % nodes, 0), topo.rank_of((g + 1) % nodes, 0)
+        intra = be.teams["intra"]
+        if self.op == "chunk_fetch":  # a owns a chunk; b receives the next node's, then the node shares it
+            if rank == router:
+                be.p2p([("send", self.a, prev), ("recv", self.b, nxt)])
+            be.broadcast(intra, self.b, 0)
+        else:  # grad_route: a is a gradient; reduce it in the node, route the sum to the next node's owner
+            be.reduce(intra, self.a, 0)
+            if rank == router:
+                be.p2p([("send", self.a, nxt), ("recv", self.b, prev)])
+
+    def wrong(self, salt: int) -> int:
+        """Elements that differ from the expected result (recomputed here from every input)."""
+        op, team, topo = self.op, self.team, self.topo
+
+        def pat(r: int, count: int | None = None) -> torch.Tensor:
+            return _pattern(r, count or self.count, salt)
+
+        if op in ("broadcast", "reduce", "all_reduce"):
+            if op == "reduce" and team.index != 0:
+                return 0  # other ranks' buffers are undefined after a reduce
+            want = pat(team.ranks[0]) if op == "broadcast" else sum(pat(r) for r in team.ranks)
+            got = self.a
+        elif op == "all_gather":
+            want, got = torch.cat([pat(r) for r in team.ranks]), self.b
+        elif op == "reduce_scatter":
+            big = self.count * self.n
+            want = sum(pat(r, big) for r in team.ranks).chunk(self.n)[team.index]
+            got = self.b
+        elif op == "sendrecv":
+            want, got = pat(team.ranks[(team.index - 1) % self.n]), self.b
+        elif op == "chunk_fetch":
+            g = topo.group_of(self.rank)
+            want, got = pat(topo.rank_of((g + 1) % topo.nodes, 0)), self.b
+        else:  # grad_route: only the owner (rail 0) holds a defined result
+            g = topo.group_of(self.rank)
+            if self.rank != topo.rank_of(g, 0):
+                return 0
+            want = sum(pat(r) for r in topo.group_ranks((g - 1) % topo.nodes))
+            got = self.b
+        return int((got.double().cpu() != want).sum().item())
+
+
+# ---------------------------------------------------------------------------- the sweep
+
+
+def _sizes(a: dict) -> list[int]:
+    if a["minbytes"] < 1 or a["maxbytes"] < a["minbytes"] or a["stepfactor"] < 2:
+        raise ValueError("need 1 <= -b <= -e and -f >= 2")
+    out, s = [], a["minbytes"]
+    while s <= a["maxbytes"]:
+        out.append(s)
+        s *= a["stepfactor"]
+    return out
+
+
+def _plan(ops: Sequence[str], topo: Topology, backend: str) -> list[tuple[str, str]]:
+    """(op, placement) pairs to run, in print order; skipped ones with the reason."""
+    runs = []
+    for placement, n in (("intra", topo.per_node), ("inter", topo.nodes)):
+        for op in ops:
+            # torch.distributed refuses to send to its own rank; NCCL itself does it within a group
+            if op in PRIMITIVES and not (op == "sendrecv" and n == 1 and backend != "nccl-native"):
+                runs.append((op, placement))
+    if topo.nodes >= 2:
+        runs += [(op, "both") for op in ops if op in COMPOSITES]
+    return runs
+
+
+class _Control:
+    """Agreement between ranks over a gloo group, every wait bounded."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+
+    def reduce(self, values: Sequence[float], op: dist.ReduceOp) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.pg, async_op=True).wait(timedelta(seconds=self.timeout))
+        return t.tolist()
+
+    def gather(self, value: Any) -> list[Any]:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value, group=self.pg)
+        return out
+
+
+def _measure(case: _Case, be, ctl: _Control, a: dict, salt: int) -> Row:
+    wrong = 0
+    if a["check"]:
+        case.fill(salt)
+        case.run(be)
+        be.synchronize()
+        wrong = case.wrong(salt)
+    iters = a["iters"]
+    if a["warmup_iters"]:
+        t0 = time.perf_counter()
+        for _ in range(a["warmup_iters"]):
+            case.run(be)
+        be.synchronize()
+        per_iter = ctl.reduce([(time.perf_counter() - t0) / a["warmup_iters"]], dist.ReduceOp.MAX)[0]
+        if a["time_budget"] > 0:
+            iters = max(1, min(iters, int(a["time_budget"] / max(per_iter, 1e-9))))
+    ctl.reduce([0.0], dist.ReduceOp.SUM)  # a barrier: every rank starts the timed loop together
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        case.run(be)
+    be.synchronize()
+    elapsed = (time.perf_counter() - t0) / iters
+    if a["average"] == 0:
+        t = ctl.reduce([elapsed if dist.get_rank() == 0 else 0.0], dist.ReduceOp.SUM)[0]
+    elif a["average"] == 1:
+        t = ctl.reduce([elapsed], dist.ReduceOp.SUM)[0] / dist.get_world_size()
+    else:
+        t = ctl.reduce([elapsed], dist.ReduceOp.MIN if a["average"] == 2 else dist.ReduceOp.MAX)[0]
+    wrong = int(ctl.reduce([float(wrong)], dist.ReduceOp.SUM)[0])
+    algbw = case.bytes / t / 1e9
+    return Row(case.op, case.team.placement if case.op in PRIMITIVES else "both", case.n, case.bytes, case.count,
+               iters, t * 1e6, algbw, algbw * BUS_FACTOR[case.op](case.n), wrong)
+
+
+HEADER = f"{'op':>14} {'placement':>9} {'n':>3} {'size(B)':>12} {'count':>10} {'iters':>5} {'time(us)':>11} " \
+         f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}"
+
+
+def _format(r: Row) -> str:
+    return f"{r.op:>14} {r.placement:>9} {r.n:>3} {r.bytes:>12} {r.count:>10} {r.iters:>5} {r.time_us:>11.2f} " \
+           f"{r.algbw:>11.3f} {r.busbw:>11.3f} {r.wrong:>6}"
+
+
+def _device_for(backend: str, rank: int, local_rank: int) -> torch.device:
+    if backend == "gloo":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"backend {backend} needs CUDA; use --backend gloo on the CPU")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def _bench_rank(rank: int, a: dict, topo: Topology, local_rank: int) -> dict | None:
+    timeout = a["timeout"]
+    backend = a["backend"]
+    device = _device_for(backend, rank, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctl = _Control(timeout)
+    hosts = ctl.gather(socket.gethostname())
+    if device.type == "cuda":
+        devices = ctl.gather(torch.cuda.get_device_properties(device).uuid.__str__())
+        if len(set(devices)) != len(devices):
+            raise RuntimeError(
+                f"backend {backend} needs one GPU per rank, but ranks share GPUs ({devices.count(devices[0])} on "
+                f"the first): NCCL refuses two ranks on one GPU; use fewer ranks or --backend gloo"
+            )
+    be = _NativeBackend(topo, rank, device, timeout) if backend == "nccl-native" else \
+        _TorchBackend(backend, topo, rank, device, timeout)
+    dtype = DTYPES[a["datatype"]]
+    rows = []
+    if rank == 0:
+        print(f"# tawpipe bench comm: backend {backend}, {topo.nodes} nodes x {topo.per_node} ranks "
+              f"(hosts: {', '.join(sorted(set(hosts)))}), {a['datatype']}, up to {a['iters']} iterations "
+              f"({'time budget %.2f s' % a['time_budget'] if a['time_budget'] else 'fixed'}), warm-up "
+              f"{a['warmup_iters']}, check {'on' if a['check'] else 'off'}, -a {a['average']}", flush=True)
+        print(f"# {DEFINITIONS}")
+        print("# placements: intra = each node's group, inter = each rail across nodes (all at once); "
+              "both = chunk_fetch (rail P2P, then broadcast in the node), grad_route (reduce in the node, "
+              "then rail P2P)")
+        print(HEADER, flush=True)
+    for op, placement in _plan(a["ops"], topo, backend):
+        for salt, nbytes in enumerate(_sizes(a)):
+            team = be.teams[placement] if placement != "both" else None
+            case = _Case(op, team, topo, rank, nbytes, dtype, device)
+            row = _measure(case, be, ctl, a, salt)
+            rows.append(row)
+            if rank == 0:
+                print(_format(row), flush=True)
+    if rank != 0:
+        return None
+    wrong = sum(r.wrong for r in rows)
+    print(f"# out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    result = {
+        "benchmark": "comm", "backend": backend, "nodes": topo.nodes, "per_node": topo.per_node,
+        "dtype": a["datatype"], "definitions": DEFINITIONS, "hosts": hosts,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__, "python": platform.python_version(),
+        "config": {k: v for k, v in a.items() if k not in ("json", "plot")},
+        "rows": [asdict(r) for r in rows], "wrong": wrong,
+    }
+    if backend == "nccl-native":
+        result["nccl"] = be.nn.nccl_version()
+    elif backend == "nccl":
+        result["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return result
+
+
+def _local_rank(rank: int, a: dict) -> dict | None:
+    return _bench_rank(rank, a, Topology(a["nodes"], a["per_node"]), rank)
+
+
+def plot(result: dict, path: str) -> None:
+    """busbw against size, one line per op, one panel per placement."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in ("intra", "inter", "both") if any(r["placement"] == p for r in result["rows"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, placement in zip(axes[0], panels):
+        rows = [r for r in result["rows"] if r["placement"] == placement]
+        for op in dict.fromkeys(r["op"] for r in rows):
+            pts = [(r["bytes"], r["busbw"]) for r in rows if r["op"] == op and r["busbw"] > 0]  # n = 1: busbw 0
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=op)
+        n = rows[0]["n"]
+        ax.set_xscale("log", base=2)
+        if any(r["busbw"] > 0 for r in rows):
+            ax.set_yscale("log")
+        ax.set_title(f"{placement} (n = {n})" if placement != "both" else "composites (rail P2P + node collective)")
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"tawpipe bench comm: {result['backend']}, {result['nodes']} nodes x {result['per_node']}, "
+                 f"{result['dtype']}, {result['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _validated(args: argparse.Namespace) -> dict:
+    a = {k: v for k, v in vars(args).items() if k not in ("what", "bench_main")}
+    a["ops"] = [o.strip() for o in a["ops"].split(",") if o.strip()]
+    unknown = [o for o in a["ops"] if o not in OPS]
+    if unknown:
+        raise SystemExit(f"tawpipe bench comm: unknown op(s) {unknown}; choose from {', '.join(OPS)}")
+    if a["iters"] < 1 or a["warmup_iters"] < 0:
+        raise SystemExit("tawpipe bench comm: need -n >= 1 and -w >= 0")
+    try:
+        _sizes(a)
+    except ValueError as e:
+        raise SystemExit(f"tawpipe bench comm: {e}") from None
+    a["timeout"] = a["timeout"] or default_timeout()
+    a["backend"] = a["backend"] or ("nccl" if torch.cuda.is_available() else "gloo")
+    if a["backend"] != "gloo" and not torch.cuda.is_available():
+        raise SystemExit(f"tawpipe bench comm: backend {a['backend']} needs CUDA; use --backend gloo on the CPU")
+    if a["backend"] == "nccl-native":
+        try:
+            import tawpipe.comm.nccl_native  # noqa: F401
+        except ImportError as e:
+            raise SystemExit(f"tawpipe bench comm: {e}") from None
+    return a
+
+
+def main(args: argparse.Namespace) -> int:
+    a = _validated(args)
+    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_launcher:  # torchrun or tawpipe cluster: this process is one rank
+        topo = Topology.from_env()
+        init_distributed(a["timeout"])
+        result = _bench_rank(dist.get_rank(), a, topo, int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        result = run_local(_local_rank, a["nodes"] * a["per_node"], a, timeout=a["timeout"])[0]
+    if result is None:
+        return 0
+    topo_name = f"{result['nodes']}x{result['per_node']}"
+    path = a["json"] or os.path.join("benchmarks", "results", f"comm_{a['backend']}_{topo_name}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+    png = os.path.splitext(path)[0] + ".png" if a["plot"] is None else a["plot"]
+    if png:
+        plot(result, png)
+        print(f"wrote {png}")
+    return 0 if result["wrong"] == 0 else 1

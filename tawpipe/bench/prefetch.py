@@ -1,0 +1,177 @@
+"""`tawpipe bench prefetch`: the host offload's streaming (tawpipe.offload.HostOffload).
+
+Bandwidth: loading a float32 master from pinned host memory into a compute-dtype device buffer
+(copy + cast, piece by piece through two staging buffers), against one plain pinned copy of the
+same float32 bytes, which is the limit; and accumulating a device gradient into the host float32
+accumulator, against one plain device-to-host copy. Overlap: the load on its own stream while a
+matmul loop runs on the compute stream, t(both) / max(t_load, t_matmul), 1.0 being perfect.
+Targets on a GPU: load >= 90% of the pinned copy, overlap <= 1.1.
+
+On the CPU the same code runs through the host prefetcher (plain copies) and the "concurrent"
+matmul is another thread on the same cores and memory: those numbers mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..offload import DEFAULT_PIECE_NUMEL, HostOffload
+from ..ops import ShardLayout
+
+TARGET_BANDWIDTH = 0.9
+TARGET_OVERLAP = 1.1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--numel", type=int, default=None, help="elements streamed (default 64M on CUDA, 8M on CPU)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="compute dtype of the device buffer")
+    p.add_argument("--pieces", default=f"{1 << 20},{DEFAULT_PIECE_NUMEL},{1 << 24}",
+                   help="piece sizes (elements) to measure; the overlap uses the default piece size")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/prefetch_<device>.json)")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """Median wall-clock seconds of fn, the device drained before and after each run."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _concurrently(a: Callable[[], None], b: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """Run a and b at once: on CUDA, a on a side stream (both only enqueue); on the CPU, a on a
+    second thread (the ops release the GIL)."""
+    if device.type == "cuda":
+        side = torch.cuda.Stream(device)
+
+        def both() -> None:
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                a()
+            b()
+            torch.cuda.current_stream(device).wait_stream(side)
+
+        return both
+
+    def both_cpu() -> None:
+        t = threading.Thread(target=a)
+        t.start()
+        b()
+        t.join()
+
+    return both_cpu
+
+
+def measure(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[int], repeats: int) -> dict:
+    layout = ShardLayout.from_tensors([torch.empty(numel, device="meta")])
+    init = torch.randn(numel)
+    pinned = device.type == "cuda"
+    master = init.pin_memory() if pinned else init.clone()
+    dst32 = torch.empty(numel, device=device)
+    dst = torch.empty(numel, dtype=dtype, device=device)
+    host_out = torch.empty(numel, pin_memory=pinned)
+    grad = torch.randn(numel, device=device)
+    nbytes = numel * 4
+    out: dict = {"bytes": nbytes}
+
+    # The limits: one plain pinned copy each way (non_blocking needs a side stream to overlap).
+    t_h2d = _time(lambda: dst32.copy_(master, non_blocking=True), device, repeats)
+    t_d2h = _time(lambda: host_out.copy_(grad, non_blocking=True), device, repeats)
+    out["pinned_h2d_GBps"] = nbytes / t_h2d / 1e9
+    out["pinned_d2h_GBps"] = nbytes / t_d2h / 1e9
+
+    out["load"] = {}
+    for piece in pieces:
+        off = HostOffload(layout, device, init=init, piece_numel=piece)
+        t = _time(lambda: off.load_weights_into(dst), device, repeats)
+        out["load"][str(piece)] = {"GBps": nbytes / t / 1e9, "of_pinned": t_h2d / t}
+        off.close()
+    off = HostOffload(layout, device, init=init)
+    t_load = _time(lambda: off.load_weights_into(dst), device, repeats)
+    t_acc = _time(lambda: off.accumulate_grad(grad), device, repeats)
+    out["load_default_piece"] = {"piece": DEFAULT_PIECE_NUMEL, "GBps": nbytes / t_load / 1e9, "of_pinned": t_h2d / t_load}
+    out["accumulate"] = {"GBps": nbytes / t_acc / 1e9, "of_pinned_d2h": t_d2h / t_acc}
+
+    # A matmul loop about as long as the load, then both at once.
+    n = 4096 if device.type == "cuda" else 512
+    mm_dtype = dtype if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=mm_dtype)
+    b = torch.randn(n, n, device=device, dtype=mm_dtype)
+    t_one = _time(lambda: a @ b, device, repeats)
+    reps = max(1, round(t_load / t_one))
+
+    def matmuls() -> None:
+        for _ in range(reps):
+            a @ b
+
+    t_mm = _time(matmuls, device, repeats)
+    t_both = _time(_concurrently(lambda: off.load_weights_into(dst), matmuls, device), device, repeats)
+    off.close()
+    out["overlap"] = {"matmul": f"{reps} x {n}^3 {str(mm_dtype).removeprefix('torch.')}", "t_load_s": t_load,
+                      "t_matmul_s": t_mm, "t_both_s": t_both, "ratio": t_both / max(t_load, t_mm)}
+    if device.type == "cuda":
+        out["targets"] = {
+            "load_of_pinned": TARGET_BANDWIDTH, "overlap": TARGET_OVERLAP,
+            "met": out["load_default_piece"]["of_pinned"] >= TARGET_BANDWIDTH and out["overlap"]["ratio"] <= TARGET_OVERLAP,
+        }
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("tawpipe bench prefetch: --device cuda but CUDA is not available")
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    numel = args.numel or ((64 << 20) if device.type == "cuda" else (8 << 20))
+    pieces = [int(p) for p in args.pieces.split(",") if p.strip()]
+    dtype = getattr(torch, args.dtype)
+    res = measure(device, numel, dtype, pieces, args.repeats)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    res.update({"benchmark": "prefetch", "device": name, "numel": numel, "dtype": args.dtype,
+                "torch": torch.__version__, "python": platform.python_version(), "repeats": args.repeats})
+    if device.type == "cpu":
+        res["note"] = ("CPU only: host prefetcher (plain copies); the 'concurrent' matmul shares the cores and "
+                       "memory bandwidth, so these numbers say little about a GPU")
+    print(f"prefetch on {name}: {numel:,} float32 elements ({res['bytes'] / 1e6:.0f} MB) -> {args.dtype}")
+    print(f"  pinned copy (limit)   h2d {res['pinned_h2d_GBps']:8.2f} GB/s   d2h {res['pinned_d2h_GBps']:8.2f} GB/s")
+    for piece, r in res["load"].items():
+        print(f"  load, piece {int(piece):>10,}  {r['GBps']:8.2f} GB/s  = {r['of_pinned']:6.1%} of the pinned copy")
+    print(f"  accumulate (d2h + add) {res['accumulate']['GBps']:7.2f} GB/s  = "
+          f"{res['accumulate']['of_pinned_d2h']:6.1%} of the pinned d2h copy")
+    o = res["overlap"]
+    print(f"  overlap with {o['matmul']}: load {o['t_load_s'] * 1e3:.2f} ms, matmul {o['t_matmul_s'] * 1e3:.2f} ms, "
+          f"both {o['t_both_s'] * 1e3:.2f} ms -> t(both)/max = {o['ratio']:.3f}")
+    if "targets" in res:
+        print(f"  targets (>= {TARGET_BANDWIDTH:.0%} of pinned, overlap <= {TARGET_OVERLAP}): "
+              f"{'met' if res['targets']['met'] else 'NOT met'}")
+    if "note" in res:
+        print(f"  note: {res['note']}")
+    out = args.out or os.path.join("benchmarks", "results", f"prefetch_{device.type}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,118 @@
+"""`tawpipe bench comm`: sizes, the correctness check itself, a real sweep on 4 local gloo ranks
+(every op and placement, results checked, JSON and plot written) and the torchrun path."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tawpipe.bench import comm
+from tawpipe.launch import free_port
+from tawpipe.topology import Topology
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    comm.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_sizes_parse_like_nccl_tests() -> None:
+    assert [comm.parse_size(s) for s in ("100", "1K", "64M", "2G", "8k")] == [100, 1024, 64 << 20, 2 << 30, 8192]
+    with pytest.raises(argparse.ArgumentTypeError):
+        comm.parse_size("1.5M")
+    assert comm._sizes({"minbytes": 1024, "maxbytes": 64 << 20, "stepfactor": 4}) == [1024 << (2 * i) for i in range(9)]
+
+
+def _expected_case(op: str, topo: Topology, rank: int, placement: str = "intra") -> comm._Case:
+    """A case whose buffers hold what the operation must produce, computed here by hand."""
+    layout = dict(comm._team_layout(topo))
+    team = None
+    if placement != "both":
+        ranks = next(r for r in layout[placement] if rank in r)
+        team = comm.Team(placement, ranks, ranks.index(rank), None)
+    case = comm._Case(op, team, topo, rank, 4096, torch.float32, torch.device("cpu"))
+    pat = lambda r, n=case.count: comm._pattern(r, n, salt=3)  # noqa: E731
+    if op == "all_reduce":
+        case.a.copy_(pat(team.ranks[0]) + pat(team.ranks[1]))
+    elif op == "all_gather":
+        case.b.copy_(torch.cat([pat(r) for r in team.ranks]))
+    elif op == "reduce_scatter":
+        full = pat(team.ranks[0], 2 * case.count) + pat(team.ranks[1], 2 * case.count)
+        case.b.copy_(full[team.index * case.count:(team.index + 1) * case.count])
+    elif op == "chunk_fetch":  # node 0 fetches the chunk of node 1's rail-0 rank (rank 2)
+        case.b.copy_(pat(2))
+    elif op == "grad_route":  # rank 0 owns what node 1 (ranks 2, 3) reduced
+        case.b.copy_(pat(2) + pat(3))
+    return case
+
+
+@pytest.mark.parametrize("op,rank,placement", [
+    ("all_reduce", 1, "intra"), ("all_gather", 3, "inter"), ("reduce_scatter", 1, "intra"),
+    ("chunk_fetch", 1, "both"), ("grad_route", 0, "both"),
+])
+def test_check_counts_wrong_elements(op: str, rank: int, placement: str) -> None:
+    case = _expected_case(op, Topology(2, 2), rank, placement)
+    assert case.wrong(salt=3) == 0
+    out = case.b if op in ("all_gather", "reduce_scatter", "chunk_fetch", "grad_route") else case.a
+    out[[0, -1]] += 1
+    assert case.wrong(salt=3) == 2
+
+
+def test_sweep_on_four_local_gloo_ranks(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    out = tmp_path / "comm.json"
+    rc = comm.main(_args("-b", "4K", "-e", "4K", "-n", "2", "--time-budget", "0", "--backend", "gloo",
+                         "--json", str(out)))
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    got = {(r["op"], r["placement"], r["bytes"]) for r in rows}
+    want = {(op, p, 4096) for op in comm.PRIMITIVES for p in ("intra", "inter")}
+    want |= {(op, "both", 4096) for op in comm.COMPOSITES}
+    assert got == want
+    for r in rows:
+        assert r["wrong"] == 0 and r["iters"] == 2 and r["time_us"] > 0
+        assert r["algbw"] == pytest.approx(r["bytes"] / r["time_us"] / 1e3)
+        assert r["busbw"] == pytest.approx(r["algbw"] * comm.BUS_FACTOR[r["op"]](r["n"]))
+    assert (tmp_path / "comm.png").stat().st_size > 10_000
+    printed = capfd.readouterr().out  # rank 0 prints from its own process
+    assert "busbw = algbw x factor: all_reduce 2(n-1)/n" in printed and "#wrong" in printed
+
+
+def test_runs_from_a_launchers_environment(tmp_path: Path) -> None:
+    """Two processes with torchrun's variables (as tawpipe cluster sets them): 2 nodes x 1."""
+    out = tmp_path / "env.json"
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tawpipe", "bench", "comm", "-b", "2K", "-e", "2K", "-n", "1", "--backend", "gloo",
+             "--ops", "all_reduce,sendrecv,chunk_fetch", "--json", str(out), "-T", "60"],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    result = json.loads(out.read_text())
+    assert (result["nodes"], result["per_node"]) == (2, 1)
+    placements = {(r["op"], r["placement"], r["n"]) for r in result["rows"]}
+    # n = 1 per node: intra runs alone (no gloo self-send), inter pairs the nodes
+    assert placements == {("all_reduce", "intra", 1), ("all_reduce", "inter", 2), ("sendrecv", "inter", 2),
+                          ("chunk_fetch", "both", 2)}
+    assert all(r["wrong"] == 0 for r in result["rows"])
+    assert "wrote" not in outputs[1]  # only rank 0 reports
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_nccl_backends_refuse_clearly_without_cuda() -> None:
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        comm.main(_args("--backend", "nccl"))
