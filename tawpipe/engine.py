@@ -104,6 +104,8 @@ class TawPipe:
     group of micro-batches); ``grad_wire_dtype`` (float32 or the compute dtype) is the dtype
     gradients travel in, always accumulated in float32 by their owner. Blocks may live on the meta
     device: ``materialize(block, layer_index)`` then gives each rank its own chunk's real blocks.
+    ``offload="host"`` keeps the own chunk's master, gradient accumulator and optimizer state in
+    pinned host memory, streamed through two staging buffers (``tawpipe.offload``).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class TawPipe:
         timeout: float | None = None,
         names: tuple[str, str, str] = ("embed", "blocks", "head"),
         materialize: Materialize | None = None,
+        offload: str | None = None,
     ) -> None:
         blocks = list(blocks)
         _check_blocks(blocks)
@@ -145,6 +148,8 @@ class TawPipe:
         if comm is not None and not isinstance(comm, Comm):
             raise TypeError(f"comm must be a tawpipe.comm.Comm (or None for torch.distributed), got "
                             f"{type(comm).__name__}")
+        if offload not in (None, "host"):
+            raise ValueError(f"offload must be None or 'host', got {offload!r}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         if not (isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) and n for n in names)):
@@ -175,7 +180,8 @@ class TawPipe:
         self._connect(comm)  # communication starts only now, after every check above passed
         self.storage = ChunkStorage(self.plan, self.rank, blocks, replicated,
                                     block_forward or _default_block_forward, names[1],
-                                    compute_dtype, grad_wire_dtype, self.device, materialize)
+                                    compute_dtype, grad_wire_dtype, self.device, materialize, offload,
+                                    self.timeout)
         backward_of: dict[Key, Action] = {(a.chunk, a.mb): a for a in self.plan.actions[self.rank] if a.op is Op.B}
         self.compute = ChunkCompute(self.storage, embed, head, loss_fn, compute_dtype, recompute, backward_of)
         self.optimizer = optimizer([p for _, p in self.storage.own_params] + [p for _, p in replicated])
@@ -311,12 +317,13 @@ class TawPipe:
             for a in unit:
                 if a.op is Op.RECV_MASTER:
                     received[a.chunk] = torch.empty(self.storage.numel(a.chunk), device=self.device)
-            return self._p2p(unit, lambda a: self.storage.master if a.op is Op.SEND_MASTER else received[a.chunk])
+            master = self.storage.master.to(self.device)  # a copy when offloaded to the host
+            return self._p2p(unit, lambda a: master if a.op is Op.SEND_MASTER else received[a.chunk])
 
         self.executor.run(actions, work)
         if self.rank != 0:
             return None
-        received[self.own_chunk] = self.storage.master
+        received[self.own_chunk] = self.storage.master.to(self.device)
         out: dict[str, torch.Tensor] = {}
         for k, flat in sorted(received.items(), key=lambda kv: self.plan.chunk_layers[kv[0]]):
             start = self.plan.chunk_layers[k][0]
@@ -345,11 +352,11 @@ class TawPipe:
         if a.op is Op.B:
             return lambda: self.compute.backward(a, self._state)
         if a.op is Op.LOAD_W:
-            return lambda: s.chunk(a.buf, a.chunk).copy_(s.master)
+            return lambda: s.load_master(a.buf, a.chunk)
         if a.op is Op.STEP:
             return self._optimizer_step
         if a.op is Op.ACC_G:
-            return lambda: s.grad_acc.add_(s.chunk(a.buf, a.chunk))
+            return lambda: s.accumulate(a.buf, a.chunk)
         if a.op is Op.BCAST_W:
             return lambda: comm.broadcast(s.chunk(a.buf, a.chunk), a.root, a.group)
         if a.op is Op.REDUCE_G:
@@ -366,7 +373,7 @@ class TawPipe:
         return lambda: comm.batch_p2p(ops)
 
     def _all_reduce_stats(self, comm: Comm, group: tuple[int, ...]) -> None:
-        stats = Precision.local_stats(self.storage.grad_acc)
+        stats = Precision.local_stats(self.storage.grad_acc).to(self.device)
         comm.all_reduce(stats, group)
         self._stats = stats
 
@@ -375,6 +382,8 @@ class TawPipe:
         n_total = self.topology.world_size * self.micro_batches
         self._last_loss = s.rep[-1].item() / n_total
         if self.precision.finish(self.steps, self._stats, self._last_loss, s.rep[:-1], s.grad_acc):
+            if s.offload is not None:
+                s.offload.synchronize()  # streamed loads have finished reading the master
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()

@@ -40,7 +40,8 @@ def _checksum(params: Sequence[tuple[str, nn.Parameter]]) -> int:
 
 
 def _optimizer(opt: torch.optim.Optimizer) -> str:
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"size": len(g["params"])} for g in opt.param_groups]
+    # hyper-parameters only: the own chunk's parameter count differs between ranks (uneven chunks)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return type(opt).__name__ + json.dumps(groups, sort_keys=True, default=repr)
 
 

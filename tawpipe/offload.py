@@ -1,48 +1,40 @@
-"""Host offload of a chunk owner's float32 state: master weights, gradient accumulator and AdamW
-state live in pinned host memory; the device holds only compute-dtype weights and incoming
-gradients, streamed in pieces through the prefetcher (csrc/kernels/prefetch.h).
+"""Host offload of a chunk owner's float32 state: the master weights and the gradient accumulator
+live in pinned host memory; the device holds only compute-dtype weights and incoming gradients,
+streamed in pieces through the prefetcher (csrc/kernels/prefetch.h).
 
 Interface (all the engine needs; ``numel = layout.numel``)::
 
     off = HostOffload(layout, device, init=flat_fp32)  # state for the tensors of `layout`
+    off.master, off.grad              # float32 host tensors (pinned on CUDA)
     off.load_weights_into(buf)        # buf[:numel] = master, cast to buf.dtype; stream-ordered:
                                       # the current stream of buf's device waits, the host does not
     off.accumulate_grad(gbuf, alpha)  # grad += alpha * gbuf[:numel]; returns when added (timeout)
-    off.grad                          # the float32 accumulator on the host: scale or clip in place
-    off.grad_sq_norm()                # its squared L2 norm (float64), for clipping
-    off.step(AdamWConfig(...), lr)    # one AdamW step of the whole chunk, on the host
-    off.zero_grad()
-    off.state_dict() / off.load_state_dict(state)
+    off.synchronize()                 # queued loads have read the master (before it changes)
     off.memory()                      # bytes on the host and on the device
     off.close()
 
-Where the optimizer runs: on the host, where its state lives. The step reads and writes 16 bytes
-per parameter (master, grad, two moments); running it on the device would move 28 bytes per
-parameter across PCIe every step instead, and the step is memory-bound on either side. It is
-torch's own AdamW (the functional ``torch.optim.adamw.adamw``, single-tensor by default, as torch.optim.AdamW
-picks for CPU tensors) applied per tensor of the layout, so it equals torch.optim.AdamW with
-param groups {>= 2-D tensors: weight_decay} and {the rest: no decay} (the paper's setting),
-bit for bit on the CPU.
+Where the optimizer runs: on the host, where the state lives. The engine's optimizer holds the
+own chunk's parameters as views of ``master`` (their ``.grad`` are views of ``grad``), so the
+optimizer state it creates for them is host memory too and its step reads and writes 16 bytes
+per parameter there; running it on the device would move 28 bytes per parameter across PCIe
+every step instead, and the step is memory-bound on either side.
 
 Overlap: a load waits for the current stream's earlier work (it overwrites buf) and makes that
-stream wait for it, so compute queued later on the *same* stream waits too. To load chunk k+1
-while chunk k computes, call it with another stream current (a comm channel's, or
-``with torch.cuda.stream(side):``) and have the compute stream wait on that stream (or an event
-recorded there) before it reads buf; ``tawpipe bench prefetch`` measures exactly this.
+stream wait for it, so compute queued later on the *same* stream waits too. The engine issues
+loads on its weights channel, whose stream is not the compute stream, and compute waits on the
+channel's event before it reads the buffer; ``tawpipe bench prefetch`` measures exactly this.
 
 Without CUDA (CPU builds, or ``device="cpu"``) the same calls run through the host prefetcher:
-plain copies, nothing pinned, so the engine's exactness tests can run with offload on a CPU.
+plain copies, nothing pinned, so the engine's exactness tests run with offload on a CPU.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 from torch import Tensor
-from torch.optim.adamw import adamw
 
 from . import ops  # noqa: F401  (loads tawpipe._C, which registers the prefetch ops)
 from .ops import SUPPORTED_DTYPES, ShardLayout
@@ -51,34 +43,14 @@ DEFAULT_PIECE_NUMEL = 1 << 22  # 16 MiB of float32 per staging buffer
 
 
 @dataclass(frozen=True)
-class AdamWConfig:
-    """AdamW hyper-parameters; defaults are the paper's (decay applies to >= 2-D tensors only).
-
-    ``fused=True`` uses torch's fused CPU kernel: faster on large chunks, but it rounds
-    differently from torch.optim.AdamW's default, so exactness against it is then lost.
-    """
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    fused: bool = False
-
-
-@dataclass(frozen=True)
 class OffloadMemory:
-    host_bytes: int  # master, accumulator, moments, pinned staging
+    host_bytes: int  # master, accumulator, pinned staging
     device_bytes: int  # staging only
 
 
-def default_decay(shape: torch.Size) -> bool:
-    """Weight decay on matrices (and higher), not on vectors: the paper's AdamW setting."""
-    return len(shape) >= 2
-
-
 class HostOffload:
-    """The float32 state of one chunk (the tensors of ``layout``) in host memory; see the module
-    docstring for the interface and where the optimizer runs."""
+    """The float32 master and gradient of one chunk (the tensors of ``layout``) in host memory; see
+    the module docstring for the interface and where the optimizer runs."""
 
     def __init__(
         self,
@@ -86,7 +58,6 @@ class HostOffload:
         device: torch.device | str,
         *,
         init: Tensor | None = None,
-        decay: Callable[[torch.Size], bool] = default_decay,
         piece_numel: int = DEFAULT_PIECE_NUMEL,
         num_threads: int = 0,
         timeout: float = 300.0,
@@ -109,7 +80,7 @@ class HostOffload:
         def host() -> Tensor:
             return torch.zeros(self.numel, dtype=torch.float32, pin_memory=pin)
 
-        self.master, self.grad, self.exp_avg, self.exp_avg_sq = host(), host(), host(), host()
+        self.master, self.grad = host(), host()
         if init is not None:
             if init.numel() != self.numel:
                 raise ValueError(f"HostOffload: init has {init.numel()} elements, the layout {self.numel}")
@@ -119,16 +90,6 @@ class HostOffload:
         )
         self._load_lock = threading.Lock()
         self._acc_lock = threading.Lock()
-        # Per-tensor views, split into the two AdamW groups, with torch's per-tensor step counts.
-        self._groups: dict[bool, dict[str, list[Tensor]]] = {}
-        for shape, m, g, a, s in zip(
-            layout.shapes, *(layout.views(t) for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq))
-        ):
-            group = self._groups.setdefault(bool(decay(shape)), {"p": [], "g": [], "m": [], "v": [], "step": []})
-            for key, t in zip(("p", "g", "m", "v"), (m, g, a, s)):
-                group[key].append(t)
-            group["step"].append(torch.tensor(0.0))
-        self.steps = 0
 
     # ------------------------------------------------------------------ streaming
 
@@ -175,56 +136,9 @@ class HostOffload:
         """Wait until queued loads have read the master (before the host changes it)."""
         torch.ops.tawpipe._prefetch_synchronize(self._handle, self.timeout)
 
-    # ------------------------------------------------------------------ optimizer
-
-    def zero_grad(self) -> None:
-        self.grad.zero_()
-
-    def grad_sq_norm(self) -> float:
-        return self.grad.double().square().sum().item()
-
-    @torch.no_grad()
-    def step(self, config: AdamWConfig, lr: float | None = None) -> None:
-        """One AdamW step over every tensor of the layout (``lr`` overrides config.lr, e.g. from
-        a scheduler). Waits for queued loads first: they read the master this step rewrites."""
-        self.synchronize()
-        beta1, beta2 = config.betas
-        for decays, g in self._groups.items():
-            adamw(
-                g["p"], g["g"], g["m"], g["v"], [], g["step"],
-                foreach=False, fused=config.fused or None, amsgrad=False, beta1=beta1, beta2=beta2,
-                lr=config.lr if lr is None else lr, weight_decay=config.weight_decay if decays else 0.0,
-                eps=config.eps, maximize=False,
-            )
-        self.steps += 1
-
-    # ------------------------------------------------------------------ state
-
-    def state_dict(self) -> dict[str, Any]:
-        """Copies of the master and AdamW state (the accumulator is transient: zero between steps)."""
-        self.synchronize()
-        return {
-            "numel": self.numel, "steps": self.steps, "master": self.master.clone(),
-            "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("numel") != self.numel:
-            raise ValueError(
-                f"HostOffload.load_state_dict: state holds {state.get('numel')} elements, this offload "
-                f"{self.numel}: load the shard of the same chunk"
-            )
-        self.synchronize()
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(self, name).copy_(state[name])
-        self.steps = int(state["steps"])
-        for g in self._groups.values():
-            for t in g["step"]:
-                t.fill_(float(self.steps))
-
     def memory(self) -> OffloadMemory:
         _, device_bytes, staging_host = torch.ops.tawpipe._prefetch_info(self._handle)
-        return OffloadMemory(host_bytes=4 * 4 * self.numel + staging_host, device_bytes=device_bytes)
+        return OffloadMemory(host_bytes=2 * 4 * self.numel + staging_host, device_bytes=device_bytes)
 
     def close(self) -> None:
         """Finish queued loads and free the staging buffers (also done when collected)."""

@@ -145,7 +145,9 @@ def _const(*names: str) -> Callable[[Action, "Plan"], Names]:
 OPS: dict[Op, OpSpec] = {
     Op.F: OpSpec("compute", None, None, _buf, _f_writes),
     Op.B: OpSpec("compute", None, None, _b_reads, _b_writes),
-    Op.LOAD_W: OpSpec("compute", None, None, _const(MASTER), _buf),
+    # a cast of the own master, on the weights channel: right before the sends or broadcast that
+    # read it, and off the compute thread (with host offload it is a stream from host memory)
+    Op.LOAD_W: OpSpec("weights", None, None, _const(MASTER), _buf),
     Op.STEP: OpSpec("compute", None, None, _const(ACC, REP, STATS), _const(MASTER, ACC, REP)),
     Op.SEND_W: OpSpec("weights", "send", "weights", _buf, _none),
     Op.RECV_W: OpSpec("weights", "recv", "weights", _none, _buf),

@@ -1,7 +1,8 @@
 """What one rank stores (design §6.1): its own chunk, the replicated modules, the staging buffers.
 
 Device-bound storage: the own chunk's float32 master and float32 gradient accumulator are flat
-buffers whose views are the optimizer's parameters and their ``.grad``. The replicated modules
+buffers whose views are the optimizer's parameters and their ``.grad``; with ``offload="host"``
+they live in (pinned) host memory and stream to and from the device (``tawpipe.offload``). The replicated modules
 (embedding, head) keep their own parameters, whose ``.grad`` are views of one flat buffer
 ``rep`` that also holds this rank's loss sum, so the replicated all-reduce is one collective on
 memory that backward writes directly. Staging buffers are the plan's named buffers.
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .offload import HostOffload
 from .ops import ShardLayout
 from .plan import Plan
 
@@ -68,6 +70,7 @@ class MemoryReport:
     replicated: int
     decoder_params: int
     world_size: int
+    offloaded: bool = False  # master, accumulator and optimizer state in host memory
 
     @property
     def persistent(self) -> int:
@@ -83,8 +86,8 @@ class MemoryReport:
         return (
             f"master {self.master * mb:.2f} MiB + optimizer {self.optimizer * mb:.2f} + grad acc "
             f"{self.grad_accumulator * mb:.2f} = {self.persistent * mb:.2f} MiB "
-            f"(16*Psi/N = {self.sharded_target * mb:.2f}); staging: {st} MiB; "
-            f"replicated {self.replicated * mb:.2f} MiB"
+            f"(16*Psi/N = {self.sharded_target * mb:.2f}){' in host memory' if self.offloaded else ''}; "
+            f"staging: {st} MiB; replicated {self.replicated * mb:.2f} MiB"
         )
 
 
@@ -94,7 +97,8 @@ class ChunkStorage:
     def __init__(self, plan: Plan, rank: int, blocks: Sequence[nn.Module],
                  replicated: list[tuple[str, nn.Parameter]], block_forward: BlockForward,
                  block_prefix: str, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 device: torch.device, materialize: Materialize | None = None) -> None:
+                 device: torch.device, materialize: Materialize | None = None,
+                 offload: str | None = None, timeout: float = 300.0) -> None:
         self.plan, self.rank, self.device = plan, rank, device
         self.compute_dtype, self.grad_dtype = compute_dtype, grad_dtype
         self.own_chunk = plan.own_chunk(rank)
@@ -108,12 +112,13 @@ class ChunkStorage:
                 self.layouts[n] = ShardLayout.from_module(stack, align=1)
                 self.runners[n] = ChunkRunner(copy.deepcopy(stack).to("meta"), block_forward)
         self.decoder_params = sum(p.numel() for b in blocks for p in b.parameters())
-        self._init_own(blocks, block_prefix, materialize)
+        self._init_own(blocks, block_prefix, materialize, offload, timeout)
         self._init_replicated(replicated)
         self._init_staging()
         self._leaves: dict[tuple[str, str, int], list[torch.Tensor]] = {}
 
-    def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None) -> None:
+    def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None,
+                  offload: str | None, timeout: float) -> None:
         start, stop = self.plan.chunk_layers[self.own_chunk]
         layout = self.layouts[stop - start]
         own = []
@@ -128,9 +133,13 @@ class ChunkStorage:
                     raise ValueError(f"materialize(block, {i}) must return the block with real weights")
             own.append(block)
         modules = nn.ModuleList(own)
-        self.master = layout.new_flat(torch.float32, self.device)
-        layout.pack([p.detach().to(self.device) for p in modules.parameters()], self.master)
-        self.grad_acc = torch.zeros_like(self.master)
+        master = layout.new_flat(torch.float32, self.device if offload is None else "cpu")
+        layout.pack([p.detach().to(master.device) for p in modules.parameters()], master)
+        if offload is None:
+            self.offload, self.master, self.grad_acc = None, master, torch.zeros_like(master)
+        else:  # master and accumulator in (pinned) host memory, streamed in pieces (design §6.1)
+            self.offload = HostOffload(layout, self.device, init=master, timeout=timeout)
+            self.master, self.grad_acc = self.offload.master, self.offload.grad
         self.own_params: list[tuple[str, nn.Parameter]] = []
         for (name, _), view, gview in zip(modules.named_parameters(), layout.views(self.master),
                                           layout.views(self.grad_acc)):
@@ -196,6 +205,22 @@ class ChunkStorage:
             self._leaves[key] = leaves
         return leaves
 
+    def load_master(self, buf: str, chunk: int) -> None:
+        """LOAD_W: the own master, cast into a staging buffer."""
+        dst = self.chunk(buf, chunk)
+        if self.offload is None:
+            dst.copy_(self.master)
+        else:
+            self.offload.load_weights_into(dst)
+
+    def accumulate(self, buf: str, chunk: int) -> None:
+        """ACC_G: a gradient buffer added into the own float32 accumulator."""
+        src = self.chunk(buf, chunk)
+        if self.offload is None:
+            self.grad_acc.add_(src)
+        else:
+            self.offload.accumulate_grad(src)
+
     def harvest(self, grad_buf: str, chunk: int, accumulate: bool) -> None:
         """Move a backward's gradient from the scratch into the plan's buffer (dtype differs)."""
         if self.scratch is not None:
@@ -212,4 +237,5 @@ class ChunkStorage:
             master=self.master.numel() * 4, optimizer=opt, grad_accumulator=self.grad_acc.numel() * 4,
             staging=staging, replicated=sum(p.numel() * p.element_size() for _, p in self.replicated),
             decoder_params=self.decoder_params, world_size=self.plan.topology.world_size,
+            offloaded=self.offload is not None,
         )

@@ -78,7 +78,7 @@ _CALLS = {
 
 # case keys passed to the engine as they are
 _ENGINE_OPTIONS = ("grad_route", "overlap", "recompute", "algo", "prefetch_depth", "mb_per_fetch",
-                   "grad_wire_dtype")
+                   "grad_wire_dtype", "offload")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -145,6 +145,8 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
             eng_model, topo, acc, comm, compute_dtype=dtype, max_grad_norm=clip,
             block_forward=lambda blk, h, **ctx: blk(h, **ctx), **options,
         )
+        setup = [(r.channel, r.op, r.group, r.bytes) for r in log]  # construction: the CHECK only
+        log.clear()
         losses = []
         rows = acc * MB_ROWS
         for step in range(steps):
@@ -169,12 +171,11 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
         out.append({
             "case": case, "rank": rank, "param_err": max(errs.values()), "update_err": max(upd.values()),
             "worst": max(errs, key=errs.get), "losses": losses, "ref_losses": ref_losses,
-            "plan_comm": plan_comm, "recorded": recorded, "memory": mem, "own_chunk": engine.own_chunk,
+            "plan_comm": plan_comm, "recorded": recorded, "setup": setup, "memory": mem,
+            "own_chunk": engine.own_chunk,
             "finite": all(math.isfinite(v) for v in losses), "skipped": engine.skipped_steps,
         })
     return out
-
-
 
 
 def resume(rank: int, directory: str) -> dict:

@@ -41,6 +41,8 @@ def _check_traffic(results: list[list[dict]]) -> None:
                 planned = [p[1:] for p in r["plan_comm"] if p[0] == channel]
                 assert executed == planned, (r["case"], r["rank"], channel)
             assert len(r["recorded"]) == len(r["plan_comm"])
+            world = tuple(range(len(results)))
+            assert [x[:3] for x in r["setup"]] == [("step", "all_reduce", world)], r["setup"]
 
 
 CI_CASES = {
@@ -60,6 +62,8 @@ CI_CASES = {
         dict(nodes=2, acc=2, layers=4, prefetch_depth=2, recompute="none", overlap=False),
         dict(nodes=1, acc=2, layers=5, algo="weipipe"),
         dict(nodes=2, acc=3, layers=4, algo="weipipe", recompute="none"),
+        dict(nodes=2, acc=2, layers=5, offload="host", max_grad_norm=0.05),  # state in host memory
+        dict(nodes=1, acc=2, layers=4, offload="host", algo="weipipe"),
     ],
     6: [dict(nodes=3, acc=2, layers=7), dict(nodes=3, acc=2, layers=6, mb_per_fetch=2, prefetch_depth=2)],
 }

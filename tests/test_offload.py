@@ -1,13 +1,13 @@
-"""HostOffload against torch: AdamW steps equal torch.optim.AdamW (paper's param groups), loads
-equal torch casts, accumulation equals float32 adds, state round-trips. CPU path everywhere;
-the same checks run on CUDA (pinned memory, streamed pieces) when a GPU is present."""
+"""HostOffload against torch: loads equal torch casts, accumulation equals float32 adds. CPU path
+everywhere; the same checks run on CUDA (pinned memory, streamed pieces) when a GPU is present.
+The engine's exactness with offload on is tested in test_engine.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tawpipe.offload import AdamWConfig, HostOffload, OffloadMemory
+from tawpipe.offload import HostOffload, OffloadMemory
 from tawpipe.ops import ShardLayout
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -23,41 +23,6 @@ def _flat(layout: ShardLayout, tensors: list[torch.Tensor], device: str = "cpu")
     flat = layout.new_flat(torch.float32)
     layout.pack(tensors, flat)
     return flat.to(device)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_adamw_steps_equal_torch_adamw(device: str) -> None:
-    params = _params(0)
-    layout = ShardLayout.from_tensors(params)
-    cfg = AdamWConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
-    off = HostOffload(layout, device, init=_flat(layout, params), piece_numel=100)  # many pieces
-    ref = [p.clone().requires_grad_() for p in params]
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in ref if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-         {"params": [p for p in ref if p.dim() < 2], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-    )
-    g = torch.Generator().manual_seed(1)
-    for step in range(4):
-        lr = cfg.lr * (1.0 - 0.2 * step)  # a scheduler changes lr between steps
-        for group in opt.param_groups:
-            group["lr"] = lr
-        for p in ref:
-            p.grad = None
-        for _ in range(3):  # micro-batches
-            grads = [torch.randn(s, generator=g) for s in SHAPES]
-            for p, gr in zip(ref, grads):
-                p.grad = gr.clone() if p.grad is None else p.grad + gr
-            off.accumulate_grad(_flat(layout, grads, device))
-        assert off.grad_sq_norm() == pytest.approx(sum(p.grad.double().square().sum().item() for p in ref), rel=1e-12)
-        opt.step()
-        off.step(cfg, lr=lr)
-        off.zero_grad()
-        for view, p in zip(layout.views(off.master), ref):
-            assert torch.equal(view, p.detach()), step
-        for view, p in zip(layout.views(off.exp_avg_sq), ref):
-            assert torch.equal(view, opt.state[p]["exp_avg_sq"]), step
-    assert off.steps == 4
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -91,26 +56,6 @@ def test_accumulate_is_float32_add(device: str, dtype: torch.dtype) -> None:
     assert torch.equal(off.grad, want)
 
 
-def test_state_dict_resumes_exactly() -> None:
-    params = _params(5)
-    layout = ShardLayout.from_tensors(params)
-    cfg = AdamWConfig()
-    g = torch.Generator().manual_seed(6)
-    grads = [torch.randn(layout.numel, generator=g) for _ in range(3)]
-    first = HostOffload(layout, "cpu", init=_flat(layout, params))
-    for gr in grads[:2]:
-        first.accumulate_grad(gr)
-        first.step(cfg)
-        first.zero_grad()
-    second = HostOffload(layout, "cpu")
-    second.load_state_dict(first.state_dict())
-    for off in (first, second):
-        off.accumulate_grad(grads[2])
-        off.step(cfg)
-    assert torch.equal(first.master, second.master)
-    assert torch.equal(first.exp_avg, second.exp_avg)
-
-
 def test_bad_input_is_rejected_with_the_fix() -> None:
     layout = ShardLayout.from_tensors(_params(7))
     off = HostOffload(layout, "cpu")
@@ -118,8 +63,6 @@ def test_bad_input_is_rejected_with_the_fix() -> None:
         off.load_weights_into(torch.empty(layout.numel - 1))
     with pytest.raises(ValueError, match="dtype"):
         off.accumulate_grad(torch.zeros(layout.numel, dtype=torch.int32))
-    with pytest.raises(ValueError, match="same chunk"):
-        off.load_state_dict({"numel": layout.numel + 1})
     with pytest.raises(ValueError, match="not a prefetcher"):
         torch.ops.tawpipe._prefetch_load(torch.zeros(8, dtype=torch.uint8), off.master, torch.empty(layout.numel))
     # the native op checks too (direct calls skip the Python checks)
@@ -128,7 +71,7 @@ def test_bad_input_is_rejected_with_the_fix() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             HostOffload(layout, "cuda")
-    assert off.memory() == OffloadMemory(host_bytes=16 * layout.numel, device_bytes=0)  # no staging on the CPU
+    assert off.memory() == OffloadMemory(host_bytes=8 * layout.numel, device_bytes=0)  # master + grad; no staging on the CPU
     off.close()
     with pytest.raises(RuntimeError, match="closed"):
         off.load_weights_into(torch.empty(layout.numel))
