@@ -32,7 +32,6 @@ from torch import Tensor, nn
 BACKEND_ENV = "TAWPIPE_OPS_BACKEND"
 BACKENDS = ("native", "triton")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DTYPES_TEXT = "supported dtypes are float32, bfloat16 and float16"
 
 try:
     from tawpipe import _C  # noqa: F401  (importing registers torch.ops.tawpipe.*)

@@ -383,7 +383,7 @@ def test_torch_compile_dynamic_shapes_and_bad_input_at_trace_time() -> None:
     compiled = torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
     gen = torch.Generator().manual_seed(seed_of("dynamic"))
     for n in (3, 6):
-        params = [random_tensor((n,), torch.float32, "cpu", gen), random_tensor((2, n), torch.float32, "cpu", gen)]
+        params = [random_tensor(shape, torch.float32, "cpu", gen) for shape in [(n,), (2, n)]]
         offsets = [0, n + 1]
         flat = poisoned((3 * n + 2,), torch.float32, "cpu")
         eager = ([p.clone() for p in params], flat.clone())
@@ -509,7 +509,9 @@ def test_overlap_check_scales_to_many_segments() -> None:
 ENTRIES = ["wrapper", "wrapper-triton", "torch.ops", "bound"]
 
 
-def run_entry(entry: str, op: str, tensors: list[Tensor], flat: Tensor, offsets: list[int], alpha: float) -> None:
+def run_entry(
+    entry: str, op: str, tensors: list[Tensor], flat: Tensor, offsets: list[int], alpha: float
+) -> None:
     """The op through one entry point (wrapper-triton: with the fake_triton fixture, which moves
     no data, so only what tawpipe::_prepare does is seen)."""
     if entry == "bound":
@@ -523,7 +525,7 @@ def run_entry(entry: str, op: str, tensors: list[Tensor], flat: Tensor, offsets:
 
 def small_case(seed: object) -> tuple[list[Tensor], Tensor, list[int]]:
     gen = torch.Generator().manual_seed(seed_of(seed))
-    tensors = [random_tensor((3,), torch.float32, "cpu", gen), random_tensor((2, 2), torch.bfloat16, "cpu", gen)]
+    tensors = [random_tensor(s, d, "cpu", gen) for s, d in [((3,), torch.float32), ((2, 2), torch.bfloat16)]]
     return tensors, random_tensor((9,), torch.float32, "cpu", gen), [5, 0]
 
 
@@ -638,7 +640,9 @@ def test_inference_mode_bumps_versions_of_normal_tensors() -> None:
 @pytest.mark.parametrize("side", ["list", "flat"])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("entry", ENTRIES)
-def test_tensor_beyond_its_storage_is_refused(entry: str, op: str, side: str, how: str, fake_triton: list) -> None:
+def test_tensor_beyond_its_storage_is_refused(
+    entry: str, op: str, side: str, how: str, fake_triton: list
+) -> None:
     """The kernels trust sizes, so a tensor whose storage shrank would make them read or write
     out of bounds: every tensor, and the flat buffer, is checked against its storage's real size."""
     tensors, flat, offsets = small_case((entry, op, side))

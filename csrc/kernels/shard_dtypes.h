@@ -145,7 +145,8 @@ struct Elem<TAWPIPE_DTYPE_F16> {
 // Calls op.template run<S, D>() with a segment's dtype pair (validated by the caller) as
 // compile-time constants, so every pair gets its own specialised loop.
 template <class Op>
-TAWPIPE_HOST_DEVICE TAWPIPE_FORCE_INLINE void dispatch_dtype_pair(int32_t src, int32_t dst, const Op& op) {
+TAWPIPE_HOST_DEVICE TAWPIPE_FORCE_INLINE void dispatch_dtype_pair(int32_t src, int32_t dst,
+                                                                  const Op& op) {
   static_assert(kNumDtypes == 3, "one case per dtype pair below");
   switch (src * kNumDtypes + dst) {
     case 0: return op.template run<0, 0>();

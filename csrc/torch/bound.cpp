@@ -47,7 +47,8 @@ Snapshot snapshot_of(const at::Tensor& t) {
 }
 
 struct BoundTable : torch::CustomClassHolder {
-  BoundTable(c10::Device device, std::vector<at::Tensor> tensors) : device(device), tensors(std::move(tensors)) {}
+  BoundTable(c10::Device device, std::vector<at::Tensor> tensors)
+      : device(device), tensors(std::move(tensors)) {}
 
   c10::Device device;
   std::vector<at::Tensor> tensors;      // the bound tensors, then the flat buffer (kept alive)
@@ -59,7 +60,8 @@ struct BoundTable : torch::CustomClassHolder {
 // Modes of _run_bound; tawpipe/ops.py (_BOUND_MODES) mirrors them.
 enum Mode : int64_t { kPack = 0, kUnpack = 1, kPackAccumulate = 2, kUnpackAccumulate = 3 };
 
-c10::intrusive_ptr<BoundTable> bind(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets) {
+c10::intrusive_ptr<BoundTable> bind(at::TensorList tensors, const at::Tensor& flat,
+                                    at::IntArrayRef offsets) {
   constexpr const char* op = "ShardLayout.bind";
   // Unpack writes every bound tensor; its checks include pack's, so they cover all four modes.
   std::vector<tawpipe_segment> unpack = make_segments(op, tensors, flat, offsets, FlatRole::kSource);
@@ -86,10 +88,10 @@ c10::intrusive_ptr<BoundTable> bind(at::TensorList tensors, const at::Tensor& fl
 }
 
 void run_bound(const c10::intrusive_ptr<BoundTable>& table, int64_t mode, double alpha) {
-  TORCH_CHECK_VALUE(mode >= kPack && mode <= kUnpackAccumulate, "tawpipe::_run_bound: mode must be 0-3, got ",
-                    mode);
-  constexpr const char* kNames[] = {"BoundShards.pack", "BoundShards.unpack", "BoundShards.pack_accumulate",
-                                    "BoundShards.unpack_accumulate"};
+  TORCH_CHECK_VALUE(mode >= kPack && mode <= kUnpackAccumulate,
+                    "tawpipe::_run_bound: mode must be 0-3, got ", mode);
+  constexpr const char* kNames[] = {"BoundShards.pack", "BoundShards.unpack",
+                                    "BoundShards.pack_accumulate", "BoundShards.unpack_accumulate"};
   const char* op = kNames[mode];  // what the user called
   const size_t count = table->tensors.size() - 1;
   for (size_t i = 0; i <= count; ++i) {
@@ -127,7 +129,8 @@ void run_bound(const c10::intrusive_ptr<BoundTable>& table, int64_t mode, double
 // runs the kernels given with the schemas (CompositeImplicitAutograd) for every device.
 TORCH_LIBRARY_FRAGMENT(tawpipe, m) {
   m.class_<BoundTable>("BoundTable");
-  m.def("_bind(Tensor[] tensors, Tensor flat, int[] offsets) -> __torch__.torch.classes.tawpipe.BoundTable",
+  m.def("_bind(Tensor[] tensors, Tensor flat, int[] offsets) "
+        "-> __torch__.torch.classes.tawpipe.BoundTable",
         &bind);
   m.def("_run_bound(__torch__.torch.classes.tawpipe.BoundTable table, int mode, float alpha) -> ()",
         &run_bound);

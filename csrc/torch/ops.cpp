@@ -120,7 +120,9 @@ void inplace_or_view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet k
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
-  for (const c10::IValue& v : written) for_each_tensor(v, [](const at::Tensor& t, size_t) { bump_version(t); });
+  for (const c10::IValue& v : written) {
+    for_each_tensor(v, [](const at::Tensor& t, size_t) { bump_version(t); });
+  }
 }
 
 // Everything an op does except moving data, for the Triton backend (tawpipe/ops.py), whose
@@ -131,7 +133,9 @@ void prepare(c10::string_view op_view, at::TensorList tensors, const at::Tensor&
   const at::TensorList flat_list(flat);
   const at::TensorList reads = flat_is_dst ? tensors : flat_list;
   const at::TensorList writes = flat_is_dst ? flat_list : tensors;
-  const auto name = [&](size_t i) { return flat_is_dst ? std::string("out") : "dsts[" + std::to_string(i) + "]"; };
+  const auto name = [&](size_t i) {
+    return flat_is_dst ? std::string("out") : "dsts[" + std::to_string(i) + "]";
+  };
   const auto validate = [&] {
     check_segments(op.c_str(), tensors, flat, offsets,
                    flat_is_dst ? FlatRole::kDestination : FlatRole::kSource);

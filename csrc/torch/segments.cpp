@@ -199,8 +199,10 @@ void write_inplace(const char* op, at::TensorList reads, at::TensorList writes,
                    bool bump_versions) {
   const auto requires_grad = [](const at::Tensor& t) { return t.requires_grad(); };
   const bool grad_mode = at::GradMode::is_enabled();
-  const bool reads_require_grad = grad_mode && std::any_of(reads.begin(), reads.end(), requires_grad);
-  const bool history = grad_mode && (reads_require_grad || std::any_of(writes.begin(), writes.end(), requires_grad));
+  const bool reads_require_grad =
+      grad_mode && std::any_of(reads.begin(), reads.end(), requires_grad);
+  const bool history =
+      reads_require_grad || (grad_mode && std::any_of(writes.begin(), writes.end(), requires_grad));
   if (history) {
     using torch::autograd::can_mutate_inplace_result;
     for (size_t i = 0; i < writes.size(); ++i) {
