@@ -23,6 +23,7 @@ import importlib
 import math
 import operator
 import os
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -303,9 +304,10 @@ class BoundShards:
     (address and size), numel, dtype and layout they had when bound, and raises RuntimeError
     otherwise: replacing a tensor's data (``param.data = ...``, ``resize_``, ``set_``) or
     shrinking its storage needs a new ``bind``. Calls follow the ops' autograd rules (a leaf that
-    requires grad is refused in grad mode, versions are bumped). The table is an opaque
-    ``torch.classes.tawpipe.BoundTable``: Python can neither read nor change its pointers. It
-    keeps the tensors alive. Native backend only; the table hides the tensors
+    requires grad is refused in grad mode, versions are bumped). The table stays in C++: Python
+    holds only a handle, checked on every call, so it can neither read nor change the table's
+    pointers. The table keeps the tensors alive until this object is collected; it cannot be
+    copied or pickled (bind again instead). Native backend only; the table hides the tensors
     from torch.compile, so calls raise while compiling (use the ShardLayout methods there);
     without ``fullgraph=True``, Dynamo turns that error into a graph break and runs the call eagerly.
     """
@@ -318,8 +320,16 @@ class BoundShards:
         self.layout = layout
         self.tensors = tuple(tensors)
         self.flat = flat
-        self._table: torch.ScriptObject = bind_op(tensors, flat, list(layout.offsets))
+        self._table: int = bind_op(tensors, flat, list(layout.offsets))
         self._run_bound = torch.ops.tawpipe._run_bound.default
+        # Frees the table when this object goes; at exit the process frees it anyway.
+        weakref.finalize(self, torch.ops.tawpipe._unbind.default, self._table).atexit = False
+
+    def __reduce__(self) -> None:
+        raise TypeError(
+            "BoundShards cannot be copied or pickled (its table belongs to this object); "
+            "bind the tensors again with ShardLayout.bind"
+        )
 
     @staticmethod
     def _refuse_compiling(method: str) -> None:

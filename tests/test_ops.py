@@ -9,12 +9,14 @@ torch's casts bit for bit. Accumulation may round differently where a fused mult
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import pickle
 import re
 import sys
 import types
+import weakref
 import zlib
 from collections.abc import Callable
 
@@ -965,34 +967,35 @@ def test_bind_rejects_non_tensors_and_wrong_shapes() -> None:
         lay.bind([torch.ones(4)], lay.new_flat())
 
 
-def test_bound_table_is_opaque() -> None:
-    """The table holds raw pointers: Python can neither see nor change them, nor forge a table,
-    and the private op accepts nothing else."""
+def test_bound_table_is_opaque_and_freed_with_its_binding() -> None:
+    """The table holds raw pointers and stays in C++: Python holds a handle, which every call
+    checks, so a wrong or stale handle is refused instead of addressing anything."""
     tensors = [torch.ones(3)]
     lay = ShardLayout.from_tensors(tensors)
     flat = lay.new_flat()
     bound = lay.bind(tensors, flat)
-    table = bound._table
-    assert isinstance(table, torch.ScriptObject)
-    assert table._method_names() == [] and table._properties() == []
-    with pytest.raises(AttributeError, match="does not have a field"):
-        table.getattr("tensors")
-    with pytest.raises(RuntimeError, match="does not have an attribute"):
-        table.setattr("tensors", [torch.zeros(3)])
-    with pytest.raises(RuntimeError, match="does not have an attribute"):
-        table.segments = 0
-    for clone in (copy.deepcopy, pickle.dumps):
-        with pytest.raises(RuntimeError, match="__getstate__"):
-            clone(table)
-    with pytest.raises(RuntimeError, match="__init__"):
-        torch.classes.tawpipe.BoundTable()
-    for fake in (torch.zeros(4096, dtype=torch.uint8), 0):
-        with pytest.raises(RuntimeError, match="Expected a value of type.*BoundTable"):
-            torch.ops.tawpipe._run_bound(fake, 0, 1.0)
+    handle = bound._table
+    assert isinstance(handle, int)
+    for wrong in (handle + 1, -handle, 0):
+        with pytest.raises(ValueError, match=f"{wrong} is not the handle of a live table.*ShardLayout.bind"):
+            torch.ops.tawpipe._run_bound(wrong, 0, 1.0)
+    with pytest.raises(RuntimeError, match="Expected a value of type 'int'"):
+        torch.ops.tawpipe._run_bound(torch.zeros(4096, dtype=torch.uint8), 0, 1.0)
     with pytest.raises(ValueError, match="mode must be 0-3"):
-        torch.ops.tawpipe._run_bound(table, 4, 1.0)
-    torch.ops.tawpipe._run_bound(table, 0, 1.0)  # the real table still works
+        torch.ops.tawpipe._run_bound(handle, 4, 1.0)
+    for clone in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled.*bind the tensors again"):
+            clone(bound)
+    torch.ops.tawpipe._run_bound(handle, 0, 1.0)  # the real table still works
     assert torch.equal(flat, torch.ones(3))
+
+    alive = weakref.ref(tensors[0])
+    del bound, tensors
+    gc.collect()
+    assert alive() is None  # the table let go of its tensors
+    assert lay.bind([torch.ones(3)], flat)._table > handle  # handles are never reused
+    with pytest.raises(ValueError, match=f"{handle} is not the handle of a live table"):
+        torch.ops.tawpipe._run_bound(handle, 0, 1.0)
 
 
 def test_bound_tensors_stay_alive() -> None:

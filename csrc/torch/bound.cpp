@@ -1,18 +1,20 @@
 // The bound fast path (tawpipe.ops.BoundShards): the segment table of a fixed group of tensors
-// and one flat buffer, validated once and kept in an opaque object. A step's pack or unpack then
-// passes three arguments through the dispatcher instead of thousands of tensors, which for many
-// small tensors costs about as much as the copy itself.
+// and one flat buffer, validated once and kept in C++. A step's pack or unpack then passes three
+// numbers through the dispatcher instead of thousands of tensors, which for many small tensors
+// costs about as much as the copy itself.
 //
-// The table holds raw pointers, so Python must not be able to change it: it is a torch custom
-// class (torch.classes.tawpipe.BoundTable) with no constructor, methods or state visible from
-// Python; only tawpipe::_bind makes one, and the schema of tawpipe::_run_bound accepts nothing
-// else. Its lifetime is Python's reference to it, and it keeps its tensors alive.
+// The table holds raw pointers, so Python must not be able to change it: Python holds only an
+// integer handle into a registry of live tables, looked up (under a lock) on every call, and
+// never reused, so a wrong or stale handle is refused instead of addressing anything. A table
+// keeps its tensors alive until tawpipe::_unbind (BoundShards calls it when it is collected).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -46,10 +48,7 @@ Snapshot snapshot_of(const at::Tensor& t) {
           impl->numel(),          impl->dtype(),    impl->is_contiguous()};
 }
 
-struct BoundTable : torch::CustomClassHolder {
-  BoundTable(c10::Device device, std::vector<at::Tensor> tensors)
-      : device(device), tensors(std::move(tensors)) {}
-
+struct BoundTable {
   c10::Device device;
   std::vector<at::Tensor> tensors;      // the bound tensors, then the flat buffer (kept alive)
   std::vector<Snapshot> snapshots;      // of tensors, at bind time
@@ -57,11 +56,36 @@ struct BoundTable : torch::CustomClassHolder {
   std::vector<tawpipe_segment> unpack;  // flat -> tensors
 };
 
+// The live tables by handle. A call holds its table (shared_ptr) while it runs, so a concurrent
+// _unbind cannot free it under the kernels.
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, std::shared_ptr<const BoundTable>> tables;
+  int64_t next_handle = 1;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: no teardown-order hazards at exit
+  return *r;
+}
+
+// The table of a handle; with remove, also takes it out of the registry.
+std::shared_ptr<const BoundTable> lookup(const char* op, int64_t handle, bool remove = false) {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  const auto it = r.tables.find(handle);
+  TORCH_CHECK_VALUE(it != r.tables.end(), op, ": ", handle,
+                    " is not the handle of a live table made by tawpipe::_bind (it was never bound, "
+                    "or was unbound); use ShardLayout.bind");
+  std::shared_ptr<const BoundTable> table = it->second;
+  if (remove) r.tables.erase(it);
+  return table;
+}
+
 // Modes of _run_bound; tawpipe/ops.py (_BOUND_MODES) mirrors them.
 enum Mode : int64_t { kPack = 0, kUnpack = 1, kPackAccumulate = 2, kUnpackAccumulate = 3 };
 
-c10::intrusive_ptr<BoundTable> bind(at::TensorList tensors, const at::Tensor& flat,
-                                    at::IntArrayRef offsets) {
+int64_t bind(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets) {
   constexpr const char* op = "ShardLayout.bind";
   // Unpack writes every bound tensor; its checks include pack's, so they cover all four modes.
   std::vector<tawpipe_segment> unpack = make_segments(op, tensors, flat, offsets, FlatRole::kSource);
@@ -73,7 +97,7 @@ c10::intrusive_ptr<BoundTable> bind(at::TensorList tensors, const at::Tensor& fl
   TORCH_CHECK_VALUE(flat.is_cpu() || (cuda && flat.is_cuda()), op, ": tensors on ", flat.device(),
                     " cannot be bound (this build of tawpipe binds ", cuda ? "CPU and CUDA" : "CPU",
                     " tensors); use ShardLayout.pack / unpack");
-  auto table = c10::make_intrusive<BoundTable>(flat.device(), tensors.vec());
+  auto table = std::make_shared<BoundTable>(BoundTable{flat.device(), tensors.vec(), {}, {}, {}});
   table->tensors.push_back(flat);
   for (const at::Tensor& t : table->tensors) table->snapshots.push_back(snapshot_of(t));
   table->pack = unpack;
@@ -84,12 +108,20 @@ c10::intrusive_ptr<BoundTable> bind(at::TensorList tensors, const at::Tensor& fl
     seg.src = tensor;
   }
   table->unpack = std::move(unpack);
-  return table;
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  const int64_t handle = r.next_handle++;
+  r.tables.emplace(handle, std::move(table));
+  return handle;
 }
 
-void run_bound(const c10::intrusive_ptr<BoundTable>& table, int64_t mode, double alpha) {
+// The table, and with it the references to its tensors, is freed outside the registry's lock.
+void unbind(int64_t handle) { lookup("tawpipe::_unbind", handle, /*remove=*/true); }
+
+void run_bound(int64_t handle, int64_t mode, double alpha) {
   TORCH_CHECK_VALUE(mode >= kPack && mode <= kUnpackAccumulate,
                     "tawpipe::_run_bound: mode must be 0-3, got ", mode);
+  const std::shared_ptr<const BoundTable> table = lookup("tawpipe::_run_bound", handle);
   constexpr const char* kNames[] = {"BoundShards.pack", "BoundShards.unpack",
                                     "BoundShards.pack_accumulate", "BoundShards.unpack_accumulate"};
   const char* op = kNames[mode];  // what the user called
@@ -125,15 +157,12 @@ void run_bound(const c10::intrusive_ptr<BoundTable>& table, int64_t mode, double
 
 }  // namespace
 
-// The bound path's private ops. Their only table argument is not a tensor, so the dispatcher
-// runs the kernels given with the schemas (CompositeImplicitAutograd) for every device.
+// The bound path's private ops. Their handles are not tensors, so the dispatcher runs the kernels
+// given with the schemas (CompositeImplicitAutograd) whatever the bound tensors' device.
 TORCH_LIBRARY_FRAGMENT(tawpipe, m) {
-  m.class_<BoundTable>("BoundTable");
-  m.def("_bind(Tensor[] tensors, Tensor flat, int[] offsets) "
-        "-> __torch__.torch.classes.tawpipe.BoundTable",
-        &bind);
-  m.def("_run_bound(__torch__.torch.classes.tawpipe.BoundTable table, int mode, float alpha) -> ()",
-        &run_bound);
+  m.def("_bind(Tensor[] tensors, Tensor flat, int[] offsets) -> int", &bind);
+  m.def("_run_bound(int table, int mode, float alpha) -> ()", &run_bound);
+  m.def("_unbind(int table) -> ()", &unbind);
 }
 
 }  // namespace tawpipe

@@ -58,14 +58,13 @@ void unpack_accumulate_meta(const at::Tensor& flat, at::TensorList dsts, at::Int
   check_segments("tawpipe::unpack_accumulate", dsts, flat, offsets, FlatRole::kSource);
 }
 
-// Calls fn(tensor, index in its list) for a Tensor or Tensor[] argument.
+// Calls fn(tensor) for each tensor of a Tensor or Tensor[] argument.
 template <class Fn>
 void for_each_tensor(const c10::IValue& v, Fn&& fn) {
   if (v.isTensor()) {
-    fn(v.toTensor(), size_t{0});
+    fn(v.toTensor());
   } else if (v.isTensorList()) {
-    const c10::ArrayRef<c10::IValue> list = v.toListRef();
-    for (size_t i = 0; i < list.size(); ++i) fn(list[i].toTensor(), i);
+    for (const c10::IValue& t : v.toListRef()) fn(t.toTensor());
   }
 }
 
@@ -82,7 +81,7 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
   bool any_requires_grad = false;  // the common case, with nothing to record, skips the rest
   for (size_t i = 0; i < num_args; ++i) {
     for_each_tensor((*stack)[first + i],
-                    [&](const at::Tensor& t, size_t) { any_requires_grad |= t.requires_grad(); });
+                    [&](const at::Tensor& t) { any_requires_grad |= t.requires_grad(); });
   }
   if (!any_requires_grad || !at::GradMode::is_enabled()) return redispatch();
 
@@ -97,7 +96,7 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, to
       written_arg = schema.arguments()[i].name();
       written_is_list = v.isTensorList();
     }
-    for_each_tensor(v, [&](const at::Tensor& t, size_t) { (written ? writes : reads).push_back(t); });
+    for_each_tensor(v, [&](const at::Tensor& t) { (written ? writes : reads).push_back(t); });
   }
   const auto name = [&](size_t i) {
     return written_is_list ? written_arg + "[" + std::to_string(i) + "]" : written_arg;
@@ -121,7 +120,7 @@ void inplace_or_view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet k
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
   for (const c10::IValue& v : written) {
-    for_each_tensor(v, [](const at::Tensor& t, size_t) { bump_version(t); });
+    for_each_tensor(v, [](const at::Tensor& t) { bump_version(t); });
   }
 }
 

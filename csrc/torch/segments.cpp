@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <numeric>
 
 namespace tawpipe {
 namespace {
@@ -98,11 +97,13 @@ ByteRange bytes_of(const at::Tensor& t, size_t index) {
 // not reach them. Contiguous, so its elements span numel items from its storage offset.
 void check_extent(const char* op, const at::Tensor& t, const char* what, size_t index, bool in_list) {
   if (t.numel() == 0) return;
-  const std::string name = in_list ? std::string(what) + "[" + std::to_string(index) + "]" : what;
-  TORCH_CHECK_VALUE(t.has_storage(), op, ": ", name, " has no storage; pass a tensor that owns memory");
+  const auto name = [&] {
+    return in_list ? std::string(what) + "[" + std::to_string(index) + "]" : std::string(what);
+  };
+  TORCH_CHECK_VALUE(t.has_storage(), op, ": ", name(), " has no storage; pass a tensor that owns memory");
   const auto end = static_cast<uint64_t>(t.storage_offset() + t.numel()) * t.element_size();
   const size_t nbytes = t.storage().nbytes();
-  TORCH_CHECK_VALUE(end <= nbytes, op, ": ", name, " spans bytes [",
+  TORCH_CHECK_VALUE(end <= nbytes, op, ": ", name(), " spans bytes [",
                     static_cast<uint64_t>(t.storage_offset()) * t.element_size(), ", ", end,
                     ") of its storage, which holds only ", nbytes,
                     " bytes (it was shrunk or freed, e.g. by untyped_storage().resize_()); pass a "
