@@ -7,7 +7,8 @@ iteration per tensor. Each case is timed for:
 
 * ``tawpipe``     the fused op (``--backend native``: ``torch.ops.tawpipe``; ``triton``:
                   ``tawpipe.triton_ops``, under the interpreter when there is no GPU),
-* ``wrapper``     the same through the validating Python wrapper ``tawpipe.ops.<op>``,
+* ``wrapper``     the same through the Python wrapper ``tawpipe.ops.<op>`` (which checks
+                  argument types; the op itself validates, in C++),
 * ``bound``       (native backend) the op on tensors bound once with ``ShardLayout.bind``: the
                   path for persistent tensors (parameters, master weights, persistent grads),
                   which passes only a prebuilt segment table per call instead of every tensor,

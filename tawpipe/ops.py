@@ -5,9 +5,13 @@ buffer per transfer and folds gradients back the same way. A per-tensor copy loo
 kernel launch (or thread fork) per tensor; these ops cost one per call.
 
 The four ops are ``torch.ops.tawpipe.{pack, unpack, pack_accumulate, unpack_accumulate}``
-(schemas in csrc/torch/ops.cpp). The wrappers here validate arguments once, in Python, then run
-either the native kernels (default) or ``tawpipe.triton_ops``; the backend is chosen per call or
-with the environment variable ``TAWPIPE_OPS_BACKEND`` (``native`` or ``triton``).
+(schemas in csrc/torch/ops.cpp). The wrappers here run either the native kernels (default) or
+``tawpipe.triton_ops``; the backend is chosen per call or with the environment variable
+``TAWPIPE_OPS_BACKEND`` (``native`` or ``triton``). Either way the arguments are checked by the
+one C++ validator (csrc/torch/segments.cpp), and the written tensors follow torch's rules for
+in-place ops: a leaf that requires grad is refused in grad mode, version counters are bumped
+(so backward through a tensor saved before it was overwritten raises), and a written tensor
+that requires grad gets a history whose backward raises (the ops have no derivative).
 
 For tensors that persist across steps, ``ShardLayout.bind`` gives a ``BoundShards`` whose calls
 skip per-call validation and the per-tensor cost of the op binding (native backend, eager only).
@@ -19,6 +23,7 @@ import importlib
 import math
 import operator
 import os
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +33,6 @@ from torch import Tensor, nn
 BACKEND_ENV = "TAWPIPE_OPS_BACKEND"
 BACKENDS = ("native", "triton")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DTYPES_TEXT = "supported dtypes are float32, bfloat16 and float16"
 
 try:
     from tawpipe import _C  # noqa: F401  (importing registers torch.ops.tawpipe.*)
@@ -48,7 +52,6 @@ __all__ = [
     "resolve_backend",
     "unpack",
     "unpack_accumulate",
-    "validate_segments",
 ]
 
 
@@ -71,122 +74,29 @@ def check_types(op: str, tensors: Sequence[Tensor], flat: Tensor, *, flat_is_dst
             raise TypeError(f"{op}: {lst}[{i}] must be a torch.Tensor, got {type(t).__name__}")
 
 
-def validate_segments(
-    op: str,
-    tensors: Sequence[Tensor],
-    flat: Tensor,
-    offsets: Sequence[int],
-    *,
-    flat_is_dst: bool,
-    check_memory: bool = True,
-) -> None:
-    """Raise ValueError/TypeError naming the problem and the fix if an op's arguments are bad.
-
-    The single Python validation, shared by every wrapper, every backend and the fake (tracing)
-    implementations; the native ops repeat it in C++ so direct ``torch.ops.tawpipe`` calls are
-    safe too. ``check_memory`` compares data pointers (aliasing), which fake tensors lack.
-    """
-    lst, buf = ("srcs", "out") if flat_is_dst else ("dsts", "flat")
-    check_types(op, tensors, flat, flat_is_dst=flat_is_dst)
-    if len(tensors) != len(offsets):
-        raise ValueError(
-            f"{op}: got {len(tensors)} {lst} but {len(offsets)} offsets; "
-            "pass exactly one offset per tensor"
-        )
-    if flat.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{op}: {buf} has dtype {flat.dtype}; {_DTYPES_TEXT}")
-    if flat.dim() != 1:
-        raise ValueError(
-            f"{op}: {buf} must be 1-D, got shape {tuple(flat.shape)}; pass a flat buffer, e.g. {buf}.view(-1)"
-        )
-    if not flat.is_contiguous():
-        raise ValueError(
-            f"{op}: {buf} must be contiguous (stride 1), got stride {flat.stride()}; "
-            "allocate it with torch.empty(n)"
-        )
-    capacity = flat.numel()
-    device = flat.device
-    nonempty: list[int] = []  # indices of tensors with elements; only those occupy memory
-    numels: list[int] = []
-    for i, (t, offset) in enumerate(zip(tensors, offsets)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{op}: {lst}[{i}] has dtype {t.dtype}; {_DTYPES_TEXT}")
-        if t.device != device:
-            raise ValueError(
-                f"{op}: {lst}[{i}] is on {t.device} but {buf} is on {device}; move all tensors to one device"
-            )
-        if not t.is_contiguous():
-            fix = (
-                "pass srcs[i].contiguous()"
-                if flat_is_dst
-                else "unpack into a contiguous tensor and copy it into the strided one"
-            )
-            raise ValueError(f"{op}: {lst}[{i}] is not contiguous; {fix}")
-        numel = t.numel()
-        numels.append(numel)
-        if offset < 0 or offset > capacity - numel:
-            raise ValueError(
-                f"{op}: segment {i} (offset {offset}, numel {numel}) does not fit in {buf} of "
-                f"{capacity} elements; need 0 <= offset and offset + numel <= {buf}.numel(): "
-                f"fix the offsets or enlarge {buf}"
-            )
-        if numel:
-            nonempty.append(i)
-
-    # Segments must be disjoint ranges of the flat buffer: sort by offset, compare neighbours.
-    order = sorted(nonempty, key=offsets.__getitem__)
-    for prev, cur in zip(order, order[1:]):
-        prev_end = offsets[prev] + numels[prev]
-        if offsets[cur] < prev_end:
-            raise ValueError(
-                f"{op}: segments {prev} [{offsets[prev]}, {prev_end}) and {cur} "
-                f"[{offsets[cur]}, {offsets[cur] + numels[cur]}) overlap in {buf}; "
-                "give every tensor its own range (see ShardLayout)"
-            )
-    if not check_memory or not nonempty or capacity == 0:
-        return
-
-    # Memory the op writes must not be read or written by another segment.
-    flat_begin = flat.data_ptr()
-    flat_end = flat_begin + flat.nbytes
-    spans = []
-    for i in nonempty:
-        begin = tensors[i].data_ptr()
-        end = begin + tensors[i].nbytes
-        if begin < flat_end and flat_begin < end:
-            fix = "pack into a separate buffer" if flat_is_dst else "unpack from a separate buffer"
-            raise ValueError(f"{op}: {buf} shares memory with {lst}[{i}]; {fix}")
-        spans.append((begin, end, i))
-    if not flat_is_dst:
-        spans.sort()
-        for (_, prev_end, a), (begin, _, b) in zip(spans, spans[1:]):
-            if begin < prev_end:
-                raise ValueError(
-                    f"{op}: dsts[{min(a, b)}] and dsts[{max(a, b)}] share memory; "
-                    "every destination must be a distinct tensor"
-                )
-
-
 def _offsets(offsets: Iterable[int]) -> list[int]:
     return [operator.index(o) for o in offsets]
 
 
-def _kernel(name: str, backend: str | None) -> Callable[..., None]:
-    if resolve_backend(backend) == "triton":
-        try:
-            module = importlib.import_module("tawpipe.triton_ops")
-        except ImportError as exc:
-            raise ImportError(
-                f"tawpipe ops backend 'triton' needs tawpipe.triton_ops and triton ({exc}); "
-                "install triton or use backend='native'"
-            ) from exc
-        return getattr(module, name)
+def _native(name: str) -> Callable[..., None]:
     if _NATIVE_IMPORT_ERROR is not None:
         raise RuntimeError(
             f"tawpipe native ops are not built (import tawpipe._C failed: {_NATIVE_IMPORT_ERROR}); "
-            "run `pip install --no-build-isolation -e .` or use backend='triton'"
+            "run `pip install --no-build-isolation -e .` (the triton backend needs them too: they "
+            "validate its arguments)"
         ) from _NATIVE_IMPORT_ERROR
     return getattr(torch.ops.tawpipe, name)
+
+
+def _triton(name: str) -> Callable[..., None]:
+    try:
+        module = importlib.import_module("tawpipe.triton_ops")
+    except ImportError as exc:
+        raise ImportError(
+            f"tawpipe ops backend 'triton' needs tawpipe.triton_ops and triton ({exc}); "
+            "install triton or use backend='native'"
+        ) from exc
+    return getattr(module, name)
 
 
 def _run(
@@ -199,14 +109,14 @@ def _run(
     flat_is_dst: bool,
     alpha: float | None = None,
 ) -> None:
-    kernel = _kernel(name, backend)
+    triton = resolve_backend(backend) == "triton"
+    kernel = _triton(name) if triton else _native(name)
     tensors = list(tensors)
     offsets = _offsets(offsets)
-    if resolve_backend(backend) == "triton":
-        # The native op validates in C++ with the same messages; Triton kernels trust their input.
-        validate_segments(f"tawpipe::{name}", tensors, flat, offsets, flat_is_dst=flat_is_dst)
-    else:
-        check_types(f"tawpipe::{name}", tensors, flat, flat_is_dst=flat_is_dst)
+    check_types(f"tawpipe::{name}", tensors, flat, flat_is_dst=flat_is_dst)
+    if triton:
+        # Triton kernels trust their input: the native op's checks and autograd rules run first.
+        _native("_prepare")(f"tawpipe::{name}", tensors, flat, offsets, flat_is_dst)
     args = (tensors, flat, offsets) if flat_is_dst else (flat, tensors, offsets)
     if alpha is None:
         kernel(*args)
@@ -248,32 +158,6 @@ def unpack_accumulate(
 ) -> None:
     """``dsts[i] += alpha * flat[segment i]``, computed in float32."""
     _run("unpack_accumulate", dsts, flat, offsets, backend, flat_is_dst=False, alpha=alpha)
-
-
-if _NATIVE_IMPORT_ERROR is None:
-    # Shape-only implementations so the mutating ops trace under torch.compile / make_fx.
-
-    @torch.library.register_fake("tawpipe::pack")
-    def _pack_fake(srcs: list[Tensor], out: Tensor, offsets: list[int]) -> None:
-        validate_segments("tawpipe::pack", srcs, out, offsets, flat_is_dst=True, check_memory=False)
-
-    @torch.library.register_fake("tawpipe::unpack")
-    def _unpack_fake(flat: Tensor, dsts: list[Tensor], offsets: list[int]) -> None:
-        validate_segments("tawpipe::unpack", dsts, flat, offsets, flat_is_dst=False, check_memory=False)
-
-    @torch.library.register_fake("tawpipe::pack_accumulate")
-    def _pack_accumulate_fake(srcs: list[Tensor], out: Tensor, offsets: list[int], alpha: float) -> None:
-        validate_segments(
-            "tawpipe::pack_accumulate", srcs, out, offsets, flat_is_dst=True, check_memory=False
-        )
-
-    @torch.library.register_fake("tawpipe::unpack_accumulate")
-    def _unpack_accumulate_fake(
-        flat: Tensor, dsts: list[Tensor], offsets: list[int], alpha: float
-    ) -> None:
-        validate_segments(
-            "tawpipe::unpack_accumulate", dsts, flat, offsets, flat_is_dst=False, check_memory=False
-        )
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -416,24 +300,36 @@ class BoundShards:
     table to the native kernels: a constant cost, where the plain ops pass every tensor through
     the op binding (about as long as copying 2000 small tensors takes).
 
-    Each call re-checks in C++ that every tensor and the flat buffer still have the storage,
-    numel, dtype and layout they had when bound, and raises RuntimeError otherwise: replacing a
-    tensor's data (``param.data = ...``, ``resize_``, ``set_``) needs a new ``bind``. The tensors
-    stay referenced here, so they stay alive. Native backend only; the table hides the tensors
+    Each call re-checks in C++ that every tensor and the flat buffer still have the storage
+    (address and size), numel, dtype and layout they had when bound, and raises RuntimeError
+    otherwise: replacing a tensor's data (``param.data = ...``, ``resize_``, ``set_``) or
+    shrinking its storage needs a new ``bind``. Calls follow the ops' autograd rules (a leaf that
+    requires grad is refused in grad mode, versions are bumped). The table stays in C++: Python
+    holds only a handle, checked on every call, so it can neither read nor change the table's
+    pointers. The table keeps the tensors alive until this object is collected; it cannot be
+    copied or pickled (bind again instead). Native backend only; the table hides the tensors
     from torch.compile, so calls raise while compiling (use the ShardLayout methods there);
     without ``fullgraph=True``, Dynamo turns that error into a graph break and runs the call eagerly.
     """
 
     def __init__(self, layout: ShardLayout, tensors: Sequence[Tensor], flat: Tensor) -> None:
-        bind_op = _kernel("_bind", "native")
+        bind_op = _native("_bind")
         self._refuse_compiling("bind")
         tensors = list(tensors)
         check_types("ShardLayout.bind", tensors, flat, flat_is_dst=False)
         self.layout = layout
         self.tensors = tuple(tensors)
         self.flat = flat
-        self._table: Tensor = bind_op(tensors, flat, list(layout.offsets))
+        self._table: int = bind_op(tensors, flat, list(layout.offsets))
         self._run_bound = torch.ops.tawpipe._run_bound.default
+        # Frees the table when this object goes; at exit the process frees it anyway.
+        weakref.finalize(self, torch.ops.tawpipe._unbind.default, self._table).atexit = False
+
+    def __reduce__(self) -> None:
+        raise TypeError(
+            "BoundShards cannot be copied or pickled (its table belongs to this object); "
+            "bind the tensors again with ShardLayout.bind"
+        )
 
     @staticmethod
     def _refuse_compiling(method: str) -> None:

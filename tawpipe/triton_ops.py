@@ -2,7 +2,9 @@
 
 Why a second backend: it runs wherever triton does (on CPU tensors under ``TRITON_INTERPRET=1``)
 and serves as an independent implementation to check the native C++/CUDA ops against.
-``tawpipe/ops.py`` validates the inputs and calls these functions when the backend is "triton".
+``tawpipe/ops.py`` calls these functions when the backend is "triton", after the native
+``tawpipe::_prepare`` (the native ops' validator and autograd rules) has accepted the inputs:
+the kernels here check nothing.
 
 Design (few launches): the segments are grouped by the dtype of the list side (the ``srcs`` of a
 pack, the ``dsts`` of an unpack; the flat side has one dtype), and each group is one launch. A

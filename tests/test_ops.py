@@ -8,10 +8,15 @@ torch's casts bit for bit. Accumulation may round differently where a fused mult
 
 from __future__ import annotations
 
+import copy
+import gc
 import math
 import os
+import pickle
+import re
 import sys
 import types
+import weakref
 import zlib
 from collections.abc import Callable
 
@@ -20,6 +25,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 
 from tawpipe import ops
 from tawpipe.ops import ShardLayout
@@ -105,6 +112,11 @@ def layout(numels: list[int], gen: torch.Generator) -> tuple[list[int], int]:
         offsets[i] = cursor
         cursor += numels[i]
     return offsets, cursor + 3
+
+
+def fits_storage(t: Tensor) -> bool:
+    """Whether t's elements lie within its storage (else reading t reads out of bounds)."""
+    return (t.storage_offset() + t.numel()) * t.element_size() <= t.untyped_storage().nbytes()
 
 
 def same_bits(a: Tensor, b: Tensor) -> bool:
@@ -315,8 +327,14 @@ def opcheck_args(op: str, device: str) -> tuple:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", OPS)
-def test_opcheck(op: str, device: str) -> None:
-    torch.library.opcheck(getattr(torch.ops.tawpipe, op).default, opcheck_args(op, device))
+@pytest.mark.parametrize("grad", [False, True], ids=["plain", "reads-require-grad"])
+def test_opcheck(op: str, device: str, grad: bool) -> None:
+    """Schema (mutation declared), fake kernel, autograd registration, AOT dispatch."""
+    args = opcheck_args(op, device)
+    if grad:  # what the op reads requires grad: the autograd registration is checked too
+        read = args[0] if op.startswith("unpack") else args[0][0]
+        read.requires_grad_()
+    torch.library.opcheck(getattr(torch.ops.tawpipe, op).default, args)
 
 
 def pipeline(
@@ -352,6 +370,32 @@ def test_torch_compile_matches_eager(backend: str, device: str) -> None:
     torch.testing.assert_close(compiled_out, eager_out)
     for got, want in zip([*compiled[0], *compiled[1], *compiled[2:]], [*eager[0], *eager[1], *eager[2:]]):
         assert same_bits(got, want)
+
+
+def test_torch_compile_dynamic_shapes_and_bad_input_at_trace_time() -> None:
+    """With symbolic sizes the Meta kernels (the one C++ validator, on shapes) guard on them:
+    one graph serves several sizes, and overlapping segments are refused while tracing."""
+
+    def step(params: list[Tensor], flat: Tensor, offsets: list[int]) -> Tensor:
+        ops.pack(params, flat, offsets)
+        ops.unpack_accumulate(flat, params, offsets, 0.5)
+        return flat.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(seed_of("dynamic"))
+    for n in (3, 6):
+        params = [random_tensor(shape, torch.float32, "cpu", gen) for shape in [(n,), (2, n)]]
+        offsets = [0, n + 1]
+        flat = poisoned((3 * n + 2,), torch.float32, "cpu")
+        eager = ([p.clone() for p in params], flat.clone())
+        want = step(*eager, offsets)
+        got = compiled(params, flat, offsets)
+        assert same_bits(got, want) and same_bits(flat, eager[1])
+        assert all(same_bits(p, e) for p, e in zip(params, eager[0]))
+    params = [torch.ones(4), torch.ones(2, 4)]
+    with pytest.raises(Exception, match=r"tawpipe::pack: segments 0 \[0, .*overlap in out"):
+        compiled(params, torch.zeros(20), [0, 1])
 
 
 # --- bad input: a clear exception before any work, from the wrapper and the raw op ------------
@@ -395,8 +439,9 @@ def tensors_in(args: tuple) -> list[Tensor]:
 def test_bad_input_raises_before_any_work(
     case: str, entry: str, device: str, fake_triton: list[tuple]
 ) -> None:
-    """The wrapper's Python validation (seen alone through the triton backend, which has no
-    other checks) and the C++ validation of a direct torch.ops call both reject it."""
+    """Every entry rejects it through the one C++ validator: the native wrapper, the triton
+    wrapper (tawpipe::_prepare validates before its kernels, which check nothing) and a direct
+    torch.ops call."""
     _, op, args, fragment = next(c for c in bad_cases(device) if c[0] == case)
     before = [t.clone() for t in tensors_in(args)]
     with pytest.raises(ValueError, match=fragment):
@@ -407,6 +452,27 @@ def test_bad_input_raises_before_any_work(
     assert fake_triton == []
     for a, b in zip(tensors_in(args), before):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+SHAPE_CASES = [c for c in BAD_CASES if "alias" not in c]  # the others need memory
+
+
+@pytest.mark.parametrize("case", SHAPE_CASES)
+def test_meta_and_fake_kernels_validate_with_the_same_checks(case: str) -> None:
+    """torch.compile traces with fake tensors, which run the Meta kernels: the same validator
+    on shapes, with the same messages as on real tensors."""
+    _, op, args, fragment = next(c for c in bad_cases("cpu") if c[0] == case)
+    with pytest.raises(ValueError, match=fragment) as real:
+        getattr(torch.ops.tawpipe, op)(*args)
+    meta_args = next(c for c in bad_cases("meta") if c[0] == case)[2]
+    with pytest.raises(ValueError) as meta:
+        getattr(torch.ops.tawpipe, op)(*meta_args)
+    with FakeTensorMode() as mode:
+        fake_args = pytree.tree_map_only(Tensor, mode.from_tensor, args)
+        with pytest.raises(ValueError) as fake:
+            getattr(torch.ops.tawpipe, op)(*fake_args)
+    assert str(meta.value).splitlines()[0] == str(real.value).splitlines()[0]
+    assert str(fake.value).splitlines()[0] == str(real.value).splitlines()[0]
 
 
 def test_device_mismatch_is_rejected() -> None:
@@ -438,6 +504,165 @@ def test_overlap_check_scales_to_many_segments() -> None:
         with pytest.raises(ValueError, match=f"segments 0 \\[0, 1\\) and {n - 1} \\[0, 1\\) overlap"):
             fn(srcs, out, offsets)
     assert not out.any()
+
+
+# --- memory safety and autograd: every entry follows torch's rules for in-place ops -----------
+
+ENTRIES = ["wrapper", "wrapper-triton", "torch.ops", "bound"]
+
+
+def run_entry(
+    entry: str, op: str, tensors: list[Tensor], flat: Tensor, offsets: list[int], alpha: float
+) -> None:
+    """The op through one entry point (wrapper-triton: with the fake_triton fixture, which moves
+    no data, so only what tawpipe::_prepare does is seen)."""
+    if entry == "bound":
+        call_bound(op, tensors, flat, offsets, alpha)
+    elif entry == "torch.ops":
+        args = (tensors, flat, offsets) if op.startswith("pack") else (flat, tensors, offsets)
+        getattr(torch.ops.tawpipe, op)(*args, *([alpha] if "accumulate" in op else []))
+    else:
+        call(op, tensors, flat, offsets, alpha, backend="triton" if entry == "wrapper-triton" else "native")
+
+
+def small_case(seed: object) -> tuple[list[Tensor], Tensor, list[int]]:
+    gen = torch.Generator().manual_seed(seed_of(seed))
+    tensors = [random_tensor(s, d, "cpu", gen) for s, d in [((3,), torch.float32), ((2, 2), torch.bfloat16)]]
+    return tensors, random_tensor((9,), torch.float32, "cpu", gen), [5, 0]
+
+
+def target_name(entry: str, op: str) -> str:
+    """How errors name the last written tensor (flat, or the last list tensor)."""
+    if op.startswith("pack"):
+        return "the flat buffer" if entry == "bound" else "out"
+    return "bound tensor 1" if entry == "bound" else "dsts[1]"
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_overwriting_a_tensor_saved_for_backward_raises(entry: str, op: str, fake_triton: list) -> None:
+    """A tensor saved for backward and then overwritten must make backward raise, as after
+    torch's own in-place ops: every call bumps the version of exactly the tensors it writes."""
+    tensors, flat, offsets = small_case((entry, op))
+    written = [flat] if op.startswith("pack") else tensors
+    target = written[-1]
+    weight = torch.rand(target.shape, dtype=target.dtype).requires_grad_()
+    loss = (weight * target).sum()  # saves target: d loss / d weight = target
+    versions = [t._version for t in [*tensors, flat]]
+    run_entry(entry, op, tensors, flat, offsets, 0.5)
+    for t, v in zip([*tensors, flat], versions):
+        assert t._version == v + any(t is w for w in written)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_leaf_that_requires_grad_is_refused_as_output(entry: str, op: str, fake_triton: list) -> None:
+    """As torch refuses in-place ops on such leaves: before any work, naming the tensor and the
+    fix. Under torch.no_grad(), or through a .detach()ed alias, the write is allowed."""
+    tensors, flat, offsets = small_case((entry, op, "leaf"))
+    target = (flat if op.startswith("pack") else tensors[-1]).requires_grad_()
+    before = [t.detach().clone() for t in [*tensors, flat]]
+    with pytest.raises(RuntimeError, match=rf"{re.escape(target_name(entry, op))} is a leaf tensor "
+                       r"that requires grad.*detach\(\).*torch.no_grad\(\)"):
+        run_entry(entry, op, tensors, flat, offsets, 0.5)
+    assert all(same_bits(t.detach(), b) and t._version == 0 for t, b in zip([*tensors, flat], before))
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        target.mul_(1)  # torch's own rule, which the ops follow
+
+    def runner(op: str, tensors: list[Tensor], flat: Tensor, offsets: list[int], alpha: float) -> None:
+        run_entry(entry, op, tensors, flat, offsets, alpha)
+
+    with torch.no_grad():
+        if entry == "wrapper-triton":
+            run_entry(entry, op, tensors, flat, offsets, 0.5)
+        else:
+            check_against_reference(op, tensors, flat, offsets, 0.5, runner)
+    assert target._version == 1 and target.is_leaf
+    detached = [t.detach() for t in tensors]  # aliases sharing memory and version counter
+    if entry == "wrapper-triton":
+        run_entry(entry, op, detached, flat.detach(), offsets, 0.5)
+    else:
+        check_against_reference(op, detached, flat.detach(), offsets, -1.25, runner)
+    assert target._version == 2 and target.is_leaf and target.grad_fn is None
+
+
+@pytest.mark.parametrize("entry", ["wrapper", "torch.ops"])
+def test_view_of_a_leaf_that_requires_grad_is_refused(entry: str) -> None:
+    param = torch.zeros(10, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"dsts\[0\] is a view of a leaf tensor that requires grad"):
+        run_entry(entry, "unpack", [param[2:5]], torch.ones(3), [0], 1.0)
+    assert not param.detach().any()
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("requiring", ["written", "read"])
+def test_written_tensor_gets_a_history_whose_backward_raises(
+    entry: str, op: str, requiring: str, fake_triton: list
+) -> None:
+    """Torch's rule for in-place ops: the written tensor's history is the op's if it or what it
+    read requires grad. The ops have no derivative, so backward must raise (the stale history of
+    a written non-leaf would silently give wrong gradients)."""
+    tensors, flat, offsets = small_case((entry, op, requiring))
+    pack = op.startswith("pack")
+    base = torch.rand(9 if pack else 4, requires_grad=True)
+    if requiring == "written":  # a non-leaf whose old history leads to base
+        target = base * 2 if pack else (base * 2).view(2, 2).to(torch.bfloat16)
+        if pack:
+            flat = target
+        else:
+            tensors[-1] = target
+    else:  # a read leaf (a parameter being packed, or a flat buffer that requires grad)
+        if pack:
+            tensors[0] = tensors[0].requires_grad_()
+        else:
+            flat = flat.requires_grad_()
+        target = flat if pack else tensors[-1]
+    run_entry(entry, op, tensors, flat, offsets, 0.5)
+    assert target.requires_grad and type(target.grad_fn).__name__ in ("NotImplemented", "CopySlices")
+    name = f"BoundShards.{op}" if entry == "bound" else f"tawpipe::{op}"
+    with pytest.raises(RuntimeError, match=f"derivative for {name} is not implemented"):
+        target.float().sum().backward()
+    assert base.grad is None
+
+
+def test_inference_mode_bumps_versions_of_normal_tensors() -> None:
+    """Like torch's in-place ops: the bump lives in the ADInplaceOrView kernel, which inference
+    mode keeps for normal tensors (while it skips the autograd one)."""
+    tensors, flat, offsets = small_case("inference")
+    with torch.inference_mode():
+        torch.ops.tawpipe.unpack(flat, tensors, offsets)
+        torch.ops.tawpipe.pack_accumulate(tensors, flat, offsets, 1.0)
+    assert [t._version for t in tensors] == [1, 1] and flat._version == 1
+
+
+@pytest.mark.parametrize("how", ["shrunk", "freed"])
+@pytest.mark.parametrize("side", ["list", "flat"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_tensor_beyond_its_storage_is_refused(
+    entry: str, op: str, side: str, how: str, fake_triton: list
+) -> None:
+    """The kernels trust sizes, so a tensor whose storage shrank would make them read or write
+    out of bounds: every tensor, and the flat buffer, is checked against its storage's real size."""
+    tensors, flat, offsets = small_case((entry, op, side))
+    pack = op.startswith("pack")
+    victim = tensors[1] if side == "list" else flat
+    end = victim.numel() * victim.element_size()
+    storage = victim.untyped_storage()
+    storage.resize_(end // 2 if how == "shrunk" else 0)
+    intact = [t for t in [*tensors, flat] if fits_storage(t)]
+    before = [t.clone() for t in intact]
+    if side == "list":
+        name = "srcs[1]" if pack and entry != "bound" else "dsts[1]"  # bind checks as unpack
+    else:
+        name = "out" if pack and entry != "bound" else "flat"
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} spans bytes \[0, {end}\) of its storage, "
+                       rf"which holds only {storage.nbytes()} bytes .*resize_\(\)\); pass a tensor"):
+        run_entry(entry, op, tensors, flat, offsets, 0.5)
+    assert all(same_bits(t, b) for t, b in zip(intact, before)) and fake_triton == []
 
 
 # --- backend selection -----------------------------------------------------------------------
@@ -684,12 +909,16 @@ def changes() -> list[tuple[str, Callable[[list[Tensor], Tensor], None], str]]:
     def free_storage(ts: list[Tensor], flat: Tensor) -> None:
         ts[1].untyped_storage().resize_(0)
 
+    def shrink_storage(ts: list[Tensor], flat: Tensor) -> None:
+        ts[2].untyped_storage().resize_(ts[2].untyped_storage().nbytes() - 4)
+
     return [
         ("resize to more elements", lambda ts, flat: ts[0].resize_(50), "bound tensor 0"),
         ("resize to fewer elements", lambda ts, flat: ts[1].resize_(1), "bound tensor 1"),
         ("param.data = ...", replace_data, "bound tensor 2"),
         ("set_", set_storage, "bound tensor 0"),
         ("storage freed", free_storage, "bound tensor 1"),
+        ("storage shrunk", shrink_storage, "bound tensor 2"),
         ("transposed in place", lambda ts, flat: ts[2].t_(), "bound tensor 2"),
         ("flat resized", lambda ts, flat: flat.resize_(flat.numel() + 10_000), "the flat buffer"),
     ]
@@ -705,11 +934,11 @@ def test_bound_call_after_a_change_raises_instead_of_corrupting(change: str, op:
     flat = random_tensor((lay.numel,), torch.float16, "cpu", gen)
     bound = lay.bind(tensors, flat)
     apply(tensors, flat)
-    before = [t.clone() for t in [*tensors, flat] if t.untyped_storage().nbytes()]
+    intact = [t for t in [*tensors, flat] if fits_storage(t)]
+    before = [t.clone() for t in intact]
     with pytest.raises(RuntimeError, match=f"{culprit} no longer has the storage"):
         getattr(bound, op)(*([0.5] if "accumulate" in op else []))
-    after = [t for t in [*tensors, flat] if t.untyped_storage().nbytes()]
-    assert all(same_bits(a, b) for a, b in zip(after, before))
+    assert all(same_bits(a, b) for a, b in zip(intact, before))
 
 
 BIND_BAD_CASES = [c for c in BAD_CASES if c != "lengths differ"]  # a ShardLayout cannot differ
@@ -738,15 +967,35 @@ def test_bind_rejects_non_tensors_and_wrong_shapes() -> None:
         lay.bind([torch.ones(4)], lay.new_flat())
 
 
-def test_run_bound_accepts_only_tables_from_bind() -> None:
-    """The private op must not turn arbitrary bytes (or a copy of a table) into pointers."""
-    lay = ShardLayout.from_tensors([torch.ones(3)])
-    bound = lay.bind([torch.ones(3)], lay.new_flat())
-    for fake in (bound._table.clone(), torch.zeros(4096, dtype=torch.uint8)):
-        with pytest.raises(ValueError, match="not a table made by tawpipe::_bind"):
-            torch.ops.tawpipe._run_bound(fake, 0, 1.0)
+def test_bound_table_is_opaque_and_freed_with_its_binding() -> None:
+    """The table holds raw pointers and stays in C++: Python holds a handle, which every call
+    checks, so a wrong or stale handle is refused instead of addressing anything."""
+    tensors = [torch.ones(3)]
+    lay = ShardLayout.from_tensors(tensors)
+    flat = lay.new_flat()
+    bound = lay.bind(tensors, flat)
+    handle = bound._table
+    assert isinstance(handle, int)
+    for wrong in (handle + 1, -handle, 0):
+        with pytest.raises(ValueError, match=f"{wrong} is not the handle of a live table.*ShardLayout.bind"):
+            torch.ops.tawpipe._run_bound(wrong, 0, 1.0)
+    with pytest.raises(RuntimeError, match="Expected a value of type 'int'"):
+        torch.ops.tawpipe._run_bound(torch.zeros(4096, dtype=torch.uint8), 0, 1.0)
     with pytest.raises(ValueError, match="mode must be 0-3"):
-        torch.ops.tawpipe._run_bound(bound._table, 4, 1.0)
+        torch.ops.tawpipe._run_bound(handle, 4, 1.0)
+    for clone in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled.*bind the tensors again"):
+            clone(bound)
+    torch.ops.tawpipe._run_bound(handle, 0, 1.0)  # the real table still works
+    assert torch.equal(flat, torch.ones(3))
+
+    alive = weakref.ref(tensors[0])
+    del bound, tensors
+    gc.collect()
+    assert alive() is None  # the table let go of its tensors
+    assert lay.bind([torch.ones(3)], flat)._table > handle  # handles are never reused
+    with pytest.raises(ValueError, match=f"{handle} is not the handle of a live table"):
+        torch.ops.tawpipe._run_bound(handle, 0, 1.0)
 
 
 def test_bound_tensors_stay_alive() -> None:

@@ -14,102 +14,22 @@
 #include <omp.h>
 #endif
 
+#include "shard_dtypes.h"
+
 namespace {
+
+using tawpipe::kernels::dispatch_dtype_pair;
+using tawpipe::kernels::Elem;
+using tawpipe::kernels::valid_dtype;
 
 // Below this many elements per thread, starting another thread costs more than it saves.
 constexpr int64_t kGrainElements = 1 << 15;
 // Thread boundaries fall on multiples of this, keeping each thread's inner loops vector-aligned.
 constexpr int64_t kSplitQuantum = 64;
 
-inline uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-inline float bits_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// The conversions below are branch-free (every case computed, then selected) so that the
-// compiler vectorises the loops that use them.
-
-inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
-
-inline uint16_t float_to_bf16(float f) {
-  const uint32_t u = float_bits(f);
-  // Adding 0x7FFF plus the lowest kept bit rounds the dropped 16 bits to nearest, ties to even.
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = (u >> 16) | 0x0040u;  // keeps the sign
-  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
-}
-
-inline float f16_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1Fu;
-  const uint32_t mantissa = h & 0x3FFu;
-  const uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);  // rebias 15 -> 127
-  const uint32_t inf_nan = 0x7F800000u | (mantissa << 13);
-  // Zero and subnormals are mantissa * 2^-24: exact, and never a float32 subnormal, so this
-  // stays right when denormals are flushed (torch.set_flush_denormal).
-  const uint32_t small = float_bits(static_cast<float>(mantissa) * 5.9604644775390625e-8f);
-  return bits_float(sign | (exponent == 0 ? small : exponent == 0x1Fu ? inf_nan : normal));
-}
-
-inline uint16_t float_to_f16(float f) {
-  const uint32_t u = float_bits(f);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const uint32_t a = u & 0x7FFFFFFFu;
-  // Normal half (|f| >= 2^-14): rebias the exponent (127 -> 15) and round 23 mantissa bits to
-  // 10, ties to even; a carry out of the mantissa correctly bumps the exponent.
-  const uint32_t rebased = a - 0x38000000u;
-  const uint32_t normal = (rebased + 0xFFFu + ((rebased >> 13) & 1u)) >> 13;
-  // Subnormal half (|f| < 2^-14): in |f| + 0.5 the last mantissa bit is worth 2^-24, the
-  // half-precision subnormal step, so the float addition itself rounds to nearest even.
-  const uint32_t subnormal = float_bits(bits_float(a) + 0.5f) - 0x3F000000u;
-  const uint32_t nan = 0x7E00u | ((a >> 13) & 0x3FFu);
-  uint32_t r = a >= 0x38800000u ? normal : subnormal;
-  r = a >= 0x477FF000u ? 0x7C00u : r;  // >= 65520 rounds to inf (and inf stays inf)
-  r = a > 0x7F800000u ? nan : r;
-  return static_cast<uint16_t>(sign | r);
-}
-
-template <int Dtype>
-struct Elem;
-
-template <>
-struct Elem<TAWPIPE_DTYPE_F32> {
-  using T = float;
-  static float load(T v) { return v; }
-  static T store(float f) { return f; }
-};
-
-template <>
-struct Elem<TAWPIPE_DTYPE_BF16> {
-  using T = uint16_t;
-  static float load(T v) { return bf16_to_float(v); }
-  static T store(float f) { return float_to_bf16(f); }
-};
-
-template <>
-struct Elem<TAWPIPE_DTYPE_F16> {
-  using T = uint16_t;
-  static float load(T v) { return f16_to_float(v); }
-  static T store(float f) { return float_to_f16(f); }
-};
-
-// Each dtype loop is compiled once per clone of run_span (below), so it is always inlined there.
-#if defined(__GNUC__)
-#define TAWPIPE_ALWAYS_INLINE __attribute__((always_inline)) inline
-#else
-#define TAWPIPE_ALWAYS_INLINE inline
-#endif
-
 template <int S, int D, bool Accumulate>
-TAWPIPE_ALWAYS_INLINE void run_range(const void* src_v, void* dst_v, int64_t begin, int64_t end,
-                                     float alpha) {
+TAWPIPE_FORCE_INLINE void run_range(const void* src_v, void* dst_v, int64_t begin, int64_t end,
+                                    float alpha) {
   using ST = typename Elem<S>::T;
   using DT = typename Elem<D>::T;
   const ST* __restrict src = static_cast<const ST*>(src_v) + begin;
@@ -126,28 +46,19 @@ TAWPIPE_ALWAYS_INLINE void run_range(const void* src_v, void* dst_v, int64_t beg
   }
 }
 
-// Elements [begin, end) of one segment, by its dtype pair (validated by the caller).
+// Elements [begin, end) of one segment, for dispatch_dtype_pair.
 template <bool Accumulate>
-TAWPIPE_ALWAYS_INLINE void run_segment(const tawpipe_segment& seg, int64_t begin, int64_t end,
-                                       float alpha) {
-  const void* s = seg.src;
-  void* d = seg.dst;
-  switch (seg.src_dtype * 3 + seg.dst_dtype) {
-    case 0: return run_range<0, 0, Accumulate>(s, d, begin, end, alpha);
-    case 1: return run_range<0, 1, Accumulate>(s, d, begin, end, alpha);
-    case 2: return run_range<0, 2, Accumulate>(s, d, begin, end, alpha);
-    case 3: return run_range<1, 0, Accumulate>(s, d, begin, end, alpha);
-    case 4: return run_range<1, 1, Accumulate>(s, d, begin, end, alpha);
-    case 5: return run_range<1, 2, Accumulate>(s, d, begin, end, alpha);
-    case 6: return run_range<2, 0, Accumulate>(s, d, begin, end, alpha);
-    case 7: return run_range<2, 1, Accumulate>(s, d, begin, end, alpha);
-    default: return run_range<2, 2, Accumulate>(s, d, begin, end, alpha);
-  }
-}
+struct RangeOp {
+  const tawpipe_segment& seg;
+  int64_t begin;
+  int64_t end;
+  float alpha;
 
-bool valid_dtype(int32_t d) {
-  return d == TAWPIPE_DTYPE_F32 || d == TAWPIPE_DTYPE_BF16 || d == TAWPIPE_DTYPE_F16;
-}
+  template <int S, int D>
+  TAWPIPE_FORCE_INLINE void run() const {
+    run_range<S, D, Accumulate>(seg.src, seg.dst, begin, end, alpha);
+  }
+};
 
 // The library is built for the baseline ISA; with GCC on x86-64 Linux the hot loops are also
 // compiled for AVX2 and for x86-64-v4 (AVX-512), and the loader picks the widest the CPU has: the
@@ -171,9 +82,11 @@ void run_span(const tawpipe_segment* segs, const int64_t* ends, int64_t num_segm
     const int64_t stop = std::min(hi, ends[s]);
     if (stop > lo) {
       if (accumulate) {
-        run_segment<true>(seg, lo - seg_begin, stop - seg_begin, alpha);
+        dispatch_dtype_pair(seg.src_dtype, seg.dst_dtype,
+                            RangeOp<true>{seg, lo - seg_begin, stop - seg_begin, alpha});
       } else {
-        run_segment<false>(seg, lo - seg_begin, stop - seg_begin, alpha);
+        dispatch_dtype_pair(seg.src_dtype, seg.dst_dtype,
+                            RangeOp<false>{seg, lo - seg_begin, stop - seg_begin, alpha});
       }
       lo = stop;
     }

@@ -7,8 +7,6 @@
 // walks forward. A tile of a segment whose pointers are aligned uses 16-byte vector accesses.
 #include "shard_ops.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,7 +14,14 @@
 #include <new>
 #include <vector>
 
+#include "shard_dtypes.h"
+
 namespace {
+
+using tawpipe::kernels::dispatch_dtype_pair;
+using tawpipe::kernels::dtype_bytes;
+using tawpipe::kernels::Elem;
+using tawpipe::kernels::valid_dtype;
 
 constexpr int kThreads = 256;
 constexpr int64_t kTile = 4096;  // elements per work item; a multiple of kThreads * 8
@@ -35,32 +40,6 @@ struct DeviceSegment {
 };
 
 thread_local const char* g_last_cuda_error = "no error";
-
-template <int Dtype>
-struct Elem;
-
-template <>
-struct Elem<TAWPIPE_DTYPE_F32> {
-  using T = float;
-  __device__ static float load(T v) { return v; }
-  __device__ static T store(float f) { return f; }
-};
-
-template <>
-struct Elem<TAWPIPE_DTYPE_BF16> {
-  using T = __nv_bfloat16;
-  __device__ static float load(T v) { return __bfloat162float(v); }
-  __device__ static T store(float f) { return __float2bfloat16_rn(f); }
-};
-
-template <>
-struct Elem<TAWPIPE_DTYPE_F16> {
-  using T = __half;
-  __device__ static float load(T v) { return __half2float(v); }
-  __device__ static T store(float f) { return __float2half_rn(f); }
-};
-
-__host__ __device__ constexpr int dtype_bytes(int dtype) { return dtype == TAWPIPE_DTYPE_F32 ? 4 : 2; }
 
 // Elements per vector access for a dtype pair: the wider side moves 16 bytes.
 __host__ __device__ constexpr int vector_width(int src_dtype, int dst_dtype) {
@@ -122,16 +101,23 @@ __device__ __forceinline__ void run_tile(const DeviceSegment& seg, int64_t begin
   }
 }
 
-// Tiles [tile, tile_end) of one segment, with its dtype pair resolved at compile time.
-template <int S, int D, bool Accumulate>
-__device__ __forceinline__ void run_tiles(const DeviceSegment& seg, int64_t tile, int64_t tile_end,
-                                          float alpha) {
-  for (; tile < tile_end; ++tile) {
-    const int64_t begin = (tile - seg.first_tile) * kTile;
-    const int64_t end = begin + kTile < seg.numel ? begin + kTile : seg.numel;
-    run_tile<S, D, Accumulate>(seg, begin, end, alpha);
+// Tiles [tile, tile_end) of one segment, for dispatch_dtype_pair.
+template <bool Accumulate>
+struct TilesOp {
+  const DeviceSegment& seg;
+  int64_t tile;
+  int64_t tile_end;
+  float alpha;
+
+  template <int S, int D>
+  __device__ __forceinline__ void run() const {
+    for (int64_t t = tile; t < tile_end; ++t) {
+      const int64_t begin = (t - seg.first_tile) * kTile;
+      const int64_t end = begin + kTile < seg.numel ? begin + kTile : seg.numel;
+      run_tile<S, D, Accumulate>(seg, begin, end, alpha);
+    }
   }
-}
+};
 
 template <bool Accumulate>
 __global__ void __launch_bounds__(kThreads)
@@ -158,24 +144,10 @@ __global__ void __launch_bounds__(kThreads)
     const DeviceSegment seg = table[s];
     const int64_t seg_tiles_end = seg.first_tile + (seg.numel + kTile - 1) / kTile;
     const int64_t stop = seg_tiles_end < tile_end ? seg_tiles_end : tile_end;
-    // The dtype pair is uniform across the block, so this switch never diverges.
-    switch (seg.src_dtype * 3 + seg.dst_dtype) {
-      case 0: run_tiles<0, 0, Accumulate>(seg, tile, stop, alpha); break;
-      case 1: run_tiles<0, 1, Accumulate>(seg, tile, stop, alpha); break;
-      case 2: run_tiles<0, 2, Accumulate>(seg, tile, stop, alpha); break;
-      case 3: run_tiles<1, 0, Accumulate>(seg, tile, stop, alpha); break;
-      case 4: run_tiles<1, 1, Accumulate>(seg, tile, stop, alpha); break;
-      case 5: run_tiles<1, 2, Accumulate>(seg, tile, stop, alpha); break;
-      case 6: run_tiles<2, 0, Accumulate>(seg, tile, stop, alpha); break;
-      case 7: run_tiles<2, 1, Accumulate>(seg, tile, stop, alpha); break;
-      default: run_tiles<2, 2, Accumulate>(seg, tile, stop, alpha); break;
-    }
+    // The dtype pair is uniform across the block, so this dispatch never diverges.
+    dispatch_dtype_pair(seg.src_dtype, seg.dst_dtype, TilesOp<Accumulate>{seg, tile, stop, alpha});
     tile = stop;
   }
-}
-
-bool valid_dtype(int32_t d) {
-  return d == TAWPIPE_DTYPE_F32 || d == TAWPIPE_DTYPE_BF16 || d == TAWPIPE_DTYPE_F16;
 }
 
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
