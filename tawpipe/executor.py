@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import progress
 from .comm.base import Channel, Handle
 from .plan import CHANNELS, OPS, Action, Hazards, Plan, batches, describe
 
@@ -44,18 +45,26 @@ class Executor:
             fn = work(unit)
             if channel == "compute":
                 for d in deps:
-                    d.wait(self.timeout)
+                    self._wait(d)
+                progress.publish(label)
                 fn()
                 handle = self._compute_done(label)
             else:
                 handle = self.channels[channel].submit(fn, deps, label)
                 issued.append(handle)
                 if not self.overlap and channel != "replicated":
-                    handle.wait(self.timeout)
+                    self._wait(handle)
             for reads, writes in rw:
                 hazards.record(handle, reads, writes)
         for h in issued:
-            h.wait(self.timeout)
+            self._wait(h)
+        progress.publish(progress.OUTSIDE)
+
+    def _wait(self, handle: Handle) -> None:
+        """Wait for ``handle``, telling the progress board what this rank waits for (design §5.4)."""
+        if not handle.done():
+            progress.publish(handle.label, wait_limit=self.timeout)
+        handle.wait(self.timeout)
 
     def _compute_done(self, label: str) -> Handle:
         """A handle for work already issued on the compute side (an event on CUDA)."""

@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import progress
+
 Group = tuple[int, ...]
 
 
@@ -104,6 +106,7 @@ class Handle:
             raise CommTimeout(
                 f"timed out after {timeout:.0f}s waiting for {self.label or 'communication'}; "
                 "a peer is missing or stuck (raise the timeout with TAWPIPE_TIMEOUT for slow links)"
+                + progress.hint(min_age=timeout / 2)
             )
         if self._error is not None:
             raise RuntimeError(f"{self.label} failed: {self._error}") from self._error
