@@ -377,7 +377,7 @@ class NcclComm(Comm):
         *,
         device: torch.device | int | None = None,
         check: str = "always",
-        _channel: str = "main",
+        _channel: str = "weights",
         _parent: NcclComm | None = None,
     ) -> None:
         if not dist.is_initialized():
