@@ -54,7 +54,7 @@ step build 420 "$DEST/build.log" env TAWPIPE_BUILD_CUDA=1 TAWPIPE_BUILD_NCCL=1 M
 
 step tests 360 "$DEST/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$DEST/tests.xml" \
   tests/test_engine_cuda.py tests/test_nccl_native.py tests/test_offload.py tests/test_comm_bench.py \
-  tests/test_ops.py tests/test_kernels_build.py
+  tests/test_ops.py tests/test_triton_ops.py tests/test_kernels_build.py
 
 step ops_bench 240 "$DEST/ops_bench.log" "$PY" benchmarks/ops_bench.py --iters 20 --warmup 3 \
   --out "$DEST/ops_bench_cuda.json"

@@ -2,10 +2,29 @@
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 
 #include <algorithm>
+#include <memory>
+#include <type_traits>
+#include <utility>
 
 #include "segments.h"
 
 namespace tawpipe {
+namespace {
+
+// Autograd nodes are held by std::shared_ptr up to torch 2.11 and by c10::intrusive_ptr since;
+// both arms are templates, so only the one that matches this torch is compiled.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+template <typename Ptr, typename T, typename... Args>
+Ptr make_node(Args&&... args) {
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+}  // namespace
 
 void write_inplace(const char* op, at::TensorList reads, at::TensorList writes,
                    c10::function_ref<std::string(size_t)> name, c10::function_ref<void()> write,
@@ -43,7 +62,7 @@ void write_inplace(const char* op, at::TensorList reads, at::TensorList writes,
   if (history) {
     for (const at::Tensor& t : writes) {
       if (!reads_require_grad && !t.requires_grad()) continue;
-      torch::autograd::rebase_history(t, c10::make_intrusive<torch::autograd::NotImplemented>(
+      torch::autograd::rebase_history(t, make_node<NodePtr, torch::autograd::NotImplemented>(
                                              op, torch::autograd::collect_next_edges(t, reads)));
     }
   }
