@@ -536,7 +536,7 @@ def main(args: argparse.Namespace) -> int:
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_launcher:  # torchrun or tawpipe cluster: this process is one rank
         topo = Topology.from_env()
-        init_distributed(a["timeout"])
+        init_distributed(a["timeout"], cpu=a["backend"] == "gloo")
         try:
             result = _bench_rank(dist.get_rank(), a, topo, int(os.environ.get("LOCAL_RANK", 0)))
             dist.barrier()  # nobody tears its connections down while a peer still uses them
