@@ -22,8 +22,9 @@ def _mark(directory: str, name: str) -> None:
 
 
 def train_then(rank: int, directory: str, bad_rank: int, bad_step: int, action: str) -> int:
-    """Train a 2x2 TinyLM; at ``bad_step`` rank ``bad_rank`` kills itself (``action="kill"``) or
-    sleeps inside a block's forward (``"sleep"``), i.e. inside the step, while its peers wait."""
+    """Train a TinyLM on 2 nodes; at ``bad_step`` rank ``bad_rank`` kills itself (``action="kill"``)
+    or sleeps inside a block's forward (``"sleep"``), i.e. inside the step, while its peers wait."""
+    world = dist.get_world_size()
     torch.manual_seed(0)
     model = TinyLM(4)
     step_now = [0]
@@ -36,11 +37,11 @@ def train_then(rank: int, directory: str, bad_rank: int, bad_step: int, action: 
             time.sleep(3600)
         return block(hidden, **ctx)
 
-    engine = TawPipe(model.blocks, model.embed, model.head, lm_loss, topology=Topology(2, 2), micro_batches=2,
-                     block_context=model.context, block_forward=block_forward)
+    engine = TawPipe(model.blocks, model.embed, model.head, lm_loss, topology=Topology(2, world // 2),
+                     micro_batches=2, block_context=model.context, block_forward=block_forward)
     for step in range(bad_step + 2):
         step_now[0] = step
-        x, y = global_batch(step, 16)
+        x, y = global_batch(step, 4 * world)
         engine.step((x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]))
     return rank
 

@@ -36,8 +36,10 @@ def test_a_killed_rank_is_named_within_10_s(tmp_path) -> None:
     assert (info.value.rank, info.value.kind) == (3, "died")
 
 
-@pytest.mark.parametrize("how, message", [("kill", "rank 1 died (SIGKILL) before returning"),
-                                          ("exit", "rank 1 exited with code 3 before returning")])
+@pytest.mark.parametrize("how, message", [
+    ("kill", "rank 1 died (SIGKILL) before returning"),
+    pytest.param("exit", "rank 1 exited with code 3 before returning", marks=pytest.mark.slow),
+])
 def test_a_rank_ending_at_start_up_is_the_only_one_named(tmp_path, how, message) -> None:
     with pytest.raises(JobFailed) as info:
         run_local(ends_at_start, 2, str(tmp_path), how, timeout=60)
@@ -77,29 +79,30 @@ def test_errors_about_peers_are_told_apart() -> None:
     assert (own.timed_out, own.about_a_peer, own.headline) == (False, False, "ValueError: bad input")
 
 
-def _stuck(tmp_path: Path, timeout: float) -> None:
+def _stuck(tmp_path: Path, world: int, timeout: float) -> None:
+    stuck = world // 2  # the first rank of node 1
     with pytest.raises(JobFailed) as info:
-        run_local(train_then, 4, str(tmp_path), 2, 1, "sleep", timeout=timeout)
+        run_local(train_then, world, str(tmp_path), stuck, 1, "sleep", timeout=timeout)
     assert _since_bad(tmp_path) < timeout + 10
     e = info.value
-    assert (e.rank, e.kind) == (2, "stuck"), str(e)
-    # rank 2 sleeps in a forward of step 1 (its own chunk's first F is at slot 1: it is group 1)
-    assert e.summary.startswith("rank 2 stuck in slot 1 F W0 m0 "), e.summary
+    assert (e.rank, e.kind) == (stuck, "stuck"), str(e)
+    # it sleeps in its first forward of step 1 (node 1 runs chunk 0 at slot 1)
+    assert e.summary.startswith(f"rank {stuck} stuck in slot 1 F W0 m0 "), e.summary
     age = float(e.summary.rsplit(" for ", 1)[1].split()[0])
     assert timeout / 2 <= age <= timeout + 10
     assert "timed out" in str(e)  # and the waiter's own message follows
 
 
 def test_a_stuck_rank_is_named_within_the_timeout(tmp_path) -> None:
-    _stuck(tmp_path, timeout=6)
+    _stuck(tmp_path, world=2, timeout=5)
 
 
 @pytest.mark.slow
 def test_a_stuck_rank_is_named_within_30_s_plus_10(tmp_path) -> None:
-    _stuck(tmp_path, timeout=30)
+    _stuck(tmp_path, world=4, timeout=30)
 
 
-@pytest.mark.parametrize("seconds", [6, pytest.param(65, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seconds", [4, pytest.param(65, marks=pytest.mark.slow)])
 def test_no_job_deadline_and_loopback_only(seconds) -> None:
     """A job lives as long as its waits succeed, far past its per-wait timeout (the old launcher
     killed every job at timeout + 60 s); every socket of the job is on loopback."""
@@ -124,31 +127,39 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # a zombie has ended
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_a_signal_to_the_launcher_leaves_no_process(tmp_path, sig) -> None:
+def test_a_signal_to_the_launcher_leaves_no_process(tmp_path) -> None:
+    """SIGINT, SIGTERM and SIGKILL, each to a launcher of its own (run side by side)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
-    launcher = subprocess.Popen([sys.executable, str(TESTS / "launch_cases.py"), "local", str(tmp_path)], env=env,
-                                stderr=subprocess.PIPE, text=True)
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+    dirs = [tmp_path / sig.name for sig in sigs]
+    launchers = []
     try:
-        pid_files = [tmp_path / f"worker{r}.pid" for r in range(2)]
+        for d in dirs:
+            d.mkdir()
+            launchers.append(subprocess.Popen([sys.executable, str(TESTS / "launch_cases.py"), "local", str(d)],
+                                              env=env, stderr=subprocess.PIPE, text=True))
+        pid_files = [d / f"worker{r}.pid" for d in dirs for r in range(2)]
         deadline = time.monotonic() + 120
         while not all(f.exists() and f.read_text() for f in pid_files):
-            assert launcher.poll() is None and time.monotonic() < deadline, "the workers did not start"
+            assert all(p.poll() is None for p in launchers) and time.monotonic() < deadline, "workers did not start"
             time.sleep(0.1)
         workers = [int(f.read_text()) for f in pid_files]
         t0 = time.monotonic()
-        launcher.send_signal(sig)
-        _, err = launcher.communicate(timeout=10)
+        for launcher, sig in zip(launchers, sigs):
+            launcher.send_signal(sig)
+        errs = [launcher.communicate(timeout=10)[1] for launcher in launchers]
         while any(_alive(p) for p in workers) and time.monotonic() - t0 < 10:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in workers), "a worker outlived the launcher"
-        assert launcher.returncode == -sig or (sig == signal.SIGINT and launcher.returncode != 0)
-        if sig != signal.SIGKILL:
-            assert f"{sig.name}: stopped the local job's 2 workers" in err
+        assert not any(_alive(p) for p in workers), "a worker outlived its launcher"
+        for launcher, sig, err in zip(launchers, sigs, errs):
+            assert launcher.returncode == -sig or (sig == signal.SIGINT and launcher.returncode != 0), sig
+            if sig != signal.SIGKILL:
+                assert f"{sig.name}: stopped the local job's 2 workers" in err, err
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
 
 
 @pytest.mark.slow
