@@ -172,11 +172,6 @@ def setup_commands(spec: ClusterSpec) -> list[list[str]]:
     return cmds
 
 
-def teardown_commands(spec: ClusterSpec, existing: Sequence[str]) -> list[list[str]]:
-    """Delete those of ``spec``'s namespaces that exist (their veths and qdiscs go with them)."""
-    return [["ip", "netns", "del", ns] for ns in spec.namespaces if ns in existing]
-
-
 def list_namespaces() -> list[str]:
     out = _ip(["ip", "netns", "list"], check=False).stdout
     return parse_netns_list(out)

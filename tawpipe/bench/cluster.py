@@ -32,7 +32,7 @@ import torch
 
 from .. import baselines
 from ..baselines import RunConfig
-from ..cluster import Cluster, ClusterSpec, LinkBytes, network_floor, parse_rate, unavailable_reason
+from ..cluster import Cluster, ClusterError, ClusterSpec, LinkBytes, network_floor, parse_rate, unavailable_reason
 from ..engine import TawPipe
 from ..models.llama import block_forward, llama_loss
 from ..topology import Topology
@@ -156,23 +156,29 @@ def run_shape(cfg: RunConfig, chosen: list[Method], spec: ClusterSpec, rounds: i
     """All rounds of all executable methods on one cluster shape; raw records per method."""
     runs: dict[str, list[list[dict]]] = {m.name: [] for m in chosen}
     checks: dict[str, dict] = {}
+    failures: dict[str, str] = {}  # a method that fails is reported, the others go on
     ref_losses, ref_init, ref_after = baselines.reference(cfg)
     with Cluster(spec) as c, tempfile.TemporaryDirectory(prefix="tawpipe-bench-") as tmp:
         for r in range(rounds):
             order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
-            for m in order:
+            for m in (m for m in order if m.name not in failures):
                 check_dir = os.path.join(tmp, m.name) if r == 0 else None
                 if check_dir:
                     os.makedirs(check_dir)
                 fn, extra = _rank_fn(m)
                 t0 = time.perf_counter()
-                records = c.run(fn, replace(cfg, check_dir=check_dir), *extra, timeout=timeout)
+                try:
+                    records = c.run(fn, replace(cfg, check_dir=check_dir), *extra, timeout=timeout)
+                except ClusterError as e:
+                    failures[m.name] = str(e)
+                    log(f"  round {r + 1}/{rounds} {m.label:<22} FAILED: {str(e)[-2000:]}")
+                    continue
                 runs[m.name].append(records)
                 log(f"  round {r + 1}/{rounds} {m.label:<22} {time.perf_counter() - t0:6.1f} s wall, "
                     f"median step {statistics.median(_step_times(records)):.2f} s")
                 if check_dir:
                     checks[m.name] = _check(cfg, records, check_dir, ref_losses, ref_init, ref_after)
-    return {"runs": runs, "checks": checks, "reference_losses": ref_losses}
+    return {"runs": runs, "checks": checks, "failures": failures, "reference_losses": ref_losses}
 
 
 def _step_times(records: list[dict]) -> list[float]:
@@ -199,17 +205,19 @@ def _check(cfg: RunConfig, records: list[dict], check_dir: str, ref_losses: list
 
 
 def summarize(cfg: RunConfig, m: Method, runs: list[list[dict]], check: dict | None, rate_bits: int | None,
-              unsupported: list[str]) -> dict[str, Any]:
+              unsupported: list[str], failure: str | None = None) -> dict[str, Any]:
     """One row: times pooled over rounds, bytes per iteration, memory, prediction, check."""
     row: dict[str, Any] = {"method": m.name, "label": m.label, "predicted_busiest_bytes": None,
                            "predicted_total_bytes": None}
     if unsupported:
         row["status"] = f"not yet executable (installed TawPipe lacks {', '.join(unsupported)})"
+    if failure:
+        row.update(status="failed (see the JSON)", error=failure)
     if m.name == "weipipe" or m.engine_options is None:
         row["predicted_busiest_bytes"] = predicted_busiest(m.name, cfg)
         row["prediction"] = "closed form (tawpipe.traffic.estimate" + (
             ", FSDP2-on-gloo variant in tawpipe.bench.cluster)" if m.name.startswith("fsdp") else ")")
-    if not runs:
+    if not runs or failure:
         return row
     times = [t for records in runs for t in _step_times(records)]
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
@@ -276,15 +284,17 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{'yes' if chk['ok'] else 'NO'} (loss {chk['loss_rel_err']:.0e}, update {chk['update_rel_err']:.0e})")
             floor = row.get("floor_s")
             over = "–" if floor is None else f"{row['time_median_s'] / floor:.2f}"
+            ratio = f" ({row['measured_over_predicted'] - 1:+.1%})" if row.get("measured_over_predicted") else ""
+            staging = f" + {row['staging_bytes'] / 2**20:.1f} staging" if row.get("staging_bytes") else ""
             total = _mb(row["measured_total_bytes"])
             if row["predicted_total_bytes"]:
                 total += f" (plan {_mb(row['predicted_total_bytes'])})"
             lines.append(
                 f"| {row['label']} | {row['time_median_s']:.2f} | {row['time_min_s']:.2f}–{row['time_max_s']:.2f} "
                 f"| {row['tokens_per_s']:,.0f} | {total} | {_mb(row['measured_busiest_bytes'])} / "
-                f"{_mb(row['predicted_busiest_bytes'])} | {'–' if floor is None else f'{floor:.2f}'} | "
-                f"{over} | "
-                f"{row['persistent_bytes_max'] / 2**20:.1f} | {row['peak_rss_bytes_max'] / 2**20:.0f} | {same} |")
+                f"{_mb(row['predicted_busiest_bytes'])}{ratio} | {'–' if floor is None else f'{floor:.2f}'} | "
+                f"{over} | {row['persistent_bytes_max'] / 2**20:.1f}{staging} | "
+                f"{row['peak_rss_bytes_max'] / 2**20:.0f} | {same} |")
         lines.append("")
     lines += [f"- {n}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
@@ -341,12 +351,17 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
                             ("1f1b", "1F1B")):
             ax.plot(seqs, [predicted_busiest(name, replace(cfg, seq_len=s)) / 1e6 for s in seqs], label=label)
         by_name = {r["method"]: r for r in shape["rows"]}
-        taw = by_name.get("tawpipe", {}).get("predicted_busiest_bytes") or predicted_busiest("tawpipe", cfg)
-        ax.plot(seqs, [taw / 1e6] * len(seqs), label="tawpipe (k=1)", color="black", linewidth=2)
-        s_star = crossover_seq(cfg, taw)
-        ax.axvline(s_star, color="grey", linestyle="--")
-        ax.annotate(f"1F1B = tawpipe\nat S = {s_star:,.0f}", (s_star, taw / 1e6), textcoords="offset points",
-                    xytext=(6, 12))
+        lines = [("tawpipe (k=1)", by_name.get("tawpipe", {}).get("predicted_busiest_bytes")
+                  or predicted_busiest("tawpipe", cfg), "-")]
+        best = by_name.get("tawpipe-best", {})
+        if best.get("predicted_busiest_bytes"):  # only once the engine executes k > 1
+            lines.append((best["label"], best["predicted_busiest_bytes"], ":"))
+        for label, taw, style in lines:
+            ax.plot(seqs, [taw / 1e6] * len(seqs), style, label=label, color="black", linewidth=2)
+            s_star = crossover_seq(cfg, taw)
+            ax.axvline(s_star, color="grey", linestyle="--")
+            ax.annotate(f"1F1B = {label}\nat S = {s_star:,.0f}", (s_star, taw / 1e6), textcoords="offset points",
+                        xytext=(6, 12), fontsize=8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length S")
@@ -427,7 +442,7 @@ def main(args: argparse.Namespace) -> int:
         raw = run_shape(cfg, runnable, spec, args.rounds, args.timeout,
                         log=functools.partial(print, flush=True))
         rows = [summarize(cfg, m, raw["runs"].get(m.name, []), raw["checks"].get(m.name), rate_bits,
-                          unsupported.get(m.name, [])) for m in chosen]
+                          unsupported.get(m.name, []), raw["failures"].get(m.name)) for m in chosen]
         result["shapes"].append({"config": asdict(cfg), "rows": rows, "reference_losses": raw["reference_losses"],
                                  "raw": raw["runs"]})
     result["notes"] = _notes(result)
