@@ -304,6 +304,7 @@ class Cluster:
         self._procs: list[subprocess.Popen] = []
         self._port = random.randrange(20000, 40000)
         self._old_handlers: dict[int, Any] = {}
+        self._signalled: int | None = None
         self._up = False
 
     def __enter__(self) -> "Cluster":
@@ -317,6 +318,7 @@ class Cluster:
         reason = unavailable_reason()
         if reason:
             raise ClusterUnavailable(reason)
+        self._signalled = None
         self._install_signal_handlers()
         self._up = True
         try:
@@ -331,6 +333,7 @@ class Cluster:
 
     def down(self) -> None:
         """Kill the workers and delete every namespace (idempotent)."""
+        self._signalled = self._signalled or 0  # signals from now on are only noted
         self._kill_workers()
         if self._up:
             existing = list_namespaces()
@@ -356,6 +359,7 @@ class Cluster:
             raise ClusterError("the cluster is not up: use it as a context manager ('with Cluster(spec) as c')")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self._check_signal()
         self._port += 1
         with tempfile.TemporaryDirectory(prefix=f"{self.spec.run_id}-") as tmp:
             if callable(target):
@@ -393,6 +397,7 @@ class Cluster:
     def _wait(self, timeout: float, tmp: str) -> list[int]:
         deadline = time.monotonic() + timeout
         while True:
+            self._check_signal()
             codes = [p.poll() for p in self._procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -439,13 +444,22 @@ class Cluster:
             return  # only the main thread may set handlers; try/finally still tears down
 
         def stop(signum: int, _frame: object) -> None:
+            # Raising unwinds through __exit__/finally, which tear down. Python ignores an
+            # exception raised inside an at-fork hook (a signal during Popen), so the signal is
+            # also recorded and re-raised by the next wait (_check_signal).
             print(f"tawpipe cluster: {signal.Signals(signum).name}, tearing down", file=sys.stderr)
-            raise SystemExit(128 + signum)  # unwinds through __exit__/finally, which tears down
+            if self._signalled is None:  # a second signal must not interrupt the teardown
+                self._signalled = signum
+                self._check_signal()
 
-        for sig in (signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, stop)
-        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # e.g. started in the background
-            self._old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _check_signal(self) -> None:
+        if self._signalled == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self._signalled:
+            raise SystemExit(128 + self._signalled)
 
     def _restore_signal_handlers(self) -> None:
         for sig, handler in self._old_handlers.items():
