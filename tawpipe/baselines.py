@@ -160,6 +160,7 @@ def measure(cfg: RunConfig, step: Callable[[int], float | None], params: Callabl
         torch.save(state, os.path.join(cfg.check_dir, f"rank{rank}.pt"))
     dist.barrier()
     before = link_bytes()
+    dist.barrier()  # nobody sends before every node has read its counters
     times = []
     for i in range(cfg.warmup, cfg.warmup + cfg.steps):
         t0 = time.perf_counter()

@@ -194,6 +194,7 @@ def _probe(rank: int) -> dict:
     def window(name, fn):
         dist.barrier()
         a = cl.link_bytes()
+        dist.barrier()  # nobody sends before every node has read its counters
         fn()
         dist.barrier()
         b = cl.link_bytes() - a

@@ -32,7 +32,7 @@ import torch
 
 from .. import baselines
 from ..baselines import RunConfig
-from ..cluster import Cluster, ClusterError, ClusterSpec, LinkBytes, network_floor, parse_rate, unavailable_reason
+from ..cluster import Cluster, ClusterError, ClusterSpec, LinkBytes, parse_rate, unavailable_reason
 from ..engine import TawPipe
 from ..models.llama import block_forward, llama_loss
 from ..topology import Topology
@@ -119,7 +119,7 @@ def _dims(cfg: RunConfig) -> ModelDims:
                      seq=cfg.seq_len, micro_batch=cfg.batch_size, dtype_bytes=4, grad_bytes=4)
 
 
-def predicted_busiest(method: str, cfg: RunConfig, dims: ModelDims | None = None) -> float:
+def predicted_busiest(method: str, cfg: RunConfig) -> float:
     """Closed-form inter-node bytes per iteration leaving the busiest node, for gloo.
 
     ddp, hsdp, 1f1b, weipipe and tawpipe are ``tawpipe.traffic.estimate``. The FSDP2 variants
@@ -128,7 +128,7 @@ def predicted_busiest(method: str, cfg: RunConfig, dims: ModelDims | None = None
     reduce-scatters once per step, and FSDP2 does not reshard the root (embedding and head)
     after forward, so backward re-gathers only the blocks.
     """
-    dims = dims or _dims(cfg)
+    dims = _dims(cfg)
     topo, acc = cfg.topology, cfg.micro_batches
     if method not in ("fsdp", "fsdp-mm"):
         return estimate(method, dims, topo, acc).inter_node_per_node
