@@ -18,6 +18,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The system compiler, where there is one: on the image this was first run on, the g++ first on the
+# PATH (/opt/gcc) produced extensions in which every C++ exception crashed the process (with
+# /usr/bin/g++ every test passed). Set CXX/CC to override.
+if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 DEST=${OUT:-benchmarks/results}
 mkdir -p "$DEST"
 export TAWPIPE_TIMEOUT=${TAWPIPE_TIMEOUT:-120}
