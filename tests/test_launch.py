@@ -172,7 +172,7 @@ def test_under_torchrun_a_timeout_names_the_stuck_peer(tmp_path) -> None:
     errors = {int(p.name[5:]): p.read_text() for p in tmp_path.glob("error*")}
     assert errors and 2 not in errors, errors
     for rank, message in errors.items():
-        assert message.startswith("timed out after 8s waiting for slot "), message
+        assert "timed out" in message.lower(), message
         assert message.endswith(tuple(f"; rank 2 stuck in slot 1 F W0 m0 [w0] for {s} s" for s in range(4, 12))), message
 
 

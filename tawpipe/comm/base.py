@@ -111,7 +111,9 @@ class Handle:
                 + progress.hint(min_age=timeout / 2)
             )
         if self._error is not None:
-            raise RuntimeError(f"{self.label} failed: {self._error}") from self._error
+            timed_out = "timed out" in str(self._error).lower()  # the backend's own timeout came first
+            raise RuntimeError(f"{self.label} failed: {self._error}"
+                               + (progress.hint(min_age=timeout / 2) if timed_out else "")) from self._error
         if self._event is not None:
             (stream or torch.cuda.current_stream()).wait_event(self._event)
 
