@@ -202,12 +202,7 @@ class TawPipe:
         mine = fingerprint.fields(self.plan, compute_dtype=compute_dtype, grad_dtype=grad_dtype, block=block,
                                   replicated=replicated, optimizer=self.optimizer,
                                   precision=dataclasses.asdict(self.precision), recompute=recompute)
-        n = self.topology.world_size
-        table = fingerprint.row(self.rank, n, mine).to(self.device)
-        comm = self._comms["step"]
-        self.executor.run(setup_program(self.plan, table.numel() * 8)[self.rank],
-                          lambda unit: lambda: comm.all_reduce(table, unit[0].group))
-        fingerprint.compare(table, mine, self.rank)
+        fingerprint.compare(self.gather_rows([v for _, v, _ in mine]), mine, self.rank)
 
     def _connect(self, comm: Comm | str | None) -> None:
         if comm is None or comm == "torch":

@@ -133,10 +133,13 @@ class Channel:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._queue: queue.Queue = queue.Queue()
         self._failed: BaseException | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"tawpipe-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None], deps: Sequence[Handle] = (), label: str = "") -> Handle:
+        if self._closed:
+            raise RuntimeError(f"channel {self.name} is closed: work submitted now would never run")
         if self._failed is not None:
             raise RuntimeError(f"channel {self.name} failed earlier: {self._failed}") from self._failed
         handle = Handle(label)
@@ -182,5 +185,6 @@ class Channel:
     def close(self, wait: float = 5.0) -> None:
         """Stop the worker after the work queued so far; a worker stuck in a transfer is left
         behind after ``wait`` seconds (it is a daemon thread, and its transfer has a timeout)."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=wait)
