@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .comm.base import P2P, Comm
 from .compute import ChunkCompute, Key, StepState
-from .executor import Executor
+from .executor import Executor, Messages
 from . import checkpoint, fingerprint
 from .plan import CHANNELS, OPS, Action, Op, Plan, gather_program, setup_program
 from .precision import Precision
@@ -461,10 +461,10 @@ class TawPipe:
             return lambda: self._all_reduce_stats(comm, a.group)
         raise ValueError(f"the engine cannot execute {a.op}")
 
-    def _p2p(self, unit: list[Action], tensor: Callable[[Action], torch.Tensor]) -> Callable[[], None]:
-        comm = self._comms[OPS[unit[0].op].channel]
-        ops = [P2P(OPS[a.op].transfer, tensor(a), a.peer) for a in unit]
-        return lambda: comm.batch_p2p(ops)
+    def _p2p(self, unit: list[Action], tensor: Callable[[Action], torch.Tensor]) -> Messages:
+        return Messages(self._comms[OPS[unit[0].op].channel],
+                        tuple(P2P(OPS[a.op].transfer, tensor(a), a.peer) for a in unit),
+                        tuple(a.tag for a in unit), self.timeout)
 
     def _all_reduce_stats(self, comm: Comm, group: tuple[int, ...]) -> None:
         stats = Precision.local_stats(self.storage.grad_acc).to(self.device)

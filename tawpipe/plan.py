@@ -53,6 +53,7 @@ class Action:
     grad_buf: str | None = None  # B only
     accumulate: bool = False  # B only: grad_buf += local gradient
     bytes: int = 0  # payload of a communication action
+    tag: int | None = None  # SEND_*/RECV_*: the k-th message from src to dst on its channel
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -96,6 +97,7 @@ class OpSpec:
     kind: str | None  # "weights" | "grads" | "replicated" | "stats" | "state" | None
     reads: Callable[[Action, "Plan"], Names]
     writes: Callable[[Action, "Plan"], Names]
+    ordered: bool = False  # keeps its place in its channel even where messages float (design §5.2)
 
     @property
     def is_comm(self) -> bool:
@@ -150,21 +152,24 @@ OPS: dict[Op, OpSpec] = {
     Op.LOAD_W: OpSpec("weights", None, None, _const(MASTER), _buf),
     Op.STEP: OpSpec("compute", None, None, _const(ACC, REP, STATS), _const(MASTER, ACC, REP)),
     Op.SEND_W: OpSpec("weights", "send", "weights", _buf, _none),
-    Op.RECV_W: OpSpec("weights", "recv", "weights", _none, _buf),
-    Op.BCAST_W: OpSpec("weights", "collective", "weights", _root_reads, _bcast_writes),
-    Op.REDUCE_G: OpSpec("grads", "collective", "grads", _root_reads, _reduce_writes),
+    # a group's fetches in the order its compute needs them: the next one never shares the link
+    # with a later one
+    Op.RECV_W: OpSpec("weights", "recv", "weights", _none, _buf, ordered=True),
+    Op.BCAST_W: OpSpec("weights", "collective", "weights", _root_reads, _bcast_writes, ordered=True),
+    Op.REDUCE_G: OpSpec("grads", "collective", "grads", _root_reads, _reduce_writes, ordered=True),
     Op.SEND_G: OpSpec("grads", "send", "grads", _buf, _none),
     Op.RECV_G: OpSpec("grads", "recv", "grads", _none, _buf),
     # local arithmetic, but on the gradient channel: right after the receive it consumes, so the
     # compute side never waits for gradients
     Op.ACC_G: OpSpec("grads", None, None, lambda a, _p: (a.buf, ACC), _const(ACC)),
-    Op.ALLREDUCE_REPLICATED: OpSpec("replicated", "collective", "replicated", _const(REP), _const(REP)),
-    Op.ALLREDUCE_STATS: OpSpec("step", "collective", "stats", _const(ACC), _const(STATS)),
+    Op.ALLREDUCE_REPLICATED: OpSpec("replicated", "collective", "replicated", _const(REP), _const(REP),
+                                    ordered=True),
+    Op.ALLREDUCE_STATS: OpSpec("step", "collective", "stats", _const(ACC), _const(STATS), ordered=True),
     Op.SEND_MASTER: OpSpec("step", "send", "state", _const(MASTER), _none),
     Op.RECV_MASTER: OpSpec("step", "recv", "state", _none, _buf),
     # every rank's fingerprint of its configuration, compared before the first step (an all-gather
     # written as an all-reduce of one row per rank)
-    Op.CHECK: OpSpec("step", "collective", "setup", _none, _const("fingerprint")),
+    Op.CHECK: OpSpec("step", "collective", "setup", _none, _const("fingerprint"), ordered=True),
 }
 
 WEIGHT_OPS = frozenset({Op.LOAD_W, Op.SEND_W, Op.RECV_W, Op.BCAST_W, Op.F, Op.B})  # touch weight bufs
@@ -200,7 +205,9 @@ def describe(a: Action) -> str:
 
 def batches(actions: Sequence[Action]) -> Iterator[list[Action]]:
     """A rank's actions in execution units: consecutive point-to-point actions of one slot on one
-    channel form one batch, posted together (design §5.2); every other action is a unit alone."""
+    channel form one batch, posted together (design §5.2); every other action is a unit alone.
+    A batch's messages carry tags: the k-th message from one rank to another on a channel has
+    tag k, so a backend may also post each one as soon as it is ready (design §5.2)."""
     batch: list[Action] = []
     for a in actions:
         spec = OPS[a.op]
@@ -363,9 +370,10 @@ def gather_program(plan: Plan, root: int = 0) -> tuple[tuple[Action, ...], ...]:
     chunk k lands in its own buffer ``state{k}``, in model order."""
     n = plan.topology.world_size
     lists: list[list[Action]] = [[] for _ in range(n)]
-    for k in plan.model_order:
+    for k in plan.model_order:  # every owner sends once: tag 0
         o, nbytes = plan.owner[k], plan.chunk_numel(k) * 4
         if o != root:
-            lists[o].append(Action(0, o, Op.SEND_MASTER, chunk=k, peer=root, bytes=nbytes))
-            lists[root].append(Action(0, root, Op.RECV_MASTER, chunk=k, peer=o, buf=f"state{k}", bytes=nbytes))
+            lists[o].append(Action(0, o, Op.SEND_MASTER, chunk=k, peer=root, bytes=nbytes, tag=0))
+            lists[root].append(Action(0, root, Op.RECV_MASTER, chunk=k, peer=o, buf=f"state{k}", bytes=nbytes,
+                                      tag=0))
     return tuple(tuple(acts) for acts in lists)

@@ -9,10 +9,12 @@ which is what makes a blocking execution deadlock-free by construction (design Â
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections import Counter
 from typing import Any
 
-from .plan import ALGOS, GRAD_ROUTES, STATS_BYTES, Action, Op, Plan
+from .plan import ALGOS, GRAD_ROUTES, OPS, STATS_BYTES, Action, Op, Plan
 from .topology import Topology
 
 
@@ -131,12 +133,20 @@ class _Events:
         self._events.setdefault(slot, [[] for _ in self._phases])[phase].append(actions)
 
     def project(self, n: int) -> tuple[tuple[Action, ...], ...]:
+        """Each rank's actions in the global order; point-to-point pairs get their tags here: the
+        k-th message from src to dst on a channel, counted in that same order."""
         lists: list[list[Action]] = [[] for _ in range(n)]
+        sent: Counter[tuple[str, int, int]] = Counter()
         for slot in sorted(self._events):
             for phase, events in zip(self._phases, self._events[slot]):
                 if phase in self._p2p:
                     events = _in_rounds(events)
                 for ev in events:
+                    if phase in self._p2p:
+                        s, d = ev
+                        key = (OPS[s.op].channel, s.rank, d.rank)
+                        ev = (dataclasses.replace(s, tag=sent[key]), dataclasses.replace(d, tag=sent[key]))
+                        sent[key] += 1
                     for a in ev:
                         lists[a.rank].append(a)
         return tuple(tuple(acts) for acts in lists)

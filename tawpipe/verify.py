@@ -159,8 +159,8 @@ class Verifier:
     def _pair(self, s: Action, d: Action) -> None:
         if (s.op, d.op) not in _PAIRS:
             raise _fail(s, f"is matched by {describe(d)}")
-        if (s.slot, s.chunk, s.bytes) != (d.slot, d.chunk, d.bytes):
-            raise _fail(s, f"is matched by {describe(d)}: slot, chunk or bytes differ")
+        if (s.slot, s.chunk, s.bytes, s.tag) != (d.slot, d.chunk, d.bytes, d.tag):
+            raise _fail(s, f"is matched by {describe(d)}: slot, chunk, bytes or tag differ")
 
     def _transfer(self, s: Action, d: Action) -> None:
         self._pair(s, d)
@@ -404,6 +404,7 @@ def _check_static(plan: Plan) -> None:
     everyone = tuple(range(n))
     for r, acts in enumerate(plan.actions):
         _check_rank_frame(plan, r, acts)
+        _check_tags(acts)
         prev_slot = -1
         for a in acts:
             if a.rank != r:
@@ -434,6 +435,20 @@ def _check_static(plan: Plan) -> None:
                 g = topo.group_of(r)
                 if a.group != topo.group_ranks(g) or a.root not in a.group:
                     raise _fail(a, f"must span exactly group {g} {list(topo.group_ranks(g))} with a root in it")
+
+
+def _check_tags(acts: tuple[Action, ...]) -> None:
+    """Floating messages are matched by tag (design §5.2): on each channel, the messages between
+    two ranks in one direction must be tagged 0, 1, 2, ... in list order."""
+    count: Counter[tuple[str, str | None, int | None]] = Counter()
+    for a in acts:
+        spec = OPS[a.op]
+        if spec.is_p2p:
+            key = (spec.channel, spec.transfer, a.peer)
+            if a.tag != count[key]:
+                raise _fail(a, f"has tag {a.tag}; as message {count[key]} to/from rank {a.peer} on the "
+                               f"{spec.channel} channel it needs tag {count[key]}")
+            count[key] += 1
 
 
 def _check_rank_frame(plan: Plan, r: int, acts: tuple[Action, ...]) -> None:

@@ -445,7 +445,7 @@ def n4():
 
 def test_verify_catches_a_dropped_recv(n4):
     bad = _edit(n4, 0, lambda acts: acts.pop(_index(acts, lambda a: a.op is Op.RECV_W)))
-    with pytest.raises(PlanError, match="deadlock|matched by"):
+    with pytest.raises(PlanError, match="deadlock|matched by|needs tag"):
         verify(bad)
 
 
@@ -534,3 +534,15 @@ def test_verify_catches_a_fourth_weight_buffer(n4):
         plan = _edit(plan, r, extra)
     with pytest.raises(PlanError, match="at most 3"):
         verify(plan)
+
+
+def test_verify_catches_swapped_message_tags(n4):
+    """Floating messages are matched by tag: two sends to one peer with their tags swapped would
+    deliver each payload into the other's buffer."""
+    def swap(acts):
+        i = _index(acts, lambda a: a.op is Op.SEND_G)
+        j = _index(acts[i + 1:], lambda a: a.op is Op.SEND_G and a.peer == acts[i].peer) + i + 1
+        acts[i], acts[j] = dataclasses.replace(acts[i], tag=acts[j].tag), dataclasses.replace(acts[j], tag=acts[i].tag)
+    bad = _edit(n4, 2, swap)
+    with pytest.raises(PlanError, match="needs tag"):
+        verify(bad)

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -64,6 +64,17 @@ class Comm(abc.ABC):
         for o in ops:
             (self.send if o.op == "send" else self.recv)(o.tensor, o.peer)
 
+    async_p2p = False  # True: post() works, and the executor posts each message when it is ready
+
+    def post(self, op: P2P, tag: int) -> "Pending":
+        """Post one send or receive, matched with its peer's by ``tag``, and return at once.
+
+        Messages posted this way may be posted in any order, so a rank never holds a transfer
+        back behind an unrelated one (design §5.2). Backends whose calls must be issued in the
+        same order on every rank (NCCL) keep ``async_p2p = False`` and run ``batch_p2p`` in
+        order on their channel instead."""
+        raise NotImplementedError(f"{type(self).__name__} posts no single messages (async_p2p is False)")
+
     @abc.abstractmethod
     def channel_comm(self, name: str) -> "Comm":
         """The Comm of channel ``name``: its operations never interleave with another channel's
@@ -75,10 +86,16 @@ class CommTimeout(RuntimeError):
     pass
 
 
+class Pending(Protocol):
+    """A posted message: ``wait`` returns once it has completed, or raises after ``timeout`` s."""
+
+    def wait(self, timeout: float) -> None: ...
+
+
 class Handle:
     """Completion of one piece of work. On CUDA it also carries an event for stream ordering."""
 
-    __slots__ = ("_done", "_error", "_event", "label", "start", "end")
+    __slots__ = ("_done", "_error", "_event", "label", "start", "end", "_callbacks", "_lock")
 
     def __init__(self, label: str = "") -> None:
         self._done = threading.Event()
@@ -86,6 +103,20 @@ class Handle:
         self._event: torch.cuda.Event | None = None
         self.label = label
         self.start = self.end = 0.0  # host time the work ran (issued, on CUDA), for traces
+        self._callbacks: list[Callable[[Handle], None]] = []
+        self._lock = threading.Lock()
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Call ``fn(self)`` once done: now if it is, else on the thread that finishes it."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
 
     @staticmethod
     def completed(event: "torch.cuda.Event | None" = None, label: str = "") -> "Handle":
@@ -95,8 +126,12 @@ class Handle:
         return h
 
     def _finish(self, error: BaseException | None = None, event: "torch.cuda.Event | None" = None) -> None:
-        self._error, self._event = error, event
-        self._done.set()
+        with self._lock:
+            self._error, self._event = error, event
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
 
     def done(self) -> bool:
         return self._done.is_set()

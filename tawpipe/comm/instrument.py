@@ -68,9 +68,17 @@ class _Wrapper(Comm):
             self._before(o.op, o.tensor, peer=o.peer)
         self.inner.batch_p2p(ops)
 
+    def post(self, op: P2P, tag: int):
+        self._before(op.op, op.tensor, peer=op.peer)
+        return self.inner.post(op, tag)
+
 
 class RecordingComm(_Wrapper):
     """Appends a CommRecord per operation to a list shared by all its channels."""
+
+    @property
+    def async_p2p(self) -> bool:
+        return self.inner.async_p2p
 
     def __init__(self, inner: Comm, channel: str = "weights", log: list[CommRecord] | None = None) -> None:
         super().__init__(inner, channel)
@@ -85,7 +93,9 @@ class RecordingComm(_Wrapper):
 
 
 class DelayComm(_Wrapper):
-    """Sleeps `latency + bytes / bandwidth` seconds before each operation (on the comm thread)."""
+    """Sleeps `latency + bytes / bandwidth` seconds before each operation (on the comm thread).
+    Its messages are not posted one by one (async_p2p False): a sleep must not run on whichever
+    thread happens to post."""
 
     def __init__(self, inner: Comm, latency_s: float, bandwidth_Bps: float = float("inf"),
                  channel: str = "weights") -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import Topology
-from .base import P2P, Comm, Group
+from .base import P2P, Comm, CommTimeout, Group
 
 
 class TorchDistComm(Comm):
@@ -65,6 +65,14 @@ class TorchDistComm(Comm):
     def recv(self, tensor: torch.Tensor, peer: int) -> None:
         dist.recv(tensor, src=peer, group=self._p2p)
 
+    @property
+    def async_p2p(self) -> bool:
+        """gloo matches messages by (peer, tag) whatever the order they are posted in."""
+        return dist.get_backend(self._p2p) == "gloo"
+
+    def post(self, op: P2P, tag: int) -> _Posted:
+        return _Posted((dist.isend if op.op == "send" else dist.irecv)(op.tensor, op.peer, group=self._p2p, tag=tag))
+
     def batch_p2p(self, ops: Sequence[P2P]) -> None:
         works = [(dist.isend if o.op == "send" else dist.irecv)(o.tensor, o.peer, group=self._p2p) for o in ops]
         for w in works:
@@ -78,6 +86,22 @@ class TorchDistComm(Comm):
 
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._pg(group))
+
+
+class _Posted:
+    """A posted torch.distributed message whose wait has a limit."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self._work.wait(timedelta(seconds=timeout))
+        except RuntimeError as e:
+            if "timeout" not in str(e).lower():  # gloo: "Application timeout caused pair closure"
+                raise
+            raise CommTimeout(f"timed out after {timeout:.0f}s ({e}); a peer is missing or stuck "
+                              "(raise the timeout with TAWPIPE_TIMEOUT for slow links)") from e
 
 
 def _check_same_topology(topology: Topology, rank: int, world: int) -> None:
