@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent
 CPU_SOURCES = [
     "csrc/kernels/shard_ops_cpu.cpp",
     "csrc/torch/segments.cpp",
+    "csrc/torch/inplace.cpp",
     "csrc/torch/ops.cpp",
     "csrc/torch/bound.cpp",
     "csrc/torch/module.cpp",

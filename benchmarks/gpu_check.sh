@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# GPU check of the communication and offload work, for a machine with one CUDA GPU and a CUDA
-# build of torch already installed (torch is never reinstalled here; its nvidia-nccl wheel
-# provides nccl.h and libnccl.so.2).
+# GPU check of everything CUDA in tawpipe, for a machine with one CUDA GPU and a CUDA build of
+# torch already installed (torch is never reinstalled here; its nvidia-nccl wheel provides nccl.h
+# and libnccl.so.2).
 #
 #   1. builds tawpipe in place with the CUDA kernels and the native NCCL backend (tawpipe._nccl);
-#   2. runs the tests of tests/test_nccl_native.py, tests/test_offload.py, tests/test_comm_bench.py
-#      (world-size-1 NCCL exactness, timeouts, the engine on the native backend, the prefetcher);
-#   3. runs `tawpipe bench prefetch` (targets: >= 90% of pinned-copy bandwidth, overlap <= 1.1);
-#   4. runs `tawpipe bench comm` at world size 1 with the nccl and nccl-native backends.
+#   2. runs the CUDA tests: the shard ops (tests/test_ops.py, tests/test_kernels_build.py), the
+#      engine on one GPU (tests/test_engine_cuda.py), the native NCCL backend, the offload and the
+#      comm bench (world-size-1 NCCL exactness, timeouts, the prefetcher);
+#   3. runs benchmarks/ops_bench.py on the GPU (pack/unpack vs D2D copy and _foreach_copy_);
+#   4. runs `tawpipe bench prefetch` (targets: >= 90% of pinned-copy bandwidth, overlap <= 1.1);
+#   5. runs `tawpipe bench comm` at world size 1 with the nccl and nccl-native backends.
 #
 # Everything lands in $OUT if set, else benchmarks/results/: gpu_check.json (summary with the GPU
 # name), gpu_env.txt, build.log, tests.xml/tests.log, prefetch_cuda.json, comm_nccl_1x1.{json,png},
@@ -16,14 +18,23 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The system compiler, where there is one: on the image this was first run on, the g++ first on the
+# PATH (/opt/gcc) produced extensions in which every C++ exception crashed the process (with
+# /usr/bin/g++ every test passed). Set CXX/CC to override.
+if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 DEST=${OUT:-benchmarks/results}
 mkdir -p "$DEST"
 export TAWPIPE_TIMEOUT=${TAWPIPE_TIMEOUT:-120}
 declare -A STATUS
 
+# GPU_CHECK_STEPS picks steps (default: all), so that the check fits commands of limited length:
+# e.g. GPU_CHECK_STEPS="build tests", then GPU_CHECK_STEPS="ops_bench prefetch comm".
+STEPS=" ${GPU_CHECK_STEPS:-build tests ops_bench prefetch comm} "
+
 step() {  # step NAME SECONDS LOG COMMAND...: run with a time limit, record the exit code
   local name=$1 limit=$2 log=$3
   shift 3
+  [[ "$STEPS" == *" ${name%%_nccl*} "* ]] || return 0
   echo "== $name (limit ${limit}s, log $log)"
   local t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
@@ -45,8 +56,12 @@ cat "$DEST/gpu_env.txt"
 step build 420 "$DEST/build.log" env TAWPIPE_BUILD_CUDA=1 TAWPIPE_BUILD_NCCL=1 MAX_JOBS="${MAX_JOBS:-16}" \
   "$PY" setup.py build_ext --inplace
 
-step tests 300 "$DEST/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$DEST/tests.xml" \
-  tests/test_nccl_native.py tests/test_offload.py tests/test_comm_bench.py
+step tests 360 "$DEST/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$DEST/tests.xml" \
+  tests/test_engine_cuda.py tests/test_nccl_native.py tests/test_offload.py tests/test_comm_bench.py \
+  tests/test_ops.py tests/test_triton_ops.py tests/test_kernels_build.py
+
+step ops_bench 240 "$DEST/ops_bench.log" "$PY" benchmarks/ops_bench.py --iters 20 --warmup 3 \
+  --out "$DEST/ops_bench_cuda.json"
 
 step prefetch 180 "$DEST/prefetch.log" "$PY" -m tawpipe bench prefetch --out "$DEST/prefetch_cuda.json"
 

@@ -123,7 +123,7 @@ class TawPipe:
         max_grad_norm: float | None = None,
         block_forward: BlockForward | None = None,
         block_context: Callable[[torch.Tensor], dict[str, Any]] | None = None,
-        comm: Comm | None = None,
+        comm: Comm | str | None = None,
         device: torch.device | str | None = None,
         algo: str = "tawpipe",
         grad_route: str = "rail",
@@ -145,9 +145,9 @@ class TawPipe:
                          block_forward=block_forward, block_context=block_context, materialize=materialize)
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a tawpipe.Topology, got {type(topology).__name__}")
-        if comm is not None and not isinstance(comm, Comm):
-            raise TypeError(f"comm must be a tawpipe.comm.Comm (or None for torch.distributed), got "
-                            f"{type(comm).__name__}")
+        if not (comm is None or isinstance(comm, Comm) or comm in ("torch", "nccl-native")):
+            raise TypeError(f"comm must be a tawpipe.comm.Comm, 'torch' (torch.distributed, the default) or "
+                            f"'nccl-native', got {comm!r}")
         if offload not in (None, "host"):
             raise ValueError(f"offload must be None or 'host', got {offload!r}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -208,11 +208,17 @@ class TawPipe:
                           lambda unit: lambda: comm.all_reduce(table, unit[0].group))
         fingerprint.compare(table, mine, self.rank)
 
-    def _connect(self, comm: Comm | None) -> None:
-        if comm is None:
+    def _connect(self, comm: Comm | str | None) -> None:
+        if comm is None or comm == "torch":
             from .comm.torch_dist import TorchDistComm
 
             comm = TorchDistComm(self.topology, self.timeout)
+        elif comm == "nccl-native":
+            from .comm.nccl_native import NcclComm
+
+            # no per-call size exchange: every size comes from the plan, which the setup program's
+            # CHECK proves identical on every rank
+            comm = NcclComm(self.topology, self.timeout, device=self.device, check="off")
         if comm.world_size != self.topology.world_size:
             raise ValueError(
                 f"the comm backend has {comm.world_size} ranks but the topology {self.topology.world_size}"

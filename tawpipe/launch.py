@@ -29,8 +29,9 @@ def default_timeout() -> float:
     return float(os.environ.get("TAWPIPE_TIMEOUT", 300))
 
 
-def init_distributed(timeout: float | None = None) -> torch.device:
-    """Initialise torch.distributed from torchrun's environment; returns this rank's device."""
+def init_distributed(timeout: float | None = None, cpu: bool = False) -> torch.device:
+    """Initialise torch.distributed from torchrun's environment; returns this rank's device
+    (``cpu=True``: gloo on the CPU even where CUDA is available)."""
     if not dist.is_initialized():
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
@@ -38,7 +39,7 @@ def init_distributed(timeout: float | None = None) -> torch.device:
                 f"environment lacks {', '.join(missing)}: start with torchrun, or use "
                 "tawpipe.launch.run_local for a local emulated cluster"
             )
-        use_cuda = torch.cuda.is_available()
+        use_cuda = torch.cuda.is_available() and not cpu
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(device)
@@ -47,7 +48,7 @@ def init_distributed(timeout: float | None = None) -> torch.device:
             timeout=timedelta(seconds=timeout or default_timeout()),
             **({"device_id": device} if use_cuda else {}),
         )
-    if torch.cuda.is_available():
+    if dist.get_backend() != "gloo":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -31,6 +31,7 @@ plain copies, nothing pinned, so the engine's exactness tests run with offload o
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -85,9 +86,12 @@ class HostOffload:
             if init.numel() != self.numel:
                 raise ValueError(f"HostOffload: init has {init.numel()} elements, the layout {self.numel}")
             self.master.copy_(init.reshape(-1))
-        self._prefetcher = torch.ops.tawpipe._prefetch_create(
+        self._prefetcher: int | None = torch.ops.tawpipe._prefetch_create(
             device.index if device.type == "cuda" else -1, piece_numel, num_threads
         )
+        # destroyed (after its queued work) when this object is collected, or by close()
+        self._finalizer = weakref.finalize(self, torch.ops.tawpipe._prefetch_destroy.default, self._prefetcher)
+        self._finalizer.atexit = False
         self._load_lock = threading.Lock()
         self._acc_lock = threading.Lock()
 
@@ -111,7 +115,7 @@ class HostOffload:
         return t[: self.numel]
 
     @property
-    def _handle(self) -> Tensor:
+    def _handle(self) -> int:
         if self._prefetcher is None:
             raise RuntimeError("HostOffload is closed")
         return self._prefetcher
@@ -145,3 +149,4 @@ class HostOffload:
         if self._prefetcher is not None:
             self.synchronize()
             self._prefetcher = None
+            self._finalizer()

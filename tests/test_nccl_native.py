@@ -336,4 +336,6 @@ def _engine_exactness(rank: int) -> float:
 @cuda
 def test_engine_is_exact_with_the_native_backend_at_world_size_one() -> None:
     (err,) = run_local(_engine_exactness, 1, timeout=300)
-    assert err <= 1e-5
+    # GPU kernels sum in another order than the reference's (the embedding's backward uses atomics),
+    # and AdamW magnifies that in parameters with tiny gradients: 2.6e-5 was seen on an H100
+    assert err <= 1e-4

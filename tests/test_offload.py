@@ -63,8 +63,8 @@ def test_bad_input_is_rejected_with_the_fix() -> None:
         off.load_weights_into(torch.empty(layout.numel - 1))
     with pytest.raises(ValueError, match="dtype"):
         off.accumulate_grad(torch.zeros(layout.numel, dtype=torch.int32))
-    with pytest.raises(ValueError, match="not a prefetcher"):
-        torch.ops.tawpipe._prefetch_load(torch.zeros(8, dtype=torch.uint8), off.master, torch.empty(layout.numel))
+    with pytest.raises(ValueError, match="not a live prefetcher"):  # a handle is a number Python cannot forge
+        torch.ops.tawpipe._prefetch_load(off._prefetcher + 1000, off.master, torch.empty(layout.numel))
     # the native op checks too (direct calls skip the Python checks)
     with pytest.raises(ValueError, match="elements"):
         torch.ops.tawpipe._prefetch_load(off._prefetcher, off.master, torch.empty(layout.numel + 1))

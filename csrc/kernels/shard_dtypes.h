@@ -36,6 +36,17 @@ TAWPIPE_HOST_DEVICE constexpr bool valid_dtype(int32_t d) {
 
 TAWPIPE_HOST_DEVICE constexpr int dtype_bytes(int32_t d) { return d == TAWPIPE_DTYPE_F32 ? 4 : 2; }
 
+// acc + alpha * x, rounded twice (no fused multiply-add), so every device gives the same bits:
+// the CPU kernels are built with -ffp-contract=off; nvcc contracts to FMA by default, so device
+// code spells the two roundings out.
+TAWPIPE_HOST_DEVICE TAWPIPE_FORCE_INLINE float add_scaled(float acc, float alpha, float x) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(acc, __fmul_rn(alpha, x));
+#else
+  return acc + alpha * x;
+#endif
+}
+
 inline uint32_t float_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);

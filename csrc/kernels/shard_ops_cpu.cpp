@@ -18,6 +18,7 @@
 
 namespace {
 
+using tawpipe::kernels::add_scaled;
 using tawpipe::kernels::dispatch_dtype_pair;
 using tawpipe::kernels::Elem;
 using tawpipe::kernels::valid_dtype;
@@ -40,7 +41,7 @@ TAWPIPE_FORCE_INLINE void run_range(const void* src_v, void* dst_v, int64_t begi
   } else {
     for (int64_t k = 0; k < n; ++k) {
       float v = Elem<S>::load(src[k]);
-      if constexpr (Accumulate) v = Elem<D>::load(dst[k]) + alpha * v;
+      if constexpr (Accumulate) v = add_scaled(Elem<D>::load(dst[k]), alpha, v);
       dst[k] = Elem<D>::store(v);
     }
   }

@@ -18,6 +18,7 @@
 
 namespace {
 
+using tawpipe::kernels::add_scaled;
 using tawpipe::kernels::dispatch_dtype_pair;
 using tawpipe::kernels::dtype_bytes;
 using tawpipe::kernels::Elem;
@@ -86,7 +87,7 @@ __device__ __forceinline__ void run_tile(const DeviceSegment& seg, int64_t begin
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           float x = Elem<S>::load(in.v[k]);
-          if constexpr (Accumulate) x = Elem<D>::load(out.v[k]) + alpha * x;
+          if constexpr (Accumulate) x = add_scaled(Elem<D>::load(out.v[k]), alpha, x);
           out.v[k] = Elem<D>::store(x);
         }
         dst_v[it * kThreads] = out;
@@ -96,7 +97,7 @@ __device__ __forceinline__ void run_tile(const DeviceSegment& seg, int64_t begin
   }
   for (int i = scalar_begin + static_cast<int>(threadIdx.x); i < n; i += kThreads) {
     float x = Elem<S>::load(src[i]);
-    if constexpr (Accumulate) x = Elem<D>::load(dst[i]) + alpha * x;
+    if constexpr (Accumulate) x = add_scaled(Elem<D>::load(dst[i]), alpha, x);
     dst[i] = Elem<D>::store(x);
   }
 }

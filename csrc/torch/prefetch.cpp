@@ -1,14 +1,17 @@
 // Torch binding of the prefetcher (csrc/kernels/prefetch.h), used by tawpipe.offload.HostOffload.
-// A prefetcher lives in an opaque CPU tensor whose deleter destroys it; the ops check every
-// argument, pass the current stream of the device, and turn a failing status into an exception.
-// Device-generic c10 APIs only (no CUDA headers), so this file builds in CPU builds too.
+// Python holds a prefetcher as an integer handle into a registry of live prefetchers (as the
+// bound tables of bound.cpp): nothing in Python can point it anywhere, and a wrong or stale handle
+// is refused. The ops check every argument, pass the current stream of the device, and turn a
+// failing status into an exception. Device-generic c10 APIs only (no CUDA headers), so this file
+// builds in CPU builds too.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/from_blob.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels/prefetch.h"
@@ -17,18 +20,36 @@ namespace tawpipe {
 namespace {
 
 struct Handle {
+  Handle(tawpipe_prefetcher* p, c10::Device d) : prefetcher(p), device(d) {}
+  Handle(const Handle&) = delete;  // it owns the prefetcher
+  Handle& operator=(const Handle&) = delete;
+  ~Handle() { tawpipe_prefetch_destroy(prefetcher); }
   tawpipe_prefetcher* prefetcher;
   c10::Device device;
-  ~Handle() { tawpipe_prefetch_destroy(prefetcher); }
 };
 
-void delete_handle(void* handle) { delete static_cast<Handle*>(handle); }
+// The live prefetchers by handle. A call holds its prefetcher (shared_ptr) while it runs, so a
+// concurrent _prefetch_destroy cannot free it under the call.
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, std::shared_ptr<Handle>> handles;
+  int64_t next = 1;
+};
 
-Handle& handle_of(const char* op, const at::Tensor& t) {
-  const c10::DataPtr& data = t.storage().data_ptr();
-  TORCH_CHECK_VALUE(data.get_deleter() == &delete_handle, op,
-                    ": not a prefetcher made by tawpipe::_prefetch_create; use tawpipe.offload.HostOffload");
-  return *static_cast<Handle*>(data.get_context());
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: no teardown-order hazards at exit
+  return *r;
+}
+
+std::shared_ptr<Handle> handle_of(const char* op, int64_t handle, bool remove = false) {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  const auto it = r.handles.find(handle);
+  TORCH_CHECK_VALUE(it != r.handles.end(), op, ": ", handle,
+                    " is not a live prefetcher made by tawpipe::_prefetch_create; use tawpipe.offload.HostOffload");
+  std::shared_ptr<Handle> h = it->second;
+  if (remove) r.handles.erase(it);
+  return h;
 }
 
 void check(const char* op, int status) {
@@ -76,7 +97,7 @@ CUstream_st* current_stream(const Handle& h) {
   return static_cast<CUstream_st*>(s.native_handle());
 }
 
-at::Tensor create(int64_t device, int64_t piece_numel, int64_t num_threads) {
+int64_t create(int64_t device, int64_t piece_numel, int64_t num_threads) {
   constexpr const char* op = "tawpipe::_prefetch_create";
   TORCH_CHECK_VALUE(piece_numel >= 1, op, ": piece_numel must be >= 1, got ", piece_numel);
   tawpipe_prefetcher* p = nullptr;
@@ -90,40 +111,46 @@ at::Tensor create(int64_t device, int64_t piece_numel, int64_t num_threads) {
                 "rebuild with a CUDA build of torch and nvcc, or use device='cpu'");
 #endif
   }
-  auto* h = new Handle{p, device < 0 ? c10::Device(c10::kCPU)
-                                     : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))};
-  return at::for_blob(h, {static_cast<int64_t>(sizeof(Handle))})
-      .context(h, &delete_handle)
-      .options(at::TensorOptions().dtype(at::kByte))
-      .make_tensor();
+  auto h = std::make_shared<Handle>(p, device < 0 ? c10::Device(c10::kCPU)
+                                                  : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  const int64_t handle = r.next++;
+  r.handles.emplace(handle, std::move(h));
+  return handle;
 }
 
-void load(const at::Tensor& handle, const at::Tensor& src, const at::Tensor& dst) {
+// The prefetcher is destroyed (after its queued work) outside the registry's lock.
+void destroy(int64_t handle) { handle_of("tawpipe::_prefetch_destroy", handle, /*remove=*/true); }
+
+void load(int64_t handle, const at::Tensor& src, const at::Tensor& dst) {
   constexpr const char* op = "tawpipe::_prefetch_load";
-  Handle& h = handle_of(op, handle);
+  const std::shared_ptr<Handle> held = handle_of(op, handle);
+  const Handle& h = *held;
   const int dtype = check_device(op, "dst", dst, h);
   check_host(op, "src", src, h, dst.numel());
   check(op, tawpipe_prefetch_load(h.prefetcher, src.const_data_ptr<float>(), dst.mutable_data_ptr(), dtype,
                                   dst.numel(), current_stream(h)));
 }
 
-void accumulate(const at::Tensor& handle, const at::Tensor& src, const at::Tensor& acc, double alpha,
-                double timeout) {
+void accumulate(int64_t handle, const at::Tensor& src, const at::Tensor& acc, double alpha, double timeout) {
   constexpr const char* op = "tawpipe::_prefetch_accumulate";
-  Handle& h = handle_of(op, handle);
+  const std::shared_ptr<Handle> held = handle_of(op, handle);
+  const Handle& h = *held;
   const int dtype = check_device(op, "src", src, h);
   check_host(op, "acc", acc, h, src.numel());
   check(op, tawpipe_prefetch_accumulate(h.prefetcher, src.const_data_ptr(), dtype, acc.mutable_data_ptr<float>(),
                                         src.numel(), static_cast<float>(alpha), current_stream(h), timeout));
 }
 
-void synchronize(const at::Tensor& handle, double timeout) {
+void synchronize(int64_t handle, double timeout) {
   constexpr const char* op = "tawpipe::_prefetch_synchronize";
-  check(op, tawpipe_prefetch_synchronize(handle_of(op, handle).prefetcher, timeout));
+  check(op, tawpipe_prefetch_synchronize(handle_of(op, handle)->prefetcher, timeout));
 }
 
-std::vector<int64_t> info(const at::Tensor& handle) {
-  const tawpipe_prefetcher* p = handle_of("tawpipe::_prefetch_info", handle).prefetcher;
+std::vector<int64_t> info(int64_t handle) {
+  const std::shared_ptr<Handle> held = handle_of("tawpipe::_prefetch_info", handle);
+  const tawpipe_prefetcher* p = held->prefetcher;
   return {tawpipe_prefetch_piece_numel(p), static_cast<int64_t>(tawpipe_prefetch_device_bytes(p)),
           static_cast<int64_t>(tawpipe_prefetch_host_bytes(p))};
 }
@@ -131,19 +158,20 @@ std::vector<int64_t> info(const at::Tensor& handle) {
 }  // namespace
 
 // Private ops behind tawpipe.offload (eager only: they move data between devices by pointer).
+// Handles are not tensors: the ops without a tensor argument are registered as plain functions,
+// the two that move data dispatch on their tensors.
 TORCH_LIBRARY_FRAGMENT(tawpipe, m) {
-  m.def("_prefetch_create(int device, int piece_numel, int num_threads) -> Tensor", &create);
-  m.def("_prefetch_load(Tensor handle, Tensor src, Tensor(a!) dst) -> ()");
-  m.def("_prefetch_accumulate(Tensor handle, Tensor src, Tensor(a!) acc, float alpha, float timeout) -> ()");
-  m.def("_prefetch_synchronize(Tensor handle, float timeout) -> ()");
-  m.def("_prefetch_info(Tensor handle) -> int[]");
+  m.def("_prefetch_create(int device, int piece_numel, int num_threads) -> int", &create);
+  m.def("_prefetch_destroy(int handle) -> ()", &destroy);
+  m.def("_prefetch_synchronize(int handle, float timeout) -> ()", &synchronize);
+  m.def("_prefetch_info(int handle) -> int[]", &info);
+  m.def("_prefetch_load(int handle, Tensor src, Tensor(a!) dst) -> ()");
+  m.def("_prefetch_accumulate(int handle, Tensor src, Tensor(a!) acc, float alpha, float timeout) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tawpipe, CompositeExplicitAutograd, m) {
   m.impl("_prefetch_load", &load);
   m.impl("_prefetch_accumulate", &accumulate);
-  m.impl("_prefetch_synchronize", &synchronize);
-  m.impl("_prefetch_info", &info);
 }
 
 }  // namespace tawpipe

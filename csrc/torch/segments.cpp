@@ -2,7 +2,6 @@
 
 #include <c10/core/SymInt.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/VariableTypeUtils.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -194,49 +193,5 @@ void check_status(const char* op, int status, const char* detail) {
               detail != nullptr ? " (" : "", detail != nullptr ? detail : "",
               detail != nullptr ? ")" : "");
 }
-
-void write_inplace(const char* op, at::TensorList reads, at::TensorList writes,
-                   c10::function_ref<std::string(size_t)> name, c10::function_ref<void()> write,
-                   bool bump_versions) {
-  const auto requires_grad = [](const at::Tensor& t) { return t.requires_grad(); };
-  const bool grad_mode = at::GradMode::is_enabled();
-  const bool reads_require_grad =
-      grad_mode && std::any_of(reads.begin(), reads.end(), requires_grad);
-  const bool history =
-      reads_require_grad || (grad_mode && std::any_of(writes.begin(), writes.end(), requires_grad));
-  if (history) {
-    using torch::autograd::can_mutate_inplace_result;
-    for (size_t i = 0; i < writes.size(); ++i) {
-      const at::Tensor& t = writes[i];
-      switch (torch::autograd::can_mutate_inplace(t, reads_require_grad || t.requires_grad())) {
-        case can_mutate_inplace_result::success: break;
-        case can_mutate_inplace_result::non_default_backward_view:  // torch's own message
-          torch::autograd::handle_view_on_rebase(torch::autograd::impl::get_view_autograd_meta(t));
-          break;
-        case can_mutate_inplace_result::view_of_leaf:
-        case can_mutate_inplace_result::is_leaf: {
-          const std::string n = name(i);
-          TORCH_CHECK(false, op, ": ", n, " is ", t.is_leaf() ? "" : "a view of ",
-                      "a leaf tensor that requires grad (e.g. a parameter), which an in-place op "
-                      "may not overwrite while autograd records (as in torch); write through a "
-                      "detached alias (t.detach() shares t's memory), or run under torch.no_grad()");
-        }
-      }
-    }
-  }
-  write();
-  if (bump_versions) {
-    for (const at::Tensor& t : writes) bump_version(t);
-  }
-  if (history) {
-    for (const at::Tensor& t : writes) {
-      if (!reads_require_grad && !t.requires_grad()) continue;
-      torch::autograd::rebase_history(t, c10::make_intrusive<torch::autograd::NotImplemented>(
-                                             op, torch::autograd::collect_next_edges(t, reads)));
-    }
-  }
-}
-
-void bump_version(const at::Tensor& t) { torch::autograd::increment_version(t); }
 
 }  // namespace tawpipe

@@ -37,7 +37,7 @@ void check_status(const char* op, int status, const char* detail);
 void launch_cuda(const char* op, c10::Device device, const std::vector<tawpipe_segment>& segments,
                  bool accumulate, double alpha);
 
-// Runs write() as torch runs an in-place op that has no derivative, for an op that overwrites
+// Defined in inplace.cpp. Runs write() as torch runs an in-place op that has no derivative, for an op that overwrites
 // `writes` with values computed from `reads` (and, when accumulating, from `writes`):
 // - before, in grad mode: refuses to overwrite a leaf that requires grad or a view of one
 //   (RuntimeError naming the tensor as name(i) and the fix), and what torch refuses for views;

@@ -536,8 +536,12 @@ def main(args: argparse.Namespace) -> int:
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_launcher:  # torchrun or tawpipe cluster: this process is one rank
         topo = Topology.from_env()
-        init_distributed(a["timeout"])
-        result = _bench_rank(dist.get_rank(), a, topo, int(os.environ.get("LOCAL_RANK", 0)))
+        init_distributed(a["timeout"], cpu=a["backend"] == "gloo")
+        try:
+            result = _bench_rank(dist.get_rank(), a, topo, int(os.environ.get("LOCAL_RANK", 0)))
+            dist.barrier()  # nobody tears its connections down while a peer still uses them
+        finally:
+            dist.destroy_process_group()
     else:
         result = run_local(_local_rank, a["nodes"] * a["per_node"], a, timeout=a["timeout"])[0]
     if result is None:

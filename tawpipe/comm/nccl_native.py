@@ -34,7 +34,9 @@ gloo for its checks; torch.distributed stays the engine's default.
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -109,6 +111,18 @@ def _as_timeout(error: Exception) -> Exception:
     return CommTimeout(str(error)) if isinstance(error, _nccl.NcclTimeout) else error
 
 
+def _abort_live_communicators() -> None:
+    """At interpreter exit, free the communicators while CUDA still works: a communicator freed
+    later, by the garbage collector during teardown, crashes the exiting process."""
+    for c in list(_LIVE):
+        if not c._native.aborted:
+            c._native.abort("process exit")
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+atexit.register(_abort_live_communicators)
+
+
 class Communicator:
     """One NCCL communicator on one CUDA device; ranks, peers and roots are its own ranks.
 
@@ -119,6 +133,7 @@ class Communicator:
     def __init__(self, native: _nccl.Communicator, timeout: float) -> None:
         self._native = native
         self.timeout = timeout
+        _LIVE.add(self)
 
     @classmethod
     def from_process_group(
@@ -377,7 +392,7 @@ class NcclComm(Comm):
         *,
         device: torch.device | int | None = None,
         check: str = "always",
-        _channel: str = "main",
+        _channel: str = "weights",
         _parent: NcclComm | None = None,
     ) -> None:
         if not dist.is_initialized():

@@ -1,0 +1,569 @@
+"""`tawpipe cluster`: G emulated nodes on this machine, joined by rate-limited links.
+
+TawPipe's claim is about slow links *between* nodes, so the emulation puts each node in a network
+namespace of its own. Node g has one veth link to a bridge that lives in a further namespace; a
+tc token bucket (tbf) limits both directions of every link, on the node side (node -> bridge)
+and on the bridge side (bridge -> node). The ranks of node g run inside namespace g, so:
+
+* traffic between nodes crosses two rate-limited veths and the bridge;
+* traffic inside a node goes to a local address and therefore over loopback, never the veth;
+* the veth's byte counters measure exactly what crossed nodes (payload plus TCP/IP headers).
+
+Workers get torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT), gloo's GLOO_SOCKET_IFNAME is the node's veth and the TCPStore
+rendezvous listens on node 0's veth address, so ``Topology.from_env()`` and
+``tawpipe.launch.init_distributed()`` work unchanged inside. Workers die with the launcher
+(PR_SET_PDEATHSIG, plus a process-group kill), and every wait has a timeout.
+
+Needs root and iproute2 (``ip``, ``tc``). Addresses are private (``SUBNET``.0/24) and exist only
+inside the namespaces created here. Every name starts with ``tpc<launcher pid>x<n>-``, so a
+launcher that was killed outright leaves names that ``tawpipe cluster down`` recognises and removes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
+
+PREFIX = "tpc"
+SUBNET = "10.213.7"  # a /24 that exists only inside this module's namespaces
+NODE_LINK = "tplink"  # the node's end of its veth, the same name in every node namespace
+LINK_ENV = "TAWPIPE_CLUSTER_LINK"  # set for workers: the interface whose counters are inter-node
+COMMAND_TIMEOUT = 30.0  # seconds for one ip/tc invocation
+_NAME = re.compile(rf"^{PREFIX}(\d+)x(\d+)-(br|n\d+)$")
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$", re.IGNORECASE)
+_RATE_SCALE = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_runs = count()
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine or user cannot create the emulated cluster (no root, no ip/tc)."""
+
+
+class ClusterError(RuntimeError):
+    """Setting up the cluster failed, or a worker failed or timed out."""
+
+
+def parse_rate(rate: str) -> int:
+    """Bits per second of a tc rate such as '100mbit' or '1gbit' (decimal prefixes, like tc)."""
+    m = _RATE.match(rate.strip()) if isinstance(rate, str) else None
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"link rate {rate!r} is not a positive tc rate: write e.g. '100mbit', '1gbit', "
+                         "'500kbit' (or 'none' for no limit)")
+    return int(float(m.group(1)) * _RATE_SCALE[m.group(2).lower()])
+
+
+def unavailable_reason() -> str | None:
+    """Why the emulated cluster cannot run here, or None when it can."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return (f"the emulated cluster needs iproute2's {' and '.join(missing)}, not found on PATH: "
+                "install iproute2")
+    if os.geteuid() != 0:
+        return ("the emulated cluster needs root (it creates network namespaces, veth links and tc "
+                f"rate limits); running as uid {os.geteuid()}: run it as root, e.g. with sudo")
+    return None
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The shape and links of an emulated cluster, and the names of everything it creates."""
+
+    nodes: int
+    per_node: int
+    rate: str | None = "100mbit"  # per direction of every node's link; None: no limit
+    queue_ms: int = 400  # tbf queue; at 100 Mbit/s a shallow queue drops packets
+    run_id: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}x{next(_runs)}")
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "per_node", "queue_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"cluster {name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.nodes > 250:
+            raise ValueError(f"at most 250 nodes fit the cluster's /24 subnet, got {self.nodes}")
+        if self.rate is not None:
+            parse_rate(self.rate)
+        if _NAME.match(f"{self.run_id}-br") is None:
+            raise ValueError(f"run id {self.run_id!r} must look like '{PREFIX}<pid>x<n>'")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def rate_bits(self) -> int | None:
+        return None if self.rate is None else parse_rate(self.rate)
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.run_id}-br"
+
+    def node_ns(self, g: int) -> str:
+        return f"{self.run_id}-n{g}"
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace of the cluster, nodes first (deleting a node's removes its veth pair)."""
+        return [self.node_ns(g) for g in range(self.nodes)] + [self.bridge_ns]
+
+    @staticmethod
+    def bridge_link(g: int) -> str:
+        """The bridge's end of node g's veth (in the bridge namespace)."""
+        return f"tpb{g}"
+
+    @staticmethod
+    def address(g: int) -> str:
+        return f"{SUBNET}.{g + 1}"
+
+    def node_of(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
+        return rank // self.per_node
+
+
+def _tbf(ns: str, dev: str, spec: ClusterSpec) -> list[str]:
+    rate_bytes = spec.rate_bits / 8
+    # The bucket must exceed the largest GSO packet (64 KiB plus a header per segment): a smaller
+    # one makes tbf cut every packet into MTU-sized ones, which adds ~5% of headers and ACKs.
+    burst = max(256 * 1024, int(rate_bytes * 0.004))
+    return ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", spec.rate,
+            "burst", str(burst), "latency", f"{spec.queue_ms}ms"]
+
+
+def setup_commands(spec: ClusterSpec) -> list[list[str]]:
+    """The ip/tc invocations that build ``spec``, in order."""
+    br = spec.bridge_ns
+    cmds = [["ip", "netns", "add", ns] for ns in spec.namespaces]
+    cmds += [
+        ["ip", "-n", br, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", br, "link", "set", "br0", "up"],
+    ]
+    for g in range(spec.nodes):
+        ns, peer = spec.node_ns(g), spec.bridge_link(g)
+        cmds += [
+            ["ip", "link", "add", NODE_LINK, "netns", ns, "type", "veth", "peer", "name", peer, "netns", br],
+            ["ip", "-n", br, "link", "set", peer, "master", "br0"],
+            ["ip", "-n", br, "link", "set", peer, "up"],
+            ["ip", "-n", ns, "link", "set", "lo", "up"],
+            ["ip", "-n", ns, "addr", "add", f"{spec.address(g)}/24", "dev", NODE_LINK],
+            ["ip", "-n", ns, "link", "set", NODE_LINK, "up"],
+        ]
+        if spec.rate is not None:
+            cmds += [_tbf(ns, NODE_LINK, spec), _tbf(br, peer, spec)]
+    return cmds
+
+
+def list_namespaces() -> list[str]:
+    out = _ip(["ip", "netns", "list"], check=False).stdout
+    return parse_netns_list(out)
+
+
+def parse_netns_list(text: str) -> list[str]:
+    """Names from ``ip netns list`` output ("name (id: 3)" or "name" per line)."""
+    return [line.split()[0] for line in text.splitlines() if line.strip()]
+
+
+def stale_namespaces(names: Sequence[str], alive: Callable[[int], bool], everything: bool = False) -> list[str]:
+    """This module's namespaces whose launcher is no longer alive (all of them with ``everything``)."""
+    out = []
+    for name in names:
+        m = _NAME.match(name)
+        if m and (everything or not alive(int(m.group(1)))):
+            out.append(name)
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_namespaces(names: Sequence[str]) -> list[str]:
+    """Kill every process inside each namespace, then delete it; returns the errors met."""
+    errors = []
+    for ns in names:
+        pids = _ip(["ip", "netns", "pids", ns], check=False).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        r = _ip(["ip", "netns", "del", ns], check=False)
+        if r.returncode != 0:
+            errors.append(f"ip netns del {ns}: {r.stderr.strip()}")
+    return errors
+
+
+def _ip(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"{' '.join(cmd)}: no answer within {COMMAND_TIMEOUT:.0f} s") from None
+    if check and r.returncode != 0:
+        raise ClusterError(f"{' '.join(cmd)} failed (exit {r.returncode}): {r.stderr.strip()}")
+    return r
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    """Bytes a node sent (tx) and received (rx) over its inter-node link."""
+
+    tx: int
+    rx: int
+
+    def __sub__(self, other: "LinkBytes") -> "LinkBytes":
+        return LinkBytes(self.tx - other.tx, self.rx - other.rx)
+
+    @property
+    def busiest_direction(self) -> int:
+        return max(self.tx, self.rx)
+
+
+def network_floor(per_node: Sequence[LinkBytes], rate_bits: float) -> float:
+    """Seconds the busiest link direction needs at ``rate_bits``: no schedule can be faster."""
+    return max(b.busiest_direction for b in per_node) * 8 / rate_bits
+
+
+def link_bytes() -> LinkBytes | None:
+    """Inside a cluster worker: this node's inter-node bytes so far (None outside a cluster)."""
+    dev = os.environ.get(LINK_ENV)
+    if not dev:
+        return None
+    stats = f"/sys/class/net/{dev}/statistics"
+    with open(f"{stats}/tx_bytes") as tx, open(f"{stats}/rx_bytes") as rx:
+        return LinkBytes(int(tx.read()), int(rx.read()))
+
+
+def worker_env(spec: ClusterSpec, rank: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """torchrun's environment for ``rank``, plus gloo's interface and the link to count."""
+    g = spec.node_of(rank)
+    env = dict(os.environ if base is None else base)
+    env.update(
+        RANK=str(rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank % spec.per_node),
+        LOCAL_WORLD_SIZE=str(spec.per_node), GROUP_RANK=str(g), GROUP_WORLD_SIZE=str(spec.nodes),
+        ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR=spec.address(0), MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME=NODE_LINK, **{LINK_ENV: NODE_LINK},
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+    )
+    return env
+
+
+def worker_command(spec: ClusterSpec, rank: int, argv: Sequence[str]) -> list[str]:
+    """``argv`` run inside the namespace of ``rank``'s node."""
+    return ["ip", "netns", "exec", spec.node_ns(spec.node_of(rank)), *argv]
+
+
+_BOOT = "import sys; from tawpipe.cluster import _worker_main; sys.exit(_worker_main(sys.argv[1], int(sys.argv[2])))"
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: survives exec of ip and python
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class Cluster:
+    """An emulated cluster, built on entry and torn down on exit, error or signal.
+
+    ``run(fn, *args)`` runs ``fn(rank, *args)`` on every rank with torch.distributed initialised
+    (gloo, CPU) and returns the JSON-able results; ``run([...argv])`` runs a command per rank
+    (like torchrun) and returns the exit codes.
+    """
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self._procs: list[subprocess.Popen] = []
+        self._port = random.randrange(20000, 40000)
+        self._old_handlers: dict[int, Any] = {}
+        self._signalled: int | None = None
+        self._up = False
+
+    def __enter__(self) -> "Cluster":
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def up(self) -> None:
+        reason = unavailable_reason()
+        if reason:
+            raise ClusterUnavailable(reason)
+        self._signalled = None
+        self._install_signal_handlers()
+        self._up = True
+        try:
+            for cmd in setup_commands(self.spec):
+                _ip(cmd)
+        except BaseException as e:
+            self.down()
+            if isinstance(e, ClusterError):
+                raise ClusterError(f"could not build the emulated cluster: {e} (is CAP_NET_ADMIN "
+                                   "available, e.g. not inside an unprivileged container?)") from None
+            raise
+
+    def down(self) -> None:
+        """Kill the workers and delete every namespace (idempotent)."""
+        self._signalled = self._signalled or 0  # signals from now on are only noted
+        self._kill_workers()
+        if self._up:
+            existing = list_namespaces()
+            errors = remove_namespaces([ns for ns in self.spec.namespaces if ns in existing])
+            self._up = False
+            if errors:
+                print("tawpipe cluster: teardown problems (run 'tawpipe cluster down'):\n  "
+                      + "\n  ".join(errors), file=sys.stderr)
+        self._restore_signal_handlers()
+
+    def link_bytes(self) -> list[LinkBytes]:
+        """Per node, the bytes it sent and received over its link so far (bridge-side counters)."""
+        r = _ip(["ip", "-n", self.spec.bridge_ns, "-s", "-j", "link", "show"])
+        stats = {d["ifname"]: d["stats64"] for d in json.loads(r.stdout) if "stats64" in d}
+        # The bridge's end receives what the node transmits, and the reverse.
+        return [LinkBytes(tx=stats[self.spec.bridge_link(g)]["rx"]["bytes"],
+                          rx=stats[self.spec.bridge_link(g)]["tx"]["bytes"]) for g in range(self.spec.nodes)]
+
+    def run(self, target: Callable[..., Any] | Sequence[str], *args: Any, timeout: float,
+            quiet: bool = True) -> list[Any]:
+        """Run ``target`` on every rank; raises ClusterError with the first failure's log."""
+        if not self._up:
+            raise ClusterError("the cluster is not up: use it as a context manager ('with Cluster(spec) as c')")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self._check_signal()
+        self._port += 1
+        with tempfile.TemporaryDirectory(prefix=f"{self.spec.run_id}-") as tmp:
+            if callable(target):
+                task = os.path.join(tmp, "task.pkl")
+                with open(task, "wb") as f:
+                    pickle.dump({"sys_path": list(sys.path), "out": tmp, "timeout": timeout,
+                                 "payload": pickle.dumps({"fn": target, "args": args})}, f)
+                argv = [sys.executable, "-c", _BOOT, task]
+            else:
+                argv = list(target)
+            env_base = dict(os.environ)
+            package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env_base["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env_base.get("PYTHONPATH")]))
+            logs = []
+            for rank in range(self.spec.world_size):
+                log = None if not quiet else open(os.path.join(tmp, f"rank{rank}.log"), "wb")
+                logs.append(log)
+                rank_argv = [*argv, str(rank)] if callable(target) else argv
+                self._procs.append(subprocess.Popen(
+                    worker_command(self.spec, rank, rank_argv), env=worker_env(self.spec, rank, self._port, env_base),
+                    stdout=log, stderr=subprocess.STDOUT if log else None, stdin=subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+                ))
+            try:
+                codes = self._wait(timeout, tmp)
+            finally:
+                self._kill_workers()
+                for log in logs:
+                    if log:
+                        log.close()
+            if not callable(target):
+                return codes
+            return [self._result(tmp, rank) for rank in range(self.spec.world_size)]
+
+    def _wait(self, timeout: float, tmp: str) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_signal()
+            codes = [p.poll() for p in self._procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                raise ClusterError(f"rank {failed[0]} exited with code {codes[failed[0]]}"
+                                   + self._log_tail(tmp, failed[0]))
+            if all(c == 0 for c in codes):
+                return codes
+            if time.monotonic() > deadline:
+                stuck = [r for r, c in enumerate(codes) if c is None]
+                raise ClusterError(f"ranks {stuck} still running after {timeout:.0f} s; stopped them"
+                                   + self._log_tail(tmp, stuck[0]))
+            time.sleep(0.05)
+
+    @staticmethod
+    def _log_tail(tmp: str, rank: int) -> str:
+        for name in (f"error{rank}.txt", f"rank{rank}.log"):
+            path = os.path.join(tmp, name)
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    return f"; {name}:\n" + f.read()[-4000:]
+        return ""
+
+    @staticmethod
+    def _result(tmp: str, rank: int) -> Any:
+        with open(os.path.join(tmp, f"result{rank}.json")) as f:
+            return json.load(f)
+
+    def _kill_workers(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the worker leads its own session
+                except ProcessLookupError:
+                    pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                print(f"tawpipe cluster: worker {p.pid} did not exit after SIGKILL", file=sys.stderr)
+        self._procs = []
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers; try/finally still tears down
+
+        def stop(signum: int, _frame: object) -> None:
+            # Raising unwinds through __exit__/finally, which tear down. Python ignores an
+            # exception raised inside an at-fork hook (a signal during Popen), so the signal is
+            # also recorded and re-raised by the next wait (_check_signal).
+            print(f"tawpipe cluster: {signal.Signals(signum).name}, tearing down", file=sys.stderr)
+            if self._signalled is None:  # a second signal must not interrupt the teardown
+                self._signalled = signum
+                self._check_signal()
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, stop)
+
+    def _check_signal(self) -> None:
+        if self._signalled == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self._signalled:
+            raise SystemExit(128 + self._signalled)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+
+
+def _worker_main(task_path: str, rank: int) -> int:
+    """Entry point of a Python worker: initialise torch.distributed, run, write the result."""
+    with open(task_path, "rb") as f:
+        outer = pickle.load(f)
+    out = outer["out"]
+    try:
+        sys.path[:0] = [p for p in outer["sys_path"] if p not in sys.path]  # before unpickling fn
+        task = pickle.loads(outer["payload"])
+        import torch
+        import torch.distributed as dist
+
+        from .launch import init_distributed
+
+        torch.set_num_threads(1)
+        init_distributed(timeout=outer["timeout"])
+        try:
+            value = task["fn"](rank, *task["args"])
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        part = os.path.join(out, f"result{rank}.json.part")
+        with open(part, "w") as f:
+            json.dump(value, f)
+        os.replace(part, os.path.join(out, f"result{rank}.json"))
+        return 0
+    except BaseException:  # noqa: BLE001 - reported to the launcher
+        with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        return 1
+
+
+# ------------------------------------------------------------------------------------ command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    r = sub.add_parser("run", help="run a function or a command on every rank of an emulated cluster",
+                       description="Build the cluster, run TARGET on every rank, print each node's "
+                                   "inter-node bytes, tear everything down.")
+    r.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
+    r.add_argument("--per-node", type=int, default=2, help="ranks per node")
+    r.add_argument("--rate", default="100mbit", help="link rate per direction, tc syntax; 'none': no limit")
+    r.add_argument("--queue-ms", type=int, default=400, help="tbf queue length in ms")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
+    r.add_argument("target", nargs=argparse.REMAINDER, metavar="-- TARGET ...",
+                   help="'module:function [ARG ...]' (called as function(rank, *ARGs) after "
+                        "torch.distributed is initialised; returns JSON) or a command, e.g. "
+                        "'python -m tawpipe train --steps 2'")
+    d = sub.add_parser("down", help="remove namespaces (and their processes) left by dead launchers")
+    d.add_argument("--all", action="store_true", help="also those of launchers still running")
+
+
+def _resolve(target: Sequence[str]) -> Callable[..., Any] | None:
+    """The function named by 'module:function', or None when ``target`` is a command."""
+    if len(target) == 0 or not re.fullmatch(r"[\w.]+:\w+", target[0]):
+        return None
+    module, name = target[0].split(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"tawpipe cluster run: cannot import {target[0]}: {e}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.action == "down":
+        names = stale_namespaces(list_namespaces(), _pid_alive, everything=args.all)
+        errors = remove_namespaces(names)
+        print(f"tawpipe cluster down: removed {len(names) - len(errors)} namespace(s)"
+              + "".join(f"\n  {e}" for e in errors))
+        return 1 if errors else 0
+    target = [a for a in args.target if a != "--"] if args.target[:1] == ["--"] else list(args.target)
+    if not target:
+        raise SystemExit("tawpipe cluster run: nothing to run; give '-- module:function' or '-- command'")
+    try:
+        spec = ClusterSpec(args.nodes, args.per_node, None if args.rate.lower() == "none" else args.rate,
+                           args.queue_ms)
+    except ValueError as e:
+        raise SystemExit(f"tawpipe cluster run: {e}") from None
+    fn = _resolve(target)
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"tawpipe cluster run: {reason}")
+    with Cluster(spec) as c:
+        print(f"tawpipe cluster: {spec.nodes} nodes x {spec.per_node} ranks, links {spec.rate or 'unlimited'} "
+              f"each way, namespaces {spec.run_id}-*", flush=True)
+        before = c.link_bytes()
+        t0 = time.perf_counter()
+        results = c.run(fn, *target[1:], timeout=args.timeout, quiet=False) if fn else \
+            c.run(target, timeout=args.timeout, quiet=False)
+        seconds = time.perf_counter() - t0
+        moved = [b - a for a, b in zip(before, c.link_bytes())]
+    if fn:
+        for rank, value in enumerate(results):
+            print(f"rank {rank}: {json.dumps(value)}")
+    print(f"done in {seconds:.1f} s; inter-node bytes per node (sent / received, veth counters):")
+    for g, b in enumerate(moved):
+        print(f"  node {g}: {b.tx / 1e6:.3f} MB / {b.rx / 1e6:.3f} MB")
+    if spec.rate_bits:
+        print(f"network floor of the whole run: {network_floor(moved, spec.rate_bits):.2f} s")
+    return 0

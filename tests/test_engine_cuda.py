@@ -1,0 +1,68 @@
+"""The engine on a GPU (one rank: NCCL refuses two ranks on one device): the CUDA paths of the
+executor (a stream per channel, events between them, host offload's streamed loads) give the
+same parameters as single-device training. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine_cases import MB_ROWS, TinyLM, adamw, global_batch, lm_loss, rel_err, reference_run
+from tawpipe.engine import TawPipe
+from tawpipe.launch import free_port
+from tawpipe.topology import Topology
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CASES = [
+    dict(),
+    dict(mb_per_fetch=2, prefetch_depth=2),
+    dict(recompute="none"),
+    dict(offload="host"),
+    dict(overlap=False, max_grad_norm=0.05),
+    dict(comm="nccl-native"),
+]
+
+
+def _run(port: int, cases: list[dict], results) -> None:
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=120), device_id=dev)
+    out = []
+    try:
+        for case in cases:
+            case = dict(case)
+            clip = case.pop("max_grad_norm", None)
+            torch.manual_seed(0)
+            model = TinyLM(3)
+            ref, ref_losses = reference_run(model, 2 * MB_ROWS, 3, clip)
+            m = copy.deepcopy(model).to(dev)
+            engine = TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2,
+                             optimizer=adamw, max_grad_norm=clip, device=dev,
+                             block_context=lambda t: {k: v.to(dev) for k, v in m.context(t).items()}, **case)
+            losses = [engine.step(tuple(t.to(dev) for t in global_batch(step, 2 * MB_ROWS))) for step in range(3)]
+            ref_params = dict(ref.named_parameters())
+            err = max(rel_err(p.detach().cpu(), ref_params[n].detach()) for n, p in engine.named_parameters())
+            loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            engine.close()
+            out.append((err, loss_err))
+    finally:
+        dist.destroy_process_group()
+    results.put(out)
+
+
+def test_engine_on_cuda_is_exact() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    p = ctx.Process(target=_run, args=(free_port(), CASES, results))
+    p.start()
+    p.join(timeout=600)
+    assert p.exitcode == 0, p.exitcode
+    for case, (err, loss_err) in zip(CASES, results.get()):
+        assert err <= 1e-5 and loss_err <= 1e-5, (case, err, loss_err)
