@@ -122,6 +122,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=5504)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="compute and gradient wire dtype")
+    p.add_argument("--ranks", type=int, nargs="*", help="measure only these ranks (default: all)")
     p.add_argument("--rank", type=int, help="measure this rank in this process (used by the driver)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args()
@@ -130,10 +131,10 @@ def main() -> None:
         return
     results: dict[str, list[dict]] = {}
     modes = ("meta",) if a.family == "hf" else ("meta", "whole") if a.mode == "both" else (a.mode,)
-    shape = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in ("mode", "rank", "out")]
+    shape = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in ("mode", "rank", "ranks", "out")]
     for mode in modes:
         results[mode] = []
-        for rank in range(a.nodes * a.per_node):
+        for rank in a.ranks if a.ranks is not None else range(a.nodes * a.per_node):
             cmd = [sys.executable, __file__, *shape, "--mode", mode, "--rank", str(rank)]
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)
             r = json.loads(done.stdout.strip().splitlines()[-1])
@@ -146,6 +147,7 @@ def main() -> None:
                   f"ratio {r['ratio']:.2f}", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"args": {k: v for k, v in vars(a).items() if k not in ("rank", "out")},
+                                           "command": " ".join(["python", "benchmarks/meta_init_memory.py", *sys.argv[1:]]),
                                            "results": results}, indent=2) + "\n")
 
 
