@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 
-from setuptools import build_meta as _setuptools
 from setuptools.build_meta import *  # noqa: F401,F403 - every hook not redefined here
 
 DEFAULT_TORCH = "torch==2.13.0"
@@ -32,13 +31,14 @@ def torch_requirement() -> str:
     return f"torch=={version}" if found.returncode == 0 and version else DEFAULT_TORCH
 
 
+# setuptools' own versions of these hooks run setup.py, which imports torch: not installed yet.
 def get_requires_for_build_wheel(config_settings=None):
-    return [*_setuptools.get_requires_for_build_wheel(config_settings), torch_requirement()]
+    return [torch_requirement()]
 
 
 def get_requires_for_build_editable(config_settings=None):
-    return [*_setuptools.get_requires_for_build_editable(config_settings), torch_requirement()]
+    return [torch_requirement()]
 
 
 def get_requires_for_build_sdist(config_settings=None):
-    return [*_setuptools.get_requires_for_build_sdist(config_settings), torch_requirement()]
+    return [torch_requirement()]
