@@ -243,8 +243,8 @@ class Llama(nn.Module):
     @torch.no_grad()
     def materialize(self, block: nn.Module, index: int) -> Block:
         """Block ``index`` with its initial weights, on the CPU (the engine's ``materialize``)."""
-        with torch.device("cpu"):
-            real = Block(self.config)
+        with torch.device("meta"):
+            real = Block(self.config).to_empty(device="cpu")  # no default init: every weight is drawn below
         self._init_block(real, index)
         return real
 
@@ -275,7 +275,11 @@ class Llama(nn.Module):
 def _normal_(p: torch.Tensor, std: float, g: torch.Generator) -> None:
     """Fill ``p`` from N(0, std^2) drawn in float32 on the CPU (the same numbers on any device);
     a meta parameter is left alone."""
-    if not p.is_meta:
+    if p.is_meta:
+        return
+    if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+        p.normal_(0.0, std, generator=g)  # the same draws as into a fresh float32 CPU tensor
+    else:
         p.copy_(torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=g))
 
 
