@@ -186,7 +186,7 @@ class TawPipe:
         self.compute = ChunkCompute(self.storage, embed, head, loss_fn, compute_dtype, recompute, backward_of)
         self.optimizer = optimizer([p for _, p in self.storage.own_params] + [p for _, p in replicated])
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        self.executor = Executor(self.plan, self.timeout, self.device, overlap)
+        self.executor = Executor(self.plan, self.timeout, self.device, overlap, self.rank)
         self._embed, self._head = embed, head
         self.steps = 0
         self._failed: BaseException | None = None

@@ -9,6 +9,9 @@ every action the inputs it would see if the list ran one action at a time (desig
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,9 +29,14 @@ class Executor:
     excepted: it always overlaps, see design §5.3), the serial model that ``verify`` checks too.
     """
 
-    def __init__(self, plan: Plan, timeout: float, device: torch.device, overlap: bool = True) -> None:
-        self.plan, self.timeout, self.device, self.overlap = plan, timeout, device, overlap
+    def __init__(self, plan: Plan, timeout: float, device: torch.device, overlap: bool = True,
+                 rank: int = 0) -> None:
+        self.plan, self.timeout, self.device, self.overlap, self.rank = plan, timeout, device, overlap, rank
         self.channels = {name: Channel(name, timeout, device) for name in CHANNELS if name != "compute"}
+        # TAWPIPE_TRACE=DIR: every unit's host start and end, written as DIR/trace_rank<r>.json
+        # (Chrome trace format, one row per channel) when the executor closes
+        self._trace_dir = os.environ.get("TAWPIPE_TRACE")
+        self._trace: list[tuple[str, str, Handle]] = []
 
     def run(self, actions: Sequence[Action], work: Work) -> None:
         """Execute ``actions``; ``work(unit)`` returns the callable that performs one unit.
@@ -45,8 +53,10 @@ class Executor:
             if channel == "compute":
                 for d in deps:
                     d.wait(self.timeout)
+                start = time.perf_counter()
                 fn()
                 handle = self._compute_done(label)
+                handle.start, handle.end = start, time.perf_counter()
             else:
                 handle = self.channels[channel].submit(fn, deps, label)
                 issued.append(handle)
@@ -54,6 +64,8 @@ class Executor:
                     handle.wait(self.timeout)
             for reads, writes in rw:
                 hazards.record(handle, reads, writes)
+            if self._trace_dir:
+                self._trace.append((channel, label, handle))
         for h in issued:
             h.wait(self.timeout)
 
@@ -68,3 +80,14 @@ class Executor:
     def close(self) -> None:
         for ch in self.channels.values():
             ch.close()
+        if self._trace_dir and self._trace:
+            self._write_trace()
+
+    def _write_trace(self) -> None:
+        t0 = min(h.start for _, _, h in self._trace if h.start)
+        events = [{"name": label, "ph": "X", "pid": self.rank, "tid": channel, "ts": (h.start - t0) * 1e6,
+                   "dur": max(h.end - h.start, 0.0) * 1e6} for channel, label, h in self._trace if h.start]
+        os.makedirs(self._trace_dir, exist_ok=True)
+        with open(os.path.join(self._trace_dir, f"trace_rank{self.rank}.json"), "w") as f:
+            json.dump({"traceEvents": events}, f)
+        self._trace.clear()

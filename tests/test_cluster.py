@@ -150,16 +150,9 @@ def test_resolve_function_or_command():
 # --------------------------------------------------------------------- the bench's pure parts
 
 
-def test_engine_options_the_installed_engine_lacks():
-    assert bench.engine_unsupported({}) == []
-    assert bench.engine_unsupported({"algo": "tawpipe", "mb_per_fetch": 1}) == []  # the paper's schedule
-    assert bench.engine_unsupported({"no_such_option": 3}) == ["no_such_option"]
-    with pytest.raises(ValueError, match="not yet executable"):
-        bench.build_engine(None, RunConfig(), Topology(2, 2), torch.device("cpu"), no_such_option=3)
-
-
 def test_best_k_is_the_micro_batch_count():
-    assert bench.methods(4)["tawpipe-best"].engine_options == {"mb_per_fetch": 4}
+    assert bench.methods(4)["tawpipe-best"].engine_options == {"mb_per_fetch": 4, "prefetch_depth": 1}
+    assert bench.methods(4, prefetch_depth=3)["tawpipe"].engine_options == {"prefetch_depth": 3}
     assert "tawpipe-best" not in bench.methods(1)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
 import os
 import platform
@@ -50,12 +49,13 @@ class Method:
     engine_options: dict[str, Any] | None = None  # None: a peer from tawpipe.baselines
 
 
-def methods(micro_batches: int) -> dict[str, Method]:
+def methods(micro_batches: int, prefetch_depth: int = 1) -> dict[str, Method]:
     """Every method the bench knows, in the default order."""
     k = micro_batches  # the largest k dividing micro_batches; it fits this model's memory
-    out = [Method("tawpipe", "tawpipe (k=1)", {})]
+    d = {"prefetch_depth": prefetch_depth}
+    out = [Method("tawpipe", "tawpipe (k=1)", d)]
     if k > 1:
-        out.append(Method("tawpipe-best", f"tawpipe (k={k})", {"mb_per_fetch": k}))
+        out.append(Method("tawpipe-best", f"tawpipe (k={k})", {"mb_per_fetch": k, **d}))
     out += [
         Method("weipipe", "WeiPipe", {"algo": "weipipe"}),
         Method("fsdp", "FSDP2"), Method("fsdp-mm", "FSDP2 memory-matched"), Method("hsdp", "HSDP"),
@@ -64,33 +64,14 @@ def methods(micro_batches: int) -> dict[str, Method]:
     return {m.name: m for m in out}
 
 
-# Options the lead is adding to the engine, with the value that means "the paper's schedule":
-# an option the installed engine lacks may be dropped only when it asks for that value.
-_ENGINE_DEFAULTS = {"algo": "tawpipe", "mb_per_fetch": 1, "prefetch_depth": None, "grad_wire_dtype": None}
-
-
-def engine_unsupported(options: dict[str, Any]) -> list[str]:
-    """The options the installed TawPipe cannot honour (empty: it can run them)."""
-    accepted = inspect.signature(TawPipe).parameters
-    return sorted(k for k, v in options.items()
-                  if k not in accepted and not (k in _ENGINE_DEFAULTS and v == _ENGINE_DEFAULTS[k]))
-
-
 def build_engine(model: Any, cfg: RunConfig, topology: Topology, device: torch.device, **options: Any) -> TawPipe:
-    """The one place the bench builds a TawPipe/WeiPipe engine, as ``tawpipe train`` does.
-
-    ``options`` (algo, mb_per_fetch, prefetch_depth, grad_wire_dtype, ...) are passed through
-    when the installed engine accepts them; asking for one it lacks is an error.
-    """
-    missing = engine_unsupported(options)
-    if missing:
-        raise ValueError(f"the installed TawPipe engine has no option(s) {missing}: not yet executable")
-    accepted = inspect.signature(TawPipe).parameters
+    """The one place the bench builds a TawPipe/WeiPipe engine, as ``tawpipe train`` does;
+    ``options`` (algo, mb_per_fetch, prefetch_depth, ...) go to the engine as they are."""
     return TawPipe(
         model.blocks, model.embed, model.head, llama_loss, topology=topology,
         micro_batches=cfg.micro_batches, optimizer=functools.partial(baselines.make_optimizer, cfg),
         block_forward=block_forward, block_context=lambda t: model.block_context(t.shape[1], device),
-        device=device, **{k: v for k, v in options.items() if k in accepted},
+        device=device, **options,
     )
 
 
@@ -205,15 +186,13 @@ def _check(cfg: RunConfig, records: list[dict], check_dir: str, ref_losses: list
 
 
 def summarize(cfg: RunConfig, m: Method, runs: list[list[dict]], check: dict | None, rate_bits: int | None,
-              unsupported: list[str], failure: str | None = None) -> dict[str, Any]:
+              failure: str | None = None) -> dict[str, Any]:
     """One row: times pooled over rounds, bytes per iteration, memory, prediction, check."""
     row: dict[str, Any] = {"method": m.name, "label": m.label, "predicted_busiest_bytes": None,
                            "predicted_total_bytes": None}
-    if unsupported:
-        row["status"] = f"not yet executable (installed TawPipe lacks {', '.join(unsupported)})"
     if failure:
         row.update(status="failed (see the JSON)", error=failure)
-    if m.name == "weipipe" or m.engine_options is None:
+    if m.engine_options is None:
         row["predicted_busiest_bytes"] = predicted_busiest(m.name, cfg)
         row["prediction"] = "closed form (tawpipe.traffic.estimate" + (
             ", FSDP2-on-gloo variant in tawpipe.bench.cluster)" if m.name.startswith("fsdp") else ")")
@@ -397,6 +376,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=d.heads)
     p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="per rank and step")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
+    p.add_argument("--prefetch-depth", type=int, default=1, help="tawpipe's prefetch depth (slots ahead)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one method run may take")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "cluster"),
                    help="directory for cluster.json, cluster.md and the PNG plots")
@@ -412,7 +392,7 @@ def main(args: argparse.Namespace) -> int:
         cfgs = [RunConfig(nodes=g, per_node=args.per_node, hidden=args.hidden, layers=args.layers,
                           heads=args.heads, seq_len=args.seq_len, micro_batches=args.micro_batches,
                           batch_size=args.batch_size, steps=args.steps) for g in args.nodes]
-        known = methods(args.micro_batches)
+        known = methods(args.micro_batches, args.prefetch_depth)
         names = args.methods or list(known)
         bad = [n for n in names if n not in known]
         if bad:
@@ -424,12 +404,6 @@ def main(args: argparse.Namespace) -> int:
     if reason:
         raise SystemExit(f"tawpipe bench cluster: {reason}")
     chosen = [known[n] for n in names]
-    unsupported = {m.name: engine_unsupported(m.engine_options) for m in chosen if m.engine_options is not None}
-    runnable = [m for m in chosen if not unsupported.get(m.name)]
-    for name, missing in unsupported.items():
-        if missing:
-            print(f"tawpipe bench cluster: {known[name].label} is not yet executable "
-                  f"(the installed TawPipe has no {', '.join(missing)}); reported as a prediction only")
     rate_bits = parse_rate(rate) if rate else None
     result: dict[str, Any] = {
         "benchmark": "cluster", "rate": rate, "rounds": args.rounds, "machine": {
@@ -438,11 +412,11 @@ def main(args: argparse.Namespace) -> int:
     }
     for cfg, spec in zip(cfgs, specs):
         print(f"tawpipe bench cluster: {cfg.nodes} nodes x {cfg.per_node} ranks, {rate or 'unlimited'} links, "
-              f"{args.rounds} rounds of {len(runnable)} methods", flush=True)
-        raw = run_shape(cfg, runnable, spec, args.rounds, args.timeout,
+              f"{args.rounds} rounds of {len(chosen)} methods", flush=True)
+        raw = run_shape(cfg, chosen, spec, args.rounds, args.timeout,
                         log=functools.partial(print, flush=True))
         rows = [summarize(cfg, m, raw["runs"].get(m.name, []), raw["checks"].get(m.name), rate_bits,
-                          unsupported.get(m.name, []), raw["failures"].get(m.name)) for m in chosen]
+                          raw["failures"].get(m.name)) for m in chosen]
         result["shapes"].append({"config": asdict(cfg), "rows": rows, "reference_losses": raw["reference_losses"],
                                  "raw": raw["runs"]})
     result["notes"] = _notes(result)

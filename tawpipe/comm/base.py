@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -75,13 +76,14 @@ class CommTimeout(RuntimeError):
 class Handle:
     """Completion of one piece of work. On CUDA it also carries an event for stream ordering."""
 
-    __slots__ = ("_done", "_error", "_event", "label")
+    __slots__ = ("_done", "_error", "_event", "label", "start", "end")
 
     def __init__(self, label: str = "") -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._event: torch.cuda.Event | None = None
         self.label = label
+        self.start = self.end = 0.0  # host time the work ran (issued, on CUDA), for traces
 
     @staticmethod
     def completed(event: "torch.cuda.Event | None" = None, label: str = "") -> "Handle":
@@ -151,13 +153,16 @@ class Channel:
                     with torch.cuda.stream(self.stream):
                         for d in deps:
                             d.wait(self.timeout, self.stream)
+                        handle.start = time.perf_counter()
                         fn()
                         event = torch.cuda.Event()
                         event.record(self.stream)
                 else:
                     for d in deps:
                         d.wait(self.timeout)
+                    handle.start = time.perf_counter()
                     fn()
+                handle.end = time.perf_counter()
                 handle._finish(event=event)
             except BaseException as e:  # noqa: BLE001 - surfaced to the waiter
                 self._failed = e
