@@ -186,7 +186,8 @@ def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
     Meta-device parts are materialised: the replicated ones here, the blocks by the engine for its
     own chunk only. Their weights come from ``checkpoint``, else from seeded random
     initialisation (``seed`` None: drawn from the global torch RNG, so every rank must seed it
-    alike). Real parts are used as they are. Every check runs here, before any communication.
+    alike). Real parts are used as they are; the replicated modules (and the rotary tables) move
+    to ``device`` in float32, in place. Every check runs here, before any communication.
     """
     adapter = adapter or adapter_for(model.config)
     adapter.attention_kind(model.config)  # refuses mixed attention kinds now
