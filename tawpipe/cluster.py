@@ -23,7 +23,7 @@ launcher that was killed outright leaves names that ``tawpipe cluster down`` rec
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import importlib
 import json
 import os
@@ -42,6 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
+
+from .launch import die_with_parent
 
 PREFIX = "tpc"
 SUBNET = "10.213.7"  # a /24 that exists only inside this module's namespaces
@@ -282,13 +284,8 @@ _BOOT = "import sys; from tawpipe.cluster import _worker_main; sys.exit(_worker_
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
-    def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: survives exec of ip and python
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
+    """A preexec_fn: PR_SET_PDEATHSIG survives the exec of ip and python."""
+    return functools.partial(die_with_parent, parent)
 
 
 class Cluster:

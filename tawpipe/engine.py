@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,7 +26,7 @@ import torch.nn as nn
 from .comm.base import P2P, Comm
 from .compute import ChunkCompute, Key, StepState
 from .executor import Executor
-from . import fingerprint
+from . import checkpoint, fingerprint
 from .plan import CHANNELS, OPS, Action, Op, Plan, gather_program, setup_program
 from .precision import Precision
 from .schedule import build_plan
@@ -201,12 +202,7 @@ class TawPipe:
         mine = fingerprint.fields(self.plan, compute_dtype=compute_dtype, grad_dtype=grad_dtype, block=block,
                                   replicated=replicated, optimizer=self.optimizer,
                                   precision=dataclasses.asdict(self.precision), recompute=recompute)
-        n = self.topology.world_size
-        table = fingerprint.row(self.rank, n, mine).to(self.device)
-        comm = self._comms["step"]
-        self.executor.run(setup_program(self.plan, table.numel() * 8)[self.rank],
-                          lambda unit: lambda: comm.all_reduce(table, unit[0].group))
-        fingerprint.compare(table, mine, self.rank)
+        fingerprint.compare(self.gather_rows([v for _, v, _ in mine]), mine, self.rank)
 
     def _connect(self, comm: Comm | str | None) -> None:
         if comm is None or comm == "torch":
@@ -285,37 +281,129 @@ class TawPipe:
         return self.storage.own_params + self.storage.replicated
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard: own chunk master, replicated masters, optimizer and scaler state."""
+        """This rank's shard: its chunk's float32 master, the replicated masters, the optimizer
+        state, scheduler, loss scaling and step counter. Parameters and per-parameter optimizer
+        state are keyed by the model's parameter names, so shards can be re-sharded by name
+        (``tawpipe.checkpoint.restore``); everything loads with ``weights_only=True``."""
+        self._refuse_if_failed()
+        names, by_id = self._optimizer_names(), self._param_name
+        opt = self.optimizer.state_dict()
+        aliases = {f"{prefix}.{n}": by_id[id(p)]
+                   for prefix, module in ((self.names[0], self._embed), (self.names[2], self._head))
+                   for n, p in module.named_parameters(remove_duplicate=False) if by_id[id(p)] != f"{prefix}.{n}"}
         return {
             "rank": self.rank,
             "chunk": self.own_chunk,
+            "layers": list(self.plan.chunk_layers[self.own_chunk]),
             "steps": self.steps,
-            "params": {n: p.detach().clone() for n, p in self.named_parameters()},
-            "optimizer": self.optimizer.state_dict(),
+            "params": {n: p.detach().to("cpu", copy=True) for n, p in self.named_parameters()},
+            "aliases": aliases,  # tied weights: their other names
+            "optimizer": {"state": {names[i]: s for i, s in opt["state"].items()},
+                          "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in opt["param_groups"]]},
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "precision": self.precision.state_dict(),
+            "precision": dict(self.precision.state_dict(), loss_scale=self.precision.loss_scale),
+            "compute_dtype": str(self.storage.compute_dtype),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("chunk") != self.own_chunk:
+    def load_state_dict(self, state: dict[str, Any], reshard: bool = False) -> None:
+        """Restore a shard from ``state_dict()`` of the rank that owned this rank's chunk.
+
+        ``reshard=True`` takes this rank's parameters and their optimizer state by name from a
+        ``state`` that may hold more (shards of another topology merged); the scheduler, loss
+        scale, counters and optimizer hyper-parameters are then taken from ``state`` as they are.
+        A shard saved with another loss-scaling mode (e.g. float32, unscaled, into a float16
+        engine) keeps this engine's own scale, with a warning, instead of adopting a wrong one.
+        """
+        if not reshard and state.get("chunk") != self.own_chunk:
             raise ValueError(
                 f"shard holds chunk {state.get('chunk')} but rank {self.rank} owns chunk "
-                f"{self.own_chunk}: load each rank's own shard, on the same topology"
+                f"{self.own_chunk}: load each rank's own shard on the same topology, or re-shard "
+                "(tawpipe.checkpoint.restore does)"
             )
         own = dict(self.named_parameters())
-        if set(state["params"]) != set(own):
-            raise ValueError("shard parameter names differ from this engine's: different model?")
+        saved = state["params"]
+        missing = sorted(own.keys() - saved.keys())
+        unexpected = [] if reshard else sorted(saved.keys() - own.keys())
+        if missing or unexpected:
+            raise ValueError(f"the shard's parameters differ from this engine's (different model?): missing "
+                             f"{missing[:3]}, unexpected {unexpected[:3]}")
+        for n, p in own.items():
+            if tuple(saved[n].shape) != tuple(p.shape):
+                raise ValueError(f"parameter {n} is {tuple(saved[n].shape)} in the shard but {tuple(p.shape)} "
+                                 "here: different model?")
+        names = self._optimizer_names()
+        groups = self.optimizer.state_dict()["param_groups"]
+        saved_groups = state["optimizer"]["param_groups"]
+        if len(saved_groups) != len(groups):
+            raise ValueError(f"the shard's optimizer has {len(saved_groups)} parameter groups, this engine's "
+                             f"{len(groups)}: different optimizer?")
+        saved_state = state["optimizer"]["state"]
         with torch.no_grad():
-            for n, t in state["params"].items():
-                own[n].copy_(t)
-        self.optimizer.load_state_dict(state["optimizer"])
+            for n, p in own.items():
+                p.copy_(saved[n])
+        self.optimizer.load_state_dict({
+            "state": {i: saved_state[n] for i, n in enumerate(names) if n in saved_state},
+            "param_groups": [dict(sg, params=g["params"]) for sg, g in zip(saved_groups, groups)],
+        })
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state["precision"])
+        self._load_precision(state["precision"], state.get("compute_dtype"))
         self.steps = int(state["steps"])
+
+    def _load_precision(self, saved: dict[str, Any], saved_dtype: str | None) -> None:
+        mode = saved.get("loss_scale", self.precision.loss_scale)
+        if mode == self.precision.loss_scale:
+            self.precision.load_state_dict(saved)
+            return
+        warnings.warn(
+            f"the shard was saved with loss_scale={mode!r} (compute dtype {saved_dtype}), this engine uses "
+            f"loss_scale={self.precision.loss_scale!r} ({self.storage.compute_dtype}): keeping this engine's "
+            f"scale {self.precision.scale:g} rather than the shard's {saved['scale']:g}",
+            stacklevel=2,
+        )
+        self.precision.skipped_steps = int(saved["skipped_steps"])
+
+    @property
+    def _param_name(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.named_parameters()}
+
+    def _optimizer_names(self) -> list[str]:
+        """The parameter name of each optimizer index (the order of its state_dict)."""
+        by_id = self._param_name
+        try:
+            return [by_id[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        except KeyError:
+            raise ValueError("the optimizer holds a parameter that is not this engine's") from None
+
+    def model_signature(self) -> dict[str, Any]:
+        """Layer count, one block's and the replicated parameters (``checkpoint.model_signature``)."""
+        layout = self.storage.layouts[min(self.storage.layouts)]
+        block = [(n.split(".", 1)[1], tuple(shape), dtype)
+                 for n, shape, dtype in zip(layout.names, layout.shapes, layout.dtypes) if n.startswith("0.")]
+        replicated = [(n, tuple(p.shape), p.dtype) for n, p in self.storage.replicated]
+        return checkpoint.model_signature(self.plan.num_layers, self.names, block, replicated)
+
+    def _refuse_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"an earlier step failed ({self._failed!r}): this engine's state is unknown and "
+                               "its channels are closed; restore the last checkpoint into a new engine")
+
+    def gather_rows(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (integers; the same count on every rank), in rank order: one
+        all-reduce, run as the setup program's CHECK (checkpoints agree through it)."""
+        self._refuse_if_failed()
+        n = self.topology.world_size
+        table = torch.zeros(n, len(values), dtype=torch.int64)
+        table[self.rank] = torch.tensor(list(values), dtype=torch.int64)
+        table = table.to(self.device)
+        comm = self._comms["step"]
+        self.executor.run(setup_program(self.plan, table.numel() * 8)[self.rank],
+                          lambda unit: lambda: comm.all_reduce(table, unit[0].group))
+        return table.cpu().tolist()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather every chunk on rank 0 under the original parameter names (None elsewhere)."""
+        self._refuse_if_failed()
         received: dict[int, torch.Tensor] = {}
         actions = gather_program(self.plan, root=0)[self.rank]
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import progress
 from .comm.base import Channel, Handle
 from .plan import CHANNELS, OPS, Action, Hazards, Plan, batches, describe
 
@@ -52,7 +53,8 @@ class Executor:
             fn = work(unit)
             if channel == "compute":
                 for d in deps:
-                    d.wait(self.timeout)
+                    self._wait(d)
+                progress.publish(label)
                 start = time.perf_counter()
                 fn()
                 handle = self._compute_done(label)
@@ -61,13 +63,20 @@ class Executor:
                 handle = self.channels[channel].submit(fn, deps, label)
                 issued.append(handle)
                 if not self.overlap and channel != "replicated":
-                    handle.wait(self.timeout)
+                    self._wait(handle)
             for reads, writes in rw:
                 hazards.record(handle, reads, writes)
             if self._trace_dir:
                 self._trace.append((channel, label, handle))
         for h in issued:
-            h.wait(self.timeout)
+            self._wait(h)
+        progress.publish(progress.OUTSIDE)
+
+    def _wait(self, handle: Handle) -> None:
+        """Wait for ``handle``, telling the progress board what this rank waits for (design §5.4)."""
+        if not handle.done():
+            progress.publish(handle.label, wait_limit=self.timeout)
+        handle.wait(self.timeout)
 
     def _compute_done(self, label: str) -> Handle:
         """A handle for work already issued on the compute side (an event on CUDA)."""

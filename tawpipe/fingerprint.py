@@ -73,23 +73,15 @@ def fields(plan: Plan, *, compute_dtype: torch.dtype, grad_dtype: torch.dtype, b
     return rows
 
 
-def row(rank: int, world: int, values: Sequence[tuple[str, int, str]]) -> torch.Tensor:
-    """This rank's contribution to the exchanged table: its row, zeros elsewhere."""
-    t = torch.zeros(world, len(values), dtype=torch.int64)
-    t[rank] = torch.tensor([v for _, v, _ in values], dtype=torch.int64)
-    return t
-
-
-def compare(table: torch.Tensor, mine: Sequence[tuple[str, int, str]], rank: int) -> None:
+def compare(table: list[list[int]], mine: Sequence[tuple[str, int, str]], rank: int) -> None:
     """Raise ValueError naming the first rank and field that differ from rank 0's (every rank
-    sees the same table, so every rank raises the same error)."""
-    table = table.cpu()
-    for r in range(1, table.shape[0]):
+    sees the same table, one row per rank, so every rank raises the same error)."""
+    for r in range(1, len(table)):
         for j, (name, _, readable) in enumerate(mine):
-            if table[r, j] != table[0, j]:
+            if table[r][j] != table[0][j]:
                 shown = ""
                 if name in ("num_layers", "micro_batches", "prefetch_depth", "mb_per_fetch"):
-                    shown = f" (rank 0: {table[0, j].item()}, rank {r}: {table[r, j].item()})"
+                    shown = f" (rank 0: {table[0][j]}, rank {r}: {table[r][j]})"
                 raise ValueError(
                     f"rank {r} disagrees with rank 0 on {name}{shown}: every rank must build the "
                     f"engine with the same arguments and the same initial model (same seed); this is "

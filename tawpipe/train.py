@@ -6,6 +6,12 @@ entry point trains across real nodes (NCCL on GPUs), with the topology read from
 --model takes a built-in preset, a Hugging Face save_pretrained directory or a config .json; each
 rank builds only its own chunk. --config reads a TOML or YAML file whose keys are the flags' names;
 flags on the command line override it.
+
+Arguments and data are checked before any worker starts. ``--save DIR`` writes checkpoints
+(``tawpipe.checkpoint``) every ``--save-every`` steps and at the end; ``--resume DIR`` continues
+from one, bit-exactly: the engine's shard (weights, optimizer, scheduler, loss scale, counters)
+plus each rank's RNG state and the loss history; the data position is the step number, since
+batches are drawn from (seed, step, index) alone.
 """
 
 from __future__ import annotations
@@ -15,21 +21,23 @@ import functools
 import math
 import os
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import models
-from .checkpoint import save_atomic
+from . import checkpoint, models
 from .data import TokenSource, load_tokens
 from .data import batch as draw_batch
 from .engine import TawPipe, default_optimizer
 from .evaluate import validation_loss
-from .launch import init_distributed, run_local
+from .launch import JobFailed, init_distributed, run_local
 from .metrics import MetricsWriter, check_tensorboard, gather_peaks, peak_host_bytes
+from .storage import unique_params
 from .topology import Topology
 from .traffic import plan_traffic
 
@@ -54,12 +62,19 @@ class TrainConfig:
     grad_route: str = "rail"
     seed: int = 0
     save: str | None = None
+    save_every: int | None = None
+    resume: str | None = None
     export: str | None = None
     val_every: int = 25
     val_batches: int = 2
     metrics: str | None = None
     tensorboard: str | None = None
     log_every: int = 1
+
+
+# may change on resume: they do not change what is trained
+_NOT_TRAINING = ("save", "save_every", "resume", "export", "val_every", "val_batches", "metrics", "tensorboard",
+                 "log_every")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,7 +102,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-route", choices=("rail", "leader"), default=d.grad_route,
                    help="router of inter-node gradients")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial model and of the batches")
-    p.add_argument("--save", default=None, help="write the full model state_dict here at the end")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="checkpoint directory: a checkpoint at the end (and every --save-every steps)")
+    p.add_argument("--save-every", type=int, default=None, metavar="N", help="also checkpoint every N steps")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint: a step directory, or the latest one under DIR")
     p.add_argument("--export", default=None, help="write the trained model here as a Hugging Face "
                    "save_pretrained directory (safetensors; each rank writes its own chunk)")
     p.add_argument("--val-every", type=int, default=d.val_every,
@@ -152,23 +171,97 @@ def _config_argv(p: argparse.ArgumentParser, path: str) -> list[str]:
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
-    fields = TrainConfig.__dataclass_fields__
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    for name in ("steps", "micro_batches", "batch_size", "seq_len", "nodes", "per_node", "val_batches", "log_every"):
-        if getattr(cfg, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.val_every < 0:
-        raise SystemExit("--val-every must be >= 0 (0: no validation)")
+    names = {f.name for f in fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
-        kind = models.check(cfg.model)
-        if cfg.tensorboard:
-            check_tensorboard()
-    except (ValueError, ImportError) as e:
+        validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
+    except (ValueError, OSError) as e:
         raise SystemExit(f"tawpipe train: {e}") from None
-    if cfg.layers is not None and kind.startswith("hf"):
-        raise SystemExit("tawpipe train: --layers applies to built-in models; a Hugging Face model's layers "
-                         "come from its config")
     return cfg
+
+
+def _arg(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
+    """Everything that can be checked before a worker starts; raises ValueError (one line)."""
+    for name in ("steps", "micro_batches", "batch_size", "seq_len", "nodes", "per_node", "layers", "save_every",
+                 "val_batches", "log_every"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{_arg(name)} must be >= 1, got {value}")
+    for name in ("warmup", "val_every"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{_arg(name)} must be >= 0, got {getattr(cfg, name)}")
+    for name in ("lr", "max_grad_norm"):
+        value = getattr(cfg, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{_arg(name)} must be a finite number > 0, got {value}")
+    kind = models.check(cfg.model)
+    if cfg.layers is not None and kind.startswith("hf"):
+        raise ValueError("--layers applies to built-in models; a Hugging Face model's layers come from its config")
+    if cfg.tensorboard:
+        check_tensorboard()
+    world = world_size or cfg.nodes * cfg.per_node
+    vocab = _vocab(cfg)
+    blocks, embed, head, model_vocab = models.meta_model(cfg.model, **_builtin_overrides(cfg, vocab))
+    if len(blocks) < world:
+        raise ValueError(f"{len(blocks)} layers for {world} ranks: every rank needs at least one layer "
+                         f"(--layers >= {world})")
+    if vocab > model_vocab:
+        raise ValueError(f"--data {cfg.data}: tokens go up to {vocab - 1}, past the model's vocabulary ({model_vocab}): "
+                         "use data tokenised for this model")
+    if cfg.save_every is not None and cfg.save is None:
+        raise ValueError("--save-every needs --save DIR")
+    for name in ("save", "export"):
+        if getattr(cfg, name) is not None:
+            path = Path(getattr(cfg, name))
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"{_arg(name)} {path} exists and is not a directory")
+            path.mkdir(parents=True, exist_ok=True)
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise ValueError(f"{_arg(name)} {path} is not writable")
+    if cfg.resume is not None:
+        _check_resume(cfg, _signature(blocks, embed, head))
+
+
+def _vocab(cfg: TrainConfig) -> int:
+    """The data's vocabulary: bytes, or a .bin file's tokens (the file is checked on the way)."""
+    if cfg.data is None or cfg.data == "stdlib":
+        return 256
+    src = load_tokens(cfg.data)
+    if len(src.train) < cfg.seq_len + 1:
+        raise ValueError(f"--data {cfg.data}: {len(src.train)} training tokens are too few for --seq-len {cfg.seq_len}")
+    return src.vocab_size
+
+
+def _builtin_overrides(cfg: TrainConfig, vocab: int) -> dict[str, int | None]:
+    """A built-in model is sized to the data and the sequence; a Hugging Face one is as configured."""
+    if models.check(cfg.model) not in ("preset", "llama-json"):
+        return {}
+    return {"layers": cfg.layers, "vocab_size": max(vocab, 256), "max_seq_len": max(cfg.seq_len, 16)}
+
+
+def _signature(blocks: list, embed: torch.nn.Module, head: torch.nn.Module) -> dict[str, Any]:
+    """The checkpoint signature the engine will have, from the model on the meta device."""
+    shapes = lambda named: [(n, tuple(p.shape), p.dtype) for n, p in named]  # noqa: E731
+    return checkpoint.model_signature(len(blocks), ("embed", "blocks", "head"), shapes(blocks[0].named_parameters()),
+                                      shapes(unique_params([("embed", embed), ("head", head)])))
+
+
+def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> None:
+    manifest = checkpoint.read_manifest(cfg.resume)
+    checkpoint.check_model(manifest, signature, cfg.resume)
+    if manifest["step"] >= cfg.steps:
+        raise ValueError(f"--resume {cfg.resume} is at step {manifest['step']}: --steps {cfg.steps} leaves nothing to train")
+    saved = manifest["meta"].get("train", {})
+    changed = [f"{_arg(k)} {saved[k]} -> {v}" for k, v in asdict(cfg).items()
+               if k in saved and k not in _NOT_TRAINING and saved[k] != v]
+    if changed:
+        print(f"tawpipe train: note: resuming with other settings than the checkpoint's ({', '.join(changed)}); "
+              "the run will differ from an uninterrupted one", file=sys.stderr)
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -181,23 +274,17 @@ def _lr_lambda(cfg: TrainConfig):
 
 
 def _load_model(cfg: TrainConfig, src: TokenSource, device: torch.device) -> models.ModelParts:
-    """The model, with only the replicated parts real; a built-in one sized to the data."""
-    builtin = models.check(cfg.model) in ("preset", "llama-json")
-    parts = models.load(cfg.model, seed=cfg.seed, device=device, compute_dtype=_DTYPES[cfg.dtype],
-                        layers=cfg.layers, vocab_size=max(src.vocab_size, 256) if builtin else None,
-                        max_seq_len=max(cfg.seq_len, 16) if builtin else None)
-    if src.vocab_size > parts.vocab_size:
-        raise ValueError(f"the data's tokens go up to {src.vocab_size - 1}, past the model's vocabulary "
-                         f"({parts.vocab_size}): use data tokenised for this model")
-    if cfg.export and parts.export is None:
-        raise ValueError(f"--export: {parts.description} has no Hugging Face format")
-    return parts
+    """The model, with only the replicated parts real (each rank builds its own chunk later)."""
+    return models.load(cfg.model, seed=cfg.seed, device=device, compute_dtype=_DTYPES[cfg.dtype],
+                       **_builtin_overrides(cfg, src.vocab_size))
 
 
 def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.device) -> dict:
     """One rank's training loop; returns the loss curves and traffic figures."""
     src = load_tokens(cfg.data)
     parts = _load_model(cfg, src, device)
+    if cfg.export and parts.export is None:
+        raise ValueError(f"--export: {parts.description} has no Hugging Face format")
     val = _validation_batches(rank, cfg, src) if cfg.val_every else []
     engine = TawPipe(
         **parts.engine_args(), topology=topology, micro_batches=cfg.micro_batches,
@@ -205,6 +292,13 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg)),
         optimizer=functools.partial(default_optimizer, lr=cfg.lr), device=device, grad_route=cfg.grad_route,
     )
+    losses: list[float] = []
+    if cfg.resume:
+        restored = checkpoint.restore(engine, cfg.resume)
+        losses = list(restored.extra["losses"])
+        if not restored.resharded:  # each rank's own stream; on another topology there is none
+            _set_rng(restored.extra["rng"], device)
+    start = engine.steps
     traffic = plan_traffic(engine.plan)
     intra, inter = traffic.node_bytes(rank)
     per_rank_bytes = {"intra_node": [traffic.node_bytes(r)[0] for r in range(topology.world_size)],
@@ -213,16 +307,17 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
         print(_summary(cfg, src, parts, engine), flush=True)
     tokens_per_step = topology.world_size * cfg.micro_batches * cfg.batch_size * cfg.seq_len
     writer = MetricsWriter(cfg.metrics, cfg.tensorboard) if rank == 0 and (cfg.metrics or cfg.tensorboard) else None
-    bar = _progress(cfg.steps) if rank == 0 else None
-    losses, val_losses, t0 = [], {}, time.perf_counter()
-    for step in range(cfg.steps):
+    bar = _progress(cfg.steps, start) if rank == 0 else None
+    val_losses: dict[int, float] = {}
+    t0 = time.perf_counter()
+    for step in range(start, cfg.steps):
         idx = [rank * cfg.micro_batches + i for i in range(cfg.micro_batches)]
         mbs = [draw_batch(src.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, step=step, index=i) for i in idx]
         t_step = time.perf_counter()
         loss = engine.step((torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])))
         step_seconds = time.perf_counter() - t_step
         losses.append(loss)
-        done = step + 1
+        done = engine.steps
         if val and (done % cfg.val_every == 0 or done == cfg.steps):
             val_losses[done] = validation_loss(engine, val)
         if done % cfg.log_every == 0 or done == cfg.steps:
@@ -239,9 +334,11 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
             bar.update(1)
             shown = f" | val {val_losses[max(val_losses)]:.3f}" if val_losses else ""
             bar.set_postfix_str(
-                f"loss {loss:.3f}{shown} | {tokens_per_step * done / elapsed:,.0f} tok/s | "
+                f"loss {loss:.3f}{shown} | {tokens_per_step * (step + 1 - start) / elapsed:,.0f} tok/s | "
                 f"moved/iter: intra-node {intra / 1e6:.2f} MB, inter-node {inter / 1e6:.2f} MB (rank 0)"
             )
+        if cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+            _save(engine, cfg, parts, losses, device)
     seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -249,14 +346,10 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
         writer.close()
     if cfg.export:
         parts.export(engine, cfg.export, torch.float32)
-    if cfg.save:
-        full = engine.full_state_dict()
-        if rank == 0:
-            save_atomic({"model": full, "model_spec": cfg.model, "train": asdict(cfg)}, cfg.save)
     memory = str(engine.memory_report())
     engine.close()
-    return {"losses": losses, "val_losses": val_losses, "seconds": seconds, "memory": memory,
-            "intra_bytes": intra, "inter_bytes": inter, "tokens_per_step": tokens_per_step}
+    return {"losses": losses, "val_losses": val_losses, "steps_run": cfg.steps - start, "seconds": seconds,
+            "memory": memory, "intra_bytes": intra, "inter_bytes": inter, "tokens_per_step": tokens_per_step}
 
 
 def _validation_batches(rank: int, cfg: TrainConfig, src: TokenSource) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -288,10 +381,30 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
     ])
 
 
-def _progress(total: int):
+def _save(engine: TawPipe, cfg: TrainConfig, parts: models.ModelParts, losses: list[float],
+          device: torch.device) -> None:
+    extra = {"rng": _get_rng(device), "losses": list(losses), "data_step": engine.steps}
+    checkpoint.save(engine, cfg.save, extra=extra, meta={"model": parts.config, "train": asdict(cfg)})
+
+
+def _get_rng(device: torch.device) -> dict[str, torch.Tensor]:
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def _set_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def _progress(total: int, initial: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="tawpipe train", unit="step", dynamic_ncols=True)
+    tqdm.set_lock(threading.RLock())  # not its default multiprocessing lock: a killed rank would leak it
+    return tqdm(total=total, initial=initial, desc="tawpipe train", unit="step", dynamic_ncols=True)
 
 
 def _local_rank(rank: int, cfg: TrainConfig) -> dict:
@@ -311,14 +424,22 @@ def main(args: argparse.Namespace) -> int:
         world = cfg.nodes * cfg.per_node
         print(f"tawpipe train: local emulated cluster, {cfg.nodes} nodes x {cfg.per_node} ranks (gloo, CPU), "
               f"model {cfg.model}, {cfg.steps} steps")
-        result = run_local(_local_rank, world, cfg)[0]
+        try:
+            result = run_local(_local_rank, world, cfg)[0]
+        except JobFailed as e:
+            print(f"tawpipe train: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
     losses = result["losses"]
     k = min(5, len(losses))
     start, end = sum(losses[:k]) / k, sum(losses[-k:]) / k
     print(f"loss at start {losses[0]:.4f} (mean of first {k}: {start:.4f}) -> at end {losses[-1]:.4f} "
-          f"(mean of last {k}: {end:.4f}) in {result['seconds']:.1f}s, "
-          f"{result['tokens_per_step'] * len(losses) / result['seconds']:,.0f} tok/s")
+          f"(mean of last {k}: {end:.4f}); {result['steps_run']} steps in {result['seconds']:.1f}s, "
+          f"{result['tokens_per_step'] * result['steps_run'] / result['seconds']:,.0f} tok/s")
     if result["val_losses"]:
         print("validation loss: " + ", ".join(f"step {s} {v:.4f}" for s, v in result["val_losses"].items()))
     print(f"memory per rank (rank 0): {result['memory']}")
+    if cfg.save:
+        print(f"checkpoint: {checkpoint.resolve(cfg.save)}")
     return 0

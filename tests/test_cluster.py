@@ -207,12 +207,17 @@ def _fail(rank: int) -> None:
 
 
 def _our_children() -> list[int]:
+    """Child processes of this test process, except multiprocessing's resource tracker (started
+    once per process by run_local in other tests, and meant to outlive them)."""
     me = str(os.getpid())
     kids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[1] == me:
+                if f.read().rsplit(")", 1)[1].split()[1] != me:
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"resource_tracker" not in f.read():
                     kids.append(int(pid))
         except (FileNotFoundError, IndexError, ProcessLookupError):
             pass

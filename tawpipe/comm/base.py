@@ -18,6 +18,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import progress
+
 Group = tuple[int, ...]
 
 
@@ -106,9 +108,12 @@ class Handle:
             raise CommTimeout(
                 f"timed out after {timeout:.0f}s waiting for {self.label or 'communication'}; "
                 "a peer is missing or stuck (raise the timeout with TAWPIPE_TIMEOUT for slow links)"
+                + progress.hint(min_age=timeout / 2)
             )
         if self._error is not None:
-            raise RuntimeError(f"{self.label} failed: {self._error}") from self._error
+            timed_out = "timed out" in str(self._error).lower()  # the backend's own timeout came first
+            raise RuntimeError(f"{self.label} failed: {self._error}"
+                               + (progress.hint(min_age=timeout / 2) if timed_out else "")) from self._error
         if self._event is not None:
             (stream or torch.cuda.current_stream()).wait_event(self._event)
 
@@ -128,10 +133,13 @@ class Channel:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._queue: queue.Queue = queue.Queue()
         self._failed: BaseException | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"tawpipe-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None], deps: Sequence[Handle] = (), label: str = "") -> Handle:
+        if self._closed:
+            raise RuntimeError(f"channel {self.name} is closed: work submitted now would never run")
         if self._failed is not None:
             raise RuntimeError(f"channel {self.name} failed earlier: {self._failed}") from self._failed
         handle = Handle(label)
@@ -177,5 +185,6 @@ class Channel:
     def close(self, wait: float = 5.0) -> None:
         """Stop the worker after the work queued so far; a worker stuck in a transfer is left
         behind after ``wait`` seconds (it is a daemon thread, and its transfer has a timeout)."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=wait)

@@ -1,0 +1,133 @@
+"""Rank functions for the launcher tests (module level, so spawned processes can import them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine_cases import TinyLM, global_batch, lm_loss
+from tawpipe.engine import TawPipe
+from tawpipe.topology import Topology
+
+
+def _mark(directory: str, name: str) -> None:
+    """Write the current time to directory/name (the test measures from it)."""
+    Path(directory, name).write_text(repr(time.time()))
+
+
+def train_then(rank: int, directory: str, bad_rank: int, bad_step: int, action: str) -> int:
+    """Train a TinyLM on 2 nodes; at ``bad_step`` rank ``bad_rank`` kills itself (``action="kill"``)
+    or sleeps inside a block's forward (``"sleep"``), i.e. inside the step, while its peers wait."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyLM(4)
+    step_now = [0]
+
+    def block_forward(block, hidden, **ctx):
+        if rank == bad_rank and step_now[0] == bad_step:
+            _mark(directory, "bad")
+            if action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(3600)
+        return block(hidden, **ctx)
+
+    engine = TawPipe(model.blocks, model.embed, model.head, lm_loss, topology=Topology(2, world // 2),
+                     micro_batches=2, block_context=model.context, block_forward=block_forward)
+    for step in range(bad_step + 2):
+        step_now[0] = step
+        x, y = global_batch(step, 4 * world)
+        engine.step((x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]))
+    return rank
+
+
+def ends_at_start(rank: int, directory: str, how: str) -> int:
+    """Rank 1 ends as soon as it runs: killed, or exiting with code 3."""
+    if rank == 1:
+        _mark(directory, "bad")
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    dist.barrier()
+    return rank
+
+
+def freezes(rank: int) -> int:
+    """Rank 1 freezes (SIGSTOP) in the middle of a wait, so it can never time out by itself."""
+    from tawpipe import progress
+
+    if rank == 1:
+        progress.publish("slot 7 rank 1 RECV_G chunk 0 from r0", wait_limit=1.0)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(120)
+    return rank
+
+
+def raises(rank: int) -> int:
+    """Rank 1 fails on its own while rank 0 is in a collective with it."""
+    dist.barrier()
+    if rank == 1:
+        raise ValueError("bad input on rank 1")
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def _socket_addresses(pid: int) -> list[tuple[str, str]]:
+    """(local address, state) of every TCP socket that process ``pid`` holds, from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                out.append((fields[1], fields[3]))
+    return out
+
+
+def long_job(rank: int, seconds: float) -> dict:
+    """All-reduce every 0.2 s for ``seconds`` (many times the per-wait timeout); report this
+    rank's and the launcher's TCP sockets."""
+    t0, n = time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        n += 1
+        time.sleep(0.2)
+    return {"rounds": n, "sockets": _socket_addresses(os.getpid()), "launcher": _socket_addresses(os.getppid())}
+
+
+def forever(rank: int, directory: str) -> None:
+    """Write this rank's pid, then all-reduce until stopped."""
+    Path(directory, f"worker{rank}.pid").write_text(str(os.getpid()))
+    while True:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "local":  # a launcher for the signal tests
+        from tawpipe.launch import run_local
+
+        run_local(forever, 2, sys.argv[2])
+    else:  # one rank under torchrun, rank 2 stuck: the others' timeouts must name it
+        from tawpipe.launch import init_distributed
+
+        init_distributed()
+        try:
+            train_then(dist.get_rank(), sys.argv[2], 2, 1, "sleep")
+        except RuntimeError as e:  # tawpipe's timeout, or gloo's when it fires first
+            Path(sys.argv[2], f"error{dist.get_rank()}").write_text(str(e))
+        os._exit(1)

@@ -1,0 +1,193 @@
+"""Checkpoints: layout and manifest, exact round trips, and the checkpoints that must be refused.
+
+A world of one (no process group) covers the file format; re-sharding across topologies runs
+through the CLI's multi-rank checkpoints in test_train_cli.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_cases import TinyLM, global_batch, lm_loss
+from tawpipe import checkpoint
+from tawpipe.checkpoint import CheckpointError
+from tawpipe.engine import TawPipe
+from tawpipe.topology import Topology
+from test_engine_errors import NoComm
+
+
+def _engine(seed: int = 0, layers: int = 4, **kw) -> TawPipe:
+    torch.manual_seed(seed)
+    m = TinyLM(layers)
+    return TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                   block_context=m.context, **kw)
+
+
+def _train(engine: TawPipe, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        out.append(engine.step(global_batch(engine.steps, 4)))
+    return out
+
+
+def _params(engine: TawPipe) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.named_parameters()}
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    """Checkpoints of one training run at steps 2 and 3."""
+    eng = _engine()
+    _train(eng, 2)
+    checkpoint.save(eng, tmp_path, extra={"rng": torch.get_rng_state(), "position": 2}, meta={"note": "hi"})
+    _train(eng, 1)
+    checkpoint.save(eng, tmp_path)
+    return tmp_path
+
+
+def test_layout_manifest_and_checksums(saved) -> None:
+    assert sorted(p.name for p in saved.iterdir()) == ["step-00000002", "step-00000003"]
+    d = saved / "step-00000002"
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "rank-00000.pt"]  # no temporary files
+    m = json.loads((d / "manifest.json").read_text())
+    assert (m["format"], m["step"], m["topology"], m["meta"]) == ("tawpipe-checkpoint/1", 2, {"nodes": 1, "per_node": 1},
+                                                                  {"note": "hi"})
+    assert m["tawpipe_version"] and m["torch_version"] == torch.__version__ and len(m["plan_sha256"]) == 64
+    assert m["dtypes"] == {"master": "torch.float32", "compute": "torch.float32", "grad_wire": "torch.float32"}
+    entry = m["files"]["rank-00000.pt"]
+    raw = (d / "rank-00000.pt").read_bytes()
+    assert entry == {"rank": 0, "chunk": 0, "layers": [0, 4], "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    ref = TinyLM(4)  # the signature lists every parameter the model has
+    assert m["model"]["num_layers"] == 4
+    assert {n for n, _, _ in m["model"]["block"]} == {n for n, _ in ref.blocks[0].named_parameters()}
+    shard = torch.load(d / "rank-00000.pt", weights_only=True)
+    assert shard["steps"] == 2 and shard["extra"]["position"] == 2
+    assert set(shard["params"]) == {n for n, _ in ref.named_parameters()}
+    assert set(shard["optimizer"]["state"]) == set(shard["params"])  # keyed by name
+
+
+def test_restore_is_exact_and_finds_the_latest(saved) -> None:
+    ref = _engine()
+    _train(ref, 3)
+    expected_loss = _train(ref, 1)[0]
+    fresh = _engine(seed=123)  # another initialisation: everything must come from the checkpoint
+    restored = checkpoint.restore(fresh, saved)  # the root: its latest complete step
+    assert (restored.step, restored.resharded, fresh.steps) == (3, False, 3)
+    assert _train(fresh, 1)[0] == expected_loss
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p.detach(), dict(ref.named_parameters())[n].detach()), n
+    earlier = checkpoint.restore(_engine(seed=5), saved / "step-00000002")
+    assert earlier.step == 2 and earlier.meta == {"note": "hi"} and earlier.extra["position"] == 2
+    assert torch.equal(earlier.extra["rng"], torch.load(saved / "step-00000002" / "rank-00000.pt",
+                                                        weights_only=True)["extra"]["rng"])
+
+
+def test_flipped_bytes_are_refused(saved) -> None:
+    shard = saved / "step-00000003" / "rank-00000.pt"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    eng = _engine(seed=7)
+    before = _params(eng)
+    with pytest.raises(CheckpointError, match="rank-00000.pt is corrupt: its SHA-256 differs"):
+        checkpoint.restore(eng, saved)
+    assert all(torch.equal(p, before[n]) for n, p in _params(eng).items())  # nothing was loaded
+
+
+def test_mixed_steps_are_refused(saved) -> None:
+    shutil.copy(saved / "step-00000002" / "rank-00000.pt", saved / "step-00000003" / "rank-00000.pt")
+    with pytest.raises(CheckpointError, match="is from step 2 but its manifest is of step 3: mixed steps"):
+        checkpoint.restore(_engine(), saved / "step-00000003")
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(layers=6), "different model: it has 4 layers, this model 6"),
+])
+def test_another_model_is_refused(saved, kw, message) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.restore(_engine(**kw), saved)
+
+
+def test_another_block_shape_is_refused(saved, monkeypatch) -> None:
+    import engine_cases
+
+    monkeypatch.setattr(engine_cases, "HIDDEN", 20)
+    torch.manual_seed(0)
+    m = engine_cases.TinyLM(4)
+    eng = TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1))
+    with pytest.raises(CheckpointError, match=r"different model: block parameter 'down.bias' is \[\[24\]"):
+        checkpoint.restore(eng, saved)
+
+
+def test_incomplete_steps_are_skipped_or_refused(saved) -> None:
+    (saved / "step-00000003" / "manifest.json").unlink()  # a save that died before its manifest
+    assert checkpoint.restore(_engine(seed=9), saved).step == 2
+    with pytest.raises(CheckpointError, match="incomplete .*interrupted"):
+        checkpoint.restore(_engine(), saved / "step-00000003")
+    with pytest.raises(CheckpointError, match="no checkpoint at .*nope: not a directory"):
+        checkpoint.resolve(saved / "nope")
+    (saved / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no complete checkpoint under .*empty"):
+        checkpoint.resolve(saved / "empty")
+
+
+def test_stale_temporary_files_are_removed_at_the_next_save(saved, monkeypatch) -> None:
+    # what a save killed mid-write leaves behind
+    for stale in (saved / ".tmp-abc.pt", saved / "step-00000003" / ".tmp-def.pt"):
+        stale.write_bytes(b"x" * 1000)
+    eng = _engine()
+    _train(eng, 1)
+
+    def disk_full(obj, f):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match=r"rank\(s\) \[0\] could not write .*No space left"):
+        checkpoint.save(eng, saved)
+    monkeypatch.undo()
+    assert not list(saved.rglob(".tmp-*")), "a temporary file survived"
+    assert not (saved / "step-00000001" / "manifest.json").exists()  # the failed step is incomplete
+    checkpoint.save(eng, saved)
+    assert checkpoint.resolve(saved).name == "step-00000003"
+    assert checkpoint.read_manifest(saved / "step-00000001")["step"] == 1
+
+
+def test_a_failed_engine_is_not_saved(tmp_path) -> None:
+    eng = _engine(nonfinite="raise", loss_scale=None)
+    eng.compute.loss_fn = lambda logits, targets: lm_loss(logits, targets) * float("nan")
+    with pytest.raises(FloatingPointError):
+        _train(eng, 1)
+    with pytest.raises(RuntimeError, match="state is unknown"):
+        checkpoint.save(eng, tmp_path)
+
+
+def test_loss_scale_survives_a_dtype_change(tmp_path) -> None:
+    fp32 = _engine()
+    _train(fp32, 1)
+    checkpoint.save(fp32, tmp_path / "fp32")
+    fp16 = _engine(compute_dtype=torch.float16)
+    with pytest.warns(UserWarning, match="keeping this engine's scale 65536 rather than the shard's 1"):
+        checkpoint.restore(fp16, tmp_path / "fp32")
+    assert fp16.precision.scale == 2.0**16 and fp16.steps == 1
+    fp16.precision.scale = 1024.0  # e.g. after backoffs: a float16 shard carries its scale over
+    checkpoint.save(fp16, tmp_path / "fp16")
+    again = _engine(compute_dtype=torch.float16)
+    checkpoint.restore(again, tmp_path / "fp16")
+    assert again.precision.scale == 1024.0
+
+
+def test_consolidated_loads_into_a_plain_model(saved) -> None:
+    full = checkpoint.consolidated(saved)
+    model = TinyLM(4)
+    model.load_state_dict(full, strict=True)
+    eng = _engine()
+    _train(eng, 3)
+    for n, p in eng.named_parameters():
+        assert torch.equal(full[n], p.detach()), n
