@@ -154,13 +154,13 @@ def test_a_bad_argument_is_one_line_on_stderr() -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tawpipe train")
-    add_arguments(p)
+    train.add_arguments(p)
     return p
 
 
 def test_help_shows_defaults_and_presets(capsys):
     with pytest.raises(SystemExit) as e:
-        main(["train", "--help"])
+        cli.main(["train", "--help"])
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--steps STEPS optimizer steps (default: 100)" in out

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from tawpipe.models.llama import (
     PRESETS,
@@ -51,8 +52,8 @@ def check(spec: str) -> str:
             return "hf-json"
         _llama_config(doc, path)
         return "llama-json"
-    raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}), a directory "
-                     "written by save_pretrained, nor a config .json file")
+    raise ValueError(f"unknown --model {spec!r}; choose one of {', '.join(sorted(PRESETS))}, a directory written "
+                     "by save_pretrained, or a config .json file")
 
 
 def load(spec: str, *, seed: int | None = None, device: torch.device | str = "cpu",
@@ -72,10 +73,36 @@ def load(spec: str, *, seed: int | None = None, device: torch.device | str = "cp
 
         opts = dict(seed=seed, device=device, compute_dtype=compute_dtype)
         return hf.from_pretrained(spec, **opts) if kind == "hf-dir" else hf.from_config(spec, **opts)
+    cfg = _builtin_config(spec, kind, layers=layers, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    return llama_parts(cfg, seed=seed, device=device, compute_dtype=compute_dtype)
+
+
+def meta_model(spec: str, *, layers: int | None = None, vocab_size: int | None = None,
+               max_seq_len: int | None = None) -> tuple[list[nn.Module], nn.Module, nn.Module, int]:
+    """The blocks, embed and head of the model ``spec`` names, all on the meta device, and its
+    vocabulary: its shapes at no cost in memory, for checks before any process starts."""
+    kind = check(spec)
+    if kind in ("hf-dir", "hf-json"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from tawpipe.models.hf import adapter_for
+
+        config = AutoConfig.from_pretrained(Path(spec) / "config.json" if kind == "hf-dir" else spec)
+        adapter = adapter_for(config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return (list(model.get_submodule(adapter.layers)), adapter.embed_module(model), adapter.head_module(model),
+                config.vocab_size)
+    cfg = _builtin_config(spec, kind, layers=layers, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    with torch.device("meta"):
+        model = Llama(cfg, seed=0)
+    return list(model.blocks), model.embed, model.head, cfg.vocab_size
+
+
+def _builtin_config(spec: str, kind: str, **overrides: int | None) -> LlamaConfig:
     base = dict(PRESETS[spec]) if kind == "preset" else dataclasses.asdict(_llama_config(_read_json(Path(spec)), Path(spec)))
-    overrides = {k: v for k, v in (("n_layers", layers), ("vocab_size", vocab_size), ("max_seq_len", max_seq_len))
-                 if v is not None}
-    return llama_parts(LlamaConfig(**{**base, **overrides}), seed=seed, device=device, compute_dtype=compute_dtype)
+    names = {"layers": "n_layers", "vocab_size": "vocab_size", "max_seq_len": "max_seq_len"}
+    return LlamaConfig(**{**base, **{names[k]: v for k, v in overrides.items() if v is not None}})
 
 
 def _read_json(path: Path) -> dict:
@@ -122,5 +149,6 @@ __all__ = [
     "llama_loss",
     "llama_parts",
     "load",
+    "meta_model",
     "num_params",
 ]

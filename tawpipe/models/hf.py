@@ -230,7 +230,7 @@ def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
         materialize=materialize if any(p.is_meta for b in blocks for p in b.parameters()) else None,
         vocab_size=model.config.vocab_size,
         description=f"{type(model).__name__} ({model.config.model_type}, {len(blocks)} layers, {source})",
-        export=export,
+        config=model.config.to_dict(), export=export,
     )
 
 

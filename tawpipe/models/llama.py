@@ -20,6 +20,7 @@ model is exported.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -296,6 +297,7 @@ def llama_parts(cfg: LlamaConfig, *, seed: int | None = None, device: torch.devi
         materialize=model.materialize, vocab_size=cfg.vocab_size,
         description=(f"built-in LLaMA ({cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} heads / "
                      f"{cfg.n_kv_heads} KV, vocabulary {cfg.vocab_size}, seed {model.seed})"),
+        config=dataclasses.asdict(cfg),
         export=lambda engine, directory, dtype: save_sharded(
             engine, directory, hf_name, dtype=dtype, write_extra=hf_config(cfg, dtype).save_pretrained),
     )

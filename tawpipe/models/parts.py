@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +30,7 @@ class ModelParts:
 
     ``export(engine, directory, dtype)`` writes the trained model as a Hugging Face
     ``save_pretrained`` directory, each rank its own chunk (None where the model has no such
-    format).
+    format). ``config`` is the model's configuration as plain data (recorded in checkpoints).
     """
 
     blocks: Sequence[nn.Module]
@@ -42,6 +42,7 @@ class ModelParts:
     materialize: Materialize | None
     vocab_size: int
     description: str
+    config: dict[str, Any] = field(default_factory=dict)
     export: Export | None = None
 
     def engine_args(self) -> dict[str, Any]:
