@@ -210,6 +210,19 @@ def test_engine_with_one_rank_materialises_every_block_once(tmp_path, dtype):
     engine.close()
 
 
+def test_checks_before_start_see_the_engines_model(tmp_path):
+    """`tawpipe train` checks a resume against the model's shapes on the meta device, before any
+    rank starts: they must be the signature the engine's checkpoints carry."""
+    from tawpipe import models, train
+
+    _, path = saved(tmp_path, "qwen2")
+    blocks, embed, head, vocab = models.meta_model(str(path))
+    engine = TawPipe(**hf.from_pretrained(path).engine_args(), topology=Topology(1, 1), micro_batches=1,
+                     comm=NoComm(1))
+    assert train._signature(blocks, embed, head) == engine.model_signature() and vocab == VOCAB
+    engine.close()
+
+
 # ---------------------------------------------------------------------------------- bad input
 
 
