@@ -1,12 +1,16 @@
 """Builds tawpipe._C, the native ops (metadata lives in pyproject.toml).
 
 The CPU kernels always build. The CUDA kernels build when torch is a CUDA build and nvcc is
-found; TAWPIPE_BUILD_CUDA=0 skips them, TAWPIPE_BUILD_CUDA=1 makes their absence an error.
+found; TAWPIPE_BUILD_CUDA=0 skips them, TAWPIPE_BUILD_CUDA=1 makes their absence an error. With no
+GPU visible (a build node) and TORCH_CUDA_ARCH_LIST unset, they are built for the architectures
+in DEFAULT_CUDA_ARCHS that nvcc supports. The installed package requires the torch version it
+was compiled against.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -44,6 +48,22 @@ def build_cuda() -> bool:
             "Install a CUDA build of torch and the CUDA toolkit (nvcc), or unset TAWPIPE_BUILD_CUDA."
         )
     return flag != "0" and possible
+
+
+# GPU architectures for a build that cannot ask a GPU: Turing to Blackwell, the newest also as PTX.
+DEFAULT_CUDA_ARCHS = ("7.5", "8.0", "8.6", "8.9", "9.0", "10.0", "12.0")
+
+
+def cuda_arch_list() -> str | None:
+    """TORCH_CUDA_ARCH_LIST for a CUDA build on a machine without a visible GPU, where torch would
+    find no architecture and fail; None where the user set it or a GPU can be asked."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
+        return None
+    listed = subprocess.run([str(Path(CUDA_HOME, "bin", "nvcc")), "--list-gpu-arch"], capture_output=True,
+                            text=True).stdout
+    supported = {f"{m[:-1]}.{m[-1]}" for m in re.findall(r"compute_(\d+)", listed)}
+    archs = [a for a in DEFAULT_CUDA_ARCHS if a in supported] or ["8.0"]
+    return ";".join([*archs[:-1], archs[-1] + "+PTX"])
 
 
 def compiles(flags: list[str], source: str) -> bool:
@@ -88,6 +108,10 @@ def extension() -> CppExtension:
         "extra_link_args": omp,
     }
     if build_cuda():
+        archs = cuda_arch_list()
+        if archs:
+            print(f"tawpipe: no GPU visible, building the CUDA kernels for TORCH_CUDA_ARCH_LIST={archs}")
+            os.environ["TORCH_CUDA_ARCH_LIST"] = archs
         return CUDAExtension(
             sources=CPU_SOURCES + CUDA_SOURCES,
             define_macros=[("TAWPIPE_TORCH_CUDA", None)],  # csrc/torch/bound.cpp binds CUDA tensors
@@ -143,4 +167,8 @@ def nccl_extensions() -> list[CUDAExtension]:
     ]
 
 
-setup(ext_modules=[extension(), *nccl_extensions()], cmdclass={"build_ext": BuildExtension})
+setup(
+    ext_modules=[extension(), *nccl_extensions()],
+    cmdclass={"build_ext": BuildExtension},
+    install_requires=[f"torch=={torch.__version__.split('+')[0]}", "numpy", "tqdm"],
+)

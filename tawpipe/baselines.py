@@ -34,6 +34,7 @@ from .cluster import link_bytes
 from .data import batch as draw_batch
 from .data import load_tokens
 from .engine import default_optimizer
+from .metrics import peak_host_bytes
 from .models.llama import Llama, LlamaConfig, block_forward, llama_loss
 from .topology import Topology
 
@@ -133,19 +134,6 @@ def persistent_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory since it was exec'd (VmHWM).
-
-    Not ``getrusage``'s ru_maxrss: that keeps the high-water mark of the memory image replaced by
-    exec, i.e. of the (large) launcher this worker was forked from.
-    """
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line: peak RSS needs Linux")
-
-
 def measure(cfg: RunConfig, step: Callable[[int], float | None], params: Callable[[], dict[str, torch.Tensor]],
             optimizer: torch.optim.Optimizer, **extra: Any) -> dict[str, Any]:
     """Run warm-up and timed steps of one method and return its record (see the module doc).
@@ -172,7 +160,7 @@ def measure(cfg: RunConfig, step: Callable[[int], float | None], params: Callabl
     link = asdict(after - before) if after is not None and local_rank == 0 else None
     return {"rank": rank, "losses": losses, "step_seconds": times, "link_bytes": link,
             "persistent_bytes": persistent_bytes(optimizer),
-            "peak_rss_bytes": peak_rss_bytes(), **extra}
+            "peak_rss_bytes": peak_host_bytes(), **extra}
 
 
 def rank_data(cfg: RunConfig, rank: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:

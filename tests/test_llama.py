@@ -255,3 +255,46 @@ def test_config_sizes_and_validation():
         LlamaConfig.preset("micro", hidden=66)
     with pytest.raises(ValueError, match="max_seq_len"):
         micro().block_context(65, "cpu")
+
+
+@pytest.mark.parametrize("nodes, per_node, layers", [(2, 2, 8), (1, 4, 6), (3, 1, 7), (1, 1, 3)])
+def test_each_rank_materialises_its_chunk_as_the_whole_model_has_it(nodes, per_node, layers):
+    """Meta blocks + materialize, rank by rank, give exactly the whole model's blocks (any topology,
+    uneven chunks too), and the replicated modules are the whole model's."""
+    from tawpipe.schedule import build_plan
+    from tawpipe.topology import Topology
+
+    seed = int(torch.randint(0, 2**31, ()))
+    cfg = LlamaConfig.preset("micro", n_layers=layers, tie_embeddings=layers % 2 == 0)
+    whole = Llama(cfg, seed)
+    plan = build_plan(Topology(nodes, per_node), layers, 1)
+    covered = []
+    for rank in range(nodes * per_node):
+        lazy = Llama(cfg, seed, meta_blocks=True)
+        assert all(p.is_meta for p in lazy.blocks.parameters())
+        for n in ("embed.weight", "head.norm.weight", "head.out.weight"):
+            assert torch.equal(lazy.get_parameter(n), whole.get_parameter(n))
+        start, stop = plan.chunk_layers[plan.own_chunk(rank)]
+        for i in range(start, stop):
+            real = lazy.materialize(lazy.blocks[i], i)
+            for (n, p), q in zip(real.named_parameters(), whole.blocks[i].parameters()):
+                assert torch.equal(p, q), (rank, i, n)
+            covered.append(i)
+    assert sorted(covered) == list(range(layers))
+    assert not torch.equal(Llama(cfg, seed + 1).blocks[0].attn.q_proj.weight, whole.blocks[0].attn.q_proj.weight)
+
+
+def test_built_in_model_is_hugging_face_llama():
+    """The export names and config describe the same function: transformers' LlamaForCausalLM
+    with these weights computes these logits."""
+    transformers = pytest.importorskip("transformers")
+    from tawpipe.models.llama import hf_config, hf_name
+
+    for tie in (True, False):
+        model = micro(tie_embeddings=tie, n_kv_heads=1)
+        ref = transformers.LlamaForCausalLM(hf_config(model.config)).eval()
+        missing, unexpected = ref.load_state_dict({hf_name(n): p for n, p in model.named_parameters()}, strict=False)
+        assert not unexpected and missing == (["lm_head.weight"] if tie else [])
+        x = tokens(model.config, seq=64)
+        with torch.no_grad():
+            torch.testing.assert_close(ref(x).logits, model(x), rtol=0, atol=2e-5)

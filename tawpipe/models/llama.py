@@ -12,17 +12,27 @@ The model is three pieces plus a per-sequence context:
   :func:`block_forward` as keyword arguments.
 
 Blocks carry no layer index and no buffers, so any block can run with any other block's weights.
+Every part draws its initial weights from its own seeded stream, so :func:`llama_parts` can leave
+the blocks on the meta device and each rank materialises only its own chunk. The architecture is
+Hugging Face's ``LlamaForCausalLM`` (:func:`hf_name`, :func:`hf_config`), which is how a trained
+model is exported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..safetensors_io import save_sharded
+from .parts import ModelParts
+from .seeding import draw_seed, generator, layer_part
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The paper's model family: 48 layers, 32 heads (no GQA), 32k vocabulary, tied embeddings.
@@ -180,11 +190,23 @@ class Head(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """The whole model; also the reference that single-process tests train.
+
+    ``seed`` keys every part's initial weights (``tawpipe.models.seeding``): the embedding, each
+    block and the head draw from their own streams, so block i is the same whether the model is
+    built whole or a rank builds only its own chunk. ``None`` draws the seed from the global torch
+    RNG, so ``torch.manual_seed(s)`` before construction still fixes the model. With
+    ``meta_blocks=True`` the blocks are built on the meta device and :meth:`materialize` (the
+    engine's hook) builds one with its initial weights, on the CPU, when a rank asks for it.
+    """
+
+    def __init__(self, cfg: LlamaConfig, seed: int | None = None, *, meta_blocks: bool = False) -> None:
         super().__init__()
         self.config = cfg
+        self.seed = draw_seed() if seed is None else seed
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        with torch.device("meta") if meta_blocks else nullcontext():
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.head = Head(cfg)
         if cfg.tie_embeddings:
             self.head.out.weight = self.embed.weight
@@ -196,22 +218,36 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Draw every weight once, in registration order, from the global torch RNG.
+        """Draw every weight from its part's stream; parameters on the meta device are skipped.
 
-        One pass over the whole model (no per-module seeding) means a model built after
-        ``torch.manual_seed(s)`` is the same whether it is then run whole or cut into chunks.
         Residual-branch outputs get std / sqrt(2 * n_layers) so the residual stream's variance
-        does not grow with depth.
+        does not grow with depth. Norm weights are 1.
         """
         std = self.config.init_std
+        _normal_(self.embed.weight, std, generator(self.seed, "embed"))
+        for i, block in enumerate(self.blocks):
+            self._init_block(block, i)
+        self.head.norm.weight.fill_(1.0)
+        if not self.config.tie_embeddings:
+            _normal_(self.head.out.weight, std, generator(self.seed, "head"))
+
+    def _init_block(self, block: Block, index: int) -> None:
+        std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers)
-        for name, p in self.named_parameters():  # a tied weight is listed (and drawn) once
+        g = generator(self.seed, layer_part(index))
+        for name, p in block.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.normal_(0.0, out_std)
             else:
-                p.normal_(0.0, std)
+                _normal_(p, out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std, g)
+
+    @torch.no_grad()
+    def materialize(self, block: nn.Module, index: int) -> Block:
+        """Block ``index`` with its initial weights, on the CPU (the engine's ``materialize``)."""
+        with torch.device("meta"):
+            real = Block(self.config).to_empty(device="cpu")  # no default init: every weight is drawn below
+        self._init_block(real, index)
+        return real
 
     def block_context(self, seq_len: int, device: torch.device | str,
                       dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -235,6 +271,62 @@ class Llama(nn.Module):
         for block in self.blocks:
             h = block_forward(block, h, **ctx)
         return self.head(h)
+
+
+def _normal_(p: torch.Tensor, std: float, g: torch.Generator) -> None:
+    """Fill ``p`` from N(0, std^2) drawn in float32 on the CPU (the same numbers on any device);
+    a meta parameter is left alone."""
+    if p.is_meta:
+        return
+    if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+        p.normal_(0.0, std, generator=g)  # the same draws as into a fresh float32 CPU tensor
+    else:
+        p.copy_(torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=g))
+
+
+def llama_parts(cfg: LlamaConfig, *, seed: int | None = None, device: torch.device | str = "cpu",
+                compute_dtype: torch.dtype = torch.float32) -> ModelParts:
+    """The model cut for the engine: blocks on the meta device (each rank materialises its own
+    chunk), embedding and head real on ``device``, RoPE tables in ``compute_dtype``."""
+    model = Llama(cfg, seed, meta_blocks=True)
+    model.embed.to(device)
+    model.head.to(device)
+    return ModelParts(
+        blocks=model.blocks, embed=model.embed, head=model.head, loss_fn=llama_loss, block_forward=block_forward,
+        block_context=lambda tokens: model.block_context(tokens.shape[1], device, compute_dtype),
+        materialize=model.materialize, vocab_size=cfg.vocab_size,
+        description=(f"built-in LLaMA ({cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} heads / "
+                     f"{cfg.n_kv_heads} KV, vocabulary {cfg.vocab_size}, seed {model.seed})"),
+        config=dataclasses.asdict(cfg),
+        export=lambda engine, directory, dtype: save_sharded(
+            engine, directory, hf_name, dtype=dtype, write_extra=hf_config(cfg, dtype).save_pretrained),
+    )
+
+
+_HF_BLOCK = {"attn_norm": "input_layernorm", "attn": "self_attn", "mlp_norm": "post_attention_layernorm"}
+_HF_REPLICATED = {"embed.weight": "model.embed_tokens.weight", "head.norm.weight": "model.norm.weight",
+                  "head.out.weight": "lm_head.weight"}
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face ``LlamaForCausalLM`` name of this model's parameter ``name``."""
+    if name.startswith("blocks."):
+        _, layer, part, rest = name.split(".", 3)
+        return f"model.layers.{layer}.{_HF_BLOCK.get(part, part)}.{rest}"
+    return _HF_REPLICATED[name]
+
+
+def hf_config(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> Any:
+    """The ``transformers.LlamaConfig`` of the same architecture (same RoPE pairing, norms, SwiGLU)."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    return HFLlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, hidden_act="silu",
+        tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std, dtype=dtype,
+    )
 
 
 def llama_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

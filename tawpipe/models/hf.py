@@ -1,0 +1,356 @@
+"""Hugging Face ``transformers`` decoders through TawPipe (design §8.3).
+
+The decoder layers are the blocks. The token embedding and the head (final norm, then the LM
+projection) are replicated; a tied LM projection is the embedding's own parameter, which the
+engine counts once. The rotary tables, the position ids and the attention mask reach every layer
+through ``block_context``, computed per micro-batch the way the family's own model computes them.
+
+An :class:`Adapter` says where a family keeps these parts. The default fits the layout LLaMA,
+Mistral, Qwen2 and Qwen3 share. Another family takes a few lines, overriding only what differs;
+``examples/hf_custom_family.py`` adds IBM's Granite, whose embedding and logits are scaled::
+
+    class GraniteAdapter(Adapter):
+        def embed_module(self, model):
+            return Scaled(super().embed_module(model), model.config.embedding_multiplier)
+
+        def head_module(self, model):
+            return Scaled(super().head_module(model), 1 / model.config.logits_scaling)
+
+    register("granite", GraniteAdapter())
+
+Three ways in. Each materialises, on a rank, only the replicated modules and (through the engine's
+``materialize``) its own chunk:
+
+* :func:`from_pretrained`: a local ``save_pretrained`` directory; safetensors are read tensor by
+  tensor, so a rank reads only what it owns and the replicated weights;
+* :func:`from_config`: random initialisation, every part from its own seeded stream
+  (``tawpipe.models.seeding``), so a chunk initialised alone equals the same chunk of the whole
+  model, whatever the topology; :func:`initialize` gives a whole model that same initialisation;
+* :func:`from_model`: a model the caller built, on the meta device or real.
+
+``ModelParts.export`` writes the trained model back as a ``save_pretrained`` directory, each rank
+its own chunk (``tawpipe.safetensors_io``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from ..safetensors_io import SafetensorsCheckpoint, has_safetensors, save_sharded
+from .llama import llama_loss
+from .parts import ModelParts
+from .seeding import draw_seed, layer_part, seeded
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from ..engine import TawPipe
+
+ENGINE_NAMES = ("embed", "blocks", "head")  # TawPipe's default ``names``
+
+
+class Head(nn.Module):
+    """The final norm, then the LM projection: ``head(hidden) -> logits``."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+class Adapter:
+    """Where a decoder family keeps TawPipe's parts, as submodule paths of its ``*ForCausalLM``.
+
+    Override the paths, or the methods, where a family differs from the LLaMA layout.
+    """
+
+    embed = "model.embed_tokens"
+    layers = "model.layers"
+    norm = "model.norm"
+    lm_head = "lm_head"
+    rotary = "model.rotary_emb"
+
+    def embed_module(self, model: PreTrainedModel) -> nn.Module:
+        """The replicated ``embed``: tokens -> hidden states, as the family's model computes them."""
+        return model.get_submodule(self.embed)
+
+    def head_module(self, model: PreTrainedModel) -> nn.Module:
+        """The replicated ``head``: last hidden states -> logits."""
+        return Head(model.get_submodule(self.norm), model.get_submodule(self.lm_head))
+
+    def init_parts(self) -> tuple[str, ...]:
+        """Submodule paths, besides the layers, that random initialisation draws for, in order
+        (each from its own stream; a part tied to an earlier one is skipped)."""
+        return (self.embed, self.norm, self.lm_head, self.rotary)
+
+    def attention_kind(self, config: PretrainedConfig) -> str:
+        """"full_attention" or "sliding_attention": the one kind every layer uses."""
+        kinds = set(getattr(config, "layer_types", None) or ())
+        if len(kinds) > 1:
+            raise ValueError(
+                f"this {config.model_type} model mixes attention kinds across layers ({sorted(kinds)}); "
+                "tawpipe runs every chunk through one layer template, so all layers must use the same "
+                "kind: set layer_types (or use_sliding_window / max_window_layers) so they agree"
+            )
+        if kinds:
+            return kinds.pop()
+        return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+    def context(self, model: PreTrainedModel, hidden: torch.Tensor,
+                position_ids: torch.Tensor) -> dict[str, Any]:
+        """The keyword arguments every layer takes besides the hidden states.
+
+        ``hidden`` stands in for the embeddings: only its shape, dtype and device are used.
+        """
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        sliding = self.attention_kind(model.config) == "sliding_attention"
+        make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+        mask = make_mask(config=model.config, inputs_embeds=hidden, attention_mask=None,
+                         past_key_values=None, position_ids=position_ids)
+        rotary = model.get_submodule(self.rotary)
+        return {"attention_mask": mask, "position_ids": position_ids,
+                "position_embeddings": rotary(hidden, position_ids)}
+
+    def block_forward(self, block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
+        """One layer; older layers return a tuple whose first element is the hidden states."""
+        out = block(hidden, **ctx)
+        return out[0] if isinstance(out, tuple) else out
+
+
+ADAPTERS: dict[str, Adapter] = {t: Adapter() for t in ("llama", "mistral", "qwen2", "qwen3")}
+
+
+def register(model_type: str, adapter: Adapter) -> None:
+    """Train models whose ``config.model_type`` is ``model_type`` with ``adapter``."""
+    if not isinstance(adapter, Adapter):
+        raise TypeError(f"adapter must be a tawpipe.models.hf.Adapter, got {type(adapter).__name__}")
+    ADAPTERS[model_type] = adapter
+
+
+def adapter_for(config: PretrainedConfig) -> Adapter:
+    adapter = ADAPTERS.get(config.model_type)
+    if adapter is None:
+        raise ValueError(
+            f"no tawpipe adapter for model_type {config.model_type!r} (have {sorted(ADAPTERS)}); if it is "
+            f"laid out like LLaMA, register('{config.model_type}', Adapter()) from tawpipe.models.hf, or "
+            "subclass Adapter where it differs (see examples/hf_custom_family.py)"
+        )
+    return adapter
+
+
+# ---------------------------------------------------------------------------------- building
+
+
+def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> ModelParts:
+    """A local ``save_pretrained`` directory: its config, and its safetensors weights when it has
+    any (random initialisation otherwise). ``kwargs`` as for :func:`from_model`."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: pass a directory written by save_pretrained")
+    if not has_safetensors(path) and any(path.glob("*.bin")):
+        raise ValueError(f"{path} holds PyTorch .bin weights; tawpipe reads safetensors only: load the model "
+                         "with transformers and save_pretrained(..., safe_serialization=True) once")
+    checkpoint = SafetensorsCheckpoint(path) if has_safetensors(path) else None
+    return from_config(path / "config.json", checkpoint=checkpoint, **kwargs)
+
+
+def from_config(config: PretrainedConfig | str | os.PathLike[str], *,
+                checkpoint: SafetensorsCheckpoint | None = None, **kwargs: Any) -> ModelParts:
+    """A model built on the meta device from ``config`` (a ``PretrainedConfig`` or a config.json
+    file); weights from ``checkpoint`` or seeded random initialisation. ``kwargs`` as for
+    :func:`from_model`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not hasattr(config, "model_type"):
+        config = AutoConfig.from_pretrained(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return from_model(model, checkpoint=checkpoint, **kwargs)
+
+
+def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
+               compute_dtype: torch.dtype = torch.float32, seed: int | None = None,
+               checkpoint: SafetensorsCheckpoint | None = None, adapter: Adapter | None = None) -> ModelParts:
+    """Cut ``model`` into the engine's parts.
+
+    Meta-device parts are materialised: the replicated ones here, the blocks by the engine for its
+    own chunk only. Their weights come from ``checkpoint``, else from seeded random
+    initialisation (``seed`` None: drawn from the global torch RNG, so every rank must seed it
+    alike). Real parts are used as they are; the replicated modules (and the rotary tables) move
+    to ``device`` in float32, in place. Every check runs here, before any communication.
+    """
+    adapter = adapter or adapter_for(model.config)
+    adapter.attention_kind(model.config)  # refuses mixed attention kinds now
+    device = torch.device(device)
+    seed = draw_seed() if seed is None else seed
+    blocks = list(model.get_submodule(adapter.layers))
+    embed, head = adapter.embed_module(model), adapter.head_module(model)
+    names = _NameMap(model, adapter, embed, head)
+    if checkpoint is not None:
+        names.check(checkpoint)
+    rotary = model.get_submodule(adapter.rotary)
+    _materialize_parts(model, adapter, [embed, head, rotary], seed, checkpoint, names)
+    for m in (embed, head, rotary):
+        m.to(device=device, dtype=torch.float32)  # the engine keeps replicated weights in float32
+
+    def materialize(block: nn.Module, index: int) -> nn.Module:
+        real = copy.deepcopy(block)  # the model keeps its meta block: no second copy of the chunk
+        _empty_on_cpu([real])
+        with seeded(seed, layer_part(index)):  # also gives buffers a checkpoint does not hold their values
+            _init_module(model, real, set())
+        if checkpoint is not None:
+            prefix = f"{adapter.layers}.{index}."
+            _load(real, checkpoint, {n: [prefix + n] for n, _ in real.named_parameters()})
+        return real
+
+    def block_context(tokens: torch.Tensor) -> dict[str, Any]:
+        b, t = tokens.shape
+        stand_in = torch.zeros((), dtype=compute_dtype, device=device).expand(b, t, model.config.hidden_size)
+        return adapter.context(model, stand_in, torch.arange(t, device=device).unsqueeze(0))
+
+    def export(engine: TawPipe, directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> None:
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype
+        save_sharded(engine, directory, names.checkpoint_name, dtype=dtype, write_extra=config.save_pretrained)
+
+    source = f"weights from {checkpoint.path}" if checkpoint is not None else f"random init, seed {seed}"
+    return ModelParts(
+        blocks=blocks, embed=embed, head=head, loss_fn=llama_loss, block_forward=adapter.block_forward,
+        block_context=block_context,
+        materialize=materialize if any(p.is_meta for b in blocks for p in b.parameters()) else None,
+        vocab_size=model.config.vocab_size,
+        description=f"{type(model).__name__} ({model.config.model_type}, {len(blocks)} layers, {source})",
+        config=model.config.to_dict(), export=export,
+    )
+
+
+@torch.no_grad()
+def initialize(model: PreTrainedModel, seed: int, adapter: Adapter | None = None) -> None:
+    """Draw every weight of a real ``model`` from its part's stream: the initialisation that
+    :func:`from_config` gives chunk by chunk, for a whole-model reference."""
+    adapter = adapter or adapter_for(model.config)
+    done: set[int] = set()
+    for i, layer in enumerate(model.get_submodule(adapter.layers)):
+        with seeded(seed, layer_part(i)):
+            _init_module(model, layer, done)
+    for part in adapter.init_parts():
+        with seeded(seed, part):
+            _init_module(model, model.get_submodule(part), done)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+class _NameMap:
+    """Engine parameter names <-> checkpoint names, found by identity on the (meta) model before
+    anything is materialised; a tied parameter has several checkpoint names."""
+
+    def __init__(self, model: nn.Module, adapter: Adapter, embed: nn.Module, head: nn.Module) -> None:
+        by_id: dict[int, list[str]] = {}
+        self.shapes: dict[int, torch.Size] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(name)
+            self.shapes[id(p)] = p.shape
+        self.by_id = by_id
+        self.replicated = {f"{prefix}.{n}": by_id[id(p)] for prefix, m in ((ENGINE_NAMES[0], embed), (ENGINE_NAMES[2], head))
+                           for n, p in m.named_parameters(remove_duplicate=False)}
+        self.layers = adapter.layers
+
+    def checkpoint_name(self, engine_name: str) -> str:
+        """The name ``save_pretrained`` gives the parameter the engine calls ``engine_name``."""
+        if engine_name.startswith(ENGINE_NAMES[1] + "."):
+            return self.layers + engine_name[len(ENGINE_NAMES[1]):]
+        return self.replicated[engine_name][0]
+
+    def check(self, checkpoint: SafetensorsCheckpoint) -> None:
+        """Every parameter under one of its names, with its shape (headers only)."""
+        have = checkpoint.names()
+        chosen, missing = {}, []
+        for pid, options in self.by_id.items():
+            found = [n for n in options if n in have]
+            if found:
+                chosen[found[0]] = self.shapes[pid]
+            else:
+                missing.append(options[0])
+        if missing:
+            raise ValueError(f"{checkpoint.path} lacks {len(missing)} of the model's tensors (first: "
+                             f"{sorted(missing)[:3]}): is it a checkpoint of this model and config?")
+        wrong = sorted((n, checkpoint.shape(n), tuple(shape)) for n, shape in chosen.items()
+                       if checkpoint.shape(n) != tuple(shape))
+        if wrong:
+            name, got, want = wrong[0]
+            raise ValueError(f"{checkpoint.path}: {len(wrong)} tensors have other shapes than the config says, "
+                             f"e.g. {name} is {got}, expected {want}: the config and the weights disagree")
+
+
+def _empty_on_cpu(modules: Iterable[nn.Module]) -> None:
+    """Give every meta parameter and buffer of ``modules`` real, uninitialised float CPU memory,
+    keeping shared parameters shared (a tied embedding stays tied)."""
+    real: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for sub in module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, t in table.items():
+                    if t is None or not t.is_meta:
+                        continue
+                    if id(t) not in real:
+                        dtype = torch.float32 if t.is_floating_point() else t.dtype
+                        new = torch.empty_like(t, device="cpu", dtype=dtype)
+                        real[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+                    table[name] = real[id(t)]
+
+
+def _init_module(model: PreTrainedModel, module: nn.Module, done: set[int]) -> None:
+    """The family's own ``_init_weights`` on every submodule, except those whose parameters were
+    all drawn by an earlier part (a tied LM head)."""
+    for sub in module.modules():
+        own = list(sub.parameters(recurse=False))
+        if own and all(id(p) in done for p in own):
+            continue
+        for p in own:  # re-draw even what transformers marked as initialised (loaded weights)
+            p.__dict__.pop("_is_hf_initialized", None)
+        model._init_weights(sub)
+        done.update(id(p) for p in own)
+
+
+def _load(module: nn.Module, checkpoint: SafetensorsCheckpoint, options: dict[str, list[str]]) -> None:
+    """Copy each parameter of ``module`` from the first of its checkpoint names that exists."""
+    have = checkpoint.names()
+    pick = {n: next(c for c in cands if c in have) for n, cands in options.items()}
+    tensors = checkpoint.read(pick.values())
+    params = dict(module.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for n, c in pick.items():
+            params[n].copy_(tensors[c])
+
+
+def _is_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def _materialize_parts(model: PreTrainedModel, adapter: Adapter, modules: list[nn.Module], seed: int,
+                       checkpoint: SafetensorsCheckpoint | None, names: _NameMap) -> None:
+    """Materialise the replicated modules and the rotary tables on the CPU: seeded random
+    initialisation part by part, then the checkpoint's weights where there is one."""
+    parts = [part for part in adapter.init_parts() if _is_meta(model.get_submodule(part))]
+    if not parts:
+        return
+    _empty_on_cpu(modules)
+    done: set[int] = set()
+    for part in parts:
+        with seeded(seed, part):
+            _init_module(model, model.get_submodule(part), done)
+    if checkpoint is not None:
+        for prefix, m in ((ENGINE_NAMES[0], modules[0]), (ENGINE_NAMES[2], modules[1])):
+            _load(m, checkpoint, {n: names.replicated[f"{prefix}.{n}"]
+                                  for n, _ in m.named_parameters(remove_duplicate=False)})

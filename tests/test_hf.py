@@ -1,0 +1,284 @@
+"""Hugging Face models through TawPipe: the parts compute what the model computes, 2x2 training
+matches single-process Hugging Face training, exported directories load with from_pretrained,
+each rank reads and materialises only its own chunk, and bad input is refused up front."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from tawpipe.engine import TawPipe  # noqa: E402
+from tawpipe.launch import run_local  # noqa: E402
+from tawpipe.models import hf  # noqa: E402
+from tawpipe.safetensors_io import SafetensorsCheckpoint  # noqa: E402
+from tawpipe.topology import Topology  # noqa: E402
+import hf_cases  # noqa: E402
+from engine_cases import adamw  # noqa: E402
+from test_engine_errors import NoComm  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+VOCAB = 101
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64)
+
+
+def small(cls, layers: int = 4, **kw):
+    return cls(**{**SMALL, "num_hidden_layers": layers, **kw})
+
+
+FAMILIES = {
+    "llama": (LlamaForCausalLM, small(LlamaConfig, tie_word_embeddings=False)),
+    "qwen2": (Qwen2ForCausalLM, small(Qwen2Config, tie_word_embeddings=True)),
+    "qwen3": (Qwen3ForCausalLM, small(Qwen3Config, head_dim=8)),
+    "mistral-sliding": (MistralForCausalLM, small(MistralConfig, sliding_window=5)),
+}
+
+
+def saved(tmp_path, name: str, **save_kw):
+    cls, config = FAMILIES[name]
+    model = cls(config)  # transformers' own random init (global RNG)
+    model.save_pretrained(tmp_path / name, **save_kw)
+    return model, tmp_path / name
+
+
+def parts_logits(parts, tokens: torch.Tensor) -> torch.Tensor:
+    """The model run part by part, the way the engine composes it (every block materialised)."""
+    h = parts.embed(tokens)
+    ctx = parts.block_context(tokens)
+    for i, block in enumerate(parts.blocks):
+        real = parts.materialize(block, i) if parts.materialize else block
+        h = parts.block_forward(real, h, **ctx)
+    return parts.head(h)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+@torch.no_grad()
+def test_parts_compute_the_models_logits(tmp_path, name):
+    # A sharded checkpoint (index + 3 files) for one family, a single file for the others.
+    model, path = saved(tmp_path, name, **({"max_shard_size": "20KB"} if name == "llama" else {}))
+    assert (path / "model.safetensors.index.json").is_file() == (name == "llama")
+    parts = hf.from_pretrained(path)
+    tokens = torch.randint(0, VOCAB, (3, 13))
+    want = model.eval()(tokens).logits
+    torch.testing.assert_close(parts_logits(parts, tokens), want, rtol=0, atol=2e-6)
+
+
+def _train_reference(path, batches):
+    """Single-process Hugging Face training with the same AdamW as the ranks."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = adamw(list(model.parameters()))
+    losses = []
+    for x, y in batches:
+        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model.eval(), losses
+
+
+def _hf_names(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The engine's gathered names, spelled as Hugging Face's (LLaMA layout)."""
+    fixed = {"embed.weight": "model.embed_tokens.weight", "head.norm.weight": "model.norm.weight",
+             "head.lm_head.weight": "lm_head.weight"}
+    return {fixed.get(n, n.replace("blocks.", "model.layers.", 1)): torch.from_numpy(t) for n, t in full.items()}
+
+
+TOPOLOGIES = [(2, 2), (1, 4), (4, 1)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One local 4-rank job for the distributed tests: LLaMA (untied) and Qwen2 (tied, biases)
+    trained on 2 nodes x 2 ranks for 3 AdamW steps in fp32 and exported; and a 6-layer Qwen2
+    built on the meta device under three topologies (4 ranks: uneven chunks)."""
+    tmp_path = tmp_path_factory.mktemp("hf")
+    cases, refs = [], {}
+    for name in ("llama", "qwen2"):
+        model, path = saved(tmp_path, name)
+        micro_batches, rows = 2, 2
+        batches = []
+        for _ in range(3):
+            x = torch.randint(0, VOCAB, (4 * micro_batches * rows, 11))
+            batches.append((x, torch.randint(0, VOCAB, x.shape)))
+        cases.append({"dir": str(path), "export": str(tmp_path / f"{name}-trained"), "micro_batches": micro_batches,
+                      "batches": batches})
+        refs[name] = batches
+    # An earlier save in the export directory, which transformers would load before the index.
+    (tmp_path / "llama-trained").mkdir()
+    model.save_pretrained(tmp_path / "llama-trained")
+    seed = int(torch.randint(0, 2**31, ()))
+    config = small(Qwen2Config, layers=6, tie_word_embeddings=True)
+    results = run_local(hf_cases.train_export_and_meta_init, 4, cases, config, seed, TOPOLOGIES)
+    return {"cases": cases, "refs": refs, "train": [r["train"] for r in results],
+            "meta": [r["meta"] for r in results], "seed": seed, "config": config}
+
+
+@pytest.mark.parametrize("i, name", [(0, "llama"), (1, "qwen2")])
+def test_2x2_training_matches_single_process_hf_and_export_loads(cluster, i, name):
+    case = cluster["cases"][i]
+    ref, ref_losses = _train_reference(case["dir"], cluster["refs"][name])
+    ranks = [r[i] for r in cluster["train"]]
+    # The global mean loss of every step, on every rank.
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+    # Each rank read and materialised only its own layers and the replicated tensors.
+    replicated = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for r in ranks:
+        start, stop = r["own_layers"]
+        assert r["asked"] == list(range(start, stop))
+        own = {n for n in r["read"] if n.startswith("model.layers.")}
+        assert {int(n.split(".")[2]) for n in own} == set(range(start, stop))
+        assert set(r["read"]) - own <= replicated and "model.embed_tokens.weight" in r["read"]
+    # Trained weights: the exported directory equals the single-process reference and holds
+    # exactly what the engine holds; both give the same logits.
+    exported = AutoModelForCausalLM.from_pretrained(case["export"], dtype=torch.float32).eval()
+    index = json.loads((Path(case["export"]) / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 5  # 4 chunk shards + the replicated one
+    assert sorted(p.name for p in Path(case["export"]).glob("*.safetensors")) == sorted(set(index["weight_map"].values()))
+    want = dict(ref.named_parameters())
+    for n, p in exported.named_parameters():
+        torch.testing.assert_close(p, want[n], rtol=0, atol=1e-5, msg=lambda m, n=n: f"{name} {n}: {m}")
+    engine_model = type(ref)(ref.config).eval()
+    engine_model.load_state_dict(_hf_names(ranks[0]["full"]), strict=False)
+    assert all(torch.equal(p, dict(engine_model.named_parameters())[n]) for n, p in exported.named_parameters())
+    tokens = torch.randint(0, VOCAB, (2, 17))
+    with torch.no_grad():
+        got = exported(tokens).logits
+        assert torch.equal(got, engine_model(tokens).logits)
+        torch.testing.assert_close(got, ref(tokens).logits, rtol=0, atol=1e-4)
+
+
+def test_meta_init_gives_each_chunk_the_whole_models_weights_on_any_topology(cluster):
+    """Every rank materialises only its own layers, and they equal the whole model's, initialised
+    part by part with the same seed, whatever the topology."""
+    seed, config = cluster["seed"], cluster["config"]
+    whole = Qwen2ForCausalLM(config)
+    hf.initialize(whole, seed)
+    want = {**{f"blocks.{n[len('model.layers.'):]}": p for n, p in whole.named_parameters()
+               if n.startswith("model.layers.")},
+            "embed.weight": whole.model.embed_tokens.weight, "head.norm.weight": whole.model.norm.weight}
+    for t, topology in enumerate(TOPOLOGIES):
+        covered = set()
+        for r in cluster["meta"]:
+            res = r[t]
+            start, stop = res["own_layers"]
+            assert res["asked"] == list(range(start, stop))
+            covered |= set(range(start, stop))
+            for n, p in res["params"].items():
+                assert torch.equal(torch.from_numpy(p), want[n].detach()), (topology, n)
+        assert covered == set(range(6))
+    # transformers' own scheme, drawn per part: it depends on the seed.
+    assert whole.model.layers[0].self_attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.15)
+    other = Qwen2ForCausalLM(config)
+    hf.initialize(other, seed + 1)
+    assert not torch.equal(other.model.layers[0].mlp.up_proj.weight, whole.model.layers[0].mlp.up_proj.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_with_one_rank_materialises_every_block_once(tmp_path, dtype):
+    _, path = saved(tmp_path, "qwen2")
+    parts = hf.from_pretrained(path, compute_dtype=dtype)
+    asked: list[int] = []
+    hf_cases._spy_materialize(parts, asked)
+    engine = TawPipe(**parts.engine_args(), topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                     compute_dtype=dtype)
+    assert asked == [0, 1, 2, 3]
+    assert all(b.self_attn.q_proj.weight.is_meta for b in parts.blocks)  # the model keeps no copy
+    x = torch.randint(0, VOCAB, (4, 9))
+    losses = [engine.step((x, x.roll(-1, 1))) for _ in range(4)]
+    assert losses[-1] < losses[0]
+    engine.close()
+
+
+def test_checks_before_start_see_the_engines_model(tmp_path):
+    """`tawpipe train` checks a resume against the model's shapes on the meta device, before any
+    rank starts: they must be the signature the engine's checkpoints carry."""
+    from tawpipe import models, train
+
+    _, path = saved(tmp_path, "qwen2")
+    blocks, embed, head, vocab = models.meta_model(str(path))
+    engine = TawPipe(**hf.from_pretrained(path).engine_args(), topology=Topology(1, 1), micro_batches=1,
+                     comm=NoComm(1))
+    assert train._signature(blocks, embed, head) == engine.model_signature() and vocab == VOCAB
+    engine.close()
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def test_unknown_family_names_the_fix():
+    from transformers import GraniteConfig
+
+    with pytest.raises(ValueError, match=r"no tawpipe adapter for model_type 'granite'.*register\('granite'"):
+        hf.from_config(small(GraniteConfig))
+
+
+def test_mixed_attention_kinds_are_refused():
+    config = small(Qwen2Config, use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    assert len(set(config.layer_types)) == 2
+    with pytest.raises(ValueError, match="mixes attention kinds"):
+        hf.from_config(config)
+
+
+def test_checkpoint_that_does_not_fit_the_config_is_refused(tmp_path):
+    _, path = saved(tmp_path, "llama")
+    wider = small(LlamaConfig, intermediate_size=64)
+    wider.save_pretrained(path)  # the config now disagrees with the weights
+    with pytest.raises(ValueError, match="other shapes than the config says.*mlp"):
+        hf.from_pretrained(path)
+    deeper = small(LlamaConfig, layers=5, tie_word_embeddings=False)
+    deeper.save_pretrained(path)
+    with pytest.raises(ValueError, match=r"lacks 9 of the model's tensors.*model.layers.4"):
+        hf.from_pretrained(path)
+
+
+def test_directories_without_safetensors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        hf.from_pretrained(tmp_path)
+    model, path = saved(tmp_path, "llama")
+    (path / "model.safetensors").unlink()
+    parts = hf.from_pretrained(path)  # a config alone: random initialisation
+    assert "random init" in parts.description
+    torch.save(model.state_dict(), path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="safetensors only"):
+        hf.from_pretrained(path)
+
+
+def test_checkpoint_reader(tmp_path):
+    from safetensors.torch import save_file
+
+    a, b = torch.randn(3, 4), torch.arange(5)
+    save_file({"a": a, "b": b}, tmp_path / "one.safetensors")
+    ckpt = SafetensorsCheckpoint(tmp_path / "one.safetensors")
+    assert ckpt.names() == {"a", "b"} and ckpt.shape("a") == (3, 4)
+    got = ckpt.read(["b"])
+    assert list(got) == ["b"] and torch.equal(got["b"], b)
+    with pytest.raises(KeyError, match="no tensor 'c'"):
+        ckpt.read(["c"])
+    index = tmp_path / "x.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "one.safetensors", "z": "missing.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="missing.safetensors"):
+        SafetensorsCheckpoint(index)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
+        SafetensorsCheckpoint(tmp_path / "empty")
