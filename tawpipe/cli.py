@@ -38,6 +38,8 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefetch-depth", type=int, default=1, help="fetch weights this many slots ahead")
     p.add_argument("--mb-per-fetch", type=int, default=1,
                    help="k: micro-batches each resident chunk runs per fetch (divides --micro-batches)")
+    p.add_argument("--reuse-weights", action="store_true",
+                   help="do not fetch again a chunk still in a staging buffer (fewer bytes than the paper)")
     p.add_argument("--link-gbps", type=float, default=10.0,
                    help="inter-node link rate per node and direction, Gbit/s (for link times)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead")
@@ -75,7 +77,8 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
         topo = Topology(args.nodes, args.per_node)
         dims, sizes = _dims_and_sizes(args)
         build = functools.partial(build_plan, topo, args.layers, args.micro_batches, algo=args.algo,
-                                  grad_route=args.grad_route, prefetch_depth=args.prefetch_depth, **sizes)
+                                  grad_route=args.grad_route, prefetch_depth=args.prefetch_depth,
+                                  reuse_weights=args.reuse_weights, **sizes)
         plan = build(mb_per_fetch=args.mb_per_fetch)
         if not args.link_gbps > 0:
             raise ValueError(f"--link-gbps must be > 0, got {args.link_gbps}")
@@ -92,7 +95,8 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
     route = f", gradient route {args.grad_route}" if args.algo == "tawpipe" else ""
     print(f"{args.algo}: {topo.nodes} nodes x {topo.per_node} devices, {plan.num_layers} layers in "
           f"chunks of {layers} (model order), {plan.micro_batches} micro-batches{route}, prefetch depth "
-          f"{args.prefetch_depth}, {args.mb_per_fetch} micro-batch(es) per fetch, "
+          f"{args.prefetch_depth}, {args.mb_per_fetch} micro-batch(es) per fetch"
+          f"{', resident chunks reused' if args.reuse_weights else ''}, "
           f"{plan.num_slots} slots + prologue")
     print(f"verified (serial and channel models): {report.actions} actions, {report.p2p_messages} P2P "
           f"messages, {report.collectives} collectives, {report.weight_buffers} weight and "

@@ -102,7 +102,8 @@ class TawPipe:
     between ranks as the plan says. ``algo="weipipe"`` runs the paper's baseline on the same
     machinery. ``prefetch_depth`` fetches weights that many slots ahead; ``mb_per_fetch`` runs
     each resident chunk for that many micro-batches (one fetch and one gradient route per
-    group of micro-batches); ``grad_wire_dtype`` (float32 or the compute dtype) is the dtype
+    group of micro-batches); ``reuse_weights`` skips the fetch of a chunk still in a staging
+    buffer (fewer bytes than the paper's schedule, same memory); ``grad_wire_dtype`` (float32 or the compute dtype) is the dtype
     gradients travel in, always accumulated in float32 by their owner. Blocks may live on the meta
     device: ``materialize(block, layer_index)`` then gives each rank its own chunk's real blocks.
     ``offload="host"`` keeps the own chunk's master, gradient accumulator and optimizer state in
@@ -130,6 +131,7 @@ class TawPipe:
         grad_route: str = "rail",
         prefetch_depth: int = 1,
         mb_per_fetch: int = 1,
+        reuse_weights: bool = False,
         grad_wire_dtype: torch.dtype = torch.float32,
         overlap: bool = True,
         loss_scale: float | str | None = "auto",
@@ -172,7 +174,7 @@ class TawPipe:
         replicated = unique_params([(names[0], embed), (names[2], head)])
         self.plan: Plan = build_plan(
             topology, len(blocks), micro_batches, algo=algo, grad_route=grad_route,
-            prefetch_depth=prefetch_depth, mb_per_fetch=mb_per_fetch,
+            prefetch_depth=prefetch_depth, mb_per_fetch=mb_per_fetch, reuse_weights=reuse_weights,
             layer_numel=sum(p.numel() for p in blocks[0].parameters()),
             weight_bytes=torch.empty((), dtype=compute_dtype).element_size(),
             grad_bytes=torch.empty((), dtype=grad_wire_dtype).element_size(),

@@ -27,6 +27,7 @@ def build_plan(
     grad_route: str = "rail",
     prefetch_depth: int = 1,
     mb_per_fetch: int = 1,
+    reuse_weights: bool = False,
     layer_numel: int = 1,
     weight_bytes: int = 2,
     grad_bytes: int = 4,
@@ -37,12 +38,13 @@ def build_plan(
     ``prefetch_depth`` d: weights for slot t+d are fetched during slot t, through d+1 weight and
     d+1 gradient staging buffers (design §3.2). ``mb_per_fetch`` k: a resident chunk runs k
     micro-batches back to back, so each fetch and each gradient route serves k micro-batches;
-    k = 1 is the paper's schedule. Chunks are balanced: the first ``num_layers mod N`` chunks hold
+    k = 1 is the paper's schedule. ``reuse_weights``: a chunk still in a staging buffer when it is
+    needed again is not fetched again (design §3.2); off, the plan is the paper's. Chunks are balanced: the first ``num_layers mod N`` chunks hold
     one extra layer. Message sizes are layers x ``layer_numel`` x the dtype size of weights or
     gradients.
     """
     _check_args(topology, num_layers, micro_batches, algo, grad_route, prefetch_depth, mb_per_fetch,
-                layer_numel, weight_bytes, grad_bytes, replicated_numel)
+                reuse_weights, layer_numel, weight_bytes, grad_bytes, replicated_numel)
     n = topology.world_size
     base, extra = divmod(num_layers, n)
     positions, start = [], 0
@@ -54,7 +56,7 @@ def build_plan(
     options: dict[str, Any] = {
         "layer_numel": layer_numel, "weight_bytes": weight_bytes, "grad_bytes": grad_bytes,
         "replicated_numel": replicated_numel, "prefetch_depth": prefetch_depth,
-        "mb_per_fetch": mb_per_fetch,
+        "mb_per_fetch": mb_per_fetch, "reuse_weights": reuse_weights,
     }
     if algo == "tawpipe":
         chunk_layers = tuple(positions)
@@ -67,7 +69,7 @@ def build_plan(
     rbytes = replicated_numel * grad_bytes
     if algo == "tawpipe":
         events, num_slots = _tawpipe(topology, micro_batches, owner, nbytes, rbytes, grad_route,
-                                     prefetch_depth, mb_per_fetch)
+                                     prefetch_depth, mb_per_fetch, reuse_weights)
     else:
         events, num_slots = _weipipe(n, micro_batches, nbytes, rbytes)
     return Plan(
@@ -78,7 +80,7 @@ def build_plan(
 
 
 def _check_args(topology: Topology, num_layers: int, micro_batches: int, algo: str, grad_route: str,
-                prefetch_depth: int, mb_per_fetch: int, layer_numel: int, weight_bytes: int,
+                prefetch_depth: int, mb_per_fetch: int, reuse_weights: bool, layer_numel: int, weight_bytes: int,
                 grad_bytes: int, replicated_numel: int) -> None:
     """ValueError naming the argument and the fix, for anything ``build_plan`` cannot build."""
     if not isinstance(topology, Topology):
@@ -109,10 +111,10 @@ def _check_args(topology: Topology, num_layers: int, micro_batches: int, algo: s
     if algo == "weipipe":
         if n < 2:
             raise ValueError("weipipe needs a ring of at least 2 ranks")
-        if prefetch_depth != 1 or mb_per_fetch != 1:
+        if prefetch_depth != 1 or mb_per_fetch != 1 or reuse_weights:
             raise ValueError(
-                "weipipe is the paper's lock-step ring: prefetch_depth and mb_per_fetch must be 1 "
-                "(they are tawpipe options)"
+                "weipipe is the paper's lock-step ring: prefetch_depth and mb_per_fetch must be 1 and "
+                "reuse_weights off (they are tawpipe options)"
             )
 
 
@@ -212,7 +214,7 @@ class TawPhase(enum.IntEnum):
 
 
 def _tawpipe(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str, list[int]],
-             rbytes: int, grad_route: str, depth: int, k: int) -> tuple[_Events, int]:
+             rbytes: int, grad_route: str, depth: int, k: int, reuse: bool) -> tuple[_Events, int]:
     """Design §3.2 with rail or leader gradient routing; degenerate groups skip collectives."""
     G, s, n = topo.nodes, topo.per_node, topo.world_size
     span = 2 * (acc // k) * n  # compute slots of one group
@@ -247,18 +249,16 @@ def _tawpipe(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str,
             out.add(TawPhase.ROUTE, *_p2p(slot, root, o, Op.SEND_G, Op.RECV_G, chunk, buf, "g_recv", nb))
             out.add(TawPhase.ACC, Action(slot, o, Op.ACC_G, chunk=chunk, buf="g_recv"))
 
+    uses = [(Op.F, v) if v < n else (Op.B, 2 * n - 1 - v) for v in range(2 * n)] * (acc // k)
+    placement = _place_weights([c for _, c in uses], depth, reuse)
     for g in range(G):
         members = topo.group_ranks(g)
-        resident, fetches, backwards, wbuf = None, 0, 0, ""
-        for u in range(span):
+        backwards = 0
+        for u, ((op, chunk), (wbuf, fetched)) in enumerate(zip(uses, placement)):
             slot = g + u
-            rnd, v = divmod(u, 2 * n)
-            op, chunk = (Op.F, v) if v < n else (Op.B, 2 * n - 1 - v)
-            if chunk != resident:  # not a turnaround: fetch `depth` slots ahead
-                wbuf = f"w{fetches % (depth + 1)}"
-                fetches += 1
+            rnd = u // (2 * n)
+            if fetched:
                 fetch(max(slot - depth, -1), g, chunk, wbuf)
-                resident = chunk
             gbuf = None
             if op is Op.B:
                 gbuf = f"g{backwards % (depth + 1)}"
@@ -273,6 +273,37 @@ def _tawpipe(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str,
                     Action(g + span, r, Op.ALLREDUCE_REPLICATED, group=everyone, bytes=rbytes))
     _finish(out, TawPhase.STEP, TawPhase.STATS, n, step_slot)
     return out, step_slot + 1
+
+
+def _place_weights(chunks: list[int], depth: int, reuse: bool) -> list[tuple[str, bool]]:
+    """For the chunk each compute slot uses: its weight buffer, and whether it must be fetched.
+
+    There are depth + 1 buffers, and the fetch for slot t is issued at slot t - depth. The paper's
+    schedule fills them in turn and keeps a chunk only across a turnaround (F then B of the same
+    chunk). With ``reuse``, the fetch goes to a buffer no slot from t - depth on still uses (one
+    always exists: d slots use at most d buffers), evicting the chunk needed again the latest, and a
+    chunk still in its buffer when it is needed again is not fetched again (design §3.2)."""
+    nbuf = depth + 1
+    held: list[int | None] = [None] * nbuf  # chunk in each buffer
+    last = [-nbuf - depth] * nbuf  # last slot that uses each buffer
+    where: list[tuple[str, bool]] = []
+    fetches = 0
+
+    def next_use(b: int, t: int) -> int:
+        return next((u for u in range(t, len(chunks)) if chunks[u] == held[b]), len(chunks))
+
+    for t, c in enumerate(chunks):
+        if c in held and (reuse or chunks[t - 1] == c):
+            b, fetched = held.index(c), False
+        elif reuse:
+            free = [b for b in range(nbuf) if last[b] < t - depth]
+            b, fetched = max(free, key=lambda b: (next_use(b, t), -b)), True
+        else:
+            b, fetched = fetches % nbuf, True
+        fetches += fetched
+        held[b], last[b] = c, t
+        where.append((f"w{b}", fetched))
+    return where
 
 
 # ---------------------------------------------------------------------------------- WeiPipe

@@ -78,6 +78,7 @@ _CALLS = {
 
 # case keys passed to the engine as they are
 _ENGINE_OPTIONS = ("grad_route", "overlap", "recompute", "algo", "prefetch_depth", "mb_per_fetch",
+                   "reuse_weights",
                    "grad_wire_dtype", "offload")
 
 

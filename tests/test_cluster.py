@@ -151,7 +151,8 @@ def test_resolve_function_or_command():
 
 
 def test_best_k_is_the_micro_batch_count():
-    assert bench.methods(4)["tawpipe-best"].engine_options == {"mb_per_fetch": 4, "prefetch_depth": 1}
+    assert bench.methods(4)["tawpipe-best"].engine_options == {"mb_per_fetch": 4, "reuse_weights": True,
+                                                                  "prefetch_depth": 1}
     assert bench.methods(4, prefetch_depth=3)["tawpipe"].engine_options == {"prefetch_depth": 3}
     assert "tawpipe-best" not in bench.methods(1)
 

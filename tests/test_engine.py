@@ -63,6 +63,7 @@ CI_CASES = {
         dict(nodes=2, acc=2, layers=5, recompute="none"),
         dict(nodes=2, acc=2, layers=4, mb_per_fetch=2),  # k = micro-batches
         dict(nodes=2, acc=4, layers=5, mb_per_fetch=2, prefetch_depth=3),
+        dict(nodes=2, acc=3, layers=5, prefetch_depth=2, reuse_weights=True),  # chunks kept resident
         dict(nodes=2, acc=4, layers=4, mb_per_fetch=4, grad_route="leader"),  # k = micro-batches = 4
         dict(nodes=2, acc=2, layers=4, prefetch_depth=2, recompute="none", overlap=False),
         dict(nodes=1, acc=2, layers=5, algo="weipipe"),
@@ -70,7 +71,8 @@ CI_CASES = {
         dict(nodes=2, acc=2, layers=5, offload="host", max_grad_norm=0.05),  # state in host memory
         dict(nodes=1, acc=2, layers=4, offload="host", algo="weipipe"),
     ],
-    6: [dict(nodes=3, acc=2, layers=7), dict(nodes=3, acc=2, layers=6, mb_per_fetch=2, prefetch_depth=2)],
+    6: [dict(nodes=3, acc=2, layers=7),
+        dict(nodes=3, acc=2, layers=6, mb_per_fetch=2, prefetch_depth=2, reuse_weights=True)],
 }
 
 
@@ -91,6 +93,8 @@ def test_exact_full_matrix(world: int) -> None:
     for g in _divisors(world):  # every k, deeper prefetch, and the WeiPipe baseline
         cases += [dict(nodes=g, acc=4, layers=world + 1, mb_per_fetch=k, prefetch_depth=d)
                   for k, d in ((2, 1), (4, 2), (1, 3))]
+        cases += [dict(nodes=g, acc=4, layers=world + 1, mb_per_fetch=k, prefetch_depth=d, reuse_weights=True)
+                  for k, d in ((1, 1), (2, 3))]
     if world > 1:
         cases += [dict(nodes=1, acc=acc, layers=world + 1, algo="weipipe") for acc in (1, 3)]
     results = run_local(exactness, world, cases, timeout=1800)

@@ -33,7 +33,7 @@ def reordered_plans(draw):
     kw = {}
     if algo == "tawpipe":
         kw = dict(prefetch_depth=draw(st.integers(1, 3)), mb_per_fetch=draw(st.sampled_from(
-            [k for k in range(1, acc + 1) if acc % k == 0])))
+            [k for k in range(1, acc + 1) if acc % k == 0])), reuse_weights=draw(st.booleans()))
     plan = build_plan(Topology(G, n // G), n + draw(st.integers(0, 2)), acc, algo=algo, **kw)
     actions = [list(a) for a in plan.actions]
     for _ in range(draw(st.integers(1, 4))):  # move one action of one rank elsewhere in its list

@@ -55,7 +55,7 @@ def methods(micro_batches: int, prefetch_depth: int = 1) -> dict[str, Method]:
     d = {"prefetch_depth": prefetch_depth}
     out = [Method("tawpipe", "tawpipe (k=1)", d)]
     if k > 1:
-        out.append(Method("tawpipe-best", f"tawpipe (k={k})", {"mb_per_fetch": k, **d}))
+        out.append(Method("tawpipe-best", f"tawpipe (k={k}, reuse)", {"mb_per_fetch": k, "reuse_weights": True, **d}))
     out += [
         Method("weipipe", "WeiPipe", {"algo": "weipipe"}),
         Method("fsdp", "FSDP2"), Method("fsdp-mm", "FSDP2 memory-matched"), Method("hsdp", "HSDP"),
