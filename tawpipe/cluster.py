@@ -168,6 +168,10 @@ def setup_commands(spec: ClusterSpec) -> list[list[str]]:
             ["ip", "-n", ns, "link", "set", "lo", "up"],
             ["ip", "-n", ns, "addr", "add", f"{spec.address(g)}/24", "dev", NODE_LINK],
             ["ip", "-n", ns, "link", "set", NODE_LINK, "up"],
+            # a link idle for a slot must not restart TCP slow start: a transfer that follows a
+            # pause would ramp up over several (queue-inflated) round trips, which a rail of RDMA
+            # NICs never does; every method runs under the same setting
+            ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
         ]
         if spec.rate is not None:
             cmds += [_tbf(ns, NODE_LINK, spec), _tbf(br, peer, spec)]
