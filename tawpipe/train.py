@@ -37,6 +37,8 @@ from .engine import TawPipe, default_optimizer
 from .evaluate import validation_loss
 from .launch import JobFailed, init_distributed, run_local
 from .metrics import MetricsWriter, check_tensorboard, gather_peaks, peak_host_bytes
+from .plan import ALGOS
+from .schedule import build_plan
 from .storage import unique_params
 from .topology import Topology
 from .traffic import plan_traffic
@@ -60,6 +62,11 @@ class TrainConfig:
     dtype: str = "float32"
     max_grad_norm: float | None = 1.0
     grad_route: str = "rail"
+    algo: str = "tawpipe"
+    prefetch_depth: int = 1
+    mb_per_fetch: int = 1
+    reuse_weights: bool = False
+    grad_wire_dtype: str = "float32"
     seed: int = 0
     save: str | None = None
     save_every: int | None = None
@@ -74,7 +81,7 @@ class TrainConfig:
 
 # may change on resume: they do not change what is trained
 _NOT_TRAINING = ("save", "save_every", "resume", "export", "val_every", "val_batches", "metrics", "tensorboard",
-                 "log_every")
+                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,6 +108,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="clip the global gradient norm")
     p.add_argument("--grad-route", choices=("rail", "leader"), default=d.grad_route,
                    help="router of inter-node gradients")
+    p.add_argument("--algo", choices=ALGOS, default=d.algo, help="the schedule (weipipe: the paper's baseline)")
+    p.add_argument("--prefetch-depth", type=int, default=d.prefetch_depth, help="fetch weights this many slots ahead")
+    p.add_argument("--mb-per-fetch", type=int, default=d.mb_per_fetch,
+                   help="k: micro-batches a resident chunk runs per fetch (divides --micro-batches); "
+                        "inter-node bytes fall by k (see `tawpipe plan --memory-budget`)")
+    p.add_argument("--reuse-weights", action=argparse.BooleanOptionalAction, default=d.reuse_weights,
+                   help="do not fetch again a chunk still in a staging buffer")
+    p.add_argument("--grad-wire-dtype", choices=("float32", "compute"), default=d.grad_wire_dtype,
+                   help="dtype gradients travel in; the owner accumulates in float32 either way")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial model and of the batches")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="checkpoint directory: a checkpoint at the end (and every --save-every steps)")
@@ -210,6 +226,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if len(blocks) < world:
         raise ValueError(f"{len(blocks)} layers for {world} ranks: every rank needs at least one layer "
                          f"(--layers >= {world})")
+    schedule = dict(algo=cfg.algo, prefetch_depth=cfg.prefetch_depth, mb_per_fetch=cfg.mb_per_fetch,
+                    reuse_weights=cfg.reuse_weights)
+    try:
+        build_plan(Topology(1, world), len(blocks), cfg.micro_batches, **schedule)
+    except ValueError as e:
+        raise ValueError(f"schedule: {e}") from None
     if vocab > model_vocab:
         raise ValueError(f"--data {cfg.data}: tokens go up to {vocab - 1}, past the model's vocabulary ({model_vocab}): "
                          "use data tokenised for this model")
@@ -291,6 +313,9 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
         compute_dtype=_DTYPES[cfg.dtype], max_grad_norm=cfg.max_grad_norm,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg)),
         optimizer=functools.partial(default_optimizer, lr=cfg.lr), device=device, grad_route=cfg.grad_route,
+        algo=cfg.algo, prefetch_depth=cfg.prefetch_depth, mb_per_fetch=cfg.mb_per_fetch,
+        reuse_weights=cfg.reuse_weights,
+        grad_wire_dtype=torch.float32 if cfg.grad_wire_dtype == "float32" else _DTYPES[cfg.dtype],
     )
     losses: list[float] = []
     if cfg.resume:
@@ -374,6 +399,9 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
         "masters and optimizer state float32",
         f"topology: {topo.nodes} node(s) x {topo.per_node} rank(s) = {topo.world_size} ranks, chunks of {layers} "
         f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.batch_size} x {cfg.seq_len} tokens",
+        f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {cfg.prefetch_depth}, "
+        f"{cfg.mb_per_fetch} micro-batch(es) per fetch, resident chunks {'reused' if cfg.reuse_weights else 'refetched'}, "
+        f"gradients travel in {cfg.grad_wire_dtype if cfg.grad_wire_dtype == 'float32' else cfg.dtype}",
         f"memory per rank (rank 0): own chunk {report.persistent / mib:,.1f} MiB (master, gradient accumulator), "
         f"{report.sharded_target / mib:,.1f} MiB with AdamW state from the first step (16 B x Psi/N); staging "
         f"{sum(report.staging.values()) / mib:,.1f} MiB; replicated {16 * rep / mib:,.1f} MiB (weights, gradients, "

@@ -33,3 +33,18 @@ def test_no_citations_of_outside_documents():
     for p in SOURCES:
         for line in p.read_text().splitlines():
             assert not re.search(r"\bspec\s*§", line, re.I), f"{p}: {line.strip()}"
+
+
+def test_readme_snippets_are_copies_of_tested_examples():
+    """A README code block introduced by 'From [`examples/X`]' is a verbatim excerpt of X, which
+    tests/test_examples.py runs: the snippet cannot rot while the example passes."""
+    readme = (ROOT / "README.md").read_text()
+    found = re.findall(r"From \[`(examples/[\w./]+)`\].*?\n```python\n(.*?)```", readme, re.S)
+    assert found, "no example snippet found in README.md: the pattern is wrong"
+    for path, block in found:
+        for piece in block.strip().split("\n\n\n"):  # excerpts: whole top-level definitions
+            assert piece in (ROOT / path).read_text(), f"README snippet differs from {path}: {piece[:80]}"
+    # the quick start: exactly the two commands CI and newcomers run
+    quick = re.search(r"## Quick start.*?```bash\n(.*?)```", readme, re.S).group(1).splitlines()
+    assert [line.split("#")[0].strip() for line in quick] == ["bash install.sh && tawpipe train",
+                                                              "python3 -m pytest -q"]

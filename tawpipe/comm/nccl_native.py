@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from ..topology import Topology
 from .base import P2P, Comm, CommTimeout, Group
+from .torch_dist import check_job
 
 try:
     from tawpipe import _nccl
@@ -395,16 +396,7 @@ class NcclComm(Comm):
         _channel: str = "weights",
         _parent: NcclComm | None = None,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call tawpipe.launch.init_distributed() "
-                "(or dist.init_process_group) before building the engine"
-            )
-        if dist.get_world_size() != topology.world_size:
-            raise ValueError(
-                f"topology has {topology.world_size} ranks ({topology.nodes} nodes x {topology.per_node}) but "
-                f"the job has {dist.get_world_size()}; launch as many processes as the topology names"
-            )
+        check_job(topology)
         if check not in CHECK_MODES:
             raise ValueError(f"check must be one of {CHECK_MODES}, got {check!r}")
         if not torch.cuda.is_available():

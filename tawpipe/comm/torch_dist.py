@@ -17,19 +17,25 @@ from ..topology import Topology
 from .base import P2P, Comm, CommTimeout, Group
 
 
+def check_job(topology: Topology) -> None:
+    """torch.distributed is up, with as many processes as ``topology`` names (every backend
+    builds on its process group)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call tawpipe.launch.init_distributed() "
+            "(or dist.init_process_group) before building the engine"
+        )
+    if dist.get_world_size() != topology.world_size:
+        raise ValueError(
+            f"topology has {topology.world_size} ranks ({topology.nodes} nodes x "
+            f"{topology.per_node}) but the job has {dist.get_world_size()}; "
+            "launch as many processes as the topology names"
+        )
+
+
 class TorchDistComm(Comm):
     def __init__(self, topology: Topology, timeout: float, _channel: str = "weights") -> None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call tawpipe.launch.init_distributed() "
-                "(or dist.init_process_group) before building the engine"
-            )
-        if dist.get_world_size() != topology.world_size:
-            raise ValueError(
-                f"topology has {topology.world_size} ranks ({topology.nodes} nodes x "
-                f"{topology.per_node}) but the job has {dist.get_world_size()}; "
-                "launch as many processes as the topology names"
-            )
+        check_job(topology)
         self.topology = topology
         self.timeout = timeout
         self.rank = dist.get_rank()
