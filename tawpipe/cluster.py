@@ -2,7 +2,7 @@
 
 TawPipe's claim is about slow links *between* nodes, so the emulation puts each node in a network
 namespace of its own. Node g has one veth link to a bridge that lives in a further namespace; a
-tc token bucket (tbf) limits both directions of every link, on the node side (node -> bridge)
+tc htb shaper limits both directions of every link, on the node side (node -> bridge)
 and on the bridge side (bridge -> node). The ranks of node g run inside namespace g, so:
 
 * traffic between nodes crosses two rate-limited veths and the bridge;
@@ -92,7 +92,7 @@ class ClusterSpec:
     nodes: int
     per_node: int
     rate: str | None = "100mbit"  # per direction of every node's link; None: no limit
-    queue_ms: int = 400  # tbf queue; at 100 Mbit/s a shallow queue drops packets
+    queue_ms: int = 400  # bulk queue; at 100 Mbit/s a shallow queue drops packets
     run_id: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}x{next(_runs)}")
 
     def __post_init__(self) -> None:
@@ -142,13 +142,33 @@ class ClusterSpec:
         return rank // self.per_node
 
 
-def _tbf(ns: str, dev: str, spec: ClusterSpec) -> list[str]:
+def _shaper(ns: str, dev: str, spec: ClusterSpec) -> list[list[str]]:
+    """The link rate on one direction of one link: htb with two classes sharing it. Packets under
+    128 bytes (TCP's bare acknowledgements) go first; the rest wait in a byte FIFO ``queue_ms`` deep.
+
+    The deep queue is there because a shallow one drops packets at 100 Mbit/s. Left alone, it
+    would also hold the acknowledgements of the other direction's data behind up to ``queue_ms``
+    of bulk bytes, so a link busy both ways (a swap of chunks between two nodes) would run far
+    below its rate. A switch port with a shallow buffer does not do that."""
     rate_bytes = spec.rate_bits / 8
-    # The bucket must exceed the largest GSO packet (64 KiB plus a header per segment): a smaller
-    # one makes tbf cut every packet into MTU-sized ones, which adds ~5% of headers and ACKs.
-    burst = max(256 * 1024, int(rate_bytes * 0.004))
-    return ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", spec.rate,
-            "burst", str(burst), "latency", f"{spec.queue_ms}ms"]
+    # The buckets must exceed the largest GSO packet (64 KiB plus a header per segment): smaller
+    # ones shape each packet late and the link runs below its rate.
+    burst = str(max(256 * 1024, int(rate_bytes * 0.004)))
+    tc = ["tc", "-n", ns]
+    cls = [*tc, "class", "add", "dev", dev]
+    return [
+        [*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20", "r2q", "1000"],
+        [*cls, "parent", "1:", "classid", "1:1", "htb", "rate", spec.rate, "burst", burst, "cburst", burst],
+        [*cls, "parent", "1:1", "classid", "1:10", "htb", "rate", str(int(spec.rate_bits // 100)), "ceil", spec.rate,
+         "burst", burst, "cburst", burst, "prio", "0"],
+        [*cls, "parent", "1:1", "classid", "1:20", "htb", "rate", str(int(spec.rate_bits * 99 // 100)), "ceil",
+         spec.rate, "burst", burst, "cburst", burst, "prio", "1"],
+        [*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit",
+         str(int(rate_bytes * spec.queue_ms / 1000) + int(burst))],
+        # IPv4 total length (bytes 2-3 of the header) below 128
+        [*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+         "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:10"],
+    ]
 
 
 def setup_commands(spec: ClusterSpec) -> list[list[str]]:
@@ -168,13 +188,17 @@ def setup_commands(spec: ClusterSpec) -> list[list[str]]:
             ["ip", "-n", ns, "link", "set", "lo", "up"],
             ["ip", "-n", ns, "addr", "add", f"{spec.address(g)}/24", "dev", NODE_LINK],
             ["ip", "-n", ns, "link", "set", NODE_LINK, "up"],
-            # a link idle for a slot must not restart TCP slow start: a transfer that follows a
-            # pause would ramp up over several (queue-inflated) round trips, which a rail of RDMA
-            # NICs never does; every method runs under the same setting
-            ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
+            # TCP as a cluster's transport behaves, for every method alike: a link idle for a slot
+            # does not restart slow start (a transfer after a pause would ramp up over several
+            # round trips, which an RDMA rail never does), and BBR paces at the link rate instead
+            # of filling the deep queue. Filled, that queue delays the acknowledgements that ride
+            # on the other direction's data, and a swap of chunks (both directions of one
+            # connection at once) then ran at half the rate of each direction.
+            ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0",
+             "net.ipv4.tcp_congestion_control=bbr"],
         ]
         if spec.rate is not None:
-            cmds += [_tbf(ns, NODE_LINK, spec), _tbf(br, peer, spec)]
+            cmds += _shaper(ns, NODE_LINK, spec) + _shaper(br, peer, spec)
     return cmds
 
 
@@ -510,7 +534,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
     r.add_argument("--per-node", type=int, default=2, help="ranks per node")
     r.add_argument("--rate", default="100mbit", help="link rate per direction, tc syntax; 'none': no limit")
-    r.add_argument("--queue-ms", type=int, default=400, help="tbf queue length in ms")
+    r.add_argument("--queue-ms", type=int, default=400, help="bulk queue length in ms")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     r.add_argument("target", nargs=argparse.REMAINDER, metavar="-- TARGET ...",
                    help="'module:function [ARG ...]' (called as function(rank, *ARGs) after "

@@ -77,9 +77,15 @@ def test_setup_commands_build_a_rate_limited_star():
         shaped = [c for c in cmds if c[0] == "tc" and c[6] in (cl.NODE_LINK, peer) and c[2] in (ns, s.bridge_ns)]
         sides = {(c[2], c[6]) for c in shaped}
         assert sides == {(ns, cl.NODE_LINK), (s.bridge_ns, peer)}, "both directions must be limited"
-        for c in shaped:
-            assert c[c.index("rate") + 1] == "100mbit" and c[c.index("latency") + 1] == "400ms"
-            assert int(c[c.index("burst") + 1]) > 65536 + 64 * 66  # whole GSO packets pass
+        for side in sides:  # the link class at the rate, a bulk FIFO of 400 ms, acknowledgements first
+            mine = [c for c in shaped if (c[2], c[6]) == side]
+            link = next(c for c in mine if "1:1" in c and "classid" in c)
+            assert link[link.index("rate") + 1] == "100mbit"
+            assert int(link[link.index("burst") + 1]) > 65536 + 64 * 66  # whole GSO packets pass
+            fifo = next(c for c in mine if "bfifo" in c)
+            assert int(fifo[fifo.index("limit") + 1]) >= 100e6 / 8 * 0.4
+            acks = next(c for c in mine if "filter" in c)
+            assert acks[acks.index("flowid") + 1] == "1:10" and "0xff80" in acks  # IPv4 length < 128
     # every command is scoped to one of the cluster's namespaces
     for c in cmds[len(s.namespaces):]:
         assert any(ns in c for ns in s.namespaces), c

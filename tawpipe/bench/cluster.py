@@ -365,7 +365,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 3], help="node counts to run, one cluster each")
     p.add_argument("--per-node", type=int, default=2, help="ranks per node")
     p.add_argument("--rate", default="100mbit", help="link rate per direction (tc syntax); 'none': no limit")
-    p.add_argument("--queue-ms", type=int, default=400, help="tbf queue in ms")
+    p.add_argument("--queue-ms", type=int, default=400, help="bulk queue in ms (acknowledgements bypass it)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every method once")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (after one warm-up step)")
     p.add_argument("--methods", nargs="+", default=None,
