@@ -1,7 +1,7 @@
 """Print how far tawpipe is from single-process training: max relative error of parameters,
 updates and losses after 3 AdamW steps, per world size over every topology of the test matrix,
-for k = 1 and k = micro-batches, a deeper prefetch, and the WeiPipe schedule; then the low-precision
-loss deviations, gradients on the wire in float32 and in bfloat16.
+for k = 1 and k = micro-batches, a deeper prefetch, reused resident chunks and WeiPipe; then the
+low-precision loss deviations, gradients on the wire in float32 and in bfloat16.
 
 Usage: python benchmarks/exactness_report.py [--worlds 4 6 8]
 """
@@ -36,10 +36,14 @@ def main() -> None:
         cases = [dict(nodes=g, acc=acc, layers=layers)
                  for g in divisors for acc in (1, 3) for layers in (2 * world, 2 * world + 1)]
         variants = [dict(nodes=g, acc=2, layers=world + 1, mb_per_fetch=2, prefetch_depth=2) for g in divisors]
-        variants.append(dict(nodes=1, acc=2, layers=world + 1, algo="weipipe"))
-        res = [r for rank in run_local(exactness, world, cases + variants, timeout=1800) for r in rank]
-        for label, group in ((f"N={world}, k=1", cases), (f"N={world}, k=acc=2, prefetch depth 2", variants[:-1]),
-                             (f"N={world}, WeiPipe", variants[-1:])):
+        reuse = [dict(nodes=g, acc=2, layers=world + 1, mb_per_fetch=2, prefetch_depth=3, reuse_weights=True)
+                 for g in divisors]
+        weipipe = [dict(nodes=1, acc=2, layers=world + 1, algo="weipipe")]
+        res = [r for rank in run_local(exactness, world, cases + variants + reuse + weipipe, timeout=1800)
+               for r in rank]
+        for label, group in ((f"N={world}, k=1", cases), (f"N={world}, k=acc=2, prefetch depth 2", variants),
+                             (f"N={world}, k=acc=2, prefetch depth 3, resident chunks reused", reuse),
+                             (f"N={world}, WeiPipe", weipipe)):
             print(_summary(label, [r for r in res if r["case"] in group], world), flush=True)
     low = [dict(nodes=2, acc=2, layers=4, steps=6, dtype=torch.bfloat16),
            dict(nodes=2, acc=2, layers=4, steps=6, dtype=torch.bfloat16, grad_wire_dtype=torch.bfloat16),
