@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -178,7 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else list(argv))
-    return args.run(args, rest)
+    try:
+        return args.run(args, rest)
+    except BrokenPipeError:  # `tawpipe plan ... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
