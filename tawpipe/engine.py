@@ -95,6 +95,30 @@ def _check_callables(**kwargs: Any) -> None:
             raise TypeError(f"{name} is required")
 
 
+
+def _check_options(topology: Topology, comm: Comm | str | None, offload: str | None, timeout: float | None,
+                   names: tuple[str, str, str], recompute: str, compute_dtype: torch.dtype,
+                   grad_wire_dtype: torch.dtype) -> None:
+    """The engine's plain options, checked before anything is built or sent."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a tawpipe.Topology, got {type(topology).__name__}")
+    if not (comm is None or isinstance(comm, Comm) or comm in ("torch", "nccl-native")):
+        raise TypeError(f"comm must be a tawpipe.comm.Comm, 'torch' (torch.distributed, the default) or "
+                        f"'nccl-native', got {comm!r}")
+    if offload not in (None, "host"):
+        raise ValueError(f"offload must be None or 'host', got {offload!r}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if not (isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) and n for n in names)):
+        raise ValueError(f"names must be three non-empty strings (embed, blocks, head), got {names!r}")
+    if recompute not in ("chunk", "none"):
+        raise ValueError(f"recompute must be 'chunk' or 'none', got {recompute!r}")
+    if compute_dtype not in _DTYPES:
+        raise ValueError(f"compute_dtype {compute_dtype} unsupported; use one of {_DTYPES}")
+    if grad_wire_dtype not in (torch.float32, compute_dtype):
+        raise ValueError(f"grad_wire_dtype must be torch.float32 or the compute dtype {compute_dtype}, "
+                         f"got {grad_wire_dtype}")
+
 class TawPipe:
     """Topology-aware weight pipeline training of a stack of identical blocks.
 
@@ -146,24 +170,7 @@ class TawPipe:
         _check_blocks(blocks)
         _check_callables(embed=embed, head=head, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
                          block_forward=block_forward, block_context=block_context, materialize=materialize)
-        if not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a tawpipe.Topology, got {type(topology).__name__}")
-        if not (comm is None or isinstance(comm, Comm) or comm in ("torch", "nccl-native")):
-            raise TypeError(f"comm must be a tawpipe.comm.Comm, 'torch' (torch.distributed, the default) or "
-                            f"'nccl-native', got {comm!r}")
-        if offload not in (None, "host"):
-            raise ValueError(f"offload must be None or 'host', got {offload!r}")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        if not (isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) and n for n in names)):
-            raise ValueError(f"names must be three non-empty strings (embed, blocks, head), got {names!r}")
-        if recompute not in ("chunk", "none"):
-            raise ValueError(f"recompute must be 'chunk' or 'none', got {recompute!r}")
-        if compute_dtype not in _DTYPES:
-            raise ValueError(f"compute_dtype {compute_dtype} unsupported; use one of {_DTYPES}")
-        if grad_wire_dtype not in (torch.float32, compute_dtype):
-            raise ValueError(f"grad_wire_dtype must be torch.float32 or the compute dtype {compute_dtype}, "
-                             f"got {grad_wire_dtype}")
+        _check_options(topology, comm, offload, timeout, names, recompute, compute_dtype, grad_wire_dtype)
         if loss_scale == "auto":
             loss_scale = "dynamic" if compute_dtype == torch.float16 else None
         self.precision = Precision(loss_scale, max_grad_norm, nonfinite)
