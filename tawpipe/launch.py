@@ -320,6 +320,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         job.start(fn, args)
         return job.wait()
     except _Stop as s:
+        for sig in handlers:  # a repeat must not cut the stop short (timeout(1) signals the whole group)
+            signal.signal(sig, signal.SIG_IGN)
         job.stop()
         name = signal.Signals(s.signum).name
         print(f"tawpipe: {name}: stopped the local job's {world_size} workers", file=sys.stderr)

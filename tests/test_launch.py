@@ -128,7 +128,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_signal_to_the_launcher_leaves_no_process(tmp_path) -> None:
-    """SIGINT, SIGTERM and SIGKILL, each to a launcher of its own (run side by side)."""
+    """SIGINT, SIGTERM and SIGKILL, each to a launcher of its own (run side by side). The SIGTERM
+    comes twice, as from `timeout`, which signals the launcher and then its whole process group."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
     dirs = [tmp_path / sig.name for sig in sigs]
@@ -147,6 +148,8 @@ def test_a_signal_to_the_launcher_leaves_no_process(tmp_path) -> None:
         t0 = time.monotonic()
         for launcher, sig in zip(launchers, sigs):
             launcher.send_signal(sig)
+        time.sleep(0.05)
+        launchers[sigs.index(signal.SIGTERM)].send_signal(signal.SIGTERM)  # a repeat while it stops
         errs = [launcher.communicate(timeout=10)[1] for launcher in launchers]
         while any(_alive(p) for p in workers) and time.monotonic() - t0 < 10:
             time.sleep(0.1)
@@ -155,6 +158,7 @@ def test_a_signal_to_the_launcher_leaves_no_process(tmp_path) -> None:
             assert launcher.returncode == -sig or (sig == signal.SIGINT and launcher.returncode != 0), sig
             if sig != signal.SIGKILL:
                 assert f"{sig.name}: stopped the local job's 2 workers" in err, err
+                assert sig == signal.SIGINT or "Traceback" not in err, err  # SIGINT: KeyboardInterrupt
     finally:
         for launcher in launchers:
             if launcher.poll() is None:
