@@ -50,7 +50,11 @@ class TorchDistComm(Comm):
             ranks = topology.group_ranks(g)
             if len(ranks) > 1 and ranks != world:
                 self._groups[ranks] = dist.new_group(list(ranks), timeout=td)
-        self._p2p = self._groups[world]
+        # Point-to-point messages from a lower to a higher rank go on one connection per pair, the
+        # other way on a second: a connection then carries bulk data one way only. On one shared
+        # connection, the control messages a transfer needs (gloo's "ready to receive") queue
+        # behind the other direction's payload, and a two-way swap ran at half speed (design §5.2).
+        self._up, self._down = self._groups[world], dist.new_group(list(world), timeout=td)
         self._channels: dict[str, Comm] = {_channel: self}
 
     def channel_comm(self, name: str) -> Comm:
@@ -65,22 +69,30 @@ class TorchDistComm(Comm):
         except KeyError:
             raise ValueError(f"group {group} is not a topology group or the world") from None
 
+    def _line(self, src: int, dst: int) -> dist.ProcessGroup:
+        return self._up if src < dst else self._down
+
     def send(self, tensor: torch.Tensor, peer: int) -> None:
-        dist.send(tensor, dst=peer, group=self._p2p)
+        dist.send(tensor, dst=peer, group=self._line(self.rank, peer))
 
     def recv(self, tensor: torch.Tensor, peer: int) -> None:
-        dist.recv(tensor, src=peer, group=self._p2p)
+        dist.recv(tensor, src=peer, group=self._line(peer, self.rank))
 
     @property
     def async_p2p(self) -> bool:
         """gloo matches messages by (peer, tag) whatever the order they are posted in."""
-        return dist.get_backend(self._p2p) == "gloo"
+        return dist.get_backend(self._up) == "gloo"
+
+    def _isend_irecv(self, op: P2P, tag: int = 0) -> dist.Work:
+        if op.op == "send":
+            return dist.isend(op.tensor, op.peer, group=self._line(self.rank, op.peer), tag=tag)
+        return dist.irecv(op.tensor, op.peer, group=self._line(op.peer, self.rank), tag=tag)
 
     def post(self, op: P2P, tag: int) -> _Posted:
-        return _Posted((dist.isend if op.op == "send" else dist.irecv)(op.tensor, op.peer, group=self._p2p, tag=tag))
+        return _Posted(self._isend_irecv(op, tag))
 
     def batch_p2p(self, ops: Sequence[P2P]) -> None:
-        works = [(dist.isend if o.op == "send" else dist.irecv)(o.tensor, o.peer, group=self._p2p) for o in ops]
+        works = [self._isend_irecv(o) for o in ops]
         for w in works:
             w.wait()
 
