@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from . import progress
-from .comm.base import P2P, Channel, Comm, Handle
+from .comm.base import P2P, Channel, Comm, Handle, Pending
 from .plan import CHANNELS, OPS, Action, Hazards, Plan, batches, describe
 
 
@@ -36,9 +36,13 @@ class Messages:
     tags: tuple[int, ...]
     timeout: float
 
+    def post(self) -> list[Pending]:
+        """Post every message, tagged, without waiting (``comm.async_p2p`` backends only)."""
+        return [self.comm.post(op, tag) for op, tag in zip(self.ops, self.tags)]
+
     def __call__(self) -> None:
         if self.comm.async_p2p:  # tagged like the messages posted one by one, which it meets
-            for p in [self.comm.post(op, tag) for op, tag in zip(self.ops, self.tags)]:
+            for p in self.post():
                 p.wait(self.timeout)
         else:
             self.comm.batch_p2p(list(self.ops))
@@ -106,7 +110,7 @@ class Executor:
         """Post the messages as soon as every dependency is done (on the thread that finishes
         the last one) and finish the handle, from a waiter thread, once they have completed."""
 
-        def complete(handle: Handle, pending: list) -> None:
+        def complete(handle: Handle, pending: list[Pending]) -> None:
             try:
                 for p in pending:
                     p.wait(self.timeout)
@@ -117,8 +121,7 @@ class Executor:
             handle._finish()
 
         def post(handle: Handle) -> None:
-            pending = [msgs.comm.post(op, tag) for op, tag in zip(msgs.ops, msgs.tags)]
-            threading.Thread(target=complete, args=(handle, pending), name=f"tawpipe-p2p {label}",
+            threading.Thread(target=complete, args=(handle, msgs.post()), name=f"tawpipe-p2p {label}",
                              daemon=True).start()
 
         return _when_ready(deps, label, post)

@@ -39,9 +39,9 @@ def build_plan(
     d+1 gradient staging buffers (design §3.2). ``mb_per_fetch`` k: a resident chunk runs k
     micro-batches back to back, so each fetch and each gradient route serves k micro-batches;
     k = 1 is the paper's schedule. ``reuse_weights``: a chunk still in a staging buffer when it is
-    needed again is not fetched again (design §3.2); off, the plan is the paper's. Chunks are balanced: the first ``num_layers mod N`` chunks hold
-    one extra layer. Message sizes are layers x ``layer_numel`` x the dtype size of weights or
-    gradients.
+    needed again is not fetched again (design §3.2); off, the plan is the paper's. Chunks are
+    balanced: the first ``num_layers mod N`` chunks hold one extra layer. Message sizes are
+    layers x ``layer_numel`` x the dtype size of weights or gradients.
     """
     _check_args(topology, num_layers, micro_batches, algo, grad_route, prefetch_depth, mb_per_fetch,
                 reuse_weights, layer_numel, weight_bytes, grad_bytes, replicated_numel)
@@ -80,8 +80,8 @@ def build_plan(
 
 
 def _check_args(topology: Topology, num_layers: int, micro_batches: int, algo: str, grad_route: str,
-                prefetch_depth: int, mb_per_fetch: int, reuse_weights: bool, layer_numel: int, weight_bytes: int,
-                grad_bytes: int, replicated_numel: int) -> None:
+                prefetch_depth: int, mb_per_fetch: int, reuse_weights: bool, layer_numel: int,
+                weight_bytes: int, grad_bytes: int, replicated_numel: int) -> None:
     """ValueError naming the argument and the fix, for anything ``build_plan`` cannot build."""
     if not isinstance(topology, Topology):
         raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")

@@ -201,6 +201,12 @@ def _arg(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _schedule(cfg: TrainConfig) -> dict[str, Any]:
+    """The schedule options, as both ``build_plan`` and the engine take them."""
+    return dict(algo=cfg.algo, prefetch_depth=cfg.prefetch_depth, mb_per_fetch=cfg.mb_per_fetch,
+                reuse_weights=cfg.reuse_weights)
+
+
 def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Everything that can be checked before a worker starts; raises ValueError (one line)."""
     for name in ("steps", "micro_batches", "batch_size", "seq_len", "nodes", "per_node", "layers", "save_every",
@@ -226,10 +232,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if len(blocks) < world:
         raise ValueError(f"{len(blocks)} layers for {world} ranks: every rank needs at least one layer "
                          f"(--layers >= {world})")
-    schedule = dict(algo=cfg.algo, prefetch_depth=cfg.prefetch_depth, mb_per_fetch=cfg.mb_per_fetch,
-                    reuse_weights=cfg.reuse_weights)
     try:
-        build_plan(Topology(1, world), len(blocks), cfg.micro_batches, **schedule)
+        build_plan(Topology(1, world), len(blocks), cfg.micro_batches, **_schedule(cfg))
     except ValueError as e:
         raise ValueError(f"schedule: {e}") from None
     if vocab > model_vocab:
@@ -313,8 +317,7 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
         compute_dtype=_DTYPES[cfg.dtype], max_grad_norm=cfg.max_grad_norm,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg)),
         optimizer=functools.partial(default_optimizer, lr=cfg.lr), device=device, grad_route=cfg.grad_route,
-        algo=cfg.algo, prefetch_depth=cfg.prefetch_depth, mb_per_fetch=cfg.mb_per_fetch,
-        reuse_weights=cfg.reuse_weights,
+        **_schedule(cfg),
         grad_wire_dtype=torch.float32 if cfg.grad_wire_dtype == "float32" else _DTYPES[cfg.dtype],
     )
     losses: list[float] = []
