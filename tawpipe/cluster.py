@@ -23,7 +23,7 @@ launcher that was killed outright leaves names that ``tawpipe cluster down`` rec
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import importlib
 import json
 import os
@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
@@ -93,6 +93,9 @@ class ClusterSpec:
     per_node: int
     rate: str | None = "100mbit"  # per direction of every node's link; None: no limit
     queue_ms: int = 400  # bulk queue; at 100 Mbit/s a shallow queue drops packets
+    # each rank on one core, round-robin over the cores this process may use: ranks sharing a core
+    # share it evenly (left to the kernel, a rank of a lock-step group sometimes waited ~1 s)
+    pin_cpus: bool = True
     run_id: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}x{next(_runs)}")
 
     def __post_init__(self) -> None:
@@ -197,9 +200,22 @@ def setup_commands(spec: ClusterSpec) -> list[list[str]]:
             ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0",
              "net.ipv4.tcp_congestion_control=bbr"],
         ]
-        if spec.rate is not None:
-            cmds += _shaper(ns, NODE_LINK, spec) + _shaper(br, peer, spec)
-    return cmds
+    return cmds + shaping_commands(spec)
+
+
+def _shaped_devices(spec: ClusterSpec) -> list[tuple[str, str]]:
+    """(namespace, device) of both ends of every node's link: each shapes one direction."""
+    return [end for g in range(spec.nodes)
+            for end in ((spec.node_ns(g), NODE_LINK), (spec.bridge_ns, spec.bridge_link(g)))]
+
+
+def shaping_commands(spec: ClusterSpec, on: bool = True) -> list[list[str]]:
+    """The tc invocations that put the rate limit on every link (``on``) or take it off."""
+    if spec.rate is None:
+        return []
+    if on:
+        return [cmd for ns, dev in _shaped_devices(spec) for cmd in _shaper(ns, dev, spec)]
+    return [["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"] for ns, dev in _shaped_devices(spec)]
 
 
 def list_namespaces() -> list[str]:
@@ -311,9 +327,23 @@ def worker_command(spec: ClusterSpec, rank: int, argv: Sequence[str]) -> list[st
 _BOOT = "import sys; from tawpipe.cluster import _worker_main; sys.exit(_worker_main(sys.argv[1], int(sys.argv[2])))"
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """A preexec_fn: PR_SET_PDEATHSIG survives the exec of ip and python."""
-    return functools.partial(die_with_parent, parent)
+def _prepare_worker(parent: int, cpus: set[int] | None) -> Callable[[], None]:
+    """A preexec_fn: PR_SET_PDEATHSIG and the CPU affinity survive the exec of ip and python."""
+
+    def prepare() -> None:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        die_with_parent(parent)
+
+    return prepare
+
+
+def worker_cpus(spec: ClusterSpec, rank: int) -> set[int] | None:
+    """The core ``rank`` runs on (None: any), see ``ClusterSpec.pin_cpus``."""
+    if not spec.pin_cpus:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return {cores[rank % len(cores)]}
 
 
 class Cluster:
@@ -369,6 +399,18 @@ class Cluster:
                       + "\n  ".join(errors), file=sys.stderr)
         self._restore_signal_handlers()
 
+    @contextlib.contextmanager
+    def unlimited(self) -> Iterator[None]:
+        """The links without their rate limit for the duration: a run inside measures the same job
+        with communication (nearly) free, on the same cluster and between the same other runs."""
+        for cmd in shaping_commands(self.spec, on=False):
+            _ip(cmd)
+        try:
+            yield
+        finally:
+            for cmd in shaping_commands(self.spec):
+                _ip(cmd)
+
     def link_bytes(self) -> list[LinkBytes]:
         """Per node, the bytes it sent and received over its link so far (bridge-side counters)."""
         r = _ip(["ip", "-n", self.spec.bridge_ns, "-s", "-j", "link", "show"])
@@ -406,7 +448,7 @@ class Cluster:
                 self._procs.append(subprocess.Popen(
                     worker_command(self.spec, rank, rank_argv), env=worker_env(self.spec, rank, self._port, env_base),
                     stdout=log, stderr=subprocess.STDOUT if log else None, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+                    start_new_session=True, preexec_fn=_prepare_worker(os.getpid(), worker_cpus(self.spec, rank)),
                 ))
             try:
                 codes = self._wait(timeout, tmp)
@@ -535,6 +577,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--per-node", type=int, default=2, help="ranks per node")
     r.add_argument("--rate", default="100mbit", help="link rate per direction, tc syntax; 'none': no limit")
     r.add_argument("--queue-ms", type=int, default=400, help="bulk queue length in ms")
+    r.add_argument("--no-pin-cpus", action="store_true",
+                    help="leave rank placement to the kernel (default: one core per rank, round-robin)")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     r.add_argument("target", nargs=argparse.REMAINDER, metavar="-- TARGET ...",
                    help="'module:function [ARG ...]' (called as function(rank, *ARGs) after "
@@ -567,7 +611,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("tawpipe cluster run: nothing to run; give '-- module:function' or '-- command'")
     try:
         spec = ClusterSpec(args.nodes, args.per_node, None if args.rate.lower() == "none" else args.rate,
-                           args.queue_ms)
+                           args.queue_ms, pin_cpus=not args.no_pin_cpus)
     except ValueError as e:
         raise SystemExit(f"tawpipe cluster run: {e}") from None
     fn = _resolve(target)

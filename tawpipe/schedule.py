@@ -128,19 +128,20 @@ class _Events:
 
     def __init__(self, phases: type[enum.IntEnum], p2p: frozenset[enum.IntEnum]) -> None:
         self._phases, self._p2p = phases, p2p
-        self._events: dict[int, list[list[tuple[Action, ...]]]] = {}
+        self._events: dict[tuple[int, int], list[list[tuple[Action, ...]]]] = {}
 
-    def add(self, phase: enum.IntEnum, *actions: Action) -> None:
-        slot = actions[0].slot
-        self._events.setdefault(slot, [[] for _ in self._phases])[phase].append(actions)
+    def add(self, phase: enum.IntEnum, *actions: Action, order: int = 0) -> None:
+        """Add one event; a slot's events run in (``order``, phase) order."""
+        key = (actions[0].slot, order)
+        self._events.setdefault(key, [[] for _ in self._phases])[phase].append(actions)
 
     def project(self, n: int) -> tuple[tuple[Action, ...], ...]:
         """Each rank's actions in the global order; point-to-point pairs get their tags here: the
         k-th message from src to dst on a channel, counted in that same order."""
         lists: list[list[Action]] = [[] for _ in range(n)]
         sent: Counter[tuple[str, int, int]] = Counter()
-        for slot in sorted(self._events):
-            for phase, events in zip(self._phases, self._events[slot]):
+        for key in sorted(self._events):
+            for phase, events in zip(self._phases, self._events[key]):
                 if phase in self._p2p:
                     events = _in_rounds(events)
                 for ev in events:
@@ -224,16 +225,22 @@ def _tawpipe(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str,
     for r in everyone:
         out.add(TawPhase.LOAD, Action(-1, r, Op.LOAD_W, chunk=owner.index(r), buf="w_own"))
 
-    def fetch(slot: int, g: int, chunk: int, buf: str) -> None:
+    def fetch(need: int, g: int, chunk: int, buf: str) -> None:
+        """Stage ``chunk`` for slot ``need``, issued ``depth`` slots earlier. Fetches for the first
+        slots all start before slot 0; they go in the order compute needs them, so a remote fetch
+        never holds up the broadcast of a chunk needed before it."""
+        slot = max(need - depth, -1)
+        order = need if slot == -1 else 0
         members, o, nb = topo.group_ranks(g), owner[chunk], nbytes["w"][chunk]
         if o // s == g:  # local chunk: the owner stages its own copy
-            out.add(TawPhase.LOAD, Action(slot, o, Op.LOAD_W, chunk=chunk, buf=buf))
+            out.add(TawPhase.LOAD, Action(slot, o, Op.LOAD_W, chunk=chunk, buf=buf), order=order)
             src = o
         else:  # remote chunk: rail-aligned P2P to the staging device with the owner's local index
             src = g * s + chunk // G
-            out.add(TawPhase.FETCH, *_p2p(slot, o, src, Op.SEND_W, Op.RECV_W, chunk, "w_own", buf, nb))
+            out.add(TawPhase.FETCH, *_p2p(slot, o, src, Op.SEND_W, Op.RECV_W, chunk, "w_own", buf, nb),
+                    order=order)
         if s > 1:
-            out.add(TawPhase.BCAST, *_collective(slot, Op.BCAST_W, members, src, chunk, buf, nb))
+            out.add(TawPhase.BCAST, *_collective(slot, Op.BCAST_W, members, src, chunk, buf, nb), order=order)
 
     def route(slot: int, g: int, chunk: int, buf: str) -> None:
         members, o, nb = topo.group_ranks(g), owner[chunk], nbytes["g"][chunk]
@@ -258,7 +265,7 @@ def _tawpipe(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str,
             slot = g + u
             rnd = u // (2 * n)
             if fetched:
-                fetch(max(slot - depth, -1), g, chunk, wbuf)
+                fetch(slot, g, chunk, wbuf)
             gbuf = None
             if op is Op.B:
                 gbuf = f"g{backwards % (depth + 1)}"

@@ -8,6 +8,7 @@ behind — also when the launcher is killed outright.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -93,6 +94,16 @@ def test_setup_commands_build_a_rate_limited_star():
 
 def test_no_rate_means_no_tc():
     assert not [c for c in cl.setup_commands(spec(rate=None)) if c[0] == "tc"]
+    assert cl.shaping_commands(spec(rate=None), on=False) == []
+
+
+def test_unlimiting_removes_exactly_the_shapers_setup_added():
+    s = spec()
+    shaped = {(c[2], c[6]) for c in cl.setup_commands(s) if c[0] == "tc"}
+    off = cl.shaping_commands(s, on=False)
+    assert {(c[2], c[6]) for c in off} == shaped and len(off) == len(shaped) == 2 * s.nodes
+    assert all(c[3:5] == ["qdisc", "del"] and c[-1] == "root" for c in off)
+    assert cl.shaping_commands(s) == [c for c in cl.setup_commands(s) if c[0] == "tc"]
 
 
 def test_stale_namespaces_are_those_of_dead_launchers():
@@ -117,6 +128,12 @@ def test_worker_env_is_torchruns():
             "ip", "netns", "exec", s.node_ns(rank // 2), "python", "x.py"]
     with pytest.raises(ValueError, match="outside"):
         cl.worker_env(s, 6, 1)
+
+
+def test_ranks_are_pinned_round_robin(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {7, 3, 5})
+    assert [cl.worker_cpus(spec(nodes=3, per_node=2), r) for r in range(6)] == [{3}, {5}, {7}, {3}, {5}, {7}]
+    assert cl.worker_cpus(dataclasses.replace(spec(), pin_cpus=False), 0) is None
 
 
 def test_byte_accounting():
@@ -158,8 +175,10 @@ def test_resolve_function_or_command():
 
 def test_best_k_is_the_micro_batch_count():
     assert bench.methods(4)["tawpipe-best"].engine_options == {"mb_per_fetch": 4, "reuse_weights": True,
-                                                                  "prefetch_depth": 1}
-    assert bench.methods(4, prefetch_depth=3)["tawpipe"].engine_options == {"prefetch_depth": 3}
+                                                                  "prefetch_depth": 1, "recompute": "none"}
+    assert bench.methods(4, prefetch_depth=3, recompute="chunk")["tawpipe"].engine_options == {
+        "prefetch_depth": 3, "recompute": "chunk"}
+    assert bench.methods(4, recompute="chunk")["weipipe"].engine_options == {"algo": "weipipe", "recompute": "chunk"}
     assert "tawpipe-best" not in bench.methods(1)
 
 
@@ -172,6 +191,22 @@ def test_fsdp_prediction_counts_gloo_reduce_scatter_as_all_reduce():
     assert bench.predicted_busiest("fsdp-mm", cfg) == pytest.approx(gathers + 3 * 2 * ring * (psi + e) * 4)
     # the model of the bench, untied: 6.56 M parameters as in the issue's measurement
     assert psi + e == 6_557_952
+
+
+def test_bound_pairs_each_method_with_its_unlimited_run():
+    taw = bench.methods(2)["tawpipe"]
+    free = bench.compute_only(taw)
+    assert free.unlimited and free.engine_options == taw.engine_options and free.name == "tawpipe-compute"
+    rows = [dict(method="tawpipe", label="tawpipe (k=1)", status="ok", time_median_s=6.0, floor_s=5.0),
+            dict(method="tawpipe-compute", label="x", status="ok", time_median_s=2.5, unlimited=True),
+            dict(method="weipipe", label="WeiPipe", status="ok", time_median_s=9.0, floor_s=3.0),
+            dict(method="weipipe-compute", label="y", status="ok", time_median_s=4.5, unlimited=True),
+            dict(method="ddp", label="DDP", status="ok", time_median_s=4.0, floor_s=3.9)]
+    bench.add_bounds(rows)
+    assert rows[0]["time_over_bound"] == pytest.approx(6.0 / 5.0)  # network-bound
+    assert rows[2]["time_over_bound"] == pytest.approx(9.0 / 4.5)  # compute-bound
+    assert rows[2]["compute_only_s"] == 4.5
+    assert "time_over_bound" not in rows[4] and "time_over_bound" not in rows[1]
 
 
 def test_crossover_is_where_1f1b_bytes_reach_tawpipes():
@@ -204,6 +239,7 @@ def _probe(rank: int) -> dict:
     window("intra", lambda: dist.send(x, 1) if rank == 0 else dist.recv(x, 0) if rank == 1 else None)
     window("all_reduce", lambda: dist.all_reduce(x))
     out["topology"] = [Topology.from_env().nodes, Topology.from_env().per_node]
+    out["cpus"] = sorted(os.sched_getaffinity(0))
     return out
 
 
@@ -243,6 +279,7 @@ def test_veth_counters_see_inter_node_bytes_only():
         res = c.run(_probe, timeout=120)
         moved = [b - a for a, b in zip(before, c.link_bytes())]
     assert res[0]["topology"] == [2, 2]
+    assert [r["cpus"] for r in res] == [sorted(cl.worker_cpus(s, r)) for r in range(4)]  # pinned
     tx0, rx0 = res[0]["inter"]
     tx2, rx2 = res[2]["inter"]
     assert M <= tx0 <= 1.01 * M and M <= rx2 <= 1.01 * M  # payload + headers
@@ -254,6 +291,31 @@ def test_veth_counters_see_inter_node_bytes_only():
     # the launcher's bridge-side view of the whole run agrees with the nodes' own counters
     assert moved[0].tx >= tx0 + res[0]["all_reduce"][0] and moved[1].rx >= rx2 + res[2]["all_reduce"][1]
     assert not _leftovers(s) and not _our_children()
+
+
+def _transfer_seconds(rank: int) -> float:
+    x = torch.randn(M // 4)
+    dist.barrier()
+    t = time.perf_counter()
+    if rank == 0:
+        dist.send(x, 1)
+    elif rank == 1:
+        dist.recv(x, 0)
+    dist.barrier()
+    return time.perf_counter() - t
+
+
+@needs_root
+def test_unlimited_lifts_the_rate_limit_and_puts_it_back():
+    s = ClusterSpec(2, 1, "8mbit")  # M bytes take 2 s at 8 Mbit/s
+    with cl.Cluster(s) as c:
+        limited = c.run(_transfer_seconds, timeout=120)[0]
+        with c.unlimited():
+            free = c.run(_transfer_seconds, timeout=120)[0]
+        again = c.run(_transfer_seconds, timeout=120)[0]
+    assert limited > 1.5 and again > 1.5, (limited, again)  # 2 s less the shaper's 256 KiB burst
+    assert free < 0.5, free
+    assert not _leftovers(s)
 
 
 @needs_root

@@ -546,3 +546,22 @@ def test_verify_catches_swapped_message_tags(n4):
     bad = _edit(n4, 2, swap)
     with pytest.raises(PlanError, match="needs tag"):
         verify(bad)
+
+
+@pytest.mark.parametrize("nodes,per_node,depth,reuse", [(2, 2, 3, True), (3, 2, 3, False), (2, 3, 2, True)])
+def test_fetches_before_slot_0_go_in_the_order_compute_needs_them(nodes, per_node, depth, reuse):
+    """A remote fetch queued before a broadcast needed earlier would hold that broadcast back for a
+    whole inter-node transfer (the weights channel runs in order)."""
+    topo = Topology(nodes, per_node)
+    plan = build_plan(topo, 2 * topo.world_size, 2, prefetch_depth=depth, mb_per_fetch=2, reuse_weights=reuse)
+    verify(plan)
+    longest = 0
+    for acts in plan.actions:
+        first_use: dict[int, int] = {}
+        for a in acts:
+            if a.op is Op.F:
+                first_use.setdefault(a.chunk, a.slot)
+        needs = [first_use[a.chunk] for a in acts if a.slot == -1 and a.op in (Op.RECV_W, Op.BCAST_W)]
+        assert needs == sorted(needs), needs
+        longest = max(longest, len(set(needs)))
+    assert longest >= 2  # several chunks are staged before slot 0

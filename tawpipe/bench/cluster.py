@@ -17,6 +17,7 @@ first update of every parameter against single-process training on the global ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -47,17 +48,24 @@ class Method:
     name: str
     label: str
     engine_options: dict[str, Any] | None = None  # None: a peer from tawpipe.baselines
+    unlimited: bool = False  # run with the links' rate limit lifted: the method's compute-only time
 
 
-def methods(micro_batches: int, prefetch_depth: int = 1) -> dict[str, Method]:
-    """Every method the bench knows, in the default order."""
+def compute_only(m: Method) -> Method:
+    """``m`` again, on the same cluster with its links unlimited: the compute side of its bound."""
+    return Method(f"{m.name}-compute", f"{m.label}, links unlimited", m.engine_options, unlimited=True)
+
+
+def methods(micro_batches: int, prefetch_depth: int = 1, recompute: str = "none") -> dict[str, Method]:
+    """Every method the bench knows, in the default order. ``recompute`` is the engine's (tawpipe
+    and WeiPipe); "none" keeps activations, as every peer here does, so all do the same work."""
     k = micro_batches  # the largest k dividing micro_batches; it fits this model's memory
-    d = {"prefetch_depth": prefetch_depth}
+    d = {"prefetch_depth": prefetch_depth, "recompute": recompute}
     out = [Method("tawpipe", "tawpipe (k=1)", d)]
     if k > 1:
         out.append(Method("tawpipe-best", f"tawpipe (k={k}, reuse)", {"mb_per_fetch": k, "reuse_weights": True, **d}))
     out += [
-        Method("weipipe", "WeiPipe", {"algo": "weipipe"}),
+        Method("weipipe", "WeiPipe", {"algo": "weipipe", "recompute": recompute}),
         Method("fsdp", "FSDP2"), Method("fsdp-mm", "FSDP2 memory-matched"), Method("hsdp", "HSDP"),
         Method("ddp", "DDP"), Method("1f1b", "1F1B"),
     ]
@@ -149,7 +157,8 @@ def run_shape(cfg: RunConfig, chosen: list[Method], spec: ClusterSpec, rounds: i
                 fn, extra = _rank_fn(m)
                 t0 = time.perf_counter()
                 try:
-                    records = c.run(fn, replace(cfg, check_dir=check_dir), *extra, timeout=timeout)
+                    with c.unlimited() if m.unlimited else contextlib.nullcontext():
+                        records = c.run(fn, replace(cfg, check_dir=check_dir), *extra, timeout=timeout)
                 except ClusterError as e:
                     failures[m.name] = str(e)
                     log(f"  round {r + 1}/{rounds} {m.label:<22} FAILED: {str(e)[-2000:]}")
@@ -189,7 +198,7 @@ def summarize(cfg: RunConfig, m: Method, runs: list[list[dict]], check: dict | N
               failure: str | None = None) -> dict[str, Any]:
     """One row: times pooled over rounds, bytes per iteration, memory, prediction, check."""
     row: dict[str, Any] = {"method": m.name, "label": m.label, "predicted_busiest_bytes": None,
-                           "predicted_total_bytes": None}
+                           "predicted_total_bytes": None, "unlimited": m.unlimited}
     if failure:
         row.update(status="failed (see the JSON)", error=failure)
     if m.engine_options is None:
@@ -223,11 +232,23 @@ def summarize(cfg: RunConfig, m: Method, runs: list[list[dict]], check: dict | N
         staging_bytes=max((r.get("staging_bytes") or 0) for r in runs[0]) or None,
         check=check,
     )
-    if rate_bits and row["measured_busiest_bytes"] is not None:
+    if rate_bits and not m.unlimited and row["measured_busiest_bytes"] is not None:
         row["floor_s"] = row["measured_busiest_bytes"] * 8 / rate_bits
     if row["predicted_busiest_bytes"] and row["measured_busiest_bytes"] is not None:
         row["measured_over_predicted"] = row["measured_busiest_bytes"] / row["predicted_busiest_bytes"]
     return row
+
+
+def add_bounds(rows: list[dict[str, Any]]) -> None:
+    """Where a method ran with its links unlimited too: its compute-only time, and its time over
+    max(network floor, compute-only time), the bound no schedule can beat."""
+    by_name = {r["method"]: r for r in rows}
+    for r in rows:
+        free = by_name.get(f"{r['method']}-compute")
+        if r.get("status") != "ok" or not free or free.get("status") != "ok" or r.get("floor_s") is None:
+            continue
+        r["compute_only_s"] = free["time_median_s"]
+        r["time_over_bound"] = r["time_median_s"] / max(r["floor_s"], r["compute_only_s"])
 
 
 # ------------------------------------------------------------------------------------- output
@@ -275,6 +296,12 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{over} | {row['persistent_bytes_max'] / 2**20:.1f}{staging} | "
                 f"{row['peak_rss_bytes_max'] / 2**20:.0f} | {same} |")
         lines.append("")
+        for row in shape["rows"]:
+            if "time_over_bound" in row:
+                lines.append(f"- {row['label']}: {row['time_median_s']:.2f} s = **{row['time_over_bound']:.2f}** × "
+                             f"max(network floor {row['floor_s']:.2f} s, compute-only {row['compute_only_s']:.2f} s)")
+        if any("time_over_bound" in row for row in shape["rows"]):
+            lines.append("")
     lines += [f"- {n}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -294,7 +321,7 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
     paths = []
     for shape in result["shapes"]:
         c = shape["config"]
-        rows = [r for r in shape["rows"] if r.get("status") == "ok"]
+        rows = [r for r in shape["rows"] if r.get("status") == "ok" and not r.get("unlimited")]
         if not rows:
             continue
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -305,6 +332,11 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
         floors = [r.get("floor_s") for r in rows]
         if any(f is not None for f in floors):
             ax1.scatter(x, [f or 0 for f in floors], marker="_", s=600, color="black", label="network floor", zorder=3)
+        free = [r.get("compute_only_s") for r in rows]
+        if any(f is not None for f in free):
+            ax1.scatter([i for i, f in zip(x, free) if f], [f for f in free if f], marker="_", s=600,
+                        color="tab:red", label="compute only (links unlimited)", zorder=3)
+        if any(f is not None for f in floors + free):
             ax1.legend()
         ax1.set_ylabel("iteration time, s (median, min–max)")
         meas = [(r["measured_busiest_bytes"] or 0) / 1e6 for r in rows]
@@ -366,6 +398,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-node", type=int, default=2, help="ranks per node")
     p.add_argument("--rate", default="100mbit", help="link rate per direction (tc syntax); 'none': no limit")
     p.add_argument("--queue-ms", type=int, default=400, help="bulk queue in ms (acknowledgements bypass it)")
+    p.add_argument("--no-pin-cpus", action="store_true",
+                    help="leave rank placement to the kernel (default: one core per rank, round-robin)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every method once")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (after one warm-up step)")
     p.add_argument("--methods", nargs="+", default=None,
@@ -377,6 +411,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="per rank and step")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
     p.add_argument("--prefetch-depth", type=int, default=1, help="tawpipe's prefetch depth (slots ahead)")
+    p.add_argument("--compute-only", action="store_true",
+                   help="also run tawpipe and WeiPipe with the links unlimited, in the same rounds, and report "
+                        "each one's time over max(network floor, compute-only time)")
+    p.add_argument("--recompute", choices=("none", "chunk"), default="none",
+                   help="tawpipe and WeiPipe: keep activations like the peers (none), or recompute each "
+                        "chunk in its backward as the paper does (chunk)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one method run may take")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "cluster"),
                    help="directory for cluster.json, cluster.md and the PNG plots")
@@ -392,23 +432,26 @@ def main(args: argparse.Namespace) -> int:
         cfgs = [RunConfig(nodes=g, per_node=args.per_node, hidden=args.hidden, layers=args.layers,
                           heads=args.heads, seq_len=args.seq_len, micro_batches=args.micro_batches,
                           batch_size=args.batch_size, steps=args.steps) for g in args.nodes]
-        known = methods(args.micro_batches, args.prefetch_depth)
+        known = methods(args.micro_batches, args.prefetch_depth, args.recompute)
         names = args.methods or list(known)
         bad = [n for n in names if n not in known]
         if bad:
             raise ValueError(f"unknown method(s) {bad}; choose from {list(known)}")
-        specs = [ClusterSpec(c.nodes, c.per_node, rate, args.queue_ms) for c in cfgs]
+        specs = [ClusterSpec(c.nodes, c.per_node, rate, args.queue_ms, pin_cpus=not args.no_pin_cpus) for c in cfgs]
     except ValueError as e:
         raise SystemExit(f"tawpipe bench cluster: {e}") from None
     reason = unavailable_reason()
     if reason:
         raise SystemExit(f"tawpipe bench cluster: {reason}")
     chosen = [known[n] for n in names]
+    if args.compute_only:
+        chosen = [v for m in chosen for v in ((m, compute_only(m)) if m.engine_options is not None else (m,))]
     rate_bits = parse_rate(rate) if rate else None
     result: dict[str, Any] = {
         "benchmark": "cluster", "rate": rate, "rounds": args.rounds, "machine": {
             "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
-        "shapes": [], "notes": [],
+        "engine": {"prefetch_depth": args.prefetch_depth, "recompute": args.recompute},
+        "pin_cpus": not args.no_pin_cpus, "shapes": [], "notes": [],
     }
     for cfg, spec in zip(cfgs, specs):
         print(f"tawpipe bench cluster: {cfg.nodes} nodes x {cfg.per_node} ranks, {rate or 'unlimited'} links, "
@@ -417,6 +460,7 @@ def main(args: argparse.Namespace) -> int:
                         log=functools.partial(print, flush=True))
         rows = [summarize(cfg, m, raw["runs"].get(m.name, []), raw["checks"].get(m.name), rate_bits,
                           raw["failures"].get(m.name)) for m in chosen]
+        add_bounds(rows)
         result["shapes"].append({"config": asdict(cfg), "rows": rows, "reference_losses": raw["reference_losses"],
                                  "raw": raw["runs"]})
     result["notes"] = _notes(result)
@@ -450,4 +494,14 @@ def _notes(result: dict[str, Any]) -> list[str]:
         "Memory: persistent = parameters + one gradient per parameter + optimizer state held by the rank; peak "
         "RSS includes the Python/torch runtime.",
     ]
+    if "engine" in result:
+        e = result["engine"]
+        notes.append(f"tawpipe and WeiPipe: prefetch depth {e['prefetch_depth']}, recompute '{e['recompute']}'"
+                     + (" (activations kept, as every peer keeps them)." if e["recompute"] == "none" else "."))
+    if any(r.get("unlimited") for shape in result["shapes"] for r in shape["rows"]):
+        notes.append("'links unlimited': the same method with the links' rate limit lifted for that run only, "
+                     "in the same round as the others; its time is the compute-only side of the bound.")
+    if result.get("pin_cpus"):
+        notes.append(f"Every rank is pinned to one of the machine's {result['machine']['cpus']} cores, "
+                     "round-robin, for every method alike.")
     return notes
