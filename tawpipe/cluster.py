@@ -94,8 +94,8 @@ class ClusterSpec:
     rate: str | None = "100mbit"  # per direction of every node's link; None: no limit
     queue_ms: int = 400  # bulk queue; at 100 Mbit/s a shallow queue drops packets
     # each rank on one core, round-robin over the cores this process may use: ranks sharing a core
-    # share it evenly (left to the kernel, a rank of a lock-step group sometimes waited ~1 s)
-    pin_cpus: bool = True
+    # share it evenly, but a rank's helper threads can no longer use an idle core
+    pin_cpus: bool = False
     run_id: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}x{next(_runs)}")
 
     def __post_init__(self) -> None:
@@ -577,8 +577,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--per-node", type=int, default=2, help="ranks per node")
     r.add_argument("--rate", default="100mbit", help="link rate per direction, tc syntax; 'none': no limit")
     r.add_argument("--queue-ms", type=int, default=400, help="bulk queue length in ms")
-    r.add_argument("--no-pin-cpus", action="store_true",
-                    help="leave rank placement to the kernel (default: one core per rank, round-robin)")
+    r.add_argument("--pin-cpus", action="store_true",
+                    help="pin each rank to one core, round-robin (default: the kernel places them)")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     r.add_argument("target", nargs=argparse.REMAINDER, metavar="-- TARGET ...",
                    help="'module:function [ARG ...]' (called as function(rank, *ARGs) after "
@@ -611,7 +611,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("tawpipe cluster run: nothing to run; give '-- module:function' or '-- command'")
     try:
         spec = ClusterSpec(args.nodes, args.per_node, None if args.rate.lower() == "none" else args.rate,
-                           args.queue_ms, pin_cpus=not args.no_pin_cpus)
+                           args.queue_ms, pin_cpus=args.pin_cpus)
     except ValueError as e:
         raise SystemExit(f"tawpipe cluster run: {e}") from None
     fn = _resolve(target)

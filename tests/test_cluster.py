@@ -132,8 +132,9 @@ def test_worker_env_is_torchruns():
 
 def test_ranks_are_pinned_round_robin(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {7, 3, 5})
-    assert [cl.worker_cpus(spec(nodes=3, per_node=2), r) for r in range(6)] == [{3}, {5}, {7}, {3}, {5}, {7}]
-    assert cl.worker_cpus(dataclasses.replace(spec(), pin_cpus=False), 0) is None
+    pinned = dataclasses.replace(spec(nodes=3, per_node=2), pin_cpus=True)
+    assert [cl.worker_cpus(pinned, r) for r in range(6)] == [{3}, {5}, {7}, {3}, {5}, {7}]
+    assert cl.worker_cpus(spec(), 0) is None  # by default the kernel places the ranks
 
 
 def test_byte_accounting():
@@ -273,7 +274,7 @@ def _leftovers(s: ClusterSpec) -> list[str]:
 
 @needs_root
 def test_veth_counters_see_inter_node_bytes_only():
-    s = ClusterSpec(2, 2, "200mbit")
+    s = ClusterSpec(2, 2, "200mbit", pin_cpus=True)
     with cl.Cluster(s) as c:
         before = c.link_bytes()
         res = c.run(_probe, timeout=120)

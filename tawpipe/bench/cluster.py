@@ -398,8 +398,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-node", type=int, default=2, help="ranks per node")
     p.add_argument("--rate", default="100mbit", help="link rate per direction (tc syntax); 'none': no limit")
     p.add_argument("--queue-ms", type=int, default=400, help="bulk queue in ms (acknowledgements bypass it)")
-    p.add_argument("--no-pin-cpus", action="store_true",
-                    help="leave rank placement to the kernel (default: one core per rank, round-robin)")
+    p.add_argument("--pin-cpus", action="store_true",
+                    help="pin each rank to one core, round-robin (default: the kernel places them)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every method once")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (after one warm-up step)")
     p.add_argument("--methods", nargs="+", default=None,
@@ -437,7 +437,7 @@ def main(args: argparse.Namespace) -> int:
         bad = [n for n in names if n not in known]
         if bad:
             raise ValueError(f"unknown method(s) {bad}; choose from {list(known)}")
-        specs = [ClusterSpec(c.nodes, c.per_node, rate, args.queue_ms, pin_cpus=not args.no_pin_cpus) for c in cfgs]
+        specs = [ClusterSpec(c.nodes, c.per_node, rate, args.queue_ms, pin_cpus=args.pin_cpus) for c in cfgs]
     except ValueError as e:
         raise SystemExit(f"tawpipe bench cluster: {e}") from None
     reason = unavailable_reason()
@@ -451,7 +451,7 @@ def main(args: argparse.Namespace) -> int:
         "benchmark": "cluster", "rate": rate, "rounds": args.rounds, "machine": {
             "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
         "engine": {"prefetch_depth": args.prefetch_depth, "recompute": args.recompute},
-        "pin_cpus": not args.no_pin_cpus, "shapes": [], "notes": [],
+        "pin_cpus": args.pin_cpus, "shapes": [], "notes": [],
     }
     for cfg, spec in zip(cfgs, specs):
         print(f"tawpipe bench cluster: {cfg.nodes} nodes x {cfg.per_node} ranks, {rate or 'unlimited'} links, "
