@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import importlib
 import json
 import os
@@ -536,6 +537,7 @@ class Cluster:
 
 def _worker_main(task_path: str, rank: int) -> int:
     """Entry point of a Python worker: initialise torch.distributed, run, write the result."""
+    faulthandler.enable(all_threads=True)  # a native crash leaves every thread's Python stack in the log
     with open(task_path, "rb") as f:
         outer = pickle.load(f)
     out = outer["out"]

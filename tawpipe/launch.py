@@ -16,6 +16,7 @@ SIGHUP to the launcher stop them all before it exits. The store and gloo bind to
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import signal
 import socket
@@ -142,6 +143,7 @@ def _failure(e: BaseException) -> _Report:
 def _worker(rank: int, world_size: int, parent: int, port: int, timeout: float, board: Any,
             conn: Connection, fn: Callable, args: tuple) -> None:
     die_with_parent(parent)
+    faulthandler.enable(all_threads=True)  # a native crash leaves every thread's Python stack in stderr
     os.setpgid(0, 0)  # lead a process group: the launcher stops this rank and its children at once
     env = dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR=LOOPBACK,
                MASTER_PORT=str(port), TAWPIPE_TIMEOUT=str(timeout))

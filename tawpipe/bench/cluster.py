@@ -145,13 +145,13 @@ def run_shape(cfg: RunConfig, chosen: list[Method], spec: ClusterSpec, rounds: i
     """All rounds of all executable methods on one cluster shape; raw records per method."""
     runs: dict[str, list[list[dict]]] = {m.name: [] for m in chosen}
     checks: dict[str, dict] = {}
-    failures: dict[str, str] = {}  # a method that fails is reported, the others go on
+    failures: dict[str, list[str]] = {m.name: [] for m in chosen}  # reported; the method runs again next round
     ref_losses, ref_init, ref_after = baselines.reference(cfg)
     with Cluster(spec) as c, tempfile.TemporaryDirectory(prefix="tawpipe-bench-") as tmp:
         for r in range(rounds):
             order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
-            for m in (m for m in order if m.name not in failures):
-                check_dir = os.path.join(tmp, m.name) if r == 0 else None
+            for m in order:
+                check_dir = os.path.join(tmp, f"{m.name}-{r}") if m.name not in checks else None
                 if check_dir:
                     os.makedirs(check_dir)
                 fn, extra = _rank_fn(m)
@@ -160,7 +160,7 @@ def run_shape(cfg: RunConfig, chosen: list[Method], spec: ClusterSpec, rounds: i
                     with c.unlimited() if m.unlimited else contextlib.nullcontext():
                         records = c.run(fn, replace(cfg, check_dir=check_dir), *extra, timeout=timeout)
                 except ClusterError as e:
-                    failures[m.name] = str(e)
+                    failures[m.name].append(str(e))
                     log(f"  round {r + 1}/{rounds} {m.label:<22} FAILED: {str(e)[-2000:]}")
                     continue
                 runs[m.name].append(records)
@@ -195,17 +195,19 @@ def _check(cfg: RunConfig, records: list[dict], check_dir: str, ref_losses: list
 
 
 def summarize(cfg: RunConfig, m: Method, runs: list[list[dict]], check: dict | None, rate_bits: int | None,
-              failure: str | None = None) -> dict[str, Any]:
+              failures: list[str] | None = None) -> dict[str, Any]:
     """One row: times pooled over rounds, bytes per iteration, memory, prediction, check."""
     row: dict[str, Any] = {"method": m.name, "label": m.label, "predicted_busiest_bytes": None,
                            "predicted_total_bytes": None, "unlimited": m.unlimited}
-    if failure:
-        row.update(status="failed (see the JSON)", error=failure)
+    if failures:
+        row.update(failed_runs=len(failures), errors=failures)
+    if not runs:
+        row["status"] = "failed (see the JSON)" if failures else "not run"
     if m.engine_options is None:
         row["predicted_busiest_bytes"] = predicted_busiest(m.name, cfg)
         row["prediction"] = "closed form (tawpipe.traffic.estimate" + (
             ", FSDP2-on-gloo variant in tawpipe.bench.cluster)" if m.name.startswith("fsdp") else ")")
-    if not runs or failure:
+    if not runs:
         return row
     times = [t for records in runs for t in _step_times(records)]
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
@@ -289,8 +291,9 @@ def markdown(result: dict[str, Any]) -> str:
             total = _mb(row["measured_total_bytes"])
             if row["predicted_total_bytes"]:
                 total += f" (plan {_mb(row['predicted_total_bytes'])})"
+            failed = f" ({row['failed_runs']} run(s) failed, see the JSON)" if row.get("failed_runs") else ""
             lines.append(
-                f"| {row['label']} | {row['time_median_s']:.2f} | {row['time_min_s']:.2f}–{row['time_max_s']:.2f} "
+                f"| {row['label']}{failed} | {row['time_median_s']:.2f} | {row['time_min_s']:.2f}–{row['time_max_s']:.2f} "
                 f"| {row['tokens_per_s']:,.0f} | {total} | {_mb(row['measured_busiest_bytes'])} / "
                 f"{_mb(row['predicted_busiest_bytes'])}{ratio} | {'–' if floor is None else f'{floor:.2f}'} | "
                 f"{over} | {row['persistent_bytes_max'] / 2**20:.1f}{staging} | "
