@@ -15,6 +15,7 @@ SIGHUP to the launcher stop them all before it exits. The store and gloo bind to
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import faulthandler
 import os
@@ -91,6 +92,7 @@ def _mirror_progress() -> None:
     except (RuntimeError, ValueError):
         return
     mirror = progress.StoreMirror(store, dist.get_rank(), dist.get_world_size()).start()
+    atexit.register(mirror.close)  # before exit stops daemon threads mid-call (see StoreMirror.close)
     progress.install(dist.get_rank(), mirror.local, 0, mirror)
     progress.publish(progress.OUTSIDE)
 

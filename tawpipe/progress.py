@@ -106,8 +106,13 @@ class StoreMirror:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, wait: float = 15.0) -> None:
+        """Stop the heartbeat and wait for a push in flight. Left running into interpreter exit,
+        a thread inside the store's C++ call is killed when it retakes the GIL, and that unwind
+        aborts the process ("terminate called without an active exception")."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(wait)
 
     def push(self) -> None:
         """Copy this rank's slot to the store if it changed since the last push."""

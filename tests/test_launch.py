@@ -202,6 +202,31 @@ def test_board_slots_and_the_suspect() -> None:
     assert board.version(1) == v + 2 and board.read(1).age < 1
 
 
+class _SlowStore:
+    """A store whose every write takes a while, like one behind a busy link."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def set(self, key: str, value: str) -> None:
+        time.sleep(0.3)
+        self.writes += 1
+
+
+def test_store_mirror_close_waits_for_the_push_in_flight() -> None:
+    """A heartbeat left inside a store call at interpreter exit aborts the process, so close()
+    must return only once the thread is gone."""
+    store = _SlowStore()
+    mirror = progress.StoreMirror(store, 0, 1, interval=0.01).start()
+    mirror.local.write(0, "slot 1 rank 0 F W0 m0 [w0]", waiting=False)
+    deadline = time.monotonic() + 5
+    while not mirror._lock.locked():  # a push is in flight
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    mirror.close()
+    assert not mirror._thread.is_alive() and store.writes == 1
+
+
 def test_store_mirror_shows_every_rank() -> None:
     """Under torchrun each rank's slot reaches the others through the job's store."""
     listener = socket.socket()
