@@ -580,7 +580,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--rate", default="100mbit", help="link rate per direction, tc syntax; 'none': no limit")
     r.add_argument("--queue-ms", type=int, default=400, help="bulk queue length in ms")
     r.add_argument("--pin-cpus", action="store_true",
-                    help="pin each rank to one core, round-robin (default: the kernel places them)")
+                   help="pin each rank to one core, round-robin (default: the kernel places them)")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     r.add_argument("target", nargs=argparse.REMAINDER, metavar="-- TARGET ...",
                    help="'module:function [ARG ...]' (called as function(rank, *ARGs) after "

@@ -95,7 +95,6 @@ def _check_callables(**kwargs: Any) -> None:
             raise TypeError(f"{name} is required")
 
 
-
 def _check_options(topology: Topology, comm: Comm | str | None, offload: str | None, timeout: float | None,
                    names: tuple[str, str, str], recompute: str, compute_dtype: torch.dtype,
                    grad_wire_dtype: torch.dtype) -> None:
@@ -118,6 +117,7 @@ def _check_options(topology: Topology, comm: Comm | str | None, offload: str | N
     if grad_wire_dtype not in (torch.float32, compute_dtype):
         raise ValueError(f"grad_wire_dtype must be torch.float32 or the compute dtype {compute_dtype}, "
                          f"got {grad_wire_dtype}")
+
 
 class TawPipe:
     """Topology-aware weight pipeline training of a stack of identical blocks.

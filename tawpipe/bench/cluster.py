@@ -201,8 +201,8 @@ def summarize(cfg: RunConfig, m: Method, runs: list[list[dict]], check: dict | N
                            "predicted_total_bytes": None, "unlimited": m.unlimited}
     if failures:
         row.update(failed_runs=len(failures), errors=failures)
-    if not runs:
-        row["status"] = "failed (see the JSON)" if failures else "not run"
+    if not runs:  # every round's run failed
+        row["status"] = "failed (see the JSON)"
     if m.engine_options is None:
         row["predicted_busiest_bytes"] = predicted_busiest(m.name, cfg)
         row["prediction"] = "closed form (tawpipe.traffic.estimate" + (
@@ -299,12 +299,10 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{over} | {row['persistent_bytes_max'] / 2**20:.1f}{staging} | "
                 f"{row['peak_rss_bytes_max'] / 2**20:.0f} | {same} |")
         lines.append("")
-        for row in shape["rows"]:
-            if "time_over_bound" in row:
-                lines.append(f"- {row['label']}: {row['time_median_s']:.2f} s = **{row['time_over_bound']:.2f}** × "
-                             f"max(network floor {row['floor_s']:.2f} s, compute-only {row['compute_only_s']:.2f} s)")
-        if any("time_over_bound" in row for row in shape["rows"]):
-            lines.append("")
+        bounds = [f"- {row['label']}: {row['time_median_s']:.2f} s = **{row['time_over_bound']:.2f}** × "
+                  f"max(network floor {row['floor_s']:.2f} s, compute-only {row['compute_only_s']:.2f} s)"
+                  for row in shape["rows"] if "time_over_bound" in row]
+        lines += bounds + [""] * bool(bounds)
     lines += [f"- {n}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -402,7 +400,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", default="100mbit", help="link rate per direction (tc syntax); 'none': no limit")
     p.add_argument("--queue-ms", type=int, default=400, help="bulk queue in ms (acknowledgements bypass it)")
     p.add_argument("--pin-cpus", action="store_true",
-                    help="pin each rank to one core, round-robin (default: the kernel places them)")
+                   help="pin each rank to one core, round-robin (default: the kernel places them)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every method once")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (after one warm-up step)")
     p.add_argument("--methods", nargs="+", default=None,
@@ -497,10 +495,9 @@ def _notes(result: dict[str, Any]) -> list[str]:
         "Memory: persistent = parameters + one gradient per parameter + optimizer state held by the rank; peak "
         "RSS includes the Python/torch runtime.",
     ]
-    if "engine" in result:
-        e = result["engine"]
-        notes.append(f"tawpipe and WeiPipe: prefetch depth {e['prefetch_depth']}, recompute '{e['recompute']}'"
-                     + (" (activations kept, as every peer keeps them)." if e["recompute"] == "none" else "."))
+    e = result["engine"]
+    notes.append(f"tawpipe and WeiPipe: prefetch depth {e['prefetch_depth']}, recompute '{e['recompute']}'"
+                 + (" (activations kept, as every peer keeps them)." if e["recompute"] == "none" else "."))
     if any(r.get("unlimited") for shape in result["shapes"] for r in shape["rows"]):
         notes.append("'links unlimited': the same method with the links' rate limit lifted for that run only, "
                      "in the same round as the others; its time is the compute-only side of the bound.")
