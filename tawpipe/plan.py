@@ -152,9 +152,9 @@ OPS: dict[Op, OpSpec] = {
     Op.LOAD_W: OpSpec("weights", None, None, _const(MASTER), _buf),
     Op.STEP: OpSpec("compute", None, None, _const(ACC, REP, STATS), _const(MASTER, ACC, REP)),
     Op.SEND_W: OpSpec("weights", "send", "weights", _buf, _none),
-    # a group's fetches in the order its compute needs them: the next one never shares the link
-    # with a later one
-    Op.RECV_W: OpSpec("weights", "recv", "weights", _none, _buf, ordered=True),
+    # floats like every message (design §5.2): held in its queue place, a fetch also held back the
+    # sends batched with it, which other groups were waiting for
+    Op.RECV_W: OpSpec("weights", "recv", "weights", _none, _buf),
     Op.BCAST_W: OpSpec("weights", "collective", "weights", _root_reads, _bcast_writes, ordered=True),
     Op.REDUCE_G: OpSpec("grads", "collective", "grads", _root_reads, _reduce_writes, ordered=True),
     Op.SEND_G: OpSpec("grads", "send", "grads", _buf, _none),

@@ -1,0 +1,76 @@
+"""The executor's posting order, on one rank with a scripted transport: which messages wait for
+which (design §5.2). Exactness of the whole engine is in test_engine.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from tawpipe.comm.base import P2P
+from tawpipe.executor import Executor, Messages
+from tawpipe.plan import OPS, Action
+from tawpipe.schedule import build_plan
+from tawpipe.topology import Topology
+
+
+class _Message:
+    def __init__(self, done: threading.Event) -> None:
+        self._done = done
+
+    def wait(self, timeout: float) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError("scripted message never completed")
+
+
+class ScriptedComm:
+    """Posts complete at once, except the first one matching ``held``, which completes when
+    ``release`` is set. Records every post as (op, peer)."""
+
+    async_p2p = True
+
+    def __init__(self, held: tuple[str, int]) -> None:
+        self.held, self.release, self.posted = held, threading.Event(), []
+        self._done = threading.Event()
+        self._done.set()
+        self._lock = threading.Lock()
+
+    def post(self, op: P2P, tag: int) -> _Message:
+        with self._lock:
+            key = (op.op, op.peer)
+            first = key == self.held and key not in self.posted
+            self.posted.append(key)
+        return _Message(self.release if first else self._done)
+
+
+def test_a_send_batched_with_a_fetch_does_not_wait_for_the_fetches_before_it():
+    """3 x 2, k = 2 (the cluster bench's job). Before slot 0, rank 0 swaps with rank 2 (fetch W1,
+    send W0), then with rank 4 (fetch W2, send W0). Group 2 cannot start until W0 arrives, so
+    rank 0's send to rank 4 must go out while its fetch from rank 2 is still on the wire. Held in
+    queue order behind that fetch, it went out a whole transfer late (design §5.2)."""
+    plan = build_plan(Topology(3, 2), 12, 2, prefetch_depth=3, mb_per_fetch=2, reuse_weights=True)
+    rank = 0
+    comm = ScriptedComm(held=("recv", 2))
+
+    def work(unit: list[Action]):
+        if OPS[unit[0].op].is_p2p:
+            return Messages(comm, tuple(P2P(OPS[a.op].transfer, torch.empty(1), a.peer) for a in unit),
+                            tuple(a.tag for a in unit), 10.0)
+        return lambda: None
+
+    ex = Executor(plan, timeout=10.0, device=torch.device("cpu"), rank=rank)
+    runner = threading.Thread(target=ex.run, args=(plan.actions[rank], work), daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 5.0
+        while ("send", 4) not in comm.posted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        posted_while_held = list(comm.posted)
+    finally:
+        comm.release.set()
+        runner.join(10.0)
+        ex.close()
+    assert not runner.is_alive()
+    assert ("recv", 2) in posted_while_held
+    assert ("send", 4) in posted_while_held, posted_while_held
