@@ -570,6 +570,15 @@ def _worker_main(task_path: str, rank: int) -> int:
 # ------------------------------------------------------------------------------------ command line
 
 
+def add_link_arguments(p: argparse.ArgumentParser) -> None:
+    """The link options of every command that builds a cluster (``ClusterSpec``'s rate, queue and
+    pinning)."""
+    p.add_argument("--rate", default="100mbit", help="link rate per direction, tc syntax; 'none': no limit")
+    p.add_argument("--queue-ms", type=int, default=400, help="bulk queue length in ms (acknowledgements bypass it)")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="pin each rank to one core, round-robin (default: the kernel places them)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     r = sub.add_parser("run", help="run a function or a command on every rank of an emulated cluster",
@@ -577,10 +586,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "inter-node bytes, tear everything down.")
     r.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
     r.add_argument("--per-node", type=int, default=2, help="ranks per node")
-    r.add_argument("--rate", default="100mbit", help="link rate per direction, tc syntax; 'none': no limit")
-    r.add_argument("--queue-ms", type=int, default=400, help="bulk queue length in ms")
-    r.add_argument("--pin-cpus", action="store_true",
-                   help="pin each rank to one core, round-robin (default: the kernel places them)")
+    add_link_arguments(r)
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     r.add_argument("target", nargs=argparse.REMAINDER, metavar="-- TARGET ...",
                    help="'module:function [ARG ...]' (called as function(rank, *ARGs) after "

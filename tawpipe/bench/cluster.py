@@ -32,7 +32,8 @@ import torch
 
 from .. import baselines
 from ..baselines import RunConfig
-from ..cluster import Cluster, ClusterError, ClusterSpec, LinkBytes, parse_rate, unavailable_reason
+from ..cluster import (Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, parse_rate,
+                       unavailable_reason)
 from ..engine import TawPipe
 from ..models.llama import block_forward, llama_loss
 from ..topology import Topology
@@ -397,10 +398,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 3], help="node counts to run, one cluster each")
     p.add_argument("--per-node", type=int, default=2, help="ranks per node")
-    p.add_argument("--rate", default="100mbit", help="link rate per direction (tc syntax); 'none': no limit")
-    p.add_argument("--queue-ms", type=int, default=400, help="bulk queue in ms (acknowledgements bypass it)")
-    p.add_argument("--pin-cpus", action="store_true",
-                   help="pin each rank to one core, round-robin (default: the kernel places them)")
+    add_link_arguments(p)
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every method once")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (after one warm-up step)")
     p.add_argument("--methods", nargs="+", default=None,
