@@ -571,9 +571,10 @@ def _worker_main(task_path: str, rank: int) -> int:
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
-    """The link options of every command that builds a cluster (``ClusterSpec``'s rate, queue and
-    pinning)."""
-    p.add_argument("--rate", default="100mbit", help="link rate per direction, tc syntax; 'none': no limit")
+    """The link options of every command that builds a cluster: ``ClusterSpec``'s rate (None for
+    'none'), queue and pinning."""
+    p.add_argument("--rate", default="100mbit", type=lambda v: None if v.lower() == "none" else v,
+                   help="link rate per direction, tc syntax; 'none': no limit")
     p.add_argument("--queue-ms", type=int, default=400, help="bulk queue length in ms (acknowledgements bypass it)")
     p.add_argument("--pin-cpus", action="store_true",
                    help="pin each rank to one core, round-robin (default: the kernel places them)")
@@ -618,8 +619,7 @@ def main(args: argparse.Namespace) -> int:
     if not target:
         raise SystemExit("tawpipe cluster run: nothing to run; give '-- module:function' or '-- command'")
     try:
-        spec = ClusterSpec(args.nodes, args.per_node, None if args.rate.lower() == "none" else args.rate,
-                           args.queue_ms, pin_cpus=args.pin_cpus)
+        spec = ClusterSpec(args.nodes, args.per_node, args.rate, args.queue_ms, pin_cpus=args.pin_cpus)
     except ValueError as e:
         raise SystemExit(f"tawpipe cluster run: {e}") from None
     fn = _resolve(target)

@@ -32,8 +32,7 @@ import torch
 
 from .. import baselines
 from ..baselines import RunConfig
-from ..cluster import (Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, parse_rate,
-                       unavailable_reason)
+from ..cluster import Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, unavailable_reason
 from ..engine import TawPipe
 from ..models.llama import block_forward, llama_loss
 from ..topology import Topology
@@ -422,10 +421,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    rate = None if args.rate.lower() == "none" else args.rate
+    rate = args.rate
     try:
-        if rate is not None:
-            parse_rate(rate)
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
         cfgs = [RunConfig(nodes=g, per_node=args.per_node, hidden=args.hidden, layers=args.layers,
@@ -445,7 +442,7 @@ def main(args: argparse.Namespace) -> int:
     chosen = [known[n] for n in names]
     if args.compute_only:
         chosen = [v for m in chosen for v in ((m, compute_only(m)) if m.engine_options is not None else (m,))]
-    rate_bits = parse_rate(rate) if rate else None
+    rate_bits = specs[0].rate_bits
     result: dict[str, Any] = {
         "benchmark": "cluster", "rate": rate, "rounds": args.rounds, "machine": {
             "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
