@@ -16,9 +16,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from .cost import largest_fitting_k, memory_per_rank
+from .cost import Choice, MemoryEstimate, fitting, memory_per_rank
 from .plan import ALGOS, GRAD_ROUTES, Plan
-from .schedule import build_plan
+from .schedule import RESIDENT, build_plan
 from .topology import Topology
 from .traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
 from .verify import verify
@@ -36,7 +36,9 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--algo", choices=ALGOS, default="tawpipe")
     p.add_argument("--grad-route", choices=GRAD_ROUTES, default="rail",
                    help="router of inter-node gradients: the owner's rail peer, or local index 0")
-    p.add_argument("--prefetch-depth", type=int, default=1, help="fetch weights this many slots ahead")
+    p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=1,
+                   help="fetch weights this many slots ahead; 'resident' (with --reuse-weights): enough that "
+                        "every fetched chunk stays, the fewest bytes")
     p.add_argument("--mb-per-fetch", type=int, default=1,
                    help="k: micro-batches each resident chunk runs per fetch (divides --micro-batches)")
     p.add_argument("--reuse-weights", action="store_true",
@@ -55,8 +57,19 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/activation element")
     m.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient element on the wire")
     m.add_argument("--memory-budget", type=float, default=None,
-                   help="GiB per rank: suggest the largest k whose estimated memory fits")
+                   help="GiB per rank: suggest the largest k, and the k and prefetch depth with the "
+                        "fewest inter-node bytes, whose estimated memory fits")
     p.set_defaults(run=_run_plan)
+
+
+def prefetch_depth_arg(text: str) -> int | str:
+    """The argparse type of every ``--prefetch-depth``: a number of slots, or 'resident'."""
+    if text == RESIDENT:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of slots or {RESIDENT!r}, got {text!r}") from None
 
 
 def _dims_and_sizes(args: argparse.Namespace) -> tuple[ModelDims | None, dict]:
@@ -78,9 +91,9 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
         topo = Topology(args.nodes, args.per_node)
         dims, sizes = _dims_and_sizes(args)
         build = functools.partial(build_plan, topo, args.layers, args.micro_batches, algo=args.algo,
-                                  grad_route=args.grad_route, prefetch_depth=args.prefetch_depth,
-                                  reuse_weights=args.reuse_weights, **sizes)
-        plan = build(mb_per_fetch=args.mb_per_fetch)
+                                  grad_route=args.grad_route, **sizes)
+        plan = build(mb_per_fetch=args.mb_per_fetch, prefetch_depth=args.prefetch_depth,
+                     reuse_weights=args.reuse_weights)
         if not args.link_gbps > 0:
             raise ValueError(f"--link-gbps must be > 0, got {args.link_gbps}")
     except ValueError as e:
@@ -96,7 +109,8 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
     route = f", gradient route {args.grad_route}" if args.algo == "tawpipe" else ""
     print(f"{args.algo}: {topo.nodes} nodes x {topo.per_node} devices, {plan.num_layers} layers in "
           f"chunks of {layers} (model order), {plan.micro_batches} micro-batches{route}, prefetch depth "
-          f"{args.prefetch_depth}, {args.mb_per_fetch} micro-batch(es) per fetch"
+          f"{plan.options['prefetch_depth']}{' (resident)' if args.prefetch_depth == RESIDENT else ''}, "
+          f"{args.mb_per_fetch} micro-batch(es) per fetch"
           f"{', resident chunks reused' if args.reuse_weights else ''}, "
           f"{plan.num_slots} slots + prologue")
     print(f"verified (serial and channel models): {report.actions} actions, {report.p2p_messages} P2P "
@@ -117,18 +131,35 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
 
 
 def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..., Plan]) -> None:
+    """Bytes and memory for every k, at the given prefetch depth and with every chunk resident."""
     ks = [k for k in range(1, args.micro_batches + 1) if args.micro_batches % k == 0]
-    estimates = {}
-    print(f"{'k':>4}  {'inter-node/iter (busiest node)':>31}  {'activations/rank':>17}  {'memory/rank':>12}")
-    for k in ks:
-        plan_k = build(mb_per_fetch=k)
-        estimates[k] = e = memory_per_rank(plan_k, dims)
-        inter = max(plan_traffic(plan_k).per_node())
-        print(f"{k:>4}  {inter / 1e9:>28.3f} GB  {e.activations / 2**30:>13.3f} GiB  {e.total / 2**30:>8.3f} GiB")
+    depths = [(args.prefetch_depth, args.reuse_weights)] + [(RESIDENT, True)] * (args.prefetch_depth != RESIDENT)
+    options: dict[Choice, tuple[float, MemoryEstimate]] = {}
+    print(f"{'k':>4}  {'depth':>16}  {'inter-node/iter (busiest node)':>31}  {'staging/rank':>13}  "
+          f"{'activations/rank':>17}  {'memory/rank':>12}")
+    for depth, reuse in depths:
+        for k in ks:
+            plan_k = build(mb_per_fetch=k, prefetch_depth=depth, reuse_weights=reuse)
+            choice = (k, int(plan_k.options["prefetch_depth"]), reuse)
+            if choice in options:  # the given depth is the resident one
+                continue
+            e = memory_per_rank(plan_k, dims)
+            options[choice] = inter, _ = max(plan_traffic(plan_k).per_node()), e
+            print(f"{k:>4}  {_depth_label(choice, depth):>16}  {inter / 1e9:>28.3f} GB  "
+                  f"{e.staging / 2**30:>9.3f} GiB  {e.activations / 2**30:>13.3f} GiB  {e.total / 2**30:>8.3f} GiB")
     if args.memory_budget is not None:
-        best = largest_fitting_k(estimates, args.memory_budget * 2**30)
-        shown = best if best else "none (even k=1 exceeds it)"
-        print(f"largest k within {args.memory_budget:g} GiB per rank: {shown}")
+        largest, cheapest = fitting(options, args.memory_budget * 2**30)
+        if cheapest is None:
+            print(f"within {args.memory_budget:g} GiB per rank: nothing fits, not even k=1")
+            return
+        k, d, reuse = cheapest
+        print(f"within {args.memory_budget:g} GiB per rank: largest k {largest}; fewest inter-node bytes with "
+              f"k={k}, --prefetch-depth {d}{' --reuse-weights' if reuse else ''}")
+
+
+def _depth_label(choice: Choice, asked: int | str) -> str:
+    _, d, reuse = choice
+    return f"{d}{' reuse' if reuse else ''}{' resident' if asked == RESIDENT else ''}"
 
 
 def _print_peers(args: argparse.Namespace, dims: ModelDims, topo: Topology) -> None:

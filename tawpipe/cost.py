@@ -1,8 +1,10 @@
-"""What an iteration costs a rank in memory, and which k (micro-batches per fetch) fits a budget.
+"""What an iteration costs a rank in memory, and which k (micro-batches per fetch) and prefetch
+depth fit a budget.
 
 Bytes on the wire are ``tawpipe.traffic``'s; this module adds the other side of the trade-off of
 design §7.3: running a resident chunk for k micro-batches cuts weight and gradient traffic by k
-and keeps k times as many chunk-boundary activations alive.
+and keeps k times as many chunk-boundary activations alive; a deeper prefetch keeps more chunks
+resident (fewer bytes again) in more staging buffers.
 """
 
 from __future__ import annotations
@@ -55,7 +57,14 @@ def memory_per_rank(plan: Plan, dims: ModelDims) -> MemoryEstimate:
     )
 
 
-def largest_fitting_k(estimates: dict[int, MemoryEstimate], budget: float) -> int | None:
-    """The largest k whose estimate fits ``budget`` bytes (None if none does)."""
-    fitting = [k for k, e in estimates.items() if e.total <= budget]
-    return max(fitting) if fitting else None
+Choice = tuple[int, int, bool]  # (k, prefetch depth, reuse_weights)
+
+
+def fitting(options: dict[Choice, tuple[float, MemoryEstimate]], budget: float) -> tuple[int | None, Choice | None]:
+    """Among ``options`` (busiest node's inter-node bytes and memory per choice), those whose
+    memory fits ``budget`` bytes: the largest k, and the choice with the fewest bytes (the least
+    memory among equals). None where nothing fits."""
+    fits = {c: v for c, v in options.items() if v[1].total <= budget}
+    if not fits:
+        return None, None
+    return max(k for k, _, _ in fits), min(fits, key=lambda c: (fits[c][0], fits[c][1].total))

@@ -124,12 +124,14 @@ class TawPipe:
 
     Each rank runs the whole model on its own micro-batches; chunk weights and gradients move
     between ranks as the plan says. ``algo="weipipe"`` runs the paper's baseline on the same
-    machinery. ``prefetch_depth`` fetches weights that many slots ahead; ``mb_per_fetch`` runs
-    each resident chunk for that many micro-batches (one fetch and one gradient route per
-    group of micro-batches); ``reuse_weights`` skips the fetch of a chunk still in a staging
-    buffer (fewer bytes than the paper's schedule, same memory); ``grad_wire_dtype`` (float32 or the compute dtype) is the dtype
-    gradients travel in, always accumulated in float32 by their owner. Blocks may live on the meta
-    device: ``materialize(block, layer_index)`` then gives each rank its own chunk's real blocks.
+    machinery. ``prefetch_depth`` fetches weights that many slots ahead; ``"resident"`` (with
+    ``reuse_weights``) goes far enough that every fetched chunk stays (``schedule.resident_depth``).
+    ``mb_per_fetch`` runs each resident chunk for that many micro-batches (one fetch and one
+    gradient route per group of micro-batches); ``reuse_weights`` skips the fetch of a chunk still
+    in a staging buffer (fewer bytes than the paper's schedule, same memory); ``grad_wire_dtype``
+    (float32 or the compute dtype) is the dtype gradients travel in, always accumulated in float32
+    by their owner. Blocks may live on the meta device: ``materialize(block, layer_index)`` then
+    gives each rank its own chunk's real blocks.
     ``offload="host"`` keeps the own chunk's master, gradient accumulator and optimizer state in
     pinned host memory, streamed through two staging buffers (``tawpipe.offload``).
     """
@@ -153,7 +155,7 @@ class TawPipe:
         device: torch.device | str | None = None,
         algo: str = "tawpipe",
         grad_route: str = "rail",
-        prefetch_depth: int = 1,
+        prefetch_depth: int | str = 1,
         mb_per_fetch: int = 1,
         reuse_weights: bool = False,
         grad_wire_dtype: torch.dtype = torch.float32,

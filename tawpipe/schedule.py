@@ -17,6 +17,17 @@ from typing import Any
 from .plan import ALGOS, GRAD_ROUTES, OPS, STATS_BYTES, Action, Op, Plan
 from .topology import Topology
 
+RESIDENT = "resident"
+
+
+def resident_depth(topology: Topology) -> int:
+    """The least prefetch depth at which ``reuse_weights`` keeps every chunk in a staging buffer
+    once fetched: d + 1 >= N buffers. Each rank then receives each chunk once per iteration,
+    whatever k, so no depth sends fewer bytes (gradients still go once per k micro-batches). It
+    costs N + 1 weight and N gradient buffers of a chunk per rank: about the model's weights and
+    gradients (design §3.2)."""
+    return max(1, topology.world_size - 1)
+
 
 def build_plan(
     topology: Topology,
@@ -25,7 +36,7 @@ def build_plan(
     *,
     algo: str = "tawpipe",
     grad_route: str = "rail",
-    prefetch_depth: int = 1,
+    prefetch_depth: int | str = 1,
     mb_per_fetch: int = 1,
     reuse_weights: bool = False,
     layer_numel: int = 1,
@@ -36,13 +47,19 @@ def build_plan(
     """Build the plan of one iteration.
 
     ``prefetch_depth`` d: weights for slot t+d are fetched during slot t, through d+1 weight and
-    d+1 gradient staging buffers (design §3.2). ``mb_per_fetch`` k: a resident chunk runs k
+    d+1 gradient staging buffers (design §3.2); ``"resident"`` is ``resident_depth(topology)``,
+    which needs ``reuse_weights``. ``mb_per_fetch`` k: a resident chunk runs k
     micro-batches back to back, so each fetch and each gradient route serves k micro-batches;
     k = 1 is the paper's schedule. ``reuse_weights``: a chunk still in a staging buffer when it is
     needed again is not fetched again (design §3.2); off, the plan is the paper's. Chunks are
     balanced: the first ``num_layers mod N`` chunks hold one extra layer. Message sizes are
     layers x ``layer_numel`` x the dtype size of weights or gradients.
     """
+    if prefetch_depth == RESIDENT and isinstance(topology, Topology):
+        if not reuse_weights:
+            raise ValueError("prefetch_depth='resident' keeps fetched chunks only if they are reused: "
+                             "pass reuse_weights=True (--reuse-weights), or give the depth as a number")
+        prefetch_depth = resident_depth(topology)
     _check_args(topology, num_layers, micro_batches, algo, grad_route, prefetch_depth, mb_per_fetch,
                 reuse_weights, layer_numel, weight_bytes, grad_bytes, replicated_numel)
     n = topology.world_size
@@ -97,7 +114,8 @@ def _check_args(topology: Topology, num_layers: int, micro_batches: int, algo: s
         ("grad_bytes", grad_bytes, 1), ("replicated_numel", replicated_numel, 0),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            also = f" or {RESIDENT!r}" if name == "prefetch_depth" else ""
+            raise ValueError(f"{name} must be an integer >= {low}{also}, got {value!r}")
     if num_layers < n:
         raise ValueError(
             f"num_layers={num_layers} < world size {n}: every rank owns one chunk of at least one "

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, models
+from .cli import prefetch_depth_arg
 from .data import TokenSource, load_tokens
 from .data import batch as draw_batch
 from .engine import TawPipe, default_optimizer
@@ -38,7 +39,7 @@ from .evaluate import validation_loss
 from .launch import JobFailed, init_distributed, run_local
 from .metrics import MetricsWriter, check_tensorboard, gather_peaks, peak_host_bytes
 from .plan import ALGOS
-from .schedule import build_plan
+from .schedule import RESIDENT, build_plan
 from .storage import unique_params
 from .topology import Topology
 from .traffic import plan_traffic
@@ -63,7 +64,7 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     grad_route: str = "rail"
     algo: str = "tawpipe"
-    prefetch_depth: int = 1
+    prefetch_depth: int | str = 1
     mb_per_fetch: int = 1
     reuse_weights: bool = False
     grad_wire_dtype: str = "float32"
@@ -109,7 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-route", choices=("rail", "leader"), default=d.grad_route,
                    help="router of inter-node gradients")
     p.add_argument("--algo", choices=ALGOS, default=d.algo, help="the schedule (weipipe: the paper's baseline)")
-    p.add_argument("--prefetch-depth", type=int, default=d.prefetch_depth, help="fetch weights this many slots ahead")
+    p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=d.prefetch_depth,
+                   help="fetch weights this many slots ahead; 'resident' (with --reuse-weights): every fetched "
+                        "chunk stays in a staging buffer, the fewest bytes for the most staging memory")
     p.add_argument("--mb-per-fetch", type=int, default=d.mb_per_fetch,
                    help="k: micro-batches a resident chunk runs per fetch (divides --micro-batches); "
                         "inter-node bytes fall by k (see `tawpipe plan --memory-budget`)")
@@ -402,7 +405,8 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
         "masters and optimizer state float32",
         f"topology: {topo.nodes} node(s) x {topo.per_node} rank(s) = {topo.world_size} ranks, chunks of {layers} "
         f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.batch_size} x {cfg.seq_len} tokens",
-        f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {cfg.prefetch_depth}, "
+        f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {plan.options['prefetch_depth']}"
+        f"{' (resident)' if cfg.prefetch_depth == RESIDENT else ''}, "
         f"{cfg.mb_per_fetch} micro-batch(es) per fetch, resident chunks {'reused' if cfg.reuse_weights else 'refetched'}, "
         f"gradients travel in {cfg.grad_wire_dtype if cfg.grad_wire_dtype == 'float32' else cfg.dtype}",
         f"memory per rank (rank 0): own chunk {report.persistent / mib:,.1f} MiB (master, gradient accumulator), "

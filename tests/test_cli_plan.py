@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -14,9 +15,11 @@ import pytest
 
 import tawpipe
 from tawpipe.cli import main
+from tawpipe.cost import MemoryEstimate, fitting, memory_per_rank
 from tawpipe.plan import Plan
 from tawpipe.schedule import build_plan
 from tawpipe.topology import Topology
+from tawpipe.traffic import ModelDims, plan_traffic
 
 SPEC_N4_SLOT5 = ("| 5 | **B2**(m0); P2P W1 r2→r0; bcast from r0; reduce G3→r0; P2P G3 r0→r3 "
                  "| **B3**(m0); P2P W2 r1→r3; bcast from r3 |")
@@ -118,3 +121,55 @@ def test_module_entry_point():
         capture_output=True, text=True, env=env, check=True,
     ).stdout
     assert SPEC_N4_SLOT5 in out.splitlines()
+
+
+MODEL_3X2 = ("plan", "--nodes", "3", "--per-node", "2", "--layers", "8", "--micro-batches", "2", "--no-table",
+             "--hidden", "256", "--heads", "8", "--vocab", "512", "--seq", "512", "--dtype-bytes", "4",
+             "--prefetch-depth", "3", "--reuse-weights")
+
+
+def test_memory_budget_picks_the_fewest_bytes_that_fit(capsys):
+    """One row per k at the given depth and with every chunk resident, sized like the plans; the
+    suggestion is the fitting row with the fewest inter-node bytes, not simply the deepest."""
+    topo, dims = Topology(3, 2), ModelDims(hidden=256, layers=8, heads=8, vocab=512, seq=512, dtype_bytes=4)
+    expected = {}
+    for k, depth in itertools.product((1, 2), (3, "resident")):
+        plan = build_plan(topo, 8, 2, prefetch_depth=depth, mb_per_fetch=k, reuse_weights=True,
+                          layer_numel=dims.layer_numel, weight_bytes=4, grad_bytes=4,
+                          replicated_numel=dims.replicated_numel)
+        expected[(k, plan.options["prefetch_depth"])] = (max(plan_traffic(plan).per_node()) / 1e9,
+                                                         memory_per_rank(plan, dims).total / 2**30)
+    out = run(capsys, *MODEL_3X2)
+    rows = {(int(m[1]), int(m[2])): (float(m[3]), float(m[4]))
+            for m in re.finditer(r"^\s+(\d)\s+(\d) reuse(?: resident)?\s+([\d.]+) GB .* ([\d.]+) GiB$", out, re.M)}
+    assert rows.keys() == expected.keys() == {(1, 3), (2, 3), (1, 5), (2, 5)}
+    for key, (gb, gib) in expected.items():
+        assert rows[key] == (pytest.approx(gb, abs=6e-4), pytest.approx(gib, abs=6e-4))
+    (k1_d3, k2_d3, k1_res, k2_res) = (expected[c][1] for c in ((1, 3), (2, 3), (1, 5), (2, 5)))
+    assert expected[(1, 5)][0] > expected[(2, 3)][0] and k1_res > k2_d3  # so k=1 resident is never the pick
+    for budget, pick in (((k2_d3 + k1_res) / 2, "k=2, --prefetch-depth 3"), ((k1_res + k2_res) / 2, "k=2, --prefetch-depth 3"),
+                         (k2_res + 0.01, "k=2, --prefetch-depth 5")):
+        out = run(capsys, *MODEL_3X2, "--memory-budget", f"{budget:.4f}")
+        assert f"largest k 2; fewest inter-node bytes with {pick} --reuse-weights" in out
+    out = run(capsys, *MODEL_3X2, "--memory-budget", f"{min(k1_d3, k2_d3) - 0.01:.4f}")
+    assert "nothing fits, not even k=1" in out
+
+
+def test_fitting_breaks_ties_on_memory_and_reports_the_largest_k():
+    def mem(gib):
+        return MemoryEstimate(persistent=gib * 2**30, staging=0, replicated=0, activations=0)
+
+    options = {(1, 1, False): (9.0, mem(1)), (2, 1, False): (5.0, mem(3)), (2, 3, True): (5.0, mem(2)),
+               (4, 1, False): (4.0, mem(8))}
+    assert fitting(options, 4 * 2**30) == (2, (2, 3, True))
+    assert fitting(options, 1 * 2**30) == (1, (1, 1, False))
+    assert fitting(options, 0.5 * 2**30) == (None, None)
+
+
+def test_prefetch_depth_takes_a_number_or_resident():
+    with pytest.raises(SystemExit):
+        main(["plan", "--nodes", "2", "--per-node", "2", "--layers", "4", "--micro-batches", "1",
+              "--prefetch-depth", "deep"])
+    with pytest.raises(SystemExit, match="--reuse-weights"):
+        main(["plan", "--nodes", "2", "--per-node", "2", "--layers", "4", "--micro-batches", "1",
+              "--prefetch-depth", "resident"])

@@ -175,8 +175,8 @@ def test_resolve_function_or_command():
 
 
 def test_best_k_is_the_micro_batch_count():
-    assert bench.methods(4)["tawpipe-best"].engine_options == {"mb_per_fetch": 4, "reuse_weights": True,
-                                                                  "prefetch_depth": 1, "recompute": "none"}
+    assert bench.methods(4, prefetch_depth=2)["tawpipe-best"].engine_options == {
+        "mb_per_fetch": 4, "reuse_weights": True, "prefetch_depth": "resident", "recompute": "none"}
     assert bench.methods(4, prefetch_depth=3, recompute="chunk")["tawpipe"].engine_options == {
         "prefetch_depth": 3, "recompute": "chunk"}
     assert bench.methods(4, recompute="chunk")["weipipe"].engine_options == {"algo": "weipipe", "recompute": "chunk"}

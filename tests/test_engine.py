@@ -72,7 +72,7 @@ CI_CASES = {
         dict(nodes=1, acc=2, layers=4, offload="host", algo="weipipe"),
     ],
     6: [dict(nodes=3, acc=2, layers=7),
-        dict(nodes=3, acc=2, layers=6, mb_per_fetch=2, prefetch_depth=2, reuse_weights=True)],
+        dict(nodes=3, acc=2, layers=6, mb_per_fetch=2, prefetch_depth="resident", reuse_weights=True)],
 }
 
 

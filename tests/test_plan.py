@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tawpipe.plan import Action, Op, Plan, PlanError
-from tawpipe.schedule import build_plan
+from tawpipe.schedule import build_plan, resident_depth
 from tawpipe.verify import verify
 from tawpipe.topology import Topology
 
@@ -565,3 +566,29 @@ def test_fetches_before_slot_0_go_in_the_order_compute_needs_them(nodes, per_nod
         assert needs == sorted(needs), needs
         longest = max(longest, len(set(needs)))
     assert longest >= 2  # several chunks are staged before slot 0
+
+
+@pytest.mark.parametrize("nodes,per_node,acc", [(2, 2, 2), (3, 2, 2), (2, 4, 4), (4, 1, 2), (1, 4, 2)])
+def test_resident_depth_fetches_each_chunk_once_per_iteration(nodes, per_node, acc):
+    """With prefetch_depth='resident' every rank receives each chunk once per iteration, for every
+    k; one slot less, and some chunk must be fetched again for its backward."""
+    topo = Topology(nodes, per_node)
+
+    def fetches(depth, k):
+        plan = build_plan(topo, 2 * topo.world_size, acc, prefetch_depth=depth, mb_per_fetch=k, reuse_weights=True)
+        verify(plan)
+        if per_node > 1:  # every member of the group joins one broadcast per fetch
+            return plan, [Counter(a.chunk for a in acts if a.op is Op.BCAST_W) for acts in plan.actions]
+        return plan, [Counter(a.chunk for a in acts if a.op is Op.RECV_W or (a.op is Op.LOAD_W and a.buf != "w_own"))
+                      for acts in plan.actions]
+
+    for k in (1, acc):
+        plan, counts = fetches("resident", k)
+        assert plan.options["prefetch_depth"] == resident_depth(topo) == topo.world_size - 1
+        assert all(c == Counter(range(topo.world_size)) for c in counts)
+        _, shallower = fetches(resident_depth(topo) - 1, k)
+        assert any(max(c.values()) > 1 for c in shallower)
+    with pytest.raises(ValueError, match="reuse_weights=True"):
+        build_plan(topo, 2 * topo.world_size, acc, prefetch_depth="resident")
+    with pytest.raises(ValueError, match="integer >= 1 or 'resident', got 'deep'"):
+        build_plan(topo, 2 * topo.world_size, acc, prefetch_depth="deep", reuse_weights=True)

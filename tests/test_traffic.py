@@ -134,3 +134,19 @@ def test_estimates_agree_with_plans_and_with_each_other():
         assert ratio == pytest.approx(2.0 if m == "1f1b" else 1.0)
     with pytest.raises(ValueError, match="unknown method"):
         estimate("zero-bubble", dims, topo, acc)
+
+
+@pytest.mark.parametrize("nodes,per_node,acc", [(2, 2, 2), (3, 2, 2), (2, 4, 4), (4, 1, 2)])
+def test_resident_depth_sends_the_fewest_bytes_of_any_depth(nodes, per_node, acc):
+    """Deeper prefetch with reuse keeps more chunks, down to the resident depth and not beyond;
+    only the weights fall: the gradients do not depend on the depth."""
+    topo = Topology(nodes, per_node)
+    n = topo.world_size
+    for k in (1, acc):
+        by_depth = {d: elements(topo, 2 * n, acc, prefetch_depth=d, mb_per_fetch=k, reuse_weights=True)
+                    for d in (*range(1, n + 2), "resident")}
+        busiest = {d: max(t.per_node()) for d, t in by_depth.items()}
+        assert busiest["resident"] == busiest[n - 1] == busiest[n] == busiest[n + 1] < busiest[n - 2]
+        assert busiest["resident"] < busiest[1]
+        assert len({t.total(kind="grads") for t in by_depth.values()}) == 1
+        assert by_depth["resident"].total(kind="weights") < by_depth[1].total(kind="weights")

@@ -128,6 +128,8 @@ def _no_workers(monkeypatch) -> None:
     (["--micro-batches", "-1"], "--micro-batches must be >= 1, got -1"),
     (["--mb-per-fetch", "3"], "schedule: mb_per_fetch=3 does not divide micro_batches=2: .*pick a divisor"),
     (["--algo", "weipipe", "--prefetch-depth", "2"], "schedule: weipipe is the paper's lock-step ring"),
+    (["--prefetch-depth", "resident"], "schedule: prefetch_depth='resident' keeps fetched chunks only if they are "
+                                       r"reused: pass reuse_weights=True \(--reuse-weights\)"),
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be a finite number > 0, got 0.0"),
     (["--save-every", "2"], "--save-every needs --save DIR"),
@@ -240,10 +242,11 @@ def test_train_end_to_end_with_config_validation_metrics_and_export(tmp_path):
     every rank's peak memory, validation losses equal to an independent evaluation of the
     checkpointed model, and an export that transformers loads and that computes its logits."""
     config = tmp_path / "run.toml"
-    config.write_text('model = "micro"\nsteps = 3\nseq-len = 24\nbatch-size = 2\nval-every = 2\nval-batches = 2\n')
+    config.write_text('model = "micro"\nsteps = 3\nseq-len = 24\nbatch-size = 2\nval-every = 2\nval-batches = 2\n'
+                      'prefetch-depth = "resident"\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "tawpipe", "train", "--config", str(config), "--layers", "5", "--seed", "3",
-           "--mb-per-fetch", "2", "--prefetch-depth", "2", "--reuse-weights",  # exact like the defaults
+           "--mb-per-fetch", "2", "--reuse-weights",  # exact like the defaults
            "--metrics", str(tmp_path / "m.jsonl"), "--save", str(tmp_path / "ckpt")]
     has_hf = importlib.util.find_spec("transformers") is not None
     if has_hf:
@@ -253,7 +256,7 @@ def test_train_end_to_end_with_config_validation_metrics_and_export(tmp_path):
     text = out.stdout
     for line in ("data: python", "vocabulary 256", "model: built-in LLaMA (5 layers", "seed 3",
                  "topology: 2 node(s) x 2 rank(s) = 4 ranks, chunks of [2, 1, 1, 1] layers", "compute float32",
-                 "schedule: tawpipe, gradient route rail, prefetch depth 2, 2 micro-batch(es) per fetch, "
+                 "schedule: tawpipe, gradient route rail, prefetch depth 3 (resident), 2 micro-batch(es) per fetch, "
                  "resident chunks reused, gradients travel in float32",
                  "memory per rank (rank 0): own chunk", "validation loss: step 2"):
         assert line in text, line

@@ -32,9 +32,11 @@ import torch
 
 from .. import baselines
 from ..baselines import RunConfig
+from ..cli import prefetch_depth_arg
 from ..cluster import Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, unavailable_reason
 from ..engine import TawPipe
 from ..models.llama import block_forward, llama_loss
+from ..schedule import RESIDENT
 from ..topology import Topology
 from ..traffic import ModelDims, estimate, plan_traffic
 
@@ -56,14 +58,16 @@ def compute_only(m: Method) -> Method:
     return Method(f"{m.name}-compute", f"{m.label}, links unlimited", m.engine_options, unlimited=True)
 
 
-def methods(micro_batches: int, prefetch_depth: int = 1, recompute: str = "none") -> dict[str, Method]:
-    """Every method the bench knows, in the default order. ``recompute`` is the engine's (tawpipe
-    and WeiPipe); "none" keeps activations, as every peer here does, so all do the same work."""
+def methods(micro_batches: int, prefetch_depth: int | str = 1, recompute: str = "none") -> dict[str, Method]:
+    """Every method the bench knows, in the default order. ``prefetch_depth`` is tawpipe's at k = 1;
+    the best k keeps every chunk resident (one fetch per chunk and iteration; this model fits). ``recompute`` is the
+    engine's (tawpipe and WeiPipe); "none" keeps activations, as every peer here does, so all do the
+    same work."""
     k = micro_batches  # the largest k dividing micro_batches; it fits this model's memory
-    d = {"prefetch_depth": prefetch_depth, "recompute": recompute}
-    out = [Method("tawpipe", "tawpipe (k=1)", d)]
+    out = [Method("tawpipe", "tawpipe (k=1)", {"prefetch_depth": prefetch_depth, "recompute": recompute})]
     if k > 1:
-        out.append(Method("tawpipe-best", f"tawpipe (k={k}, reuse)", {"mb_per_fetch": k, "reuse_weights": True, **d}))
+        out.append(Method("tawpipe-best", f"tawpipe (k={k}, reuse, resident)",
+                          {"mb_per_fetch": k, "reuse_weights": True, "prefetch_depth": RESIDENT, "recompute": recompute}))
     out += [
         Method("weipipe", "WeiPipe", {"algo": "weipipe", "recompute": recompute}),
         Method("fsdp", "FSDP2"), Method("fsdp-mm", "FSDP2 memory-matched"), Method("hsdp", "HSDP"),
@@ -408,7 +412,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=d.heads)
     p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="per rank and step")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
-    p.add_argument("--prefetch-depth", type=int, default=1, help="tawpipe's prefetch depth (slots ahead)")
+    p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=1,
+                   help="prefetch depth (slots ahead) of tawpipe at k=1; the best k keeps every chunk resident")
     p.add_argument("--compute-only", action="store_true",
                    help="also run tawpipe and WeiPipe with the links unlimited, in the same rounds, and report "
                         "each one's time over max(network floor, compute-only time)")
@@ -491,8 +496,10 @@ def _notes(result: dict[str, Any]) -> list[str]:
         "RSS includes the Python/torch runtime.",
     ]
     e = result["engine"]
-    notes.append(f"tawpipe and WeiPipe: prefetch depth {e['prefetch_depth']}, recompute '{e['recompute']}'"
-                 + (" (activations kept, as every peer keeps them)." if e["recompute"] == "none" else "."))
+    notes.append(f"tawpipe (k=1): prefetch depth {e['prefetch_depth']}; the best k: every chunk resident once "
+                 "fetched (depth N - 1, reuse); WeiPipe: lock-step (depth 1). Both: recompute "
+                 f"'{e['recompute']}'" + (" (activations kept, as every peer keeps them)." if e["recompute"] == "none"
+                                          else "."))
     if any(r.get("unlimited") for shape in result["shapes"] for r in shape["rows"]):
         notes.append("'links unlimited': the same method with the links' rate limit lifted for that run only, "
                      "in the same round as the others; its time is the compute-only side of the bound.")
