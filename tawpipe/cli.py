@@ -133,7 +133,9 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
 def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..., Plan]) -> None:
     """Bytes and memory for every k, at the given prefetch depth and with every chunk resident."""
     ks = [k for k in range(1, args.micro_batches + 1) if args.micro_batches % k == 0]
-    depths = [(args.prefetch_depth, args.reuse_weights)] + [(RESIDENT, True)] * (args.prefetch_depth != RESIDENT)
+    depths = [(args.prefetch_depth, args.reuse_weights)]
+    if args.prefetch_depth != RESIDENT:
+        depths.append((RESIDENT, True))
     options: dict[Choice, tuple[float, MemoryEstimate]] = {}
     print(f"{'k':>4}  {'depth':>16}  {'inter-node/iter (busiest node)':>31}  {'staging/rank':>13}  "
           f"{'activations/rank':>17}  {'memory/rank':>12}")
@@ -143,8 +145,8 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..
             choice = (k, int(plan_k.options["prefetch_depth"]), reuse)
             if choice in options:  # the given depth is the resident one
                 continue
-            e = memory_per_rank(plan_k, dims)
-            options[choice] = inter, _ = max(plan_traffic(plan_k).per_node()), e
+            inter, e = max(plan_traffic(plan_k).per_node()), memory_per_rank(plan_k, dims)
+            options[choice] = (inter, e)
             print(f"{k:>4}  {_depth_label(choice, depth):>16}  {inter / 1e9:>28.3f} GB  "
                   f"{e.staging / 2**30:>9.3f} GiB  {e.activations / 2**30:>13.3f} GiB  {e.total / 2**30:>8.3f} GiB")
     if args.memory_budget is not None:

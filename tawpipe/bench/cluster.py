@@ -60,14 +60,14 @@ def compute_only(m: Method) -> Method:
 
 def methods(micro_batches: int, prefetch_depth: int | str = 1, recompute: str = "none") -> dict[str, Method]:
     """Every method the bench knows, in the default order. ``prefetch_depth`` is tawpipe's at k = 1;
-    the best k keeps every chunk resident (one fetch per chunk and iteration; this model fits). ``recompute`` is the
-    engine's (tawpipe and WeiPipe); "none" keeps activations, as every peer here does, so all do the
-    same work."""
+    the best k keeps every chunk resident (one fetch per chunk and iteration; this model fits).
+    ``recompute`` is the engine's (tawpipe and WeiPipe); "none" keeps activations, as every peer
+    here does, so all do the same work."""
     k = micro_batches  # the largest k dividing micro_batches; it fits this model's memory
     out = [Method("tawpipe", "tawpipe (k=1)", {"prefetch_depth": prefetch_depth, "recompute": recompute})]
     if k > 1:
-        out.append(Method("tawpipe-best", f"tawpipe (k={k}, reuse, resident)",
-                          {"mb_per_fetch": k, "reuse_weights": True, "prefetch_depth": RESIDENT, "recompute": recompute}))
+        best = {"mb_per_fetch": k, "reuse_weights": True, "prefetch_depth": RESIDENT, "recompute": recompute}
+        out.append(Method("tawpipe-best", f"tawpipe (k={k}, reuse, resident)", best))
     out += [
         Method("weipipe", "WeiPipe", {"algo": "weipipe", "recompute": recompute}),
         Method("fsdp", "FSDP2"), Method("fsdp-mm", "FSDP2 memory-matched"), Method("hsdp", "HSDP"),
