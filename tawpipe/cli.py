@@ -126,7 +126,11 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
               f"(busiest link's bytes), per-slot bursts {bursts:.3f} s (each slot's busiest link, summed)")
         if args.algo == "tawpipe":
             _print_k_table(args, dims, build)
-        _print_peers(args, dims, topo)
+        plans = {args.algo: plan}
+        other = "weipipe" if args.algo == "tawpipe" else "tawpipe"
+        if other == "tawpipe" or topo.world_size > 1:  # a WeiPipe ring needs two ranks
+            plans[other] = build(algo=other)  # its own defaults: the paper's schedule
+        _print_peers(args, dims, topo, plans)
     return 0
 
 
@@ -164,13 +168,20 @@ def _depth_label(choice: Choice, asked: int | str) -> str:
     return f"{d}{' reuse' if reuse else ''}{' resident' if asked == RESIDENT else ''}"
 
 
-def _print_peers(args: argparse.Namespace, dims: ModelDims, topo: Topology) -> None:
-    print(f"peers on the same model and global batch (closed form, {dims.decoder_numel:,} decoder "
-          f"+ {dims.replicated_numel:,} replicated parameters):")
+def _print_peers(args: argparse.Namespace, dims: ModelDims, topo: Topology, plans: dict[str, Plan]) -> None:
+    """The peers' closed forms, with WeiPipe and TawPipe counted from ``plans`` instead: at a few
+    micro-batches their turnarounds and dropped ring sends make the closed forms 10-35% off."""
+    print(f"peers on the same model and global batch ({dims.decoder_numel:,} decoder + {dims.replicated_numel:,} "
+          f"replicated parameters; {' and '.join(plans)} counted from plans, the others closed form):")
     print(f"{'method':>10}  {'sent per rank':>14}  {'inter-node per node':>20}")
     for method in PEER_METHODS:
-        e = estimate(method, dims, topo, args.micro_batches)
-        print(f"{method:>10}  {e.sent_per_rank / 1e9:>11.2f} GB  {e.inter_node_per_node / 1e9:>17.2f} GB")
+        if method in plans:
+            t = plan_traffic(plans[method])
+            sent, inter = t.total() / topo.world_size, max(t.per_node())
+        else:
+            e = estimate(method, dims, topo, args.micro_batches)
+            sent, inter = e.sent_per_rank, e.inter_node_per_node
+        print(f"{method:>10}  {sent / 1e9:>11.2f} GB  {inter / 1e9:>17.2f} GB")
 
 
 def _delegated(name: str, module: str, help: str) -> Callable[[argparse._SubParsersAction], None]:

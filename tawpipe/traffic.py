@@ -228,7 +228,7 @@ def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: in
         per_dir = n * acc * dims.activation_numel * ab
         return Estimate(method, 2 * per_dir * (n - 1) / n, cross * per_dir * (2 if G > 2 else 1))
     if method == "weipipe":  # F-ring + B-ring weights and the gradient ring, (acc+1)·Psi each
-        v = (acc + 1) * psi * (2 * wb + gb)
+        v = (acc + 1) * psi * (2 * wb + gb) if n > 1 else 0.0  # one rank: no ring
         return Estimate(method, v + rep, cross * (v + rep))
     if method == "tawpipe":  # design §7.1
         inter_node = (G - 1) / G * (2 * acc * (n - 1) / n * psi * wb + acc * psi * gb)

@@ -19,7 +19,7 @@ from tawpipe.cost import MemoryEstimate, fitting, memory_per_rank
 from tawpipe.plan import Plan
 from tawpipe.schedule import build_plan
 from tawpipe.topology import Topology
-from tawpipe.traffic import ModelDims, plan_traffic
+from tawpipe.traffic import ModelDims, estimate, plan_traffic
 
 SPEC_N4_SLOT5 = ("| 5 | **B2**(m0); P2P W1 r2→r0; bcast from r0; reduce G3→r0; P2P G3 r0→r3 "
                  "| **B3**(m0); P2P W2 r1→r3; bcast from r3 |")
@@ -147,7 +147,8 @@ def test_memory_budget_picks_the_fewest_bytes_that_fit(capsys):
         assert rows[key] == (pytest.approx(gb, abs=6e-4), pytest.approx(gib, abs=6e-4))
     (k1_d3, k2_d3, k1_res, k2_res) = (expected[c][1] for c in ((1, 3), (2, 3), (1, 5), (2, 5)))
     assert expected[(1, 5)][0] > expected[(2, 3)][0] and k1_res > k2_d3  # so k=1 resident is never the pick
-    for budget, pick in (((k2_d3 + k1_res) / 2, "k=2, --prefetch-depth 3"), ((k1_res + k2_res) / 2, "k=2, --prefetch-depth 3"),
+    for budget, pick in (((k2_d3 + k1_res) / 2, "k=2, --prefetch-depth 3"),
+                         ((k1_res + k2_res) / 2, "k=2, --prefetch-depth 3"),
                          (k2_res + 0.01, "k=2, --prefetch-depth 5")):
         out = run(capsys, *MODEL_3X2, "--memory-budget", f"{budget:.4f}")
         assert f"largest k 2; fewest inter-node bytes with {pick} --reuse-weights" in out
@@ -173,3 +174,30 @@ def test_prefetch_depth_takes_a_number_or_resident():
     with pytest.raises(SystemExit, match="--reuse-weights"):
         main(["plan", "--nodes", "2", "--per-node", "2", "--layers", "4", "--micro-batches", "1",
               "--prefetch-depth", "resident"])
+
+
+@pytest.mark.parametrize("algo", ["tawpipe", "weipipe"])
+def test_peer_table_counts_weipipe_and_tawpipe_from_their_plans(capsys, algo):
+    """At 2 micro-batches the closed forms are 10-35% off; the table's tawpipe row is the plan
+    printed (the user's options), the weipipe row WeiPipe's plan, the others closed forms."""
+    topo, dims = Topology(2, 2), ModelDims(hidden=256, layers=8, heads=8, vocab=512, seq=512, dtype_bytes=4)
+    taw = dict(mb_per_fetch=2, prefetch_depth="resident", reuse_weights=True) if algo == "tawpipe" else {}
+    flags = ("--mb-per-fetch", "2", "--prefetch-depth", "resident", "--reuse-weights") if taw else ()
+    out = run(capsys, "plan", "--nodes", "2", "--per-node", "2", "--layers", "8", "--micro-batches", "2",
+              "--no-table", "--algo", algo, *flags, "--hidden", "256", "--heads", "8", "--vocab", "512",
+              "--seq", "512", "--dtype-bytes", "4")
+    sizes = dict(layer_numel=dims.layer_numel, weight_bytes=4, grad_bytes=4, replicated_numel=dims.replicated_numel)
+    plans = {"tawpipe": build_plan(topo, 8, 2, **taw, **sizes),
+             "weipipe": build_plan(topo, 8, 2, algo="weipipe", **sizes)}
+    rows = {m[1]: (float(m[2]), float(m[3]))
+            for m in re.finditer(r"^\s+(\w+)\s+([\d.]+) GB\s+([\d.]+) GB$", out, re.M)}
+
+    def printed(sent: float, inter: float):  # two decimals in GB
+        return pytest.approx(sent / 1e9, abs=0.0051), pytest.approx(inter / 1e9, abs=0.0051)
+
+    for method, plan in plans.items():
+        t = plan_traffic(plan)
+        assert rows[method] == printed(t.total() / topo.world_size, max(t.per_node()))
+    ddp = estimate("ddp", dims, topo, 2)
+    assert rows["ddp"] == printed(ddp.sent_per_rank, ddp.inter_node_per_node)
+    assert estimate("weipipe", dims, Topology(1, 1), 2).sent_per_rank == 0  # no ring on one rank
