@@ -342,7 +342,8 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
             ax1.scatter([i for i, f in zip(x, free) if f], [f for f in free if f], marker="_", s=600,
                         color="tab:red", label="compute only (links unlimited)", zorder=3)
         if any(f is not None for f in floors + free):
-            ax1.legend()
+            ax1.set_ylim(top=1.35 * max(r["time_max_s"] for r in rows))  # room for the legend above the bars
+            ax1.legend(loc="upper right")
         ax1.set_ylabel("iteration time, s (median, min–max)")
         meas = [(r["measured_busiest_bytes"] or 0) / 1e6 for r in rows]
         pred = [(r["predicted_busiest_bytes"] or 0) / 1e6 for r in rows]
