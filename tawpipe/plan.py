@@ -97,7 +97,11 @@ class OpSpec:
     kind: str | None  # "weights" | "grads" | "replicated" | "stats" | "state" | None
     reads: Callable[[Action, "Plan"], Names]
     writes: Callable[[Action, "Plan"], Names]
-    ordered: bool = False  # keeps its place in its channel even where messages float (design §5.2)
+    @property
+    def ordered(self) -> bool:
+        """Keeps its place in its channel even where messages float (design §5.2): a collective,
+        which every member must post in the same order."""
+        return self.transfer == "collective"
 
     @property
     def is_comm(self) -> bool:
@@ -155,21 +159,20 @@ OPS: dict[Op, OpSpec] = {
     # floats like every message (design §5.2): held in its queue place, a fetch also held back the
     # sends batched with it, which other groups were waiting for
     Op.RECV_W: OpSpec("weights", "recv", "weights", _none, _buf),
-    Op.BCAST_W: OpSpec("weights", "collective", "weights", _root_reads, _bcast_writes, ordered=True),
-    Op.REDUCE_G: OpSpec("grads", "collective", "grads", _root_reads, _reduce_writes, ordered=True),
+    Op.BCAST_W: OpSpec("weights", "collective", "weights", _root_reads, _bcast_writes),
+    Op.REDUCE_G: OpSpec("grads", "collective", "grads", _root_reads, _reduce_writes),
     Op.SEND_G: OpSpec("grads", "send", "grads", _buf, _none),
     Op.RECV_G: OpSpec("grads", "recv", "grads", _none, _buf),
     # local arithmetic, but on the gradient channel: right after the receive it consumes, so the
     # compute side never waits for gradients
     Op.ACC_G: OpSpec("grads", None, None, lambda a, _p: (a.buf, ACC), _const(ACC)),
-    Op.ALLREDUCE_REPLICATED: OpSpec("replicated", "collective", "replicated", _const(REP), _const(REP),
-                                    ordered=True),
-    Op.ALLREDUCE_STATS: OpSpec("step", "collective", "stats", _const(ACC), _const(STATS), ordered=True),
+    Op.ALLREDUCE_REPLICATED: OpSpec("replicated", "collective", "replicated", _const(REP), _const(REP)),
+    Op.ALLREDUCE_STATS: OpSpec("step", "collective", "stats", _const(ACC), _const(STATS)),
     Op.SEND_MASTER: OpSpec("step", "send", "state", _const(MASTER), _none),
     Op.RECV_MASTER: OpSpec("step", "recv", "state", _none, _buf),
     # every rank's fingerprint of its configuration, compared before the first step (an all-gather
     # written as an all-reduce of one row per rank)
-    Op.CHECK: OpSpec("step", "collective", "setup", _none, _const("fingerprint"), ordered=True),
+    Op.CHECK: OpSpec("step", "collective", "setup", _none, _const("fingerprint")),
 }
 
 WEIGHT_OPS = frozenset({Op.LOAD_W, Op.SEND_W, Op.RECV_W, Op.BCAST_W, Op.F, Op.B})  # touch weight bufs

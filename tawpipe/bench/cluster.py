@@ -306,7 +306,8 @@ def markdown(result: dict[str, Any]) -> str:
         bounds = [f"- {row['label']}: {row['time_median_s']:.2f} s = **{row['time_over_bound']:.2f}** × "
                   f"max(network floor {row['floor_s']:.2f} s, compute-only {row['compute_only_s']:.2f} s)"
                   for row in shape["rows"] if "time_over_bound" in row]
-        lines += bounds + [""] * bool(bounds)
+        if bounds:
+            lines += bounds + [""]
     lines += [f"- {n}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
 
