@@ -206,7 +206,9 @@ class Estimate:
 def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: int) -> Estimate:
     """Ring-model estimate for ``method`` in ddp, fsdp, hsdp, 1f1b, weipipe, tawpipe.
 
-    The ring over all ranks is node-major, so it leaves each node over exactly one link.
+    The ring over all ranks is node-major, so it leaves each node over exactly one link. tawpipe
+    and weipipe are the paper's schedules (k = 1, one fetch per use); for other options, and
+    exactly at a few micro-batches, count the plan with ``plan_traffic``.
     """
     n, G, s, acc = topology.world_size, topology.nodes, topology.per_node, micro_batches
     psi, e = dims.decoder_numel, dims.replicated_numel
