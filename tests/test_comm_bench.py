@@ -79,6 +79,7 @@ def test_sweep_on_four_local_gloo_ranks(tmp_path: Path, capfd: pytest.CaptureFix
     want = {(op, p, 4096) for op in comm.PRIMITIVES for p in ("intra", "inter")}
     want |= {(op, "both", 4096) for op in comm.COMPOSITES}
     assert got == want
+    assert result["torch"] == torch.__version__ and result["cpus"] == os.cpu_count()  # provenance()
     for r in rows:
         assert r["wrong"] == 0 and r["iters"] == 2 and r["time_us"] > 0
         assert r["algbw"] == pytest.approx(r["bytes"] / r["time_us"] / 1e3)

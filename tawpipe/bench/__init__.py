@@ -9,6 +9,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
 
 _BENCHES = {
     "overlap": ("tawpipe.bench.overlap", "overlapped vs serial communication under an injected delay"),
@@ -16,6 +25,30 @@ _BENCHES = {
     "comm": ("tawpipe.bench.comm", "communication primitives, nccl-tests style (time, algbw, busbw)"),
     "prefetch": ("tawpipe.bench.prefetch", "pinned double-buffered host offload: bandwidth and overlap"),
 }
+
+
+def provenance() -> dict[str, Any]:
+    """What produced a result file: versions, cores, and the git commit when tawpipe runs from a
+    checkout, so a figure can be traced to its code."""
+    return {"tawpipe": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "cpus": os.cpu_count(), **checkout(Path(__file__).resolve().parent.parent)}
+
+
+def checkout(package: Path) -> dict[str, Any]:
+    """``commit`` and ``dirty`` (tracked files differ from it) of the git checkout whose top level
+    holds ``package``; nothing for an installed copy, even one inside some other work tree."""
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", "-C", str(package), *cmd], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() / package.name != package.resolve():
+            return {}
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {}  # no git, or not a work tree
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,6 @@ import contextlib
 import functools
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from . import provenance
 from .. import baselines
 from ..baselines import RunConfig
 from ..cli import prefetch_depth_arg
@@ -451,8 +451,7 @@ def main(args: argparse.Namespace) -> int:
         chosen = [v for m in chosen for v in ((m, compute_only(m)) if m.engine_options is not None else (m,))]
     rate_bits = specs[0].rate_bits
     result: dict[str, Any] = {
-        "benchmark": "cluster", "rate": rate, "rounds": args.rounds, "machine": {
-            "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
+        "benchmark": "cluster", "rate": rate, "rounds": args.rounds, "machine": provenance(),
         "engine": {"prefetch_depth": args.prefetch_depth, "recompute": args.recompute},
         "pin_cpus": args.pin_cpus, "shapes": [], "notes": [],
     }

@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import socket
 import time
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import provenance
 from ..comm.base import CommTimeout
 from ..launch import default_timeout, init_distributed, run_local
 from ..topology import Topology
@@ -462,7 +462,7 @@ def _bench_rank(rank: int, a: dict, topo: Topology, local_rank: int) -> dict | N
         "benchmark": "comm", "backend": backend, "nodes": topo.nodes, "per_node": topo.per_node,
         "dtype": a["datatype"], "definitions": DEFINITIONS, "hosts": hosts,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-        "torch": torch.__version__, "python": platform.python_version(),
+        **provenance(),
         "config": {k: v for k, v in a.items() if k not in ("json", "plot")},
         "rows": [asdict(r) for r in rows], "wrong": wrong,
     }

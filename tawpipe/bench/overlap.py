@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from . import provenance
 from ..comm import DelayComm
 from ..comm.torch_dist import TorchDistComm
 from ..data import batch as draw_batch
@@ -91,8 +91,7 @@ def overlap(a: dict) -> dict:
     serial = max(r["serial"] for r in ranks)
     over = max(r["overlap"] for r in ranks)
     return {
-        "benchmark": "overlap", "config": a, "device": "cpu", "cpus": os.cpu_count(),
-        "torch": torch.__version__, "python": platform.python_version(),
+        "benchmark": "overlap", "config": a, "device": "cpu", **provenance(),
         "step_s_no_delay": max(r["t_no_delay"] for r in ranks),
         "delay_per_op_s": ranks[0]["delay_per_op_s"],
         "step_s_serial": serial, "step_s_overlap": over, "ratio": over / serial, "ranks": ranks,

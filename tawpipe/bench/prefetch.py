@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import threading
 import time
@@ -24,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import provenance
 from ..offload import DEFAULT_PIECE_NUMEL, HostOffload
 from ..ops import ShardLayout
 
@@ -151,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
     res = measure(device, numel, dtype, pieces, args.repeats)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     res.update({"benchmark": "prefetch", "device": name, "numel": numel, "dtype": args.dtype,
-                "torch": torch.__version__, "python": platform.python_version(), "repeats": args.repeats})
+                **provenance(), "repeats": args.repeats})
     if device.type == "cpu":
         res["note"] = ("CPU only: host prefetcher (plain copies); the 'concurrent' matmul shares the cores and "
                        "memory bandwidth, so these numbers say little about a GPU")
