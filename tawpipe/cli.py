@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from .cost import Choice, MemoryEstimate, fitting, memory_per_rank
 from .plan import ALGOS, GRAD_ROUTES, Plan
-from .schedule import RESIDENT, build_plan
+from .schedule import RESIDENT, build_plan, depth_text
 from .topology import Topology
 from .traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
 from .verify import verify
@@ -109,7 +109,7 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
     route = f", gradient route {args.grad_route}" if args.algo == "tawpipe" else ""
     print(f"{args.algo}: {topo.nodes} nodes x {topo.per_node} devices, {plan.num_layers} layers in "
           f"chunks of {layers} (model order), {plan.micro_batches} micro-batches{route}, prefetch depth "
-          f"{plan.options['prefetch_depth']}{' (resident)' if args.prefetch_depth == RESIDENT else ''}, "
+          f"{depth_text(plan, args.prefetch_depth)}, "
           f"{args.mb_per_fetch} micro-batch(es) per fetch"
           f"{', resident chunks reused' if args.reuse_weights else ''}, "
           f"{plan.num_slots} slots + prologue")

@@ -29,6 +29,11 @@ def resident_depth(topology: Topology) -> int:
     return max(1, topology.world_size - 1)
 
 
+def depth_text(plan: Plan, asked: int | str) -> str:
+    """The prefetch depth ``plan`` was built with, naming ``"resident"`` where that was asked."""
+    return f"{plan.options['prefetch_depth']}{' (resident)' if asked == RESIDENT else ''}"
+
+
 def build_plan(
     topology: Topology,
     num_layers: int,

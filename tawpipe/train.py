@@ -39,7 +39,7 @@ from .evaluate import validation_loss
 from .launch import JobFailed, init_distributed, run_local
 from .metrics import MetricsWriter, check_tensorboard, gather_peaks, peak_host_bytes
 from .plan import ALGOS
-from .schedule import RESIDENT, build_plan
+from .schedule import build_plan, depth_text
 from .storage import unique_params
 from .topology import Topology
 from .traffic import plan_traffic
@@ -405,8 +405,7 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
         "masters and optimizer state float32",
         f"topology: {topo.nodes} node(s) x {topo.per_node} rank(s) = {topo.world_size} ranks, chunks of {layers} "
         f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.batch_size} x {cfg.seq_len} tokens",
-        f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {plan.options['prefetch_depth']}"
-        f"{' (resident)' if cfg.prefetch_depth == RESIDENT else ''}, "
+        f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {depth_text(plan, cfg.prefetch_depth)}, "
         f"{cfg.mb_per_fetch} micro-batch(es) per fetch, resident chunks {'reused' if cfg.reuse_weights else 'refetched'}, "
         f"gradients travel in {cfg.grad_wire_dtype if cfg.grad_wire_dtype == 'float32' else cfg.dtype}",
         f"memory per rank (rank 0): own chunk {report.persistent / mib:,.1f} MiB (master, gradient accumulator), "
