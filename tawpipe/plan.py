@@ -97,6 +97,7 @@ class OpSpec:
     kind: str | None  # "weights" | "grads" | "replicated" | "stats" | "state" | None
     reads: Callable[[Action, "Plan"], Names]
     writes: Callable[[Action, "Plan"], Names]
+
     @property
     def ordered(self) -> bool:
         """Keeps its place in its channel even where messages float (design §5.2): a collective,
