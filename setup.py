@@ -30,7 +30,7 @@ CPU_SOURCES = [
     "csrc/torch/module.cpp",
 ]
 CUDA_SOURCES = ["csrc/kernels/shard_ops_cuda.cu", "csrc/torch/ops_cuda.cpp"]
-# The prefetcher behind tawpipe.offload: its host path always, its CUDA path with the CUDA kernels.
+# The prefetcher behind tawpipe.engine.offload: its host path always, its CUDA path with the CUDA kernels.
 CPU_SOURCES += ["csrc/kernels/prefetch.cpp", "csrc/torch/prefetch.cpp"]
 CUDA_SOURCES += ["csrc/kernels/prefetch_cuda.cu"]
 

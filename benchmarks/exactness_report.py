@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from engine_cases import exactness  # noqa: E402
-from tawpipe.launch import run_local  # noqa: E402
+from tawpipe.runtime.launch import run_local
 
 
 def _summary(label: str, res: list[dict], world: int) -> str:

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from tawpipe.comm.base import Comm
-from tawpipe.engine import TawPipe
-from tawpipe.metrics import peak_host_bytes
+from tawpipe.runtime.comm.base import Comm
+from tawpipe.engine.engine import TawPipe
+from tawpipe.train.metrics import peak_host_bytes
 from tawpipe.models.llama import Llama, LlamaConfig, block_forward, llama_loss, llama_parts
 from tawpipe.models.parts import ModelParts
-from tawpipe.topology import Topology
+from tawpipe.plan.topology import Topology
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -95,8 +95,6 @@ def measure_rank(a: argparse.Namespace) -> dict:
                      grad_wire_dtype=dtype, comm=SoloComm(a.rank, topo.world_size))
     release()
     after_engine = peak_host_bytes()
-    for buf in engine.storage.bufs.values():
-        buf.zero_()  # the first step writes every staging buffer
     engine.optimizer.step()  # AdamW creates its state here (the gradients are zero)
     report = engine.memory_report()
     own = report.master // 4

@@ -6,7 +6,7 @@ these copies must run near the memory bandwidth and must not cost one launch or 
 iteration per tensor. Each case is timed for:
 
 * ``tawpipe``     the fused op (``--backend native``: ``torch.ops.tawpipe``; ``triton``:
-                  ``tawpipe.triton_ops``, under the interpreter when there is no GPU),
+                  ``tawpipe.ops.triton``, under the interpreter when there is no GPU),
 * ``wrapper``     the same through the Python wrapper ``tawpipe.ops.<op>`` (which checks
                   argument types; the op itself validates, in C++),
 * ``bound``       (native backend) the op on tensors bound once with ``ShardLayout.bind``: the
@@ -159,7 +159,7 @@ def load_ops(backend: str, device: torch.device) -> dict[str, tuple[Callable[...
     if backend == "native":
         direct = torch.ops.tawpipe
     else:
-        from tawpipe import triton_ops as direct
+        from tawpipe.ops import triton as direct
     names = ("pack", "unpack", "unpack_accumulate")
     wrapped = {n: functools.partial(getattr(tawpipe.ops, n), backend=backend) for n in names}
     return {name: (getattr(direct, name), wrapped[name]) for name in names}

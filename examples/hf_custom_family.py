@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from tawpipe import TawPipe, Topology
-from tawpipe.launch import run_local
+from tawpipe.runtime.launch import run_local
 from tawpipe.models.hf import Adapter, from_config, register
 
 

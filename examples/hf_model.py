@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from tawpipe import TawPipe, Topology
-from tawpipe.data import batch, load_tokens
-from tawpipe.launch import run_local
+from tawpipe.train.data import batch, load_tokens
+from tawpipe.runtime.launch import run_local
+from tawpipe.io.safetensors import export
 from tawpipe.models import hf
 
 MICRO_BATCHES, ROWS, SEQ = 2, 2, 64
@@ -35,7 +36,7 @@ def train(rank: int, model_dir: str, export_dir: str, steps: int) -> list[float]
     for step in range(steps):
         mbs = [batch(tokens, SEQ, ROWS, seed=0, step=step, index=rank * MICRO_BATCHES + i) for i in range(MICRO_BATCHES)]
         losses.append(engine.step((torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs]))))
-    parts.export(engine, export_dir, torch.float32)  # every rank writes its own chunk
+    export(engine, parts, export_dir, torch.float32)  # every rank writes its own chunk
     engine.close()
     return losses
 

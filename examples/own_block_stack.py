@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tawpipe import TawPipe, Topology
-from tawpipe.launch import init_distributed, run_local
+from tawpipe.runtime.launch import init_distributed, run_local
 
 VOCAB, HIDDEN, SEQ, ROWS, MICRO_BATCHES = 64, 32, 16, 2, 2
 

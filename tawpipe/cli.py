@@ -3,25 +3,24 @@
 Each subcommand is registered by one ``_add_<name>(subparsers)`` function listed in
 ``_SUBCOMMANDS``. ``plan`` lives here. ``train``, ``bench`` and ``cluster`` belong to
 ``tawpipe.train``, ``tawpipe.bench`` and ``tawpipe.cluster``, which are imported only when their
-subcommand runs: such a module may define
-``add_arguments(parser)`` and must define ``main(args: argparse.Namespace) -> int``.
+subcommand runs (``tawpipe.commands``).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
 
-from .cost import Choice, MemoryEstimate, fitting, memory_per_rank
-from .plan import ALGOS, GRAD_ROUTES, Plan
-from .schedule import RESIDENT, build_plan, depth_text
-from .topology import Topology
-from .traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
-from .verify import verify
+from .commands import delegate
+from .cost.memory import Choice, MemoryEstimate, fitting, memory_per_rank
+from .cost.traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
+from .plan.plan import ALGOS, GRAD_ROUTES, Plan
+from .plan.schedule import RESIDENT, build_plan, depth_text, prefetch_depth_arg
+from .plan.topology import Topology
+from .plan.verify import verify
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
@@ -60,16 +59,6 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                    help="GiB per rank: suggest the largest k, and the k and prefetch depth with the "
                         "fewest inter-node bytes, whose estimated memory fits")
     p.set_defaults(run=_run_plan)
-
-
-def prefetch_depth_arg(text: str) -> int | str:
-    """The argparse type of every ``--prefetch-depth``: a number of slots, or 'resident'."""
-    if text == RESIDENT:
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of slots or {RESIDENT!r}, got {text!r}") from None
 
 
 def _dims_and_sizes(args: argparse.Namespace) -> tuple[ModelDims | None, dict]:
@@ -184,32 +173,12 @@ def _print_peers(args: argparse.Namespace, dims: ModelDims, topo: Topology, plan
         print(f"{method:>10}  {sent / 1e9:>11.2f} GB  {inter / 1e9:>17.2f} GB")
 
 
-def _delegated(name: str, module: str, help: str) -> Callable[[argparse._SubParsersAction], None]:
-    """Register ``name`` so that its own module parses its arguments, imported only when used."""
-
-    def add(subparsers: argparse._SubParsersAction) -> None:
-        p = subparsers.add_parser(name, help=help, add_help=False)
-        p.set_defaults(run=lambda _args, rest: _run_delegated(name, module, rest))
-
-    return add
-
-
-def _run_delegated(name: str, module: str, rest: Sequence[str]) -> int:
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name != module:
-            raise
-        raise SystemExit(f"tawpipe {name}: not available in this installation ({module} is missing)") from None
-    parser = argparse.ArgumentParser(prog=f"tawpipe {name}", description=mod.__doc__)
-    if hasattr(mod, "add_arguments"):
-        mod.add_arguments(parser)
-    return int(mod.main(parser.parse_args(list(rest))) or 0)
-
-
-_add_train = _delegated("train", "tawpipe.train", "train a model with tawpipe")
-_add_bench = _delegated("bench", "tawpipe.bench", "benchmark tawpipe against its peers")
-_add_cluster = _delegated("cluster", "tawpipe.cluster", "an emulated multi-node cluster on this machine (root)")
+_add_train = functools.partial(delegate, prog="tawpipe", name="train", module="tawpipe.train",
+                               help="train a model with tawpipe")
+_add_bench = functools.partial(delegate, prog="tawpipe", name="bench", module="tawpipe.bench",
+                               help="benchmark tawpipe against its peers")
+_add_cluster = functools.partial(delegate, prog="tawpipe", name="cluster", module="tawpipe.cluster",
+                                 help="an emulated multi-node cluster on this machine (root)")
 _SUBCOMMANDS = (_add_plan, _add_train, _add_bench, _add_cluster)
 
 

@@ -12,7 +12,7 @@ and on the bridge side (bridge -> node). The ranks of node g run inside namespac
 Workers get torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
 MASTER_ADDR, MASTER_PORT), gloo's GLOO_SOCKET_IFNAME is the node's veth and the TCPStore
 rendezvous listens on node 0's veth address, so ``Topology.from_env()`` and
-``tawpipe.launch.init_distributed()`` work unchanged inside. Workers die with the launcher
+``tawpipe.runtime.launch.init_distributed()`` work unchanged inside. Workers die with the launcher
 (PR_SET_PDEATHSIG, plus a process-group kill), and every wait has a timeout.
 
 Needs root and iproute2 (``ip``, ``tc``). Addresses are private (``SUBNET``.0/24) and exist only
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-from .launch import die_with_parent
+from .runtime.launch import die_with_parent
 
 PREFIX = "tpc"
 SUBNET = "10.213.7"  # a /24 that exists only inside this module's namespaces
@@ -547,7 +547,7 @@ def _worker_main(task_path: str, rank: int) -> int:
         import torch
         import torch.distributed as dist
 
-        from .launch import init_distributed
+        from .runtime.launch import init_distributed
 
         torch.set_num_threads(1)
         init_distributed(timeout=outer["timeout"])

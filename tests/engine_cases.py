@@ -13,11 +13,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tawpipe.comm import RecordingComm
-from tawpipe.comm.torch_dist import TorchDistComm
-from tawpipe.engine import TawPipe
-from tawpipe.plan import OPS, Op
-from tawpipe.topology import Topology
+from tawpipe.runtime.comm import RecordingComm
+from tawpipe.runtime.comm.torch_dist import TorchDistComm
+from tawpipe.engine.engine import TawPipe
+from tawpipe.plan.actions import OPS, Op
+from tawpipe.plan.topology import Topology
 
 VOCAB, HIDDEN, SEQ, MB_ROWS = 61, 24, 7, 2
 
@@ -182,7 +182,7 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
 def resume(rank: int, directory: str) -> dict:
     """Train 2 steps, checkpoint, train a 3rd; a fresh engine restored from the checkpoint must
     reproduce the 3rd step; the gathered full state dict must equal single-process training."""
-    from tawpipe.checkpoint import load, save_atomic
+    from tawpipe.io.checkpoint import load, save_atomic
 
     world = torch.distributed.get_world_size()
     topo, acc, layers, rows = Topology(2, world // 2), 2, 5, 2 * MB_ROWS
@@ -238,3 +238,46 @@ def disagreements(rank: int, cases: list[dict]) -> list[str]:
         else:
             out.append("no error")
     return out
+
+
+def evaluation(rank: int, case: dict) -> dict:
+    """One step, then ``TawPipe.evaluate`` on fresh batches: the loss must equal the reference
+    model's after the same step, every byte of it must go through the engine's Comm as the
+    evaluation program says, and the next step must be what it would have been without it."""
+    from tawpipe.plan.programs import eval_program
+
+    world = torch.distributed.get_world_size()
+    topo, acc, layers, rows = Topology(case["nodes"], world // case["nodes"]), case["acc"], case["layers"], MB_ROWS
+    torch.manual_seed(case.get("seed", 0))
+    model = TinyLM(layers)
+    log: list = []
+    comm = RecordingComm(TorchDistComm(topo, timeout=120))
+    comm.log = log
+    engine = _engine(copy.deepcopy(model), topo, acc, comm, **{k: case[k] for k in _ENGINE_OPTIONS if k in case})
+    twin = _engine(copy.deepcopy(model), topo, acc, **{k: case[k] for k in _ENGINE_OPTIONS if k in case})
+    n = acc * rows
+
+    def local(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = global_batch(step, world * n)
+        return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+    engine.step(local(0))
+    twin.step(local(0))
+    val = [global_batch(100 + b, world * rows) for b in range(case["val_batches"])]
+    mine = [(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]) for x, y in val]
+    log.clear()
+    loss = engine.evaluate(mine)
+    recorded = [(r.channel, r.op, r.root, r.group, r.bytes) for r in log]
+    planned = [(OPS[a.op].channel, "broadcast" if a.op is Op.BCAST_W else "all_reduce", a.root, a.group, a.bytes)
+               for a in eval_program(engine.plan, "w0")[rank] if OPS[a.op].is_comm]
+    after = (engine.step(local(1)), twin.step(local(1)))
+    same_step = max(rel_err(p.detach(), q.detach()) for (_, p), (_, q)
+                    in zip(engine.named_parameters(), twin.named_parameters()))
+    engine.close()
+    twin.close()
+    ref, _ = reference_run(model, world * n, 1, None)
+    with torch.no_grad():
+        want = sum(lm_loss(ref(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows]).item()
+                   for x, y in val for r in range(world)) / (world * len(val))
+    return {"loss": loss, "want": want, "recorded": recorded, "planned": planned, "after": after,
+            "same_step": same_step}

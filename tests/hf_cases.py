@@ -11,10 +11,11 @@ from typing import Any
 import torch
 
 from engine_cases import adamw  # AdamW with eps 1e-6: rounding-noise gradients do not become lr-sized steps
-from tawpipe.engine import TawPipe
+from tawpipe.engine.engine import TawPipe
 from tawpipe.models import hf
-from tawpipe.safetensors_io import SafetensorsCheckpoint
-from tawpipe.topology import Topology
+from tawpipe.io.safetensors import export
+from tawpipe.models.weights import SafetensorsCheckpoint
+from tawpipe.plan.topology import Topology
 
 
 def _arrays(tensors: dict[str, torch.Tensor] | None) -> dict[str, Any] | None:
@@ -62,7 +63,7 @@ def train_and_export(rank: int, cases: list[dict[str, Any]]) -> list[dict[str, A
         rows = case["batches"][0][0].shape[0] // 4
         losses = [engine.step((x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]))
                   for x, y in case["batches"]]
-        parts.export(engine, case["export"], torch.float32)
+        export(engine, parts, case["export"], torch.float32)
         out.append({"losses": losses, "read": sorted(set(read)), "asked": asked,
                     "own_layers": engine.plan.chunk_layers[engine.own_chunk],
                     "full": _arrays(engine.full_state_dict())})

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from engine_cases import TinyLM, global_batch, lm_loss
-from tawpipe.engine import TawPipe
-from tawpipe.topology import Topology
+from tawpipe.engine.engine import TawPipe
+from tawpipe.plan.topology import Topology
 
 
 def _mark(directory: str, name: str) -> None:
@@ -59,7 +59,7 @@ def ends_at_start(rank: int, directory: str, how: str) -> int:
 
 def freezes(rank: int) -> int:
     """Rank 1 freezes (SIGSTOP) in the middle of a wait, so it can never time out by itself."""
-    from tawpipe import progress
+    from tawpipe.runtime import progress
 
     if rank == 1:
         progress.publish("slot 7 rank 1 RECV_G chunk 0 from r0", wait_limit=1.0)
@@ -119,11 +119,11 @@ def forever(rank: int, directory: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "local":  # a launcher for the signal tests
-        from tawpipe.launch import run_local
+        from tawpipe.runtime.launch import run_local
 
         run_local(forever, 2, sys.argv[2])
     else:  # one rank under torchrun, rank 2 stuck: the others' timeouts must name it
-        from tawpipe.launch import init_distributed
+        from tawpipe.runtime.launch import init_distributed
 
         init_distributed()
         try:

@@ -1,7 +1,7 @@
 """Every baseline computes the update of single-process training on the same global batch.
 
 The reference here is written out directly (model, data windows, one optimizer step), sharing
-nothing with tawpipe.baselines but the model and data modules. Plain SGD makes the update
+nothing with tawpipe.bench.baselines but the model and data modules. Plain SGD makes the update
 proportional to the gradient, so a wrong loss scale, a missing or doubled micro-batch, or a
 gradient reduced over the wrong ranks all show; one AdamW run covers the bench's optimizer.
 """
@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tawpipe import baselines
-from tawpipe.baselines import RunConfig
-from tawpipe.data import batch, load_tokens
-from tawpipe.launch import run_local
+from tawpipe.bench import baselines
+from tawpipe.bench.baselines import RunConfig
+from tawpipe.train.data import batch, load_tokens
+from tawpipe.runtime.launch import run_local
 from tawpipe.models.llama import Llama, LlamaConfig
 
 TINY = RunConfig(nodes=2, per_node=2, hidden=32, heads=4, layers=4, seq_len=16, micro_batches=2,

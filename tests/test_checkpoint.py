@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from engine_cases import TinyLM, global_batch, lm_loss
-from tawpipe import checkpoint
-from tawpipe.checkpoint import CheckpointError
-from tawpipe.engine import TawPipe
-from tawpipe.topology import Topology
+from tawpipe.io import checkpoint
+from tawpipe.io.checkpoint import CheckpointError
+from tawpipe.engine.engine import TawPipe
+from tawpipe.plan.topology import Topology
 from test_engine_errors import NoComm
 
 

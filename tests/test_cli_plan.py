@@ -15,17 +15,17 @@ import pytest
 
 import tawpipe
 from tawpipe.cli import main
-from tawpipe.cost import MemoryEstimate, fitting, memory_per_rank
-from tawpipe.plan import Plan
-from tawpipe.schedule import build_plan
-from tawpipe.topology import Topology
-from tawpipe.traffic import ModelDims, estimate, plan_traffic
+from tawpipe.cost.memory import MemoryEstimate, fitting, memory_per_rank
+from tawpipe.plan.plan import Plan
+from tawpipe.plan.schedule import build_plan
+from tawpipe.plan.topology import Topology
+from tawpipe.cost.traffic import ModelDims, estimate, plan_traffic
 
-SPEC_N4_SLOT5 = ("| 5 | **B2**(m0); P2P W1 r2→r0; bcast from r0; reduce G3→r0; P2P G3 r0→r3 "
-                 "| **B3**(m0); P2P W2 r1→r3; bcast from r3 |")
-SPEC_N6_SLOT8 = ("| 8 | **B3**; P2P W2 r4→r0; bcast from r0; reduce G4→r0; P2P G4 r0→r3 "
-                 "| **B4**; P2P W3 r1→r3; bcast from r3; reduce G5→r2; P2P G5 r2→r5 "
-                 "| **B5**; P2P W4 r3→r5; bcast from r5 |")
+PAPER_N4_SLOT5 = ("| 5 | **B2**(m0); P2P W1 r2→r0; bcast from r0; reduce G3→r0; P2P G3 r0→r3 "
+                  "| **B3**(m0); P2P W2 r1→r3; bcast from r3 |")
+PAPER_N6_SLOT8 = ("| 8 | **B3**; P2P W2 r4→r0; bcast from r0; reduce G4→r0; P2P G4 r0→r3 "
+                  "| **B4**; P2P W3 r1→r3; bcast from r3; reduce G5→r2; P2P G5 r2→r5 "
+                  "| **B5**; P2P W4 r3→r5; bcast from r5 |")
 
 
 def run(capsys, *argv: str) -> str:
@@ -38,13 +38,13 @@ def table_of(out: str) -> str:
 
 
 @pytest.mark.parametrize("nodes,per_node,layers,acc,line", [
-    (2, 2, 4, 2, SPEC_N4_SLOT5), (3, 2, 6, 1, SPEC_N6_SLOT8),
+    (2, 2, 4, 2, PAPER_N4_SLOT5), (3, 2, 6, 1, PAPER_N6_SLOT8),
 ])
-def test_plan_prints_the_spec_tables(capsys, nodes, per_node, layers, acc, line):
+def test_plan_prints_the_papers_worked_tables(capsys, nodes, per_node, layers, acc, line):
     out = run(capsys, "plan", "--nodes", str(nodes), "--per-node", str(per_node), "--layers", str(layers),
               "--micro-batches", str(acc), "--grad-route", "leader")
     expected = build_plan(Topology(nodes, per_node), layers, acc, grad_route="leader").table()
-    assert table_of(out) == expected  # equal to the paper's tables: see test_plan.py
+    assert table_of(out) == expected  # equal to the paper's tables: see test_tables.py
     assert line in out.splitlines()
     assert "no deadlock" in out and f"{nodes * per_node * nodes * per_node * acc} gradient" in out
 
@@ -120,7 +120,7 @@ def test_module_entry_point():
          "--micro-batches", "2", "--grad-route", "leader"],
         capture_output=True, text=True, env=env, check=True,
     ).stdout
-    assert SPEC_N4_SLOT5 in out.splitlines()
+    assert PAPER_N4_SLOT5 in out.splitlines()
 
 
 MODEL_3X2 = ("plan", "--nodes", "3", "--per-node", "2", "--layers", "8", "--micro-batches", "2", "--no-table",

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from tawpipe import cluster as cl
-from tawpipe.baselines import RunConfig
+from tawpipe.bench.baselines import RunConfig
 from tawpipe.bench import cluster as bench
 from tawpipe.cluster import ClusterSpec, LinkBytes
-from tawpipe.topology import Topology
+from tawpipe.plan.topology import Topology
 
 
 def spec(nodes: int = 3, per_node: int = 2, rate: str | None = "100mbit") -> ClusterSpec:

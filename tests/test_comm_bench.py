@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tawpipe.bench import comm
-from tawpipe.launch import free_port
-from tawpipe.topology import Topology
+from tawpipe.runtime.launch import free_port
+from tawpipe.plan.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tawpipe.data import batch, load_tokens, train_val_split
+from tawpipe.train.data import batch, load_tokens, train_val_split
 
 rng = np.random.default_rng()
 

@@ -48,3 +48,60 @@ def test_readme_snippets_are_copies_of_tested_examples():
     quick = re.search(r"## Quick start.*?```bash\n(.*?)```", readme, re.S).group(1).splitlines()
     assert [line.split("#")[0].strip() for line in quick] == ["bash install.sh && tawpipe train",
                                                               "python3 -m pytest -q"]
+
+
+def _doc_table(text: str, after: int) -> list[str]:
+    """The lines of the first markdown table in ``text`` after position ``after``."""
+    lines = text[after:].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    stop = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return [line.rstrip() for line in lines[start:stop]]
+
+
+def test_design_worked_tables_are_what_the_code_prints():
+    """Design §3.3's table is ``tawpipe plan``'s output row for row; §3.4's WeiPipe rows are the
+    same rows of the code's table."""
+    from tawpipe.plan import Topology, build_plan
+
+    text = (ROOT / "docs" / "design.md").read_text()
+    s33, s34, s4 = text.index("\n### 3.3 "), text.index("\n### 3.4 "), text.index("\n## 4. ")
+    cmd = "`tawpipe plan --nodes 2 --per-node 2 --layers 4 --micro-batches 2` prints:"
+    at = text.index(cmd, s33, s34)
+    doc = _doc_table(text, at)
+    code = build_plan(Topology(2, 2), 4, 2).table().splitlines()
+    assert len(doc) == len(code), f"design §3.3 has {len(doc)} table lines, the code prints {len(code)}"
+    for d, c in zip(doc, code):
+        assert d == c, f"design §3.3 row differs:\n doc:  {d}\n code: {c}"
+
+    shown = re.compile(r"rows ([\d, ]+) and (\d+) of (\d+):").search(text, s34, s4)
+    assert shown, "design §3.4 no longer says which rows it shows: the pattern is wrong"
+    doc = _doc_table(text, shown.end())
+    code = build_plan(Topology(1, 4), 4, 2, algo="weipipe").table().splitlines()
+    assert doc[:2] == code[:2]  # header and rule
+    assert len(code) - 2 == int(shown.group(3))
+    step = lambda line: line.split("|")[1].strip()  # noqa: E731
+    code_rows = {step(line): line for line in code[2:]}
+    assert [step(d) for d in doc[2:]] == [s.strip() for s in shown.group(1).split(",")] + [shown.group(2)]
+    for d in doc[2:]:
+        assert d == code_rows[step(d)], f"design §3.4 step {step(d)} differs:\n doc:  {d}\n code: {code_rows[step(d)]}"
+
+
+def test_design_section_1_names_every_module_and_package():
+    """Design §1's layer table is the map of the tree: every package and module is in it, and so is
+    every package in README's table."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design[design.index("## 1. Overview"):design.index("## 2. Notation")]
+    rows = {name: line for line in section.splitlines() if re.match(r"\| \d+ \|", line)
+            for name in re.findall(r"`([^`]+)`", line.split("|")[2])}
+    package = ROOT / "tawpipe"
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        row = rows.get(rel.parts[0] + ("/" if len(rel.parts) > 1 else ""))
+        assert row is not None, f"design §1 has no row for {rel.parts[0]}"
+        if len(rel.parts) > 1:  # a module of a package: named in its package's row
+            named = f"`{rel.parts[-2]}/`" if rel.name == "__init__.py" else f"`{rel.name}`"  # a package by its folder
+            assert named in row, f"design §1 does not name {rel}"
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| layer | where | what it does |"):readme.index("## The schedule, printed")]
+    for sub in sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file()):
+        assert f"tawpipe/{sub}/" in table or f"`{sub}/`" in table, f"README's table lacks tawpipe/{sub}/"

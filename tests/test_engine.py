@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from tawpipe.launch import run_local
+from tawpipe.runtime.launch import run_local
 
-from engine_cases import exactness
+from engine_cases import evaluation, exactness
 
 PARAM_RTOL = 1e-5
 
@@ -138,3 +138,18 @@ def test_checkpoint_resume_and_full_state_dict(tmp_path) -> None:
         assert r["loss3_resumed"] == pytest.approx(r["loss3"], rel=1e-6)
         assert r["resumed_err"] <= 1e-6
     assert results[0]["full_err"] <= PARAM_RTOL
+
+
+@pytest.mark.parametrize("case", [
+    dict(nodes=2, acc=2, layers=5, val_batches=2),  # uneven chunks
+    dict(nodes=1, acc=1, layers=4, val_batches=1, algo="weipipe"),
+])
+def test_evaluate_is_a_plan_program_and_exact(case):
+    """``TawPipe.evaluate``: the single-process loss to 1e-5, its traffic exactly the evaluation
+    program's on the engine's own Comm, and the training state untouched."""
+    results = run_local(evaluation, 4, case, timeout=300)
+    for r in results:
+        assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), (r["loss"], r["want"])
+        assert r["recorded"] == r["planned"] and r["planned"], r["recorded"]
+        assert r["after"][0] == r["after"][1] and r["same_step"] == 0.0
+    assert len({r["loss"] for r in results}) == 1  # every rank reports the global mean

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine_cases import MB_ROWS, TinyLM, adamw, global_batch, lm_loss, rel_err, reference_run
-from tawpipe.engine import TawPipe
-from tawpipe.launch import free_port
-from tawpipe.topology import Topology
+from tawpipe.engine.engine import TawPipe
+from tawpipe.runtime.launch import free_port
+from tawpipe.plan.topology import Topology
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tawpipe.comm import Comm
-from tawpipe.engine import TawPipe
-from tawpipe.topology import Topology
+from tawpipe.runtime.comm import Comm
+from tawpipe.engine.engine import TawPipe
+from tawpipe.plan.topology import Topology
 
 from engine_cases import HIDDEN, TinyLM, lm_loss
 
@@ -75,7 +75,7 @@ def test_bad_arguments(kwargs, message) -> None:
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(topology=(2, 2)), TypeError, "topology must be a tawpipe.Topology"),
-    (dict(comm="gloo"), TypeError, "comm must be a tawpipe.comm.Comm"),
+    (dict(comm="gloo"), TypeError, "comm must be a tawpipe.runtime.comm.Comm"),
     (dict(loss_fn=None), TypeError, "loss_fn is required"),
     (dict(optimizer=torch.optim.AdamW([torch.zeros(1, requires_grad=True)])), TypeError, "optimizer must be callable"),
     (dict(block_context="rope"), TypeError, "block_context must be callable"),
@@ -191,7 +191,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off() -> None:
 
 
 def test_ranks_that_disagree_fail_at_construction_naming_rank_and_field() -> None:
-    from tawpipe.launch import run_local
+    from tawpipe.runtime.launch import run_local
 
     from engine_cases import disagreements
 

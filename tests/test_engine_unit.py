@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tawpipe.compute import weights_saved_by_reference
-from tawpipe.plan import Hazards
-from tawpipe.comm import Handle
+from tawpipe.engine.compute import weights_saved_by_reference
+from tawpipe.plan.actions import Hazards
+from tawpipe.runtime.comm import Handle
 
 
 def test_saved_weights_are_read_from_the_backward_buffer() -> None:

@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from tawpipe.comm.base import P2P
-from tawpipe.executor import Executor, Messages
-from tawpipe.plan import OPS, Action
-from tawpipe.schedule import build_plan
-from tawpipe.topology import Topology
+from tawpipe.runtime.comm.base import P2P
+from tawpipe.runtime.executor import Executor, Messages
+from tawpipe.plan.actions import OPS, Action
+from tawpipe.plan.schedule import build_plan
+from tawpipe.plan.topology import Topology
 
 
 class _Message:

@@ -26,11 +26,12 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-from tawpipe.engine import TawPipe  # noqa: E402
-from tawpipe.launch import run_local  # noqa: E402
+from tawpipe.engine.engine import TawPipe
+from tawpipe.runtime.launch import run_local
 from tawpipe.models import hf  # noqa: E402
-from tawpipe.safetensors_io import SafetensorsCheckpoint  # noqa: E402
-from tawpipe.topology import Topology  # noqa: E402
+from tawpipe.models.parts import parts_signature
+from tawpipe.models.weights import SafetensorsCheckpoint
+from tawpipe.plan.topology import Topology
 import hf_cases  # noqa: E402
 from engine_cases import adamw  # noqa: E402
 from test_engine_errors import NoComm  # noqa: E402
@@ -213,13 +214,13 @@ def test_engine_with_one_rank_materialises_every_block_once(tmp_path, dtype):
 def test_checks_before_start_see_the_engines_model(tmp_path):
     """`tawpipe train` checks a resume against the model's shapes on the meta device, before any
     rank starts: they must be the signature the engine's checkpoints carry."""
-    from tawpipe import models, train
+    from tawpipe import models
 
     _, path = saved(tmp_path, "qwen2")
     blocks, embed, head, vocab = models.meta_model(str(path))
     engine = TawPipe(**hf.from_pretrained(path).engine_args(), topology=Topology(1, 1), micro_batches=1,
                      comm=NoComm(1))
-    assert train._signature(blocks, embed, head) == engine.model_signature() and vocab == VOCAB
+    assert parts_signature(blocks, embed, head) == engine.model_signature() and vocab == VOCAB
     engine.close()
 
 

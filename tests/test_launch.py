@@ -16,10 +16,10 @@ import pytest
 import torch.distributed as dist
 
 from launch_cases import ends_at_start, freezes, long_job, raises, train_then
-from tawpipe import progress
-from tawpipe.checkpoint import PeerCheckpointError
-from tawpipe.comm.base import CommTimeout
-from tawpipe.launch import JobFailed, _failure, run_local
+from tawpipe.runtime import progress
+from tawpipe.io.checkpoint import PeerCheckpointError
+from tawpipe.runtime.comm.base import CommTimeout
+from tawpipe.runtime.launch import JobFailed, _failure, run_local
 
 TESTS = Path(__file__).resolve().parent
 

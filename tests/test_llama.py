@@ -261,8 +261,8 @@ def test_config_sizes_and_validation():
 def test_each_rank_materialises_its_chunk_as_the_whole_model_has_it(nodes, per_node, layers):
     """Meta blocks + materialize, rank by rank, give exactly the whole model's blocks (any topology,
     uneven chunks too), and the replicated modules are the whole model's."""
-    from tawpipe.schedule import build_plan
-    from tawpipe.topology import Topology
+    from tawpipe.plan.schedule import build_plan
+    from tawpipe.plan.topology import Topology
 
     seed = int(torch.randint(0, 2**31, ()))
     cfg = LlamaConfig.preset("micro", n_layers=layers, tie_embeddings=layers % 2 == 0)

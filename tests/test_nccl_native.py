@@ -1,4 +1,4 @@
-"""The native NCCL backend (tawpipe._nccl, tawpipe.comm.nccl_native).
+"""The native NCCL backend (tawpipe._nccl, tawpipe.runtime.comm.nccl_native).
 
 Without a GPU: the sources compile against nccl.h (CI fetches the header), the extension builds
 and links against the nvidia-nccl wheel when it is installed, its error paths name the op and
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tawpipe.launch import run_local
+from tawpipe.runtime.launch import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 NVCC = shutil.which("nvcc")
@@ -90,10 +90,10 @@ def test_nccl_sources_compile(request: pytest.FixtureRequest) -> None:
 
 @pytest.mark.skipif(_has_native(), reason="tawpipe._nccl is built here")
 def test_import_without_extension_fails_clearly() -> None:
-    done = subprocess.run([sys.executable, "-c", "import tawpipe.comm.nccl_native"], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", "import tawpipe.runtime.comm.nccl_native"], capture_output=True,
                           text=True, cwd=ROOT)
     assert done.returncode != 0
-    assert "ImportError: tawpipe.comm.nccl_native needs the tawpipe._nccl extension" in done.stderr
+    assert "ImportError: tawpipe.runtime.comm.nccl_native needs the tawpipe._nccl extension" in done.stderr
     assert "pip install --no-build-isolation -e ." in done.stderr
 
 
@@ -116,13 +116,13 @@ def native_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def load_native(path: str):
-    """Make the built module tawpipe._nccl in this process and return tawpipe.comm.nccl_native."""
+    """Make the built module tawpipe._nccl in this process and return tawpipe.runtime.comm.nccl_native."""
     if not _has_native():
         spec = importlib.util.spec_from_file_location("tawpipe._nccl", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules["tawpipe._nccl"] = module
-    return importlib.import_module("tawpipe.comm.nccl_native")
+    return importlib.import_module("tawpipe.runtime.comm.nccl_native")
 
 
 def _in_subprocess(module: Path, code: str) -> str:
@@ -163,7 +163,7 @@ def _size_check_rank(rank: int, module: str) -> dict:
     import torch.distributed as dist
 
     nn = load_native(module)
-    from tawpipe.comm import P2P
+    from tawpipe.runtime.comm import P2P
 
     world = dist.new_group(backend="gloo")
     spare = dist.new_group(backend="gloo")  # a timed-out exchange leaves its gloo group unusable
@@ -219,9 +219,9 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _has_native()),
 
 
 def _single_rank_ops(rank: int) -> dict:
-    from tawpipe.comm import P2P, CommTimeout
-    from tawpipe.comm import nccl_native as nn
-    from tawpipe.topology import Topology
+    from tawpipe.runtime.comm import P2P, CommTimeout
+    from tawpipe.runtime.comm import nccl_native as nn
+    from tawpipe.plan.topology import Topology
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -301,9 +301,9 @@ def _engine_exactness(rank: int) -> float:
     import copy
 
     from engine_cases import MB_ROWS, Head, MLPBlock, global_batch, lm_loss, adamw
-    from tawpipe.comm.nccl_native import NcclComm
-    from tawpipe.engine import TawPipe
-    from tawpipe.topology import Topology
+    from tawpipe.runtime.comm.nccl_native import NcclComm
+    from tawpipe.engine.engine import TawPipe
+    from tawpipe.plan.topology import Topology
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)

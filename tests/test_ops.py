@@ -49,12 +49,12 @@ def native_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def fake_triton(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
-    """Replace tawpipe.triton_ops with a recorder of (function name, args)."""
+    """Replace tawpipe.ops.triton with a recorder of (function name, args)."""
     calls: list[tuple] = []
-    module = types.ModuleType("tawpipe.triton_ops")
+    module = types.ModuleType("tawpipe.ops.triton")
     for name in OPS:
         setattr(module, name, lambda *args, _name=name: calls.append((_name, args)))
-    monkeypatch.setitem(sys.modules, "tawpipe.triton_ops", module)
+    monkeypatch.setitem(sys.modules, "tawpipe.ops.triton", module)
     return calls
 
 
@@ -699,7 +699,7 @@ def test_native_matches_triton_backend(op: str) -> None:
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton on CPU tensors needs TRITON_INTERPRET=1 before triton is imported")
     pytest.importorskip("triton")
-    pytest.importorskip("tawpipe.triton_ops")
+    pytest.importorskip("tawpipe.ops.triton")
     gen = torch.Generator().manual_seed(21)
     list_dtypes = [DTYPES[i] for i in torch.randint(0, 3, (40,), generator=gen).tolist()]
     tensors, flat, offsets = make_case(op, list_dtypes, torch.bfloat16, device, gen)

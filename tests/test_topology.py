@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tawpipe.topology import Topology
+from tawpipe.plan.topology import Topology
 
 
 def test_rank_arithmetic_and_rails():

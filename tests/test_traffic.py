@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tawpipe.plan import Op
-from tawpipe.schedule import build_plan
-from tawpipe.topology import Topology
-from tawpipe.traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
+from tawpipe.plan.actions import Op
+from tawpipe.plan.schedule import build_plan
+from tawpipe.plan.topology import Topology
+from tawpipe.cost.traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
 
 
 MODEL = ("weights", "grads", "replicated")  # the model's traffic; "stats" is 16 bytes whatever the units

@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tawpipe import checkpoint, cli, models, train
-from tawpipe.data import batch, load_tokens
-from tawpipe.engine import TawPipe, default_optimizer
-from tawpipe.metrics import MetricsWriter, _flatten, check_tensorboard
+from tawpipe.io import checkpoint
+from tawpipe import cli, models
+from tawpipe.train import job
+from tawpipe.train.data import batch, load_tokens
+from tawpipe.engine.engine import TawPipe, default_optimizer
+from tawpipe.train.metrics import MetricsWriter, _flatten, check_tensorboard
 from tawpipe.models.llama import Llama, LlamaConfig, block_forward, llama_loss
-from tawpipe.topology import Topology
+from tawpipe.plan.topology import Topology
 from test_engine_errors import NoComm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +42,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """6 steps straight, checkpointing at 3 and 6; then 3 + resume from step 3 + 3."""
     tmp = tmp_path_factory.mktemp("cli")
     data = tmp / "data.txt"
-    data.write_bytes((ROOT / "tawpipe" / "plan.py").read_bytes())  # any text: bytes are the tokens
+    data.write_bytes((ROOT / "tawpipe" / "plan" / "plan.py").read_bytes())  # any text: bytes are the tokens
     straight = _tawpipe("train", *SMALL, "--data", str(data), "--save", str(tmp / "straight"), "--save-every", "3")
     assert straight.returncode == 0, straight.stderr
     resumed = _tawpipe("train", *SMALL, "--data", str(data), "--save", str(tmp / "resumed"),
@@ -110,8 +112,8 @@ def _no_workers(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a worker was started")
 
-    monkeypatch.setattr(train, "run_local", refuse)
-    monkeypatch.setattr(train, "init_distributed", refuse)
+    monkeypatch.setattr(job, "run_local", refuse)
+    monkeypatch.setattr(job, "init_distributed", refuse)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -158,7 +160,7 @@ def test_a_bad_argument_is_one_line_on_stderr() -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tawpipe train")
-    train.add_arguments(p)
+    job.add_arguments(p)
     return p
 
 

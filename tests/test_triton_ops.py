@@ -1,4 +1,4 @@
-"""tawpipe.triton_ops against a plain-torch reference, called directly (no C++ build needed).
+"""tawpipe.ops.triton against a plain-torch reference, called directly (no C++ build needed).
 
 Without a GPU the kernels run under the triton interpreter on CPU tensors; triton picks the
 interpreter from TRITON_INTERPRET, which must be set before triton is imported, hence here at the
@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from tawpipe import triton_ops  # noqa: E402
+from tawpipe.ops import triton as triton_ops
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -318,7 +318,7 @@ def test_without_triton_empty_is_noop_and_use_names_the_package() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from tawpipe import triton_ops as T\n"
+        "from tawpipe.ops import triton as T\n"
         "T.pack([], torch.empty(0), [])\n"
         "T.unpack(torch.ones(2), [torch.empty(0)], [1])\n"
         "try:\n"

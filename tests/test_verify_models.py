@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tawpipe.plan import Op, Plan, PlanError
-from tawpipe.schedule import build_plan
-from tawpipe.topology import Topology
-from tawpipe.verify import Verifier
+from tawpipe.plan.actions import Op, PlanError
+from tawpipe.plan.plan import Plan
+from tawpipe.plan.schedule import build_plan
+from tawpipe.plan.topology import Topology
+from tawpipe.plan.verify import Verifier
 
 
 def _live(plan: Plan, model: str) -> bool:

@@ -82,7 +82,7 @@ std::shared_ptr<const BoundTable> lookup(const char* op, int64_t handle, bool re
   return table;
 }
 
-// Modes of _run_bound; tawpipe/ops.py (_BOUND_MODES) mirrors them.
+// Modes of _run_bound; tawpipe/ops/__init__.py (_BOUND_MODES) mirrors them.
 enum Mode : int64_t { kPack = 0, kUnpack = 1, kPackAccumulate = 2, kUnpackAccumulate = 3 };
 
 int64_t bind(at::TensorList tensors, const at::Tensor& flat, at::IntArrayRef offsets) {

@@ -124,7 +124,7 @@ void inplace_or_view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet k
   }
 }
 
-// Everything an op does except moving data, for the Triton backend (tawpipe/ops.py), whose
+// Everything an op does except moving data, for the Triton backend (tawpipe/ops/__init__.py), whose
 // kernels then move it: torch's in-place rules, the validation, the version bumps and history.
 void prepare(c10::string_view op_view, at::TensorList tensors, const at::Tensor& flat,
              at::IntArrayRef offsets, bool flat_is_dst) {

@@ -1,14 +1,12 @@
-"""`tawpipe bench WHAT`: measurements that back the library's claims, one module per measurement.
+"""`tawpipe bench WHAT`: the measurements behind tawpipe's claims, one per WHAT.
 
-Each module in ``_BENCHES`` defines ``add_arguments(parser)`` and ``main(args) -> int`` and is
-imported only when its measurement runs (so a bench that needs an optional dependency, or a GPU,
-costs nothing to the others).
+Results go to ``--out DIR`` (default: ``tawpipe-results/`` in the current directory); the
+committed results in ``benchmarks/results/`` are rewritten only when ``--out`` names them.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import platform
 import subprocess
@@ -17,8 +15,14 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from ..commands import delegate
+from ..version import __version__
 
+DEFAULT_OUT = "tawpipe-results"  # every `tawpipe bench WHAT` writes here unless --out says otherwise
+
+# Each module defines add_arguments(parser) and main(args) -> int, and is imported only when its
+# measurement runs (tawpipe.commands): a bench that needs an optional dependency, or a GPU, costs
+# nothing to the others.
 _BENCHES = {
     "overlap": ("tawpipe.bench.overlap", "overlapped vs serial communication under an injected delay"),
     "cluster": ("tawpipe.bench.cluster", "tawpipe vs its peers on an emulated multi-node cluster"),
@@ -54,24 +58,4 @@ def checkout(package: Path) -> dict[str, Any]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")
     for name, (module, help) in _BENCHES.items():
-        q = sub.add_parser(name, help=help, description=help)
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            q.set_defaults(bench_main=_missing(name, module))
-            continue
-        mod.add_arguments(q)
-        q.set_defaults(bench_main=mod.main)
-
-
-def _missing(name: str, module: str):
-    def main(_args: argparse.Namespace) -> int:
-        raise SystemExit(f"tawpipe bench {name}: not available in this installation ({module} is missing)")
-
-    return main
-
-
-def main(args: argparse.Namespace) -> int:
-    return int(args.bench_main(args) or 0)
+        delegate(sub, "tawpipe bench", name, module, help)

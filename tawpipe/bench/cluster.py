@@ -12,6 +12,9 @@ measured on the veth links against the prediction (the engine's own plan for Taw
 closed forms for the peers), the network floor (busiest link direction / rate), persistent and
 peak memory per rank, and an exactness check in round 0: losses of the first two steps and the
 first update of every parameter against single-process training on the global batch.
+
+Results go into ``--out`` (default ``tawpipe-results/`` in the current directory; the committed
+results are rewritten only with ``--out benchmarks/results/cluster``).
 """
 
 from __future__ import annotations
@@ -29,16 +32,14 @@ from typing import Any
 
 import torch
 
-from . import provenance
-from .. import baselines
-from ..baselines import RunConfig
-from ..cli import prefetch_depth_arg
 from ..cluster import Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, unavailable_reason
-from ..engine import TawPipe
+from ..cost.traffic import ModelDims, estimate, plan_traffic
+from ..engine.engine import TawPipe
 from ..models.llama import block_forward, llama_loss
-from ..schedule import RESIDENT
-from ..topology import Topology
-from ..traffic import ModelDims, estimate, plan_traffic
+from ..plan.schedule import RESIDENT, prefetch_depth_arg
+from ..plan.topology import Topology
+from . import DEFAULT_OUT, baselines, provenance
+from .baselines import RunConfig
 
 LOSS_TOL = 1e-5  # relative, fp32: the first two losses
 UPDATE_TOL = 1e-4  # relative norm of the first update; Adam's first step is ~lr·sign(g), so a
@@ -49,7 +50,7 @@ UPDATE_TOL = 1e-4  # relative norm of the first update; Adam's first step is ~lr
 class Method:
     name: str
     label: str
-    engine_options: dict[str, Any] | None = None  # None: a peer from tawpipe.baselines
+    engine_options: dict[str, Any] | None = None  # None: a peer from tawpipe.bench.baselines
     unlimited: bool = False  # run with the links' rate limit lifted: the method's compute-only time
 
 
@@ -88,7 +89,7 @@ def build_engine(model: Any, cfg: RunConfig, topology: Topology, device: torch.d
 
 
 def engine_rank(rank: int, cfg: RunConfig, options: dict[str, Any]) -> dict[str, Any]:
-    """A TawPipe/WeiPipe engine in the harness of tawpipe.baselines, plus its plan's bytes."""
+    """A TawPipe/WeiPipe engine in the harness of tawpipe.bench.baselines, plus its plan's bytes."""
     device = torch.device("cpu")
     model = baselines.build_model(cfg)
     engine = build_engine(model, cfg, Topology.from_env(), device, **options)
@@ -115,7 +116,7 @@ def _dims(cfg: RunConfig) -> ModelDims:
 def predicted_busiest(method: str, cfg: RunConfig) -> float:
     """Closed-form inter-node bytes per iteration leaving the busiest node, for gloo.
 
-    ddp, hsdp, 1f1b, weipipe and tawpipe are ``tawpipe.traffic.estimate``. The FSDP2 variants
+    ddp, hsdp, 1f1b, weipipe and tawpipe are ``tawpipe.cost.traffic.estimate``. The FSDP2 variants
     are written here: ``estimate('fsdp')`` assumes a ring reduce-scatter per micro-batch, but
     gloo's reduce-scatter is an all-reduce plus a slice (twice the bytes), the default variant
     reduce-scatters once per step, and FSDP2 does not reshard the root (embedding and head)
@@ -209,7 +210,7 @@ def summarize(cfg: RunConfig, m: Method, runs: list[list[dict]], check: dict | N
         row["status"] = "failed (see the JSON)"
     if m.engine_options is None:
         row["predicted_busiest_bytes"] = predicted_busiest(m.name, cfg)
-        row["prediction"] = "closed form (tawpipe.traffic.estimate" + (
+        row["prediction"] = "closed form (tawpipe.cost.traffic.estimate" + (
             ", FSDP2-on-gloo variant in tawpipe.bench.cluster)" if m.name.startswith("fsdp") else ")")
     if not runs:
         return row
@@ -225,7 +226,7 @@ def summarize(cfg: RunConfig, m: Method, runs: list[list[dict]], check: dict | N
     if plan is not None:
         row["predicted_busiest_bytes"] = max(max(plan["sent"]), max(plan["received"]))
         row["predicted_total_bytes"] = sum(plan["sent"])
-        row["prediction"] = "the engine's plan (tawpipe.traffic.plan_traffic)"
+        row["prediction"] = "the engine's plan (tawpipe.cost.traffic.plan_traffic)"
     row.update(
         status="ok", samples=len(times), time_median_s=statistics.median(times), time_min_s=min(times),
         time_max_s=max(times), time_q1_s=q[0], time_q3_s=q[2],
@@ -423,8 +424,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tawpipe and WeiPipe: keep activations like the peers (none), or recompute each "
                         "chunk in its backward as the paper does (chunk)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one method run may take")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results", "cluster"),
-                   help="directory for cluster.json, cluster.md and the PNG plots")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"directory for cluster.json, cluster.md and the PNG plots (default: {DEFAULT_OUT}/ in the "
+                        "current directory; the committed results: --out benchmarks/results/cluster)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -488,7 +490,7 @@ def _notes(result: dict[str, Any]) -> list[str]:
     notes = [
         "Bytes are the veth counters of each node's link (payload plus TCP/IP headers, read around the timed "
         "steps); 'busiest node' is the larger direction of the busiest link, which sets the network floor.",
-        "Predictions: the engine's own plan for tawpipe/WeiPipe; tawpipe.traffic.estimate for DDP, HSDP, 1F1B; "
+        "Predictions: the engine's own plan for tawpipe/WeiPipe; tawpipe.cost.traffic.estimate for DDP, HSDP, 1F1B; "
         "FSDP2 with gloo's reduce-scatter counted as the all-reduce it is, and the root (embedding, head) "
         "gathered once per micro-batch.",
         "Same update: losses of the first two steps (rel. tol. 1e-5) and the first update of every parameter "

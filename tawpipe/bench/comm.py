@@ -4,7 +4,7 @@ For each operation, placement and size: time per operation, algbw and busbw with
 definitions (printed with the table), and, with ``-c 1``, the number of wrong elements against
 expected values computed independently on every rank (``#wrong``).
 
-Placements follow the topology (``tawpipe.topology.Topology``): *intra* runs every operation
+Placements follow the topology (``tawpipe.plan.topology.Topology``): *intra* runs every operation
 inside each node's group (n = ranks per node), *inter* on each rail across nodes (n = nodes),
 all groups or rails at once. TawPipe's composites use both: *chunk_fetch* (a chunk's owner sends
 it by rail P2P to its rail peer in the next node, full duplex around the ring of nodes, then the
@@ -14,7 +14,9 @@ rank, which sends it by rail P2P to the owner in the next node).
 Ranks: spawned locally (``--nodes``/``--per-node``, the default), or under torchrun or
 ``tawpipe cluster`` (read from the environment: RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ...).
 Backends: gloo and NCCL through torch.distributed, and tawpipe's native NCCL backend. Every wait
-has a timeout (``-T``). Rank 0 prints the table and writes JSON and a PNG plot.
+has a timeout (``-T``). Rank 0 prints the table and writes JSON and a PNG plot into ``--out``
+(default ``tawpipe-results/`` in the current directory; the committed results are rewritten only
+with ``--out benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -34,16 +36,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import provenance
-from ..comm.base import CommTimeout
-from ..launch import default_timeout, init_distributed, run_local
-from ..topology import Topology
+from ..ops import DTYPES
+from ..plan.topology import Topology
+from ..runtime.comm.base import CommTimeout
+from ..runtime.launch import default_timeout, init_distributed, run_local
+from . import DEFAULT_OUT, provenance
 
 PRIMITIVES = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "sendrecv")
 COMPOSITES = ("chunk_fetch", "grad_route")
 OPS = PRIMITIVES + COMPOSITES
 BACKENDS = ("gloo", "nccl", "nccl-native")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # busbw = algbw x factor(n) (nccl-tests, doc/PERFORMANCE.md)
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "broadcast": lambda n: 1.0,
@@ -90,7 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default=None, help="default: nccl with CUDA, else gloo")
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes when spawning locally")
     p.add_argument("--per-node", type=int, default=2, help="ranks per node when spawning locally")
-    p.add_argument("--json", default=None, help="output JSON (default benchmarks/results/comm_<backend>_<G>x<s>.json)")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"directory for comm_<backend>_<G>x<s>.json and .png (default: {DEFAULT_OUT}/ in the current "
+                        "directory; the committed results: --out benchmarks/results)")
+    p.add_argument("--json", default=None, help="output JSON file instead of the one in --out")
     p.add_argument("--plot", default=None, help="output PNG (default: next to the JSON; '' for none)")
 
 
@@ -168,7 +173,7 @@ class _NativeBackend:
     queued (Batch.run(wait=False)); synchronize() bounds them with the timeout."""
 
     def __init__(self, topo: Topology, rank: int, device: torch.device, timeout: float) -> None:
-        from ..comm import nccl_native as nn  # ImportError with the fix where it is not built
+        from ..runtime.comm import nccl_native as nn
 
         self.nn, self.timeout = nn, timeout
         self.world_comm = nn.Communicator.from_process_group(device=device.index, timeout=timeout)
@@ -463,7 +468,7 @@ def _bench_rank(rank: int, a: dict, topo: Topology, local_rank: int) -> dict | N
         "dtype": a["datatype"], "definitions": DEFINITIONS, "hosts": hosts,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
         **provenance(),
-        "config": {k: v for k, v in a.items() if k not in ("json", "plot")},
+        "config": {k: v for k, v in a.items() if k not in ("json", "plot", "out")},
         "rows": [asdict(r) for r in rows], "wrong": wrong,
     }
     if backend == "nccl-native":
@@ -525,7 +530,7 @@ def _validated(args: argparse.Namespace) -> dict:
         raise SystemExit(f"tawpipe bench comm: backend {a['backend']} needs CUDA; use --backend gloo on the CPU")
     if a["backend"] == "nccl-native":
         try:
-            import tawpipe.comm.nccl_native  # noqa: F401
+            import tawpipe.runtime.comm.nccl_native
         except ImportError as e:
             raise SystemExit(f"tawpipe bench comm: {e}") from None
     return a
@@ -547,7 +552,7 @@ def main(args: argparse.Namespace) -> int:
     if result is None:
         return 0
     topo_name = f"{result['nodes']}x{result['per_node']}"
-    path = a["json"] or os.path.join("benchmarks", "results", f"comm_{a['backend']}_{topo_name}.json")
+    path = a["json"] or os.path.join(a["out"], f"comm_{a['backend']}_{topo_name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

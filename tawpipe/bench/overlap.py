@@ -1,7 +1,9 @@
 """`tawpipe bench overlap`: step time with communication overlapped against the same job with every transfer
 waited for at once. A delay is injected into every communication operation (DelayComm), sized so
 that a rank's communication takes about as long as its compute; the ratio is measured in one run
-on one machine, with the same processes, model and data.
+on one machine, with the same processes, model and data. The JSON goes into ``--out`` (default
+``tawpipe-results/`` in the current directory; the committed results are rewritten only with
+``--out benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -15,16 +17,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import provenance
-from ..comm import DelayComm
-from ..comm.torch_dist import TorchDistComm
-from ..data import batch as draw_batch
-from ..data import load_tokens
-from ..engine import TawPipe
-from ..launch import run_local
+from ..engine.engine import TawPipe
 from ..models.llama import Llama, LlamaConfig, block_forward, llama_loss
-from ..plan import OPS
-from ..topology import Topology
+from ..plan.actions import OPS
+from ..plan.topology import Topology
+from ..runtime.comm import DelayComm
+from ..runtime.comm.torch_dist import TorchDistComm
+from ..runtime.launch import run_local
+from ..train.data import batch as draw_batch
+from ..train.data import load_tokens
+from . import DEFAULT_OUT, provenance
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant (after one warm-up)")
     p.add_argument("--comm-ratio", type=float, default=1.0, help="injected comm time / compute time")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results", "overlap_cpu.json"))
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"directory for overlap_cpu.json (default: {DEFAULT_OUT}/ in the current directory; the "
+                        "committed results: --out benchmarks/results); a path ending in .json names the file, "
+                        "'' writes none")
 
 
 def _engine(model: Llama, topo: Topology, acc: int, comm, overlap: bool) -> TawPipe:
@@ -73,7 +78,7 @@ def _overlap_rank(rank: int, a: dict) -> dict:
     # Calibrate: compute-bound step time without any injected delay.
     base = _engine(model, topo, acc, TorchDistComm(topo, 120), overlap=True)
     t_compute = statistics.median(_time_steps(base, batches, a["steps"]))
-    n_ops = sum(1 for x in base.plan.actions[rank] if OPS[x.op].is_comm and OPS[x.op].channel != "replicated")
+    n_ops = sum(1 for x in base.plan.actions[rank] if OPS[x.op].is_comm and not OPS[x.op].always_overlaps)
     base.close()
     stats = torch.tensor([t_compute, float(n_ops)], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
@@ -109,8 +114,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'delay, overlapped':<28}{res['step_s_overlap']:>36.3f}")
     print(f"ratio overlapped / serial = {res['ratio']:.3f}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+        path = args.out if args.out.endswith(".json") else os.path.join(args.out, "overlap_cpu.json")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(res, f, indent=2)
-        print(f"wrote {args.out}")
+        print(f"wrote {path}")
     return 0

@@ -1,4 +1,4 @@
-"""`tawpipe bench prefetch`: the host offload's streaming (tawpipe.offload.HostOffload).
+"""`tawpipe bench prefetch`: the host offload's streaming (tawpipe.engine.offload.HostOffload).
 
 Bandwidth: loading a float32 master from pinned host memory into a compute-dtype device buffer
 (copy + cast, piece by piece through two staging buffers), against one plain pinned copy of the
@@ -6,6 +6,9 @@ same float32 bytes, which is the limit; and accumulating a device gradient into 
 accumulator, against one plain device-to-host copy. Overlap: the load on its own stream while a
 matmul loop runs on the compute stream, t(both) / max(t_load, t_matmul), 1.0 being perfect.
 Targets on a GPU: load >= 90% of the pinned copy, overlap <= 1.1.
+
+The JSON goes into ``--out`` (default ``tawpipe-results/`` in the current directory; the committed
+results are rewritten only with ``--out benchmarks/results``).
 
 On the CPU the same code runs through the host prefetcher (plain copies) and the "concurrent"
 matmul is another thread on the same cores and memory: those numbers mean little.
@@ -23,9 +26,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import provenance
-from ..offload import DEFAULT_PIECE_NUMEL, HostOffload
+from ..engine.offload import DEFAULT_PIECE_NUMEL, HostOffload
 from ..ops import ShardLayout
+from . import DEFAULT_OUT, provenance
 
 TARGET_BANDWIDTH = 0.9
 TARGET_OVERLAP = 1.1
@@ -39,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pieces", default=f"{1 << 20},{DEFAULT_PIECE_NUMEL},{1 << 24}",
                    help="piece sizes (elements) to measure; the overlap uses the default piece size")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/prefetch_<device>.json)")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"directory for prefetch_<device>.json (default: {DEFAULT_OUT}/ in the current directory; "
+                        "the committed results: --out benchmarks/results); a path ending in .json names the file")
 
 
 def _sync(device: torch.device) -> None:
@@ -169,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
               f"{'met' if res['targets']['met'] else 'NOT met'}")
     if "note" in res:
         print(f"  note: {res['note']}")
-    out = args.out or os.path.join("benchmarks", "results", f"prefetch_{device.type}.json")
+    out = args.out if args.out.endswith(".json") else os.path.join(args.out, f"prefetch_{device.type}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)

@@ -28,8 +28,8 @@ Three ways in. Each materialises, on a rank, only the replicated modules and (th
   model, whatever the topology; :func:`initialize` gives a whole model that same initialisation;
 * :func:`from_model`: a model the caller built, on the meta device or real.
 
-``ModelParts.export`` writes the trained model back as a ``save_pretrained`` directory, each rank
-its own chunk (``tawpipe.safetensors_io``).
+``ModelParts.checkpoint_name`` and ``save_config`` let ``tawpipe.io.safetensors.export`` write
+the trained model back as a ``save_pretrained`` directory, each rank its own chunk.
 """
 
 from __future__ import annotations
@@ -43,17 +43,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from ..safetensors_io import SafetensorsCheckpoint, has_safetensors, save_sharded
 from .llama import llama_loss
-from .parts import ModelParts
+from .parts import PART_NAMES, ModelParts
 from .seeding import draw_seed, layer_part, seeded
+from .weights import SafetensorsCheckpoint, has_safetensors
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
-
-    from ..engine import TawPipe
-
-ENGINE_NAMES = ("embed", "blocks", "head")  # TawPipe's default ``names``
 
 
 class Head(nn.Module):
@@ -218,10 +214,10 @@ def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
         stand_in = torch.zeros((), dtype=compute_dtype, device=device).expand(b, t, model.config.hidden_size)
         return adapter.context(model, stand_in, torch.arange(t, device=device).unsqueeze(0))
 
-    def export(engine: TawPipe, directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> None:
+    def save_config(directory: Path, dtype: torch.dtype) -> None:
         config = copy.deepcopy(model.config)
         config.dtype = dtype
-        save_sharded(engine, directory, names.checkpoint_name, dtype=dtype, write_extra=config.save_pretrained)
+        config.save_pretrained(directory)
 
     source = f"weights from {checkpoint.path}" if checkpoint is not None else f"random init, seed {seed}"
     return ModelParts(
@@ -230,7 +226,7 @@ def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
         materialize=materialize if any(p.is_meta for b in blocks for p in b.parameters()) else None,
         vocab_size=model.config.vocab_size,
         description=f"{type(model).__name__} ({model.config.model_type}, {len(blocks)} layers, {source})",
-        config=model.config.to_dict(), export=export,
+        config=model.config.to_dict(), checkpoint_name=names.checkpoint_name, save_config=save_config,
     )
 
 
@@ -262,14 +258,15 @@ class _NameMap:
             by_id.setdefault(id(p), []).append(name)
             self.shapes[id(p)] = p.shape
         self.by_id = by_id
-        self.replicated = {f"{prefix}.{n}": by_id[id(p)] for prefix, m in ((ENGINE_NAMES[0], embed), (ENGINE_NAMES[2], head))
+        parts = ((PART_NAMES[0], embed), (PART_NAMES[2], head))
+        self.replicated = {f"{prefix}.{n}": by_id[id(p)] for prefix, m in parts
                            for n, p in m.named_parameters(remove_duplicate=False)}
         self.layers = adapter.layers
 
     def checkpoint_name(self, engine_name: str) -> str:
         """The name ``save_pretrained`` gives the parameter the engine calls ``engine_name``."""
-        if engine_name.startswith(ENGINE_NAMES[1] + "."):
-            return self.layers + engine_name[len(ENGINE_NAMES[1]):]
+        if engine_name.startswith(PART_NAMES[1] + "."):
+            return self.layers + engine_name[len(PART_NAMES[1]):]
         return self.replicated[engine_name][0]
 
     def check(self, checkpoint: SafetensorsCheckpoint) -> None:
@@ -351,6 +348,6 @@ def _materialize_parts(model: PreTrainedModel, adapter: Adapter, modules: list[n
         with seeded(seed, part):
             _init_module(model, model.get_submodule(part), done)
     if checkpoint is not None:
-        for prefix, m in ((ENGINE_NAMES[0], modules[0]), (ENGINE_NAMES[2], modules[1])):
+        for prefix, m in ((PART_NAMES[0], modules[0]), (PART_NAMES[2], modules[1])):
             _load(m, checkpoint, {n: names.replicated[f"{prefix}.{n}"]
                                   for n, _ in m.named_parameters(remove_duplicate=False)})

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..safetensors_io import save_sharded
 from .parts import ModelParts
 from .seeding import draw_seed, generator, layer_part
 
@@ -298,8 +297,8 @@ def llama_parts(cfg: LlamaConfig, *, seed: int | None = None, device: torch.devi
         description=(f"built-in LLaMA ({cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} heads / "
                      f"{cfg.n_kv_heads} KV, vocabulary {cfg.vocab_size}, seed {model.seed})"),
         config=dataclasses.asdict(cfg),
-        export=lambda engine, directory, dtype: save_sharded(
-            engine, directory, hf_name, dtype=dtype, write_extra=hf_config(cfg, dtype).save_pretrained),
+        checkpoint_name=hf_name,
+        save_config=lambda directory, dtype: hf_config(cfg, dtype).save_pretrained(directory),
     )
 
 

@@ -3,24 +3,69 @@
 The built-in LLaMA (``tawpipe.models.llama``) and Hugging Face models (``tawpipe.models.hf``) both
 produce a :class:`ModelParts`, so the training tool, the examples and the tests build an engine
 the same way: ``TawPipe(**parts.engine_args(), topology=..., micro_batches=...)``.
+
+The contract's vocabulary lives here, once: the names of the three parts, the name of a block's
+parameter in the whole model, and the signature that makes two models interchangeable. Models
+know nothing of distribution; the engine and the checkpoints use these.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ..storage import Materialize, unique_params
+PART_NAMES = ("embed", "blocks", "head")  # the engine's default names of the three parts
 
-if TYPE_CHECKING:
-    from ..engine import TawPipe
+# Returns block number i (a global layer index) with its initial weights, for blocks built on the
+# meta device: each rank materialises only its own chunk.
+Materialize = Callable[[nn.Module, int], nn.Module]
 
-Export = Callable[["TawPipe", "str | os.PathLike[str]", torch.dtype], None]
+Signature = list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
+def unique_params(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
+    """(prefixed name, parameter) of ``modules``, each shared parameter once (tied weights)."""
+    seen: set[int] = set()
+    out = []
+    for prefix, m in modules:
+        for name, p in m.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((f"{prefix}.{name}", p))
+    return out
+
+
+def block_param_name(prefix: str, first_layer: int, name_in_chunk: str) -> str:
+    """The model's name of a parameter that a stack of blocks starting at ``first_layer`` calls
+    ``name_in_chunk`` (``"{i}.{rest}"``): ``"{prefix}.{first_layer + i}.{rest}"``."""
+    idx, rest = name_in_chunk.split(".", 1)
+    return f"{prefix}.{first_layer + int(idx)}.{rest}"
+
+
+def param_signature(named: Iterable[tuple[str, torch.Tensor]]) -> Signature:
+    """(name, shape, dtype) of every parameter: what must match for weights to be exchangeable."""
+    return [(n, tuple(p.shape), p.dtype) for n, p in named]
+
+
+def model_signature(num_layers: int, names: tuple[str, str, str], block: Signature,
+                    replicated: Signature) -> dict[str, Any]:
+    """What makes two models interchangeable, as JSON data: the layer count, one block's parameters
+    and the replicated ones (name, shape, dtype), and the names of the three parts."""
+    rows = lambda params: [[n, list(shape), str(dtype)] for n, shape, dtype in params]  # noqa: E731
+    return {"num_layers": num_layers, "names": list(names), "block": rows(block), "replicated": rows(replicated)}
+
+
+def parts_signature(blocks: Sequence[nn.Module], embed: nn.Module, head: nn.Module) -> dict[str, Any]:
+    """The signature an engine built from these parts has (``TawPipe.model_signature``), read from
+    the parts alone: blocks on the meta device are fine."""
+    replicated = unique_params([(PART_NAMES[0], embed), (PART_NAMES[2], head)])
+    return model_signature(len(blocks), PART_NAMES, param_signature(blocks[0].named_parameters()),
+                           param_signature(replicated))
 
 
 @dataclass
@@ -28,9 +73,10 @@ class ModelParts:
     """Blocks (possibly on the meta device, with ``materialize`` for the own chunk), replicated
     ``embed`` and ``head`` (real, float32, on the engine's device), and the hooks the engine calls.
 
-    ``export(engine, directory, dtype)`` writes the trained model as a Hugging Face
-    ``save_pretrained`` directory, each rank its own chunk (None where the model has no such
-    format). ``config`` is the model's configuration as plain data (recorded in checkpoints).
+    ``checkpoint_name`` maps the engine's parameter names to the ones of a Hugging Face
+    ``save_pretrained`` directory and ``save_config(directory)`` writes its config, for
+    ``tawpipe.io.safetensors.export`` (both None where the model has no such format).
+    ``config`` is the model's configuration as plain data (recorded in checkpoints).
     """
 
     blocks: Sequence[nn.Module]
@@ -43,7 +89,8 @@ class ModelParts:
     vocab_size: int
     description: str
     config: dict[str, Any] = field(default_factory=dict)
-    export: Export | None = None
+    checkpoint_name: Callable[[str], str] | None = None
+    save_config: Callable[[Path], None] | None = None
 
     def engine_args(self) -> dict[str, Any]:
         """The model arguments of ``TawPipe``."""
@@ -59,4 +106,4 @@ class ModelParts:
     @property
     def replicated_params(self) -> int:
         """Distinct parameters of ``embed`` and ``head`` (a tied embedding counts once)."""
-        return sum(p.numel() for _, p in unique_params([("embed", self.embed), ("head", self.head)]))
+        return sum(p.numel() for _, p in unique_params([(PART_NAMES[0], self.embed), (PART_NAMES[2], self.head)]))

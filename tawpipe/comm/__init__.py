@@ -1,6 +1,0 @@
-"""Communication backends behind one interface (see base.Comm)."""
-
-from .base import P2P, Channel, Comm, CommTimeout, Handle
-from .instrument import CommRecord, DelayComm, RecordingComm
-
-__all__ = ["P2P", "Channel", "Comm", "CommRecord", "CommTimeout", "DelayComm", "Handle", "RecordingComm"]

@@ -1,0 +1,71 @@
+"""What an iteration costs a rank in memory, and which k (micro-batches per fetch) and prefetch
+depth fit a budget.
+
+Bytes on the wire are ``tawpipe.cost.traffic``'s; this module adds the other side of the trade-off of
+design §7.3: running a resident chunk for k micro-batches cuts weight and gradient traffic by k
+and keeps k times as many chunk-boundary activations alive; a deeper prefetch keeps more chunks
+resident (fewer bytes again) in more staging buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan.actions import GRAD_OPS, WEIGHT_OPS, Op
+from ..plan.plan import Plan
+from .traffic import ModelDims
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank. ``activations`` = saved chunk inputs (exact) + the recompute working set of
+    one chunk for one micro-batch (estimated, see ``working_set_bytes``)."""
+
+    persistent: float  # float32 master, two AdamW moments, float32 gradient accumulator
+    staging: float  # the plan's weight and gradient buffers
+    replicated: float  # embedding/head/norm: parameters, gradients, AdamW moments (float32)
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.persistent + self.staging + self.replicated + self.activations
+
+
+def working_set_bytes(dims: ModelDims, layers: int) -> float:
+    """Activations of ``layers`` transformer layers for one micro-batch while backward runs:
+    s·b·h·(34 + 5·a·s/h) bytes per layer at 2-byte activations (Korthikanti et al. 2022,
+    attention scores materialised), scaled to ``dims.dtype_bytes``. An estimate, not a count."""
+    s, b, h, a = dims.seq, dims.micro_batch, dims.hidden, dims.heads
+    return layers * s * b * h * (34 + 5 * a * s / h) * dims.dtype_bytes / 2
+
+
+def memory_per_rank(plan: Plan, dims: ModelDims) -> MemoryEstimate:
+    """The busiest rank's memory for ``plan`` on a model of ``dims`` (same layers as the plan)."""
+    n = plan.topology.world_size
+    layer = dims.layer_numel
+    chunk_layers = max(stop - start for start, stop in plan.chunk_layers)
+    chunk = chunk_layers * layer
+    weight_bufs = max(len({a.buf for a in acts if a.op in WEIGHT_OPS}) for acts in plan.actions)
+    grad_bufs = max(len({a.grad_buf if a.op is Op.B else a.buf for a in acts
+                         if a.op is Op.B or a.op in GRAD_OPS}) for acts in plan.actions)
+    k = int(plan.options.get("mb_per_fetch", 1))
+    boundary = n * k * dims.activation_numel * dims.dtype_bytes
+    return MemoryEstimate(
+        persistent=16 * chunk,
+        staging=weight_bufs * chunk * dims.dtype_bytes + grad_bufs * chunk * dims.grad_bytes,
+        replicated=16 * dims.replicated_numel,
+        activations=boundary + working_set_bytes(dims, chunk_layers),
+    )
+
+
+Choice = tuple[int, int, bool]  # (k, prefetch depth, reuse_weights)
+
+
+def fitting(options: dict[Choice, tuple[float, MemoryEstimate]], budget: float) -> tuple[int | None, Choice | None]:
+    """Among ``options`` (busiest node's inter-node bytes and memory per choice), those whose
+    memory fits ``budget`` bytes: the largest k, and the choice with the fewest bytes (the least
+    memory among equals). None where nothing fits."""
+    fits = {c: v for c, v in options.items() if v[1].total <= budget}
+    if not fits:
+        return None, None
+    return max(k for k, _, _ in fits), min(fits, key=lambda c: (fits[c][0], fits[c][1].total))

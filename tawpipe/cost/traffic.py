@@ -1,0 +1,243 @@
+"""Bytes on the wire: measured from a Plan, and closed-form estimates for the peer methods.
+
+TawPipe's claim is about *where* bytes flow (inside a node vs across nodes, and over which rail),
+not only how many, so every byte of a plan is attributed to the rank that sends it, the rank that
+receives it, a kind (weights, gradients, replicated, the step's statistics) and a scope (intra- or
+inter-node). The
+closed forms put DDP, FSDP, HSDP, 1F1B, WeiPipe and TawPipe side by side on one LLaMA-like model.
+
+Collectives are counted with NCCL's bandwidth-optimal ring/chain model: a broadcast or reduce of
+M bytes over k ranks is a chain of k-1 hops of M bytes (root first for a broadcast, root last for
+a reduce, members in ascending order from the root); an all-reduce over n ranks is a ring in which
+every rank sends 2(n-1)/n x M bytes to the next rank.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..plan.actions import OPS, Action, Op
+from ..plan.plan import Plan
+from ..plan.topology import Topology
+
+KINDS = ("weights", "grads", "replicated", "stats")
+Kind = str | tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Per-iteration bytes of a plan, keyed by (rank, direction, kind, inter-node?); and the
+    inter-node bytes of every node's link per slot, keyed by (slot, node, direction)."""
+
+    topology: Topology
+    flows: dict[tuple[int, str, str, bool], float]
+    node_slots: dict[tuple[int, int, str], float] = field(default_factory=dict)
+
+    def link_seconds(self, rate_bytes_per_s: float) -> tuple[float, float]:
+        """(floor, bursts) at one link of ``rate`` per node and direction (full duplex).
+
+        floor: the busiest node link's bytes in one direction / rate, the least an iteration can
+        take on that network. bursts: the sum over slots of each slot's busiest link time, what
+        the iteration takes if every slot's transfers must finish inside their slot (design §7.2).
+        """
+        per_link: dict[tuple[int, str], float] = defaultdict(float)
+        per_slot: dict[int, float] = defaultdict(float)
+        for (slot, node, d), v in self.node_slots.items():
+            per_link[(node, d)] += v
+            per_slot[slot] = max(per_slot[slot], v)
+        floor = max(per_link.values(), default=0.0) / rate_bytes_per_s
+        return floor, sum(per_slot.values()) / rate_bytes_per_s
+
+    def total(self, rank: int | None = None, *, direction: str = "sent", kind: Kind = None,
+              inter: bool | None = None) -> float:
+        """Bytes matching every given filter (None = any; ``kind`` may name several kinds)."""
+        kinds = (kind,) if isinstance(kind, str) else kind
+        return sum(
+            v for (r, d, k, x), v in self.flows.items()
+            if d == direction and (rank is None or r == rank) and (kinds is None or k in kinds)
+            and (inter is None or x == inter)
+        )
+
+    def node_bytes(self, rank: int) -> tuple[float, float]:
+        """(intra-node, inter-node) bytes that ``rank`` sends per iteration."""
+        return self.total(rank, inter=False), self.total(rank, inter=True)
+
+    def busiest(self, *, direction: str = "sent", kind: Kind = None,
+                inter: bool | None = True) -> tuple[int, float]:
+        """The rank with the most matching bytes (lowest rank on ties) and its bytes."""
+        per = [self.total(r, direction=direction, kind=kind, inter=inter)
+               for r in range(self.topology.world_size)]
+        best = max(range(len(per)), key=lambda r: (per[r], -r))
+        return best, per[best]
+
+    def per_node(self, *, direction: str = "sent", kind: Kind = None) -> list[float]:
+        """Inter-node bytes of each node (group)."""
+        t = self.topology
+        return [sum(self.total(r, direction=direction, kind=kind, inter=True) for r in t.group_ranks(g))
+                for g in range(t.nodes)]
+
+    def per_rail(self, *, direction: str = "sent", kind: Kind = None) -> list[float]:
+        """Inter-node bytes of each rail (all ranks with the same local index)."""
+        t = self.topology
+        return [sum(self.total(t.rank_of(g, i), direction=direction, kind=kind, inter=True)
+                    for g in range(t.nodes)) for i in range(t.per_node)]
+
+    def summary(self, in_bytes: bool = True) -> str:
+        """A few lines for humans: busiest rank per kind, per node, per rail."""
+        lines = []
+        for kind in (*KINDS, None):
+            name = kind or "all"
+            r, v = self.busiest(kind=kind)
+            intra = max(self.total(q, kind=kind, inter=False) for q in range(self.topology.world_size))
+            lines.append(f"{name:>10}: busiest rank across nodes r{r} {_fmt(v, in_bytes)}; "
+                         f"most within a node by one rank {_fmt(intra, in_bytes)}")
+        nodes = ", ".join(_fmt(v, in_bytes) for v in self.per_node())
+        rails = ", ".join(_fmt(v, in_bytes) for v in self.per_rail())
+        lines.append(f"across nodes, per node: {nodes}")
+        lines.append(f"across nodes, per rail (local index): {rails}")
+        return "\n".join(lines)
+
+
+def plan_traffic(plan: Plan) -> Traffic:
+    """Attribute every byte of ``plan`` to sender, receiver, kind and scope."""
+    topo = plan.topology
+    flows: dict[tuple[int, str, str, bool], float] = defaultdict(float)
+    node_slots: dict[tuple[int, int, str], float] = defaultdict(float)
+
+    def hop(slot: int, src: int, dst: int, kind: str, nbytes: float) -> None:
+        gs, gd = topo.group_of(src), topo.group_of(dst)
+        flows[(src, "sent", kind, gs != gd)] += nbytes
+        flows[(dst, "received", kind, gs != gd)] += nbytes
+        if gs != gd:
+            node_slots[(slot, gs, "sent")] += nbytes
+            node_slots[(slot, gd, "received")] += nbytes
+
+    for acts in plan.actions:
+        for a in acts:
+            spec = OPS[a.op]
+            if spec.transfer == "send":
+                hop(a.slot, a.rank, a.peer, spec.kind, a.bytes)
+            elif spec.transfer == "collective" and a.root is None:  # an all-reduce: a ring
+                k = len(a.group)
+                if k > 1:
+                    i = a.group.index(a.rank)
+                    hop(a.slot, a.rank, a.group[(i + 1) % k], spec.kind, 2 * (k - 1) / k * a.bytes)
+            elif spec.transfer == "collective" and a.rank == a.root:  # a chain, counted from the root
+                for src, dst in _chain(a):
+                    hop(a.slot, src, dst, spec.kind, a.bytes)
+    return Traffic(topology=topo, flows=dict(flows), node_slots=dict(node_slots))
+
+
+def _chain(a: Action) -> list[tuple[int, int]]:
+    members = a.group
+    i = members.index(a.root)
+    order = members[i:] + members[:i]
+    links = list(zip(order, order[1:]))
+    return links if a.op is Op.BCAST_W else [(d, s) for s, d in reversed(links)]
+
+
+def _fmt(v: float, in_bytes: bool) -> str:
+    if not in_bytes:
+        return f"{v:,.1f}"
+    for scale, name in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if v >= scale:
+            return f"{v / scale:,.2f} {name}"
+    return f"{v:,.0f} B"
+
+
+# ---------------------------------------------------------------------------------- closed forms
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """A LLaMA-like decoder (RMSNorm, SwiGLU, no biases, head tied to the embedding)."""
+
+    hidden: int
+    layers: int
+    heads: int = 32
+    kv_heads: int | None = None  # None: multi-head attention (kv_heads = heads)
+    vocab: int = 32000
+    seq: int = 4096
+    micro_batch: int = 1
+    dtype_bytes: int = 2  # weights and activations on the wire
+    grad_bytes: int = 4  # gradients on the wire
+
+    def __post_init__(self) -> None:
+        kv = self.heads if self.kv_heads is None else self.kv_heads
+        if min(self.hidden, self.layers, self.heads, kv, self.vocab, self.seq, self.micro_batch,
+               self.dtype_bytes, self.grad_bytes) < 1:
+            raise ValueError(f"every dimension must be >= 1: {self}")
+        if self.hidden % self.heads or self.heads % kv:
+            raise ValueError(f"hidden={self.hidden} must divide into heads={self.heads}, which must "
+                             f"divide into kv_heads={kv} groups")
+
+    @property
+    def ffn_hidden(self) -> int:
+        return 32 * -(-8 * self.hidden // 96)  # 32 * ceil((8H/3) / 32)
+
+    @property
+    def layer_numel(self) -> int:
+        h = self.hidden
+        kv_dim = h // self.heads * (self.heads if self.kv_heads is None else self.kv_heads)
+        return 2 * h * h + 2 * h * kv_dim + 3 * h * self.ffn_hidden + 2 * h
+
+    @property
+    def decoder_numel(self) -> int:
+        return self.layers * self.layer_numel
+
+    @property
+    def replicated_numel(self) -> int:
+        return self.vocab * self.hidden + self.hidden  # tied embedding/head + final norm
+
+    @property
+    def activation_numel(self) -> int:
+        return self.micro_batch * self.seq * self.hidden
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Closed-form bytes per iteration (global batch N x acc micro-batches) of one method."""
+
+    method: str
+    sent_per_rank: float  # mean over ranks, all links
+    inter_node_per_node: float  # leaving the busiest node over inter-node links
+
+
+def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: int) -> Estimate:
+    """Ring-model estimate for ``method`` in ddp, fsdp, hsdp, 1f1b, weipipe, tawpipe.
+
+    The ring over all ranks is node-major, so it leaves each node over exactly one link. tawpipe
+    and weipipe are the paper's schedules (k = 1, one fetch per use); for other options, and
+    exactly at a few micro-batches, count the plan with ``plan_traffic``.
+    """
+    n, G, s, acc = topology.world_size, topology.nodes, topology.per_node, micro_batches
+    psi, e = dims.decoder_numel, dims.replicated_numel
+    wb, gb, ab = dims.dtype_bytes, dims.grad_bytes, dims.dtype_bytes
+    cross = 1.0 if G > 1 else 0.0
+    ring = (n - 1) / n
+    rep = 2 * ring * e * gb  # world all-reduce of the replicated gradients, per rank
+    if method == "ddp":  # one all-reduce of all gradients (no_sync during accumulation)
+        v = 2 * ring * (psi + e) * gb
+        return Estimate(method, v, cross * v)
+    if method == "fsdp":  # per micro-batch: all-gather (fwd), all-gather (bwd), reduce-scatter
+        v = acc * ring * (psi + e) * (2 * wb + gb)
+        return Estimate(method, v, cross * v)
+    if method == "hsdp":  # shard inside the node, all-reduce the shards across nodes per iteration
+        intra = acc * (s - 1) / s * (psi + e) * (2 * wb + gb)
+        inter_rank = 2 * (G - 1) / G * (psi + e) / s * gb
+        return Estimate(method, intra + inter_rank, s * inter_rank)
+    if method == "1f1b":  # N stages; every micro-batch crosses each boundary forward and backward
+        per_dir = n * acc * dims.activation_numel * ab
+        return Estimate(method, 2 * per_dir * (n - 1) / n, cross * per_dir * (2 if G > 2 else 1))
+    if method == "weipipe":  # F-ring + B-ring weights and the gradient ring, (acc+1)·Psi each
+        v = (acc + 1) * psi * (2 * wb + gb) if n > 1 else 0.0  # one rank: no ring
+        return Estimate(method, v + rep, cross * (v + rep))
+    if method == "tawpipe":  # design §7.1
+        inter_node = (G - 1) / G * (2 * acc * (n - 1) / n * psi * wb + acc * psi * gb)
+        intra_rank = (s - 1) / s * acc * psi * (2 * wb + gb)
+        return Estimate(method, intra_rank + inter_node / s + rep, inter_node + cross * rep)
+    raise ValueError(f"unknown method {method!r}; expected one of {PEER_METHODS}")
+
+
+PEER_METHODS = ("ddp", "fsdp", "hsdp", "1f1b", "weipipe", "tawpipe")

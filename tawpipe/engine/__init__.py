@@ -1,0 +1,12 @@
+"""The engine layer: ``TawPipe`` executes a plan on real tensors, and makes no schedule decision.
+
+``storage`` (what a rank stores), ``compute`` (the math of a chunk), ``precision`` (loss scaling,
+clipping, non-finite steps), ``fingerprint`` (what ranks must agree on), ``offload`` (the own
+chunk in host memory), ``engine`` (the wiring, and every operation the engine offers: step,
+evaluate, state dicts, gather, export tables). Imports ``ops``, ``models`` (the model contract),
+``plan`` and ``runtime``.
+"""
+
+from .engine import TawPipe, default_optimizer
+
+__all__ = ["TawPipe", "default_optimizer"]

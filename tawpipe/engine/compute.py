@@ -1,0 +1,166 @@
+"""Forward and backward of one chunk for one micro-batch, on the weights a staging buffer holds.
+
+The plan decides which chunk, which micro-batch and which buffers (design §4); this module only
+runs the math. Activations are keyed by (position in the model, micro-batch): position 0 starts
+from the embedding, the last position ends in the head and the loss, whose backward runs at
+once so the micro-batch's backward can start in the next slot.
+
+Recompute (design §6.2): with ``recompute="chunk"`` (the paper's setting) a forward keeps only the
+chunk's input and the backward re-runs it with gradients on the weights then resident. With
+``recompute="none"`` the forward keeps its graph; tensors it saves that alias its weight buffer
+are stored as (offset, size, stride) and re-read at backward time from the buffer the plan names
+for that backward, which holds the same chunk by then. No weight copy is kept and no saved tensor
+points into a buffer being refilled.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from ..plan.actions import Action
+from .storage import ChunkStorage
+
+Activation = tuple[int, int]  # (position in the model, micro-batch): where a chunk input or graph is kept
+ChunkMb = tuple[int, int]  # (chunk id, micro-batch): which B action a forward's graph is for
+
+
+@dataclass
+class StepState:
+    """What one step's compute produces and consumes; built anew by every ``TawPipe.step``."""
+
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    ctx: list[dict[str, Any]]
+    grad_scale: float  # loss scale / (N x micro-batches): the step's loss is a global mean
+    x: dict[Activation, torch.Tensor] = field(default_factory=dict)  # chunk inputs
+    dy: dict[Activation, torch.Tensor] = field(default_factory=dict)  # gradients of chunk outputs
+    graphs: dict[Activation, tuple] = field(default_factory=dict)  # recompute="none"
+
+
+@dataclass
+class EvalState:
+    """What one validation pass (``TawPipe.evaluate``) carries from chunk to chunk."""
+
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    ctx: list[dict[str, Any]]
+    loss_sum: torch.Tensor  # float64, this rank's until ALLREDUCE_EVAL, then everyone's
+    hidden: list[torch.Tensor] = field(default_factory=list)
+
+
+def weights_saved_by_reference(
+    buf: torch.Tensor, backward_buf: Callable[[], torch.Tensor]
+) -> torch.autograd.graph.saved_tensors_hooks:
+    """Autograd hooks under which tensors saved for backward that alias `buf` are stored as
+    (offset, size, stride) and read back from `backward_buf()` when the backward runs."""
+    base, ptr = buf.storage_offset(), buf.untyped_storage().data_ptr()
+
+    def pack(t: torch.Tensor):
+        if t.device == buf.device and t.untyped_storage().data_ptr() == ptr:
+            return ("weights", t.storage_offset() - base, t.size(), t.stride())
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, tuple) and saved and saved[0] == "weights":
+            _, offset, size, stride = saved
+            b = backward_buf()
+            return b.as_strided(size, stride, b.storage_offset() + offset)
+        return saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+class ChunkCompute:
+    """F and B actions on real modules: the embedding and head are the user's (replicated)
+    modules, the blocks run from staging buffers through meta-device templates."""
+
+    def __init__(self, storage: ChunkStorage, embed: nn.Module, head: nn.Module,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 compute_dtype: torch.dtype, recompute: str, backward_of: dict[ChunkMb, Action]) -> None:
+        self.s, self.embed, self.head, self.loss_fn = storage, embed, head, loss_fn
+        self.dtype, self.recompute = compute_dtype, recompute
+        self.last = len(storage.plan.chunk_layers) - 1
+        self._backward_of = backward_of  # (chunk, mb) -> its B action, for recompute="none"
+        self._backward_buf: torch.Tensor | None = None
+
+    def _autocast(self):
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.s.device.type, dtype=self.dtype)
+
+    def _run(self, chunk: int, x: torch.Tensor, leaves: list[torch.Tensor], ctx: dict[str, Any]) -> torch.Tensor:
+        """The chunk's blocks on ``x``, their weights the tensors ``leaves``."""
+        n = self.s.layers(chunk)
+        params = {f"blocks.{name}": t for name, t in zip(self.s.layouts[n].names, leaves)}
+        return functional_call(self.s.runners[n], params, (x, ctx))
+
+    @torch.no_grad()
+    def forward(self, a: Action, st: StepState) -> None:
+        pos, m = self.s.position[a.chunk], a.mb
+        if pos == 0:
+            st.x[(0, m)] = self.embed(st.inputs[m]).to(self.dtype)
+        x = st.x[(pos, m)]
+        if self.recompute == "none":
+            b = self._backward_of[(a.chunk, m)]
+            leaves = self.s.leaves(a.buf, b.grad_buf, a.chunk)
+            x = x.detach().requires_grad_()
+            hooks = weights_saved_by_reference(self.s.bufs[a.buf], lambda: self._backward_buf)
+            with torch.enable_grad(), hooks:
+                y = self._run(a.chunk, x, leaves, st.ctx[m])
+            st.graphs[(pos, m)] = (x, y)
+        else:
+            y = self._run(a.chunk, x, self.s.weights(a.buf, a.chunk), st.ctx[m])
+        if pos < self.last:
+            st.x[(pos + 1, m)] = y.detach()
+            return
+        with torch.enable_grad():  # the head and the loss, whose gradients go to `rep`
+            y = y.detach().requires_grad_()
+            with self._autocast():
+                loss = self.loss_fn(self.head(y), st.targets[m])
+            (loss.float() * st.grad_scale).backward()
+        self.s.rep[-1] += loss.detach().float()
+        st.dy[(pos, m)] = y.grad
+
+    @torch.no_grad()
+    def backward(self, a: Action, st: StepState) -> None:
+        pos, m = self.s.position[a.chunk], a.mb
+        if self.s.scratch is not None or not a.accumulate:
+            self.s.grad_target(a.grad_buf, a.chunk).zero_()
+        if self.recompute == "none":
+            x, y = st.graphs.pop((pos, m))
+            st.x.pop((pos, m))
+            self._backward_buf = self.s.bufs[a.buf]
+        else:
+            x = st.x.pop((pos, m)).detach().requires_grad_()
+            with torch.enable_grad():
+                y = self._run(a.chunk, x, self.s.leaves(a.buf, a.grad_buf, a.chunk), st.ctx[m])
+        with torch.enable_grad():
+            torch.autograd.backward(y, st.dy.pop((pos, m)))
+        self.s.harvest(a.grad_buf, a.chunk, a.accumulate)
+        if pos > 0:
+            st.dy[(pos - 1, m)] = x.grad
+            return
+        with torch.enable_grad():
+            e = self.embed(st.inputs[m]).to(self.dtype)
+            if e.requires_grad:
+                e.backward(x.grad)
+
+    @torch.no_grad()
+    def evaluate(self, a: Action, st: EvalState) -> None:
+        """EVAL_F: every validation batch through one chunk, without gradients; after the last
+        chunk, the head and the loss, added to the rank's loss sum."""
+        pos = self.s.position[a.chunk]
+        if pos == 0:
+            st.hidden = [self.embed(x).to(self.dtype) for x in st.inputs]
+        weights = self.s.weights(a.buf, a.chunk)
+        st.hidden = [self._run(a.chunk, h, weights, c) for h, c in zip(st.hidden, st.ctx)]
+        if pos == self.last:
+            with self._autocast():
+                for h, y in zip(st.hidden, st.targets):
+                    st.loss_sum += self.loss_fn(self.head(h), y).double()

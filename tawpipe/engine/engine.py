@@ -1,0 +1,558 @@
+"""The TawPipe engine: builds the plan, stores this rank's share, and executes the plan.
+
+One ``step`` equals one step of single-device training on the concatenation of every rank's
+micro-batches (mean loss, same optimizer). The parts, one concept each (design §6):
+
+* ``tawpipe.plan.schedule``: the plan of one iteration (pure data, proven by ``tawpipe.plan.verify``);
+* ``storage``: the own chunk, the replicated modules and the staging buffers;
+* ``compute``: forward and backward of one chunk for one micro-batch;
+* ``precision``: loss scaling, clipping and non-finite steps;
+* ``tawpipe.runtime.executor``: runs action lists on the compute thread and the comm channels.
+
+This module wires them together and turns each action into the call that performs it; it makes
+no scheduling decision of its own. Everything the engine does with other ranks is a program of
+the op table run on its own channels: the iteration, the setup CHECK, the gather, a validation
+pass and the agreement rows of a checkpoint (``gather_rows``). Files are written by
+``tawpipe.io`` through the public methods here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..models.parts import (
+    PART_NAMES,
+    Materialize,
+    block_param_name,
+    model_signature,
+    param_signature,
+    unique_params,
+)
+from ..ops import SUPPORTED_DTYPES
+from ..plan.actions import OPS, QUEUES, Action, BufKind, Channel, Op, buf_kind
+from ..plan.plan import Plan
+from ..plan.programs import eval_program, gather_program, setup_program
+from ..plan.schedule import build_plan
+from ..plan.topology import Topology
+from ..runtime.comm.base import P2P, Comm
+from ..runtime.executor import Executor, Messages
+from ..runtime.timeout import default_timeout
+from . import fingerprint
+from .compute import ChunkCompute, EvalState, StepState
+from .precision import Precision
+from .storage import ChunkStorage, MemoryReport
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+BlockForward = Callable[..., torch.Tensor]
+
+def default_optimizer(params: list[nn.Parameter], lr: float = 1e-3) -> torch.optim.Optimizer:
+    """AdamW as in the paper: lr 1e-3, betas (0.9, 0.95), weight decay 0.1 on matrices only."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95),
+    )
+
+
+def _default_block_forward(block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
+    return block(hidden, **ctx)
+
+
+def _check_blocks(blocks: list[nn.Module]) -> None:
+    if not blocks:
+        raise ValueError("blocks is empty: pass the decoder layers as a sequence of nn.Modules")
+    for i, b in enumerate(blocks):
+        if not isinstance(b, nn.Module):
+            raise TypeError(f"blocks[{i}] is a {type(b).__name__}, not an nn.Module")
+    seen: dict[int, int] = {}
+    for i, b in enumerate(blocks):
+        for p in b.parameters():
+            j = seen.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(
+                    f"blocks {j} and {i} share parameters (the same module passed twice?): tawpipe "
+                    "gives every block its own weights; pass distinct blocks"
+                )
+    sig = param_signature(blocks[0].named_parameters())
+    for i, b in enumerate(blocks[1:], 1):
+        if param_signature(b.named_parameters()) != sig:
+            raise ValueError(
+                f"block {i} differs in structure from block 0 (parameter names, shapes or dtypes); "
+                "tawpipe chunks a stack of identical blocks"
+            )
+    if not sig:
+        raise ValueError("the blocks have no parameters: nothing to shard")
+
+
+def _check_callables(**kwargs: Any) -> None:
+    for name, value in kwargs.items():
+        if name in ("embed", "head"):
+            if not isinstance(value, nn.Module) or not list(value.parameters()):
+                raise TypeError(f"{name} must be an nn.Module with parameters, got {type(value).__name__}")
+        elif value is not None and not callable(value):
+            raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+        elif value is None and name in ("loss_fn", "optimizer"):
+            raise TypeError(f"{name} is required")
+
+
+def _check_options(topology: Topology, comm: Comm | str | None, offload: str | None, timeout: float | None,
+                   names: tuple[str, str, str], recompute: str, compute_dtype: torch.dtype,
+                   grad_wire_dtype: torch.dtype) -> None:
+    """The engine's plain options, checked before anything is built or sent."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a tawpipe.Topology, got {type(topology).__name__}")
+    if not (comm is None or isinstance(comm, Comm) or comm in ("torch", "nccl-native")):
+        raise TypeError(f"comm must be a tawpipe.runtime.comm.Comm, 'torch' (torch.distributed, the default) or "
+                        f"'nccl-native', got {comm!r}")
+    if offload not in (None, "host"):
+        raise ValueError(f"offload must be None or 'host', got {offload!r}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if not (isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) and n for n in names)):
+        raise ValueError(f"names must be three non-empty strings (embed, blocks, head), got {names!r}")
+    if recompute not in ("chunk", "none"):
+        raise ValueError(f"recompute must be 'chunk' or 'none', got {recompute!r}")
+    if compute_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"compute_dtype {compute_dtype} unsupported; use one of {SUPPORTED_DTYPES}")
+    if grad_wire_dtype not in (torch.float32, compute_dtype):
+        raise ValueError(f"grad_wire_dtype must be torch.float32 or the compute dtype {compute_dtype}, "
+                         f"got {grad_wire_dtype}")
+
+
+class TawPipe:
+    """Topology-aware weight pipeline training of a stack of identical blocks.
+
+    Each rank runs the whole model on its own micro-batches; chunk weights and gradients move
+    between ranks as the plan says. ``algo="weipipe"`` runs the paper's baseline on the same
+    machinery. ``prefetch_depth`` fetches weights that many slots ahead; ``"resident"`` (with
+    ``reuse_weights``) goes far enough that every fetched chunk stays (``schedule.resident_depth``).
+    ``mb_per_fetch`` runs each resident chunk for that many micro-batches (one fetch and one
+    gradient route per group of micro-batches); ``reuse_weights`` skips the fetch of a chunk still
+    in a staging buffer (fewer bytes than the paper's schedule, same memory); ``grad_wire_dtype``
+    (float32 or the compute dtype) is the dtype gradients travel in, always accumulated in float32
+    by their owner. Blocks may live on the meta device: ``materialize(block, layer_index)`` then
+    gives each rank its own chunk's real blocks.
+    ``offload="host"`` keeps the own chunk's master, gradient accumulator and optimizer state in
+    pinned host memory, streamed through two staging buffers (``tawpipe.engine.offload``).
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        embed: nn.Module,
+        head: nn.Module,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        topology: Topology,
+        micro_batches: int,
+        optimizer: OptimizerFactory = default_optimizer,
+        lr_scheduler: SchedulerFactory | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        max_grad_norm: float | None = None,
+        block_forward: BlockForward | None = None,
+        block_context: Callable[[torch.Tensor], dict[str, Any]] | None = None,
+        comm: Comm | str | None = None,
+        device: torch.device | str | None = None,
+        algo: str = "tawpipe",
+        grad_route: str = "rail",
+        prefetch_depth: int | str = 1,
+        mb_per_fetch: int = 1,
+        reuse_weights: bool = False,
+        grad_wire_dtype: torch.dtype = torch.float32,
+        overlap: bool = True,
+        loss_scale: float | str | None = "auto",
+        nonfinite: str = "skip",
+        recompute: str = "chunk",
+        timeout: float | None = None,
+        names: tuple[str, str, str] = PART_NAMES,
+        materialize: Materialize | None = None,
+        offload: str | None = None,
+    ) -> None:
+        blocks = list(blocks)
+        _check_blocks(blocks)
+        _check_callables(embed=embed, head=head, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                         block_forward=block_forward, block_context=block_context, materialize=materialize)
+        _check_options(topology, comm, offload, timeout, names, recompute, compute_dtype, grad_wire_dtype)
+        if loss_scale == "auto":
+            loss_scale = "dynamic" if compute_dtype == torch.float16 else None
+        self.precision = Precision(loss_scale, max_grad_norm, nonfinite)
+        self.timeout = float(timeout) if timeout is not None else default_timeout()
+        self.device = torch.device(device) if device is not None else next(embed.parameters()).device
+        self.topology, self.micro_batches, self.names = topology, micro_batches, names
+        self.block_context = block_context
+        replicated = unique_params([(names[0], embed), (names[2], head)])
+        self.plan: Plan = build_plan(
+            topology, len(blocks), micro_batches, algo=algo, grad_route=grad_route,
+            prefetch_depth=prefetch_depth, mb_per_fetch=mb_per_fetch, reuse_weights=reuse_weights,
+            layer_numel=sum(p.numel() for p in blocks[0].parameters()),
+            weight_bytes=torch.empty((), dtype=compute_dtype).element_size(),
+            grad_bytes=torch.empty((), dtype=grad_wire_dtype).element_size(),
+            replicated_numel=sum(p.numel() for _, p in replicated) + 1,  # + the loss sum
+        )
+        self._connect(comm)  # communication starts only now, after every check above passed
+        self.storage = ChunkStorage(self.plan, self.rank, blocks, replicated,
+                                    block_forward or _default_block_forward, names[1],
+                                    compute_dtype, grad_wire_dtype, self.device, materialize, offload,
+                                    self.timeout)
+        backward_of = {(a.chunk, a.mb): a for a in self.plan.actions[self.rank] if a.op is Op.B}
+        self.compute = ChunkCompute(self.storage, embed, head, loss_fn, compute_dtype, recompute, backward_of)
+        self.optimizer = optimizer([p for _, p in self.storage.own_params] + [p for _, p in replicated])
+        self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.executor = Executor(self.plan, self.timeout, self.device, overlap, self.rank)
+        self._embed, self._head = embed, head
+        self.steps = 0
+        self._failed: BaseException | None = None
+        self._stats: torch.Tensor | None = None
+        self._state: StepState | None = None
+        self._last_loss = float("nan")
+        self._check_ranks_agree(blocks[0], replicated, compute_dtype, grad_wire_dtype, recompute)
+
+    def _check_ranks_agree(self, block: nn.Module, replicated: list[tuple[str, nn.Parameter]],
+                           compute_dtype: torch.dtype, grad_dtype: torch.dtype, recompute: str) -> None:
+        """Run the setup program: every rank's fingerprint, compared with rank 0's."""
+        mine = fingerprint.fields(self.plan, compute_dtype=compute_dtype, grad_dtype=grad_dtype, block=block,
+                                  replicated=replicated, optimizer=self.optimizer,
+                                  precision=dataclasses.asdict(self.precision), recompute=recompute)
+        fingerprint.compare(self.gather_rows([v for _, v, _ in mine]), mine, self.rank)
+
+    def _connect(self, comm: Comm | str | None) -> None:
+        if comm is None or comm == "torch":
+            from ..runtime.comm.torch_dist import TorchDistComm
+
+            comm = TorchDistComm(self.topology, self.timeout)
+        elif comm == "nccl-native":
+            from ..runtime.comm.nccl_native import NcclComm
+
+            # no per-call size exchange: every size comes from the plan, which the setup program's
+            # CHECK proves identical on every rank
+            comm = NcclComm(self.topology, self.timeout, device=self.device, check="off")
+        if comm.world_size != self.topology.world_size:
+            raise ValueError(
+                f"the comm backend has {comm.world_size} ranks but the topology {self.topology.world_size}"
+            )
+        self.rank = comm.rank
+        # The root backend carries the weights; every other channel has its own communicator.
+        self._comms = {ch: comm if ch is Channel.WEIGHTS else comm.channel_comm(ch) for ch in QUEUES}
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def own_chunk(self) -> int:
+        return self.storage.own_chunk
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.precision.skipped_steps
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """One iteration over this rank's micro-batches; returns the mean loss over all ranks."""
+        if self._failed is not None:
+            raise RuntimeError(
+                f"an earlier step failed ({self._failed!r}); this engine's buffers are in an unknown "
+                "state: build a new engine (and restore a checkpoint) to continue"
+            ) from self._failed
+        self._state = self._step_state(batch)
+        try:
+            self.executor.run(self.plan.actions[self.rank], self._work)
+        except BaseException as e:
+            self._failed = e
+            self.executor.close()  # queued work refers to this step's buffers: stop the channels
+            raise
+        finally:
+            self._state = None
+        self.steps += 1
+        return self._last_loss
+
+    def _step_state(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepState:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+                and all(torch.is_tensor(t) for t in batch)):
+            raise TypeError("step(batch): batch must be a pair of tensors (inputs, targets)")
+        inputs, targets = batch
+        acc = self.micro_batches
+        for name, t in (("inputs", inputs), ("targets", targets)):
+            if t.device.type != self.device.type and t.device.type != "cpu":
+                raise ValueError(f"{name} is on {t.device}; pass CPU tensors or tensors on {self.device}")
+        if inputs.dim() == 0 or inputs.shape[0] % acc or inputs.shape[0] == 0:
+            raise ValueError(f"batch has {inputs.shape[0] if inputs.dim() else 0} rows, not a positive "
+                             f"multiple of micro_batches={acc}")
+        if inputs.shape != targets.shape[: inputs.dim()]:
+            raise ValueError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape")
+        mb_in = [t.to(self.device) for t in inputs.chunk(acc)]
+        return StepState(
+            inputs=mb_in, targets=[t.to(self.device) for t in targets.chunk(acc)],
+            ctx=[self.block_context(t) if self.block_context else {} for t in mb_in],
+            grad_scale=self.precision.scale / (self.topology.world_size * acc),
+        )
+
+    def memory_report(self) -> MemoryReport:
+        return self.storage.memory_report(self.optimizer)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters (own chunk and replicated) under the original names."""
+        return self.storage.own_params + self.storage.replicated
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: its chunk's float32 master, the replicated masters, the optimizer
+        state, scheduler, loss scaling and step counter. Parameters and per-parameter optimizer
+        state are keyed by the model's parameter names, so shards can be re-sharded by name
+        (``tawpipe.io.checkpoint.restore``); everything loads with ``weights_only=True``."""
+        self._refuse_if_failed()
+        names, by_id = self._optimizer_names(), self._param_name
+        opt = self.optimizer.state_dict()
+        aliases = {f"{prefix}.{n}": by_id[id(p)]
+                   for prefix, module in ((self.names[0], self._embed), (self.names[2], self._head))
+                   for n, p in module.named_parameters(remove_duplicate=False) if by_id[id(p)] != f"{prefix}.{n}"}
+        return {
+            "rank": self.rank,
+            "chunk": self.own_chunk,
+            "layers": list(self.plan.chunk_layers[self.own_chunk]),
+            "steps": self.steps,
+            "params": {n: p.detach().to("cpu", copy=True) for n, p in self.named_parameters()},
+            "aliases": aliases,  # tied weights: their other names
+            "optimizer": {"state": {names[i]: s for i, s in opt["state"].items()},
+                          "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in opt["param_groups"]]},
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "precision": dict(self.precision.state_dict(), loss_scale=self.precision.loss_scale),
+            "compute_dtype": str(self.storage.compute_dtype),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], reshard: bool = False) -> None:
+        """Restore a shard from ``state_dict()`` of the rank that owned this rank's chunk.
+
+        ``reshard=True`` takes this rank's parameters and their optimizer state by name from a
+        ``state`` that may hold more (shards of another topology merged); the scheduler, loss
+        scale, counters and optimizer hyper-parameters are then taken from ``state`` as they are.
+        A shard saved with another loss-scaling mode (e.g. float32, unscaled, into a float16
+        engine) keeps this engine's own scale, with a warning, instead of adopting a wrong one.
+        """
+        if not reshard and state.get("chunk") != self.own_chunk:
+            raise ValueError(
+                f"shard holds chunk {state.get('chunk')} but rank {self.rank} owns chunk "
+                f"{self.own_chunk}: load each rank's own shard on the same topology, or re-shard "
+                "(tawpipe.io.checkpoint.restore does)"
+            )
+        own = dict(self.named_parameters())
+        saved = state["params"]
+        missing = sorted(own.keys() - saved.keys())
+        unexpected = [] if reshard else sorted(saved.keys() - own.keys())
+        if missing or unexpected:
+            raise ValueError(f"the shard's parameters differ from this engine's (different model?): missing "
+                             f"{missing[:3]}, unexpected {unexpected[:3]}")
+        for n, p in own.items():
+            if tuple(saved[n].shape) != tuple(p.shape):
+                raise ValueError(f"parameter {n} is {tuple(saved[n].shape)} in the shard but {tuple(p.shape)} "
+                                 "here: different model?")
+        names = self._optimizer_names()
+        groups = self.optimizer.state_dict()["param_groups"]
+        saved_groups = state["optimizer"]["param_groups"]
+        if len(saved_groups) != len(groups):
+            raise ValueError(f"the shard's optimizer has {len(saved_groups)} parameter groups, this engine's "
+                             f"{len(groups)}: different optimizer?")
+        saved_state = state["optimizer"]["state"]
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(saved[n])
+        self.optimizer.load_state_dict({
+            "state": {i: saved_state[n] for i, n in enumerate(names) if n in saved_state},
+            "param_groups": [dict(sg, params=g["params"]) for sg, g in zip(saved_groups, groups)],
+        })
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._load_precision(state["precision"], state.get("compute_dtype"))
+        self.steps = int(state["steps"])
+
+    def _load_precision(self, saved: dict[str, Any], saved_dtype: str | None) -> None:
+        mode = saved.get("loss_scale", self.precision.loss_scale)
+        if mode == self.precision.loss_scale:
+            self.precision.load_state_dict(saved)
+            return
+        warnings.warn(
+            f"the shard was saved with loss_scale={mode!r} (compute dtype {saved_dtype}), this engine uses "
+            f"loss_scale={self.precision.loss_scale!r} ({self.storage.compute_dtype}): keeping this engine's "
+            f"scale {self.precision.scale:g} rather than the shard's {saved['scale']:g}",
+            stacklevel=2,
+        )
+        self.precision.skipped_steps = int(saved["skipped_steps"])
+
+    @property
+    def _param_name(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.named_parameters()}
+
+    def _optimizer_names(self) -> list[str]:
+        """The parameter name of each optimizer index (the order of its state_dict)."""
+        by_id = self._param_name
+        try:
+            return [by_id[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        except KeyError:
+            raise ValueError("the optimizer holds a parameter that is not this engine's") from None
+
+    def model_signature(self) -> dict[str, Any]:
+        """Layer count, one block's and the replicated parameters (``models.parts.model_signature``)."""
+        layout = self.storage.layouts[min(self.storage.layouts)]
+        block = [(n.split(".", 1)[1], tuple(shape), dtype)
+                 for n, shape, dtype in zip(layout.names, layout.shapes, layout.dtypes) if n.startswith("0.")]
+        return model_signature(self.plan.num_layers, self.names, block, param_signature(self.storage.replicated))
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.storage.compute_dtype
+
+    @property
+    def grad_wire_dtype(self) -> torch.dtype:
+        return self.storage.grad_dtype
+
+    def own_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's chunk: (name in the model, float32 master view), in layer order."""
+        return list(self.storage.own_params)
+
+    def replicated_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The embedding's and head's parameters (identical on every rank), each tied one once."""
+        return list(self.storage.replicated)
+
+    def block_parameters(self) -> list[tuple[str, int, int]]:
+        """(name in the model, numel, owning chunk) of every block parameter of every chunk, in layer
+        order: the whole model's layout, which no rank holds in memory."""
+        out = []
+        for k in self.plan.model_order:
+            start = self.plan.chunk_layers[k][0]
+            layout = self.storage.layouts[self.storage.layers(k)]
+            out += [(block_param_name(self.names[1], start, n), numel, k)
+                    for n, numel in zip(layout.names, layout.numels)]
+        return out
+
+    def barrier(self) -> None:
+        """Return once every rank has called it (one CHECK on the step channel)."""
+        self.gather_rows([1])
+
+    def _refuse_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"an earlier step failed ({self._failed!r}): this engine's state is unknown and "
+                               "its channels are closed; restore the last checkpoint into a new engine")
+
+    def gather_rows(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (integers; the same count on every rank), in rank order: one
+        all-reduce, run as the setup program's CHECK (checkpoints agree through it)."""
+        self._refuse_if_failed()
+        n = self.topology.world_size
+        table = torch.zeros(n, len(values), dtype=torch.int64)
+        table[self.rank] = torch.tensor(list(values), dtype=torch.int64)
+        table = table.to(self.device)
+        comm = self._comms[Channel.STEP]
+        self.executor.run(setup_program(self.plan, table.numel() * 8)[self.rank],
+                          lambda unit: lambda: comm.all_reduce(table, unit[0].group))
+        return table.cpu().tolist()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Gather every chunk on rank 0 under the original parameter names (None elsewhere)."""
+        self._refuse_if_failed()
+        received: dict[int, torch.Tensor] = {}
+        actions = gather_program(self.plan, root=0)[self.rank]
+
+        def work(unit: list[Action]) -> Callable[[], None]:
+            for a in unit:
+                if a.op is Op.RECV_MASTER:
+                    received[a.chunk] = torch.empty(self.storage.numel(a.chunk), device=self.device)
+            master = self.storage.master.to(self.device)  # a copy when offloaded to the host
+            return self._p2p(unit, lambda a: master if a.op is Op.SEND_MASTER else received[a.chunk])
+
+        self.executor.run(actions, work)
+        if self.rank != 0:
+            return None
+        received[self.own_chunk] = self.storage.master.to(self.device)
+        out: dict[str, torch.Tensor] = {}
+        for k, flat in sorted(received.items(), key=lambda kv: self.plan.chunk_layers[kv[0]]):
+            start = self.plan.chunk_layers[k][0]
+            layout = self.storage.layouts[self.storage.layers(k)]
+            for name, view in zip(layout.names, layout.views(flat)):
+                out[block_param_name(self.names[1], start, name)] = view.detach().clone().cpu()
+        for mod_name, module in ((self.names[0], self._embed), (self.names[2], self._head)):
+            for n, p in module.named_parameters(remove_duplicate=False):
+                out[f"{mod_name}.{n}"] = p.detach().clone().cpu()
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Validation loss with the current weights: the mean of ``loss_fn`` over this rank's
+        ``batches`` and every other rank's (the same count on each), leaving training state as it
+        was. Runs ``plan.programs.eval_program``: each chunk broadcast once from its owner into an
+        idle weight buffer, every rank's batches through it, the loss sums all-reduced."""
+        self._refuse_if_failed()
+        if not batches:
+            raise ValueError("evaluate needs at least one (inputs, targets) batch")
+        buf = next(b for b in sorted(self.storage.bufs) if buf_kind(b) is BufKind.WEIGHTS)
+        inputs = [x.to(self.device) for x, _ in batches]
+        st = EvalState(inputs=inputs, targets=[y.to(self.device) for _, y in batches],
+                       ctx=[self.block_context(x) if self.block_context else {} for x in inputs],
+                       loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))
+
+        def work(unit: list[Action]) -> Callable[[], None]:
+            a = unit[0]
+            if a.op is Op.EVAL_F:
+                return lambda: self.compute.evaluate(a, st)
+            if a.op is Op.ALLREDUCE_EVAL:
+                return lambda: self._comms[OPS[a.op].channel].all_reduce(st.loss_sum, a.group)
+            return self._work(unit)
+
+        self.executor.run(eval_program(self.plan, buf)[self.rank], work)
+        return st.loss_sum.item() / (self.topology.world_size * len(batches))
+
+    def close(self) -> None:
+        self.executor.close()
+
+    # ------------------------------------------------------------------ actions -> calls
+
+    def _work(self, unit: list[Action]) -> Callable[[], None]:
+        """The call that performs one unit of the plan (design §4.2 says what each op means)."""
+        a, s = unit[0], self.storage
+        if OPS[a.op].is_p2p:
+            return self._p2p(unit, lambda x: s.chunk(x.buf, x.chunk))
+        comm = self._comms.get(OPS[a.op].channel)
+        if a.op is Op.F:
+            return lambda: self.compute.forward(a, self._state)
+        if a.op is Op.B:
+            return lambda: self.compute.backward(a, self._state)
+        if a.op is Op.LOAD_W:
+            return lambda: s.load_master(a.buf, a.chunk)
+        if a.op is Op.STEP:
+            return self._optimizer_step
+        if a.op is Op.ACC_G:
+            return lambda: s.accumulate(a.buf, a.chunk)
+        if a.op is Op.BCAST_W:
+            return lambda: comm.broadcast(s.chunk(a.buf, a.chunk), a.root, a.group)
+        if a.op is Op.REDUCE_G:
+            return lambda: comm.reduce(s.chunk(a.buf, a.chunk), a.root, a.group)
+        if a.op is Op.ALLREDUCE_REPLICATED:
+            return lambda: comm.all_reduce(s.rep, a.group)
+        if a.op is Op.ALLREDUCE_STATS:
+            return lambda: self._all_reduce_stats(comm, a.group)
+        raise ValueError(f"the engine cannot execute {a.op}")
+
+    def _p2p(self, unit: list[Action], tensor: Callable[[Action], torch.Tensor]) -> Messages:
+        return Messages(self._comms[OPS[unit[0].op].channel],
+                        tuple(P2P(OPS[a.op].transfer, tensor(a), a.peer) for a in unit),
+                        tuple(a.tag for a in unit), self.timeout)
+
+    def _all_reduce_stats(self, comm: Comm, group: tuple[int, ...]) -> None:
+        stats = Precision.local_stats(self.storage.grad_acc).to(self.device)
+        comm.all_reduce(stats, group)
+        self._stats = stats
+
+    def _optimizer_step(self) -> None:
+        s = self.storage
+        n_total = self.topology.world_size * self.micro_batches
+        self._last_loss = s.rep[-1].item() / n_total
+        if self.precision.finish(self.steps, self._stats, self._last_loss, s.rep[:-1], s.grad_acc):
+            if s.offload is not None:
+                s.offload.synchronize()  # streamed loads have finished reading the master
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        s.grad_acc.zero_()
+        s.rep.zero_()

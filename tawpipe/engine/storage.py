@@ -1,0 +1,229 @@
+"""What one rank stores (design §6.1): its own chunk, the replicated modules, the staging buffers.
+
+Device-bound storage: the own chunk's float32 master and float32 gradient accumulator are flat
+buffers whose views are the optimizer's parameters and their ``.grad``; with ``offload="host"``
+they live in (pinned) host memory and stream to and from the device (``tawpipe.engine.offload``). The replicated modules
+(embedding, head) keep their own parameters, whose ``.grad`` are views of one flat buffer
+``rep`` that also holds this rank's loss sum, so the replicated all-reduce is one collective on
+memory that backward writes directly. Staging buffers are the plan's named buffers.
+
+Gradients are harvested without packing: the leaves a chunk's backward differentiates carry
+persistent ``.grad`` views into the plan's gradient buffer (when the dtypes agree) or into one
+compute-dtype scratch buffer, so autograd writes a chunk's gradient straight into flat memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..models.parts import Materialize, block_param_name
+from ..ops import ShardLayout
+from ..plan.actions import BufKind, buf_kind
+from ..plan.plan import Plan
+from ..runtime.timeout import DEFAULT_TIMEOUT
+from .offload import HostOffload
+
+BlockForward = Callable[..., torch.Tensor]
+
+
+class ChunkRunner(nn.Module):
+    """A stack of blocks run through the user's hook; one per chunk shape, on the meta device:
+    its parameters always come from a staging buffer (``functional_call``)."""
+
+    def __init__(self, blocks: nn.ModuleList, block_forward: BlockForward) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self._block_forward = block_forward
+
+    def forward(self, hidden: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+        for block in self.blocks:
+            hidden = self._block_forward(block, hidden, **ctx)
+        return hidden
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Persistent per-rank bytes, by kind. `sharded_target` is 16 bytes x decoder parameters / N."""
+
+    master: int
+    optimizer: int
+    grad_accumulator: int
+    staging: dict[str, int]
+    replicated: int
+    decoder_params: int
+    world_size: int
+    offloaded: bool = False  # master, accumulator and optimizer state in host memory
+
+    @property
+    def persistent(self) -> int:
+        return self.master + self.optimizer + self.grad_accumulator
+
+    @property
+    def sharded_target(self) -> float:
+        return 16.0 * self.decoder_params / self.world_size
+
+    def __str__(self) -> str:
+        mb = 1 / 2**20
+        st = ", ".join(f"{k} {v * mb:.2f}" for k, v in sorted(self.staging.items()))
+        return (
+            f"master {self.master * mb:.2f} MiB + optimizer {self.optimizer * mb:.2f} + grad acc "
+            f"{self.grad_accumulator * mb:.2f} = {self.persistent * mb:.2f} MiB "
+            f"(16*Psi/N = {self.sharded_target * mb:.2f}){' in host memory' if self.offloaded else ''}; "
+            f"staging: {st} MiB; replicated {self.replicated * mb:.2f} MiB"
+        )
+
+
+class ChunkStorage:
+    """The persistent tensors of one rank, laid out as the plan names them."""
+
+    def __init__(self, plan: Plan, rank: int, blocks: Sequence[nn.Module],
+                 replicated: list[tuple[str, nn.Parameter]], block_forward: BlockForward,
+                 block_prefix: str, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 device: torch.device, materialize: Materialize | None = None,
+                 offload: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.plan, self.rank, self.device = plan, rank, device
+        self.compute_dtype, self.grad_dtype = compute_dtype, grad_dtype
+        self.own_chunk = plan.own_chunk(rank)
+        self.position = {k: p for p, k in enumerate(plan.model_order)}
+        self.layouts: dict[int, ShardLayout] = {}
+        self.runners: dict[int, ChunkRunner] = {}
+        for start, stop in plan.chunk_layers:
+            n = stop - start
+            if n not in self.layouts:
+                stack = nn.ModuleList(blocks[start:stop])
+                self.layouts[n] = ShardLayout.from_module(stack, align=1)
+                self.runners[n] = ChunkRunner(copy.deepcopy(stack).to("meta"), block_forward)
+        self.decoder_params = sum(p.numel() for b in blocks for p in b.parameters())
+        self._init_own(blocks, block_prefix, materialize, offload, timeout)
+        self._init_replicated(replicated)
+        self._init_staging()
+        self._leaves: dict[tuple[str, str, int], list[torch.Tensor]] = {}
+
+    def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None,
+                  offload: str | None, timeout: float) -> None:
+        start, stop = self.plan.chunk_layers[self.own_chunk]
+        layout = self.layouts[stop - start]
+        own = []
+        for i in range(start, stop):
+            block = blocks[i]
+            if any(p.is_meta for p in block.parameters()):
+                if materialize is None:
+                    raise ValueError(f"block {i} is on the meta device: pass materialize=fn(block, layer_index) "
+                                     "that returns it with its initial weights (only the own chunk's are asked)")
+                block = materialize(block, i)
+                if not isinstance(block, nn.Module) or any(p.is_meta for p in block.parameters()):
+                    raise ValueError(f"materialize(block, {i}) must return the block with real weights")
+            own.append(block)
+        modules = nn.ModuleList(own)
+        master = layout.new_flat(torch.float32, self.device if offload is None else "cpu")
+        layout.pack([p.detach().to(master.device) for p in modules.parameters()], master)
+        if offload is None:
+            self.offload, self.master, self.grad_acc = None, master, torch.zeros_like(master)
+        else:  # master and accumulator in (pinned) host memory, streamed in pieces (design §6.1)
+            self.offload = HostOffload(layout, self.device, init=master, timeout=timeout)
+            self.master, self.grad_acc = self.offload.master, self.offload.grad
+        self.own_params: list[tuple[str, nn.Parameter]] = []
+        for (name, _), view, gview in zip(modules.named_parameters(), layout.views(self.master),
+                                          layout.views(self.grad_acc)):
+            p = nn.Parameter(view, requires_grad=True)
+            p.grad = gview
+            self.own_params.append((block_param_name(prefix, start, name), p))
+
+    def _init_replicated(self, replicated: list[tuple[str, nn.Parameter]]) -> None:
+        self.replicated = replicated
+        layout = ShardLayout.from_tensors([p for _, p in replicated], align=1)
+        self.rep = torch.zeros(layout.numel + 1, dtype=torch.float32, device=self.device)  # + loss sum
+        for (_, p), view in zip(replicated, layout.views(self.rep)):
+            if p.dtype != torch.float32 or p.device != self.device:
+                raise ValueError(f"replicated parameters must be float32 on {self.device}, got "
+                                 f"{p.dtype} on {p.device}: move embed and head there first")
+            p.grad = view
+
+    def _init_staging(self) -> None:
+        names = {b for a in self.plan.actions[self.rank] for b in (a.buf, a.grad_buf) if b}
+        numel = max(layout.numel for layout in self.layouts.values())
+        dtype = {BufKind.WEIGHTS: self.compute_dtype, BufKind.GRADS: self.grad_dtype}
+        # zeros, not empty: their pages are the rank's from the start (the first step writes them all)
+        self.bufs = {b: torch.zeros(numel, dtype=dtype[buf_kind(b)], device=self.device) for b in sorted(names)}
+        # Chunk gradients are born in compute dtype; when the plan's buffers hold another dtype
+        # they land here first and are cast in one contiguous copy.
+        self.scratch = (torch.empty(numel, dtype=self.compute_dtype, device=self.device)
+                        if self.compute_dtype != self.grad_dtype else None)
+
+    def chunk(self, name: str, chunk: int) -> torch.Tensor:
+        """The part of buffer ``name`` that holds ``chunk``."""
+        return self.bufs[name][: self.numel(chunk)]
+
+    def numel(self, chunk: int) -> int:
+        start, stop = self.plan.chunk_layers[chunk]
+        return self.layouts[stop - start].numel
+
+    def layers(self, chunk: int) -> int:
+        start, stop = self.plan.chunk_layers[chunk]
+        return stop - start
+
+    def weights(self, weight_buf: str, chunk: int) -> list[torch.Tensor]:
+        """Per-parameter views of ``chunk`` in ``weight_buf`` (cached: the buffers never move)."""
+        key = (weight_buf, "", self.layers(chunk))
+        views = self._leaves.get(key)
+        if views is None:
+            views = self._leaves[key] = self.layouts[key[2]].views(self.bufs[weight_buf])
+        return views
+
+    def grad_target(self, grad_buf: str, chunk: int) -> torch.Tensor:
+        """Where autograd writes a backward's chunk gradient (see the module docstring)."""
+        return (self.scratch if self.scratch is not None else self.bufs[grad_buf])[: self.numel(chunk)]
+
+    def leaves(self, weight_buf: str, grad_buf: str, chunk: int) -> list[torch.Tensor]:
+        """Persistent leaf tensors viewing ``weight_buf`` whose ``.grad`` view the grad target."""
+        n = self.layers(chunk)
+        key = (weight_buf, grad_buf if self.scratch is None else "scratch", n)
+        leaves = self._leaves.get(key)
+        if leaves is None:
+            layout = self.layouts[n]
+            leaves = [v.detach().requires_grad_() for v in layout.views(self.bufs[weight_buf])]
+            for leaf, g in zip(leaves, layout.views(self.grad_target(grad_buf, chunk))):
+                leaf.grad = g
+            self._leaves[key] = leaves
+        return leaves
+
+    def load_master(self, buf: str, chunk: int) -> None:
+        """LOAD_W: the own master, cast into a staging buffer."""
+        dst = self.chunk(buf, chunk)
+        if self.offload is None:
+            dst.copy_(self.master)
+        else:
+            self.offload.load_weights_into(dst)
+
+    def accumulate(self, buf: str, chunk: int) -> None:
+        """ACC_G: a gradient buffer added into the own float32 accumulator."""
+        src = self.chunk(buf, chunk)
+        if self.offload is None:
+            self.grad_acc.add_(src)
+        else:
+            self.offload.accumulate_grad(src)
+
+    def harvest(self, grad_buf: str, chunk: int, accumulate: bool) -> None:
+        """Move a backward's gradient from the scratch into the plan's buffer (dtype differs)."""
+        if self.scratch is not None:
+            dst, src = self.chunk(grad_buf, chunk), self.scratch[: self.numel(chunk)]
+            dst.add_(src) if accumulate else dst.copy_(src)
+
+    def memory_report(self, optimizer: torch.optim.Optimizer) -> MemoryReport:
+        opt = sum(t.numel() * t.element_size() for _, p in self.own_params
+                  for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t) and t.dim() > 0)
+        staging = {k: v.numel() * v.element_size() for k, v in self.bufs.items()}
+        if self.scratch is not None:
+            staging["scratch"] = self.scratch.numel() * self.scratch.element_size()
+        return MemoryReport(
+            master=self.master.numel() * 4, optimizer=opt, grad_accumulator=self.grad_acc.numel() * 4,
+            staging=staging, replicated=sum(p.numel() * p.element_size() for _, p in self.replicated),
+            decoder_params=self.decoder_params, world_size=self.plan.topology.world_size,
+            offloaded=self.offload is not None,
+        )

@@ -1,0 +1,328 @@
+"""Checkpoints: one directory per step, every rank's shard plus a manifest that vouches for them.
+
+Layout of a checkpoint root::
+
+    ROOT/step-00000006/rank-00000.pt ... rank-00003.pt   one shard per rank (TawPipe.state_dict)
+    ROOT/step-00000006/manifest.json                     written last: the checkpoint is complete
+
+The manifest records the step, the topology, the plan's hash, the model's signature (every
+parameter's name, shape and dtype), the dtypes, the tawpipe and torch versions, each file's
+SHA-256 and byte count, and the caller's ``meta`` (JSON). Every file is written atomically
+(temporary file, fsync, rename); temporary files a crash left behind are removed at the next save.
+
+Shards hold parameters and optimizer state under the model's parameter names, so ``restore``
+loads a checkpoint onto any topology: each rank reads the shards that hold its layers (on the same
+topology, exactly its own). It refuses a shard whose checksum or step disagrees with the manifest,
+and a model whose signature differs. Everything loads with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..version import __version__
+
+if TYPE_CHECKING:
+    from ..engine.engine import TawPipe
+
+FORMAT = "tawpipe-checkpoint/1"
+MANIFEST = "manifest.json"
+_TMP = ".tmp-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written, or that must not be loaded."""
+
+
+class PeerCheckpointError(CheckpointError):
+    """Raised on the ranks that did their part when another rank could not: the cause is there."""
+
+    about_a_peer = True  # tawpipe.runtime.launch then names the other rank's error first
+
+
+class _Hashing:
+    """A write-only file that hashes what passes through it."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None], suffix: str) -> tuple[str, int]:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f"{_TMP}{secrets.token_hex(8)}{suffix}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as the umask allows, like open()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            out = _Hashing(f)
+            write(out)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power loss
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return out.sha.hexdigest(), out.size
+
+
+def save_atomic(obj: Any, path: str | os.PathLike[str]) -> str:
+    """Write to a temporary file in the same directory, fsync, then rename over `path`, so a
+    crash leaves either the old file or the new one, never a torn one. Returns its SHA-256."""
+    return _write_atomic(path, lambda f: torch.save(obj, f), ".pt")[0]
+
+
+def load(path: str | os.PathLike[str]) -> Any:
+    """Load a tawpipe checkpoint file; only tensors and plain containers are accepted."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def sha256(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _signature_difference(saved: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    if saved == mine:
+        return None
+    if saved["num_layers"] != mine["num_layers"]:
+        return f"it has {saved['num_layers']} layers, this model {mine['num_layers']}"
+    for part in ("block", "replicated"):
+        a, b = {r[0]: r[1:] for r in saved[part]}, {r[0]: r[1:] for r in mine[part]}
+        for name in sorted(a.keys() | b.keys()):
+            if a.get(name) != b.get(name):
+                return (f"{part} parameter {name!r} is {a.get(name) or 'absent'} in the checkpoint but "
+                        f"{b.get(name) or 'absent'} in this model")
+    return f"its part names are {saved['names']}, this model's {mine['names']}"
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """A complete checkpoint directory: ``path`` itself, or the latest complete one under it."""
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return p
+    if not p.is_dir():
+        raise CheckpointError(f"no checkpoint at {p}: not a directory")
+    if p.name.startswith("step-"):
+        raise CheckpointError(f"{p} is incomplete (no {MANIFEST}): its save was interrupted; use an earlier step")
+    done = sorted(d for d in p.glob("step-*") if (d / MANIFEST).is_file())
+    if not done:
+        raise CheckpointError(f"no complete checkpoint under {p} (no step-*/{MANIFEST})")
+    return done[-1]
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    d = resolve(path)
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{d / MANIFEST} is unreadable: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{d / MANIFEST} is not a {FORMAT} manifest")
+    return manifest
+
+
+def check_model(manifest: dict[str, Any], signature: dict[str, Any], where: str | os.PathLike[str]) -> None:
+    """Refuse a checkpoint of another model (CheckpointError naming the first difference)."""
+    diff = _signature_difference(manifest["model"], signature)
+    if diff is not None:
+        raise CheckpointError(f"checkpoint {where} is of a different model: {diff}")
+
+
+def _remove_stale(root: Path, step: Path) -> None:
+    """Temporary files of saves that crashed, and the manifest of the step about to be rewritten
+    (until the new one lands, the directory is incomplete)."""
+    for tmp in [*root.glob(f"{_TMP}*"), *root.glob(f"step-*/{_TMP}*")]:
+        tmp.unlink(missing_ok=True)
+    (step / MANIFEST).unlink(missing_ok=True)
+
+
+def _digest_row(digest: str) -> list[int]:
+    raw = bytes.fromhex(digest)
+    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
+
+
+def _row_digest(row: list[int]) -> str:
+    return b"".join(v.to_bytes(8, "little", signed=True) for v in row).hex()
+
+
+def save(engine: TawPipe, root: str | os.PathLike[str], *, extra: dict[str, Any] | None = None,
+         meta: dict[str, Any] | None = None) -> Path:
+    """Write ``engine``'s checkpoint at its current step under ``root``; every rank calls it.
+
+    ``extra`` is this rank's own state (tensors and plain containers: RNG, data position...),
+    returned by ``restore``; ``meta`` (JSON, rank 0's) goes into the manifest. Every rank raises
+    the same CheckpointError if any rank fails, and the step is then left incomplete.
+    """
+    root, step = Path(root), engine.steps
+    d = step_dir(root, step)
+    name = f"rank-{engine.rank:05d}.pt"
+    error: BaseException | None = None
+    if engine.rank == 0:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            _remove_stale(root, d)
+        except OSError as e:
+            error = e
+    _agree(engine, [error is None], f"could not prepare {d}", error)  # nobody writes before this
+    digest, size = "0" * 64, 0
+    try:
+        shard = engine.state_dict()
+        shard["extra"] = extra or {}
+        digest, size = _write_atomic(d / name, lambda f: torch.save(shard, f), ".pt")
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
+        error = e
+    rows = _agree(engine, [error is None, size, *_digest_row(digest)], f"could not write {d}", error)
+    if engine.rank == 0:
+        try:
+            _write_manifest(engine, d, rows, meta or {})
+        except Exception as e:  # noqa: BLE001
+            error = e
+    _agree(engine, [error is None], f"could not write {d / MANIFEST}", error)
+    return d
+
+
+def _agree(engine: TawPipe, row: list[int], what: str, error: BaseException | None) -> list[list[int]]:
+    """Exchange a row per rank whose first value says "ok"; raise on every rank if one failed."""
+    rows = engine.gather_rows([int(v) for v in row])
+    failed = [r for r, values in enumerate(rows) if not values[0]]
+    if failed and error is not None:
+        raise CheckpointError(f"checkpoint: rank(s) {failed} {what}: {type(error).__name__}: {error}") from error
+    if failed:
+        raise PeerCheckpointError(f"checkpoint: rank(s) {failed} {what}; see their errors")
+    return rows
+
+
+def _write_manifest(engine: TawPipe, d: Path, rows: list[list[int]], meta: dict[str, Any]) -> None:
+    plan = engine.plan
+    files = {}
+    for r, row in enumerate(rows):
+        chunk = plan.own_chunk(r)
+        files[f"rank-{r:05d}.pt"] = {"rank": r, "chunk": chunk, "layers": list(plan.chunk_layers[chunk]),
+                                     "bytes": row[1], "sha256": _row_digest(row[2:6])}
+    manifest = {
+        "format": FORMAT,
+        "step": engine.steps,
+        "tawpipe_version": __version__,
+        "torch_version": torch.__version__,
+        "topology": {"nodes": plan.topology.nodes, "per_node": plan.topology.per_node},
+        "algo": plan.algo,
+        "plan_sha256": hashlib.sha256(plan.to_json().encode()).hexdigest(),
+        "model": engine.model_signature(),
+        "dtypes": {"master": "torch.float32", "compute": str(engine.compute_dtype),
+                   "grad_wire": str(engine.grad_wire_dtype)},
+        "files": files,
+        "meta": meta,
+    }
+    _write_atomic(d / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()), ".json")
+
+
+def _verified(d: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Load one shard after checking it against the manifest: checksum, then step."""
+    entry, path = manifest["files"][name], d / name
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    if sha256(path) != entry["sha256"]:
+        try:  # name the likelier cause when the shard still reads: a shard of another step
+            found = load(path).get("steps")
+        except Exception:  # noqa: BLE001 - unreadable: corrupt indeed
+            found = None
+        if found is not None and found != manifest["step"]:
+            raise CheckpointError(f"{path} is from step {found} but its manifest is of step {manifest['step']}: "
+                                  "mixed steps, refusing to load")
+        raise CheckpointError(f"{path} is corrupt: its SHA-256 differs from the manifest's")
+    shard = load(path)
+    if shard.get("steps") != manifest["step"] or shard.get("rank") != entry["rank"]:
+        raise CheckpointError(f"{path} holds rank {shard.get('rank')} at step {shard.get('steps')}, the manifest "
+                              f"says rank {entry['rank']} at step {manifest['step']}: mixed shards, refusing to load")
+    return shard
+
+
+@dataclass(frozen=True)
+class Restored:
+    path: Path
+    step: int
+    extra: dict[str, Any]  # this rank's ``extra`` (on another topology: the same rank's, or rank 0's)
+    meta: dict[str, Any]
+    resharded: bool
+
+
+def restore(engine: TawPipe, path: str | os.PathLike[str]) -> Restored:
+    """Load the checkpoint at ``path`` (a step directory, or the latest complete one under a
+    root) into ``engine``; every rank calls it, and every rank raises if any rank refuses.
+
+    On another topology each rank takes its layers from the shards that hold them; parameters
+    and their optimizer state (per parameter, by name) move exactly, and the scheduler, loss
+    scale, counters and optimizer hyper-parameters come from the first of those shards."""
+    error, out, step = None, None, -1
+    try:
+        d = resolve(path)
+        manifest = read_manifest(d)
+        step = manifest["step"]
+        check_model(manifest, engine.model_signature(), d)
+        start, stop = engine.plan.chunk_layers[engine.own_chunk]
+        needed = [n for n, f in sorted(manifest["files"].items()) if f["layers"][0] < stop and start < f["layers"][1]]
+        same = f"rank-{engine.rank:05d}.pt"  # its extra (RNG...) is this rank's on the same topology
+        extra_from = [same] if same in manifest["files"] and same not in needed else []
+        shards = {n: _verified(d, n, manifest) for n in needed + extra_from}
+        first = shards[needed[0]]
+        resharded = needed != [same] or manifest["files"][same]["layers"] != [start, stop]
+        state = dict(first, params={}, optimizer=dict(first["optimizer"], state={}))
+        for n in needed:
+            state["params"].update(shards[n]["params"])
+            state["optimizer"]["state"].update(shards[n]["optimizer"]["state"])
+        engine.load_state_dict(state, reshard=resharded)
+        out = Restored(d, step, shards.get(same, first)["extra"], manifest["meta"], resharded)
+    except Exception as e:  # noqa: BLE001 - shared below, so that no rank trains on alone
+        error = e
+    rows = engine.gather_rows([int(error is None), step])
+    refused = [r for r, (ok, _) in enumerate(rows) if not ok]
+    if error is not None:
+        raise error
+    if refused:
+        raise PeerCheckpointError(f"rank(s) {refused} refused checkpoint {out.path}; see their errors")
+    if len({s for _, s in rows}) > 1:
+        raise CheckpointError(f"ranks found checkpoints of different steps {[s for _, s in rows]} under {path}")
+    return out
+
+
+def consolidated(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The whole model's parameters from a checkpoint's shards, under the model's names (what a
+    single-process model's ``load_state_dict`` takes, tied weights under each of their names)."""
+    d = resolve(path)
+    manifest = read_manifest(d)
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(manifest["files"]):
+        shard = _verified(d, name, manifest)
+        out.update(shard["params"])
+        out.update({alias: shard["params"][canonical] for alias, canonical in shard["aliases"].items()})
+    return out

@@ -1,0 +1,94 @@
+"""A trained model written as a Hugging Face ``save_pretrained`` directory: nothing is gathered.
+
+:func:`export` writes a directory that ``transformers``' ``from_pretrained`` loads: each rank
+writes the shard of its own chunk; rank 0 also writes the replicated tensors, the config and,
+once every shard is on disk (``TawPipe.barrier``), the index. It reads the engine only through
+its public methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..models.weights import INDEX, SINGLE, shard_names
+
+if TYPE_CHECKING:
+    from ..engine.engine import TawPipe
+    from ..models.parts import ModelParts
+
+
+def export(engine: TawPipe, parts: ModelParts, directory: str | os.PathLike[str],
+           dtype: torch.dtype = torch.float32) -> None:
+    """Write ``engine``'s model, built from ``parts``, to ``directory`` in ``dtype``. Call it on every
+    rank; it returns once the directory is complete."""
+    if parts.checkpoint_name is None or parts.save_config is None:
+        raise ValueError(f"{parts.description} has no Hugging Face format to export to")
+    save_sharded(engine, directory, parts.checkpoint_name, dtype=dtype,
+                 write_extra=lambda d: parts.save_config(d, dtype))
+
+
+def save_sharded(engine: TawPipe, directory: str | os.PathLike[str], checkpoint_name: Callable[[str], str], *,
+                 dtype: torch.dtype = torch.float32,
+                 write_extra: Callable[[Path], None] | None = None) -> None:
+    """Write the engine's model as a ``save_pretrained`` directory, every rank its own chunk.
+
+    ``checkpoint_name`` maps the engine's parameter names (``blocks.{layer}.{name}``, ``embed.*``,
+    ``head.*``) to the checkpoint's. Call it on every rank; it returns once the directory is
+    complete (a barrier before rank 0 writes the index).
+    """
+    world = engine.topology.world_size
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = shard_names(world)
+    chunk_file = {k: files[i] for i, k in enumerate(engine.plan.model_order)}
+    _write(directory / chunk_file[engine.own_chunk],
+           {checkpoint_name(n): p for n, p in engine.own_parameters()}, dtype)
+    if engine.rank == 0:
+        _write(directory / files[-1], {checkpoint_name(n): p for n, p in engine.replicated_parameters()}, dtype)
+        if write_extra is not None:
+            write_extra(directory)
+    engine.barrier()
+    if engine.rank != 0:
+        return
+    item = torch.empty((), dtype=dtype).element_size()
+    weight_map, total = {}, 0
+    for name, numel, chunk in engine.block_parameters():
+        weight_map[checkpoint_name(name)] = chunk_file[chunk]
+        total += numel * item
+    for n, p in engine.replicated_parameters():
+        weight_map[checkpoint_name(n)] = files[-1]
+        total += p.numel() * item
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _atomic(directory / INDEX, lambda path: path.write_text(json.dumps(index, indent=2) + "\n"))
+    # Weights of an earlier save: transformers would read a stale model.safetensors before the index.
+    for stale in [directory / SINGLE, *directory.glob("model-*-of-*.safetensors")]:
+        if stale.name not in files and stale.exists():
+            stale.unlink()
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    from safetensors.torch import save_file
+
+    # Own copies: the engine's parameters are views of one flat buffer, which safetensors refuses.
+    data = {n: t.detach().to("cpu", dtype, copy=True).contiguous() for n, t in tensors.items()}
+    _atomic(path, lambda tmp: save_file(data, tmp, metadata={"format": "pt"}))
+
+
+def _atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temporary file in the same directory and rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

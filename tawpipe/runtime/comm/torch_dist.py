@@ -1,0 +1,136 @@
+"""Comm over torch.distributed: gloo on the CPU, NCCL on CUDA.
+
+Process groups are created eagerly (every rank must create them in the same order): one world
+clone for point-to-point traffic and one subgroup per topology group, per channel, so that each
+channel's operations never interleave with another channel's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ...plan.actions import Channel
+from ...plan.topology import Topology
+from .base import P2P, Comm, CommTimeout, Group
+
+
+def check_job(topology: Topology) -> None:
+    """torch.distributed is up, with as many processes as ``topology`` names (every backend
+    builds on its process group)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call tawpipe.runtime.launch.init_distributed() "
+            "(or dist.init_process_group) before building the engine"
+        )
+    if dist.get_world_size() != topology.world_size:
+        raise ValueError(
+            f"topology has {topology.world_size} ranks ({topology.nodes} nodes x "
+            f"{topology.per_node}) but the job has {dist.get_world_size()}; "
+            "launch as many processes as the topology names"
+        )
+
+
+class TorchDistComm(Comm):
+    def __init__(self, topology: Topology, timeout: float, _channel: str = Channel.WEIGHTS) -> None:
+        check_job(topology)
+        self.topology = topology
+        self.timeout = timeout
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.name = _channel
+        if _channel == Channel.WEIGHTS:  # the first channel: agree on the groups before creating them
+            _check_same_topology(topology, self.rank, self.world_size)
+        td = timedelta(seconds=timeout)
+        world = tuple(range(self.world_size))
+        self._groups: dict[Group, dist.ProcessGroup] = {world: dist.new_group(list(world), timeout=td)}
+        for g in range(topology.nodes):
+            ranks = topology.group_ranks(g)
+            if len(ranks) > 1 and ranks != world:
+                self._groups[ranks] = dist.new_group(list(ranks), timeout=td)
+        # Point-to-point messages from a lower to a higher rank go on one connection per pair, the
+        # other way on a second: a connection then carries bulk data one way only. On one shared
+        # connection, the control messages a transfer needs (gloo's "ready to receive") queue
+        # behind the other direction's payload, and a two-way swap ran at half speed (design §5.2).
+        self._up, self._down = self._groups[world], dist.new_group(list(world), timeout=td)
+        self._channels: dict[str, Comm] = {_channel: self}
+
+    def channel_comm(self, name: str) -> Comm:
+        # Created on first use; every rank asks for the same channels in the same order.
+        if name not in self._channels:
+            self._channels[name] = TorchDistComm(self.topology, self.timeout, _channel=name)
+        return self._channels[name]
+
+    def _pg(self, group: Group) -> dist.ProcessGroup:
+        try:
+            return self._groups[tuple(group)]
+        except KeyError:
+            raise ValueError(f"group {group} is not a topology group or the world") from None
+
+    def _line(self, src: int, dst: int) -> dist.ProcessGroup:
+        return self._up if src < dst else self._down
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        dist.send(tensor, dst=peer, group=self._line(self.rank, peer))
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        dist.recv(tensor, src=peer, group=self._line(peer, self.rank))
+
+    @property
+    def async_p2p(self) -> bool:
+        """gloo matches messages by (peer, tag) whatever the order they are posted in."""
+        return dist.get_backend(self._up) == "gloo"
+
+    def _isend_irecv(self, op: P2P, tag: int = 0) -> dist.Work:
+        if op.op == "send":
+            return dist.isend(op.tensor, op.peer, group=self._line(self.rank, op.peer), tag=tag)
+        return dist.irecv(op.tensor, op.peer, group=self._line(op.peer, self.rank), tag=tag)
+
+    def post(self, op: P2P, tag: int) -> _Posted:
+        return _Posted(self._isend_irecv(op, tag))
+
+    def batch_p2p(self, ops: Sequence[P2P]) -> None:
+        works = [self._isend_irecv(o) for o in ops]
+        for w in works:
+            w.wait()
+
+    def broadcast(self, tensor: torch.Tensor, root: int, group: Group) -> None:
+        dist.broadcast(tensor, src=root, group=self._pg(group))
+
+    def reduce(self, tensor: torch.Tensor, root: int, group: Group) -> None:
+        dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, group=self._pg(group))
+
+    def all_reduce(self, tensor: torch.Tensor, group: Group) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._pg(group))
+
+
+class _Posted:
+    """A posted torch.distributed message whose wait has a limit."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self._work.wait(timedelta(seconds=timeout))
+        except RuntimeError as e:
+            if "timeout" not in str(e).lower():  # gloo: "Application timeout caused pair closure"
+                raise
+            raise CommTimeout(f"timed out after {timeout:.0f}s ({e}); a peer is missing or stuck "
+                              "(raise the timeout with TAWPIPE_TIMEOUT for slow links)") from e
+
+
+def _check_same_topology(topology: Topology, rank: int, world: int) -> None:
+    """Every rank creates one process group per topology group; ranks that disagree on the
+    topology would create different groups and hang, so compare first (one small all-gather)."""
+    seen: list = [None] * world
+    dist.all_gather_object(seen, (topology.nodes, topology.per_node))
+    for r, shape in enumerate(seen):
+        if shape != seen[0]:
+            raise ValueError(
+                f"rank {r} has topology {shape[0]}x{shape[1]} but rank 0 has {seen[0][0]}x{seen[0][1]} "
+                f"(this is rank {rank}): give every rank the same Topology(nodes, per_node)"
+            )

@@ -1,0 +1,89 @@
+"""`tawpipe bench WHAT --out DIR`: results go to ``tawpipe-results/`` in the current directory unless
+``--out`` names another, and never into the committed ``benchmarks/results/`` by default."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "benchmarks" / "results"
+DEFAULT = "tawpipe-results"
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
+    """Every file under root: its mtime and a hash of its contents."""
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _comm(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The cheapest sweep: one all_reduce of 1 KiB on 2 local gloo ranks (1 node x 2), through the CLI."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run(
+        [sys.executable, "-m", "tawpipe", "bench", "comm", "--nodes", "1", "--per-node", "2", "--backend", "gloo",
+         "--ops", "all_reduce", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0", "--time-budget", "0", "-T", "60",
+         *extra],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_comm_writes_under_out_and_never_into_committed_results(tmp_path: Path) -> None:
+    before = _snapshot(COMMITTED)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    r = _comm(work)
+    assert r.returncode == 0, r.stdout + r.stderr
+    default = work / DEFAULT
+    assert sorted(p.name for p in default.iterdir()) == ["comm_gloo_1x2.json", "comm_gloo_1x2.png"]
+    result = json.loads((default / "comm_gloo_1x2.json").read_text())
+    assert result["wrong"] == 0 and {(x["op"], x["placement"], x["n"]) for x in result["rows"]} == {
+        ("all_reduce", "intra", 2), ("all_reduce", "inter", 1)}
+    assert "out" not in result["config"]  # where it went is not part of the measurement
+    assert f"wrote {os.path.join(DEFAULT, 'comm_gloo_1x2.json')}" in r.stdout
+
+    elsewhere = tmp_path / "elsewhere" / "nested"  # created when needed
+    r = _comm(work, "--out", str(elsewhere), "--plot", "")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["comm_gloo_1x2.json"]
+    assert json.loads((elsewhere / "comm_gloo_1x2.json").read_text())["wrong"] == 0
+    assert sorted(p.name for p in default.iterdir()) == ["comm_gloo_1x2.json", "comm_gloo_1x2.png"]  # untouched
+    assert sorted(p.name for p in work.iterdir()) == [DEFAULT]
+
+    assert _snapshot(COMMITTED) == before
+
+
+@pytest.mark.parametrize("what", ["comm", "prefetch", "overlap", "cluster"])
+def test_every_bench_defaults_to_the_results_folder_in_the_current_directory(what: str) -> None:
+    p = argparse.ArgumentParser()
+    importlib.import_module(f"tawpipe.bench.{what}").add_arguments(p)
+    assert p.parse_args([]).out == DEFAULT
+    assert p.parse_args(["--out", "benchmarks/results"]).out == "benchmarks/results"
+
+
+def test_prefetch_writes_under_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tawpipe.bench import prefetch
+
+    before = _snapshot(COMMITTED)
+    monkeypatch.chdir(tmp_path)
+    p = argparse.ArgumentParser()
+    prefetch.add_arguments(p)
+    small = ["--device", "cpu", "--numel", str(1 << 14), "--pieces", "4096", "--repeats", "1"]
+    assert prefetch.main(p.parse_args(small)) == 0
+    assert json.loads((tmp_path / DEFAULT / "prefetch_cpu.json").read_text())["benchmark"] == "prefetch"
+    assert prefetch.main(p.parse_args([*small, "--out", "mine"])) == 0
+    assert [f.name for f in (tmp_path / "mine").iterdir()] == ["prefetch_cpu.json"]
+    assert prefetch.main(p.parse_args([*small, "--out", "named.json"])) == 0  # a .json path is the file itself
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted([DEFAULT, "mine", "named.json"])
+    assert _snapshot(COMMITTED) == before

@@ -1,0 +1,205 @@
+"""Unit tests of ``Precision``: loss scaling, global-norm clipping, non-finite steps, state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tawpipe.engine.precision import Precision
+
+
+def _grads(seed: int, n_own: int = 37, n_rep: int = 11, mul: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n_own, generator=g) * mul, torch.randn(n_rep, generator=g) * mul
+
+
+def _step(p: Precision, own: torch.Tensor, rep: torch.Tensor, loss: float = 1.0, step: int = 0) -> bool:
+    """One engine-like step on one rank: own-chunk stats, then ``finish`` (in place)."""
+    return p.finish(step, Precision.local_stats(own), loss, rep, own)
+
+
+def _sgd(p: Precision, params: torch.Tensor, own: torch.Tensor, rep: torch.Tensor, loss: float) -> bool:
+    """As the engine does: the optimizer steps only if ``finish`` says so."""
+    ok = _step(p, own, rep, loss)
+    if ok:
+        params.grad = torch.cat([own, rep])
+        torch.optim.SGD([params], lr=0.1).step()
+    return ok
+
+
+def test_local_stats_are_squared_norm_and_flag() -> None:
+    """local_stats is [sum of squares in float64, 0/1 non-finite flag]."""
+    own, _ = _grads(0)
+    s = Precision.local_stats(own)
+    assert s.dtype == torch.float64
+    assert s[0].item() == pytest.approx(own.double().square().sum().item(), rel=1e-12)
+    assert s[1].item() == 0
+    own[3] = float("inf")
+    assert Precision.local_stats(own)[1].item() == 1
+    own[3] = float("nan")
+    assert Precision.local_stats(own)[1].item() == 1
+
+
+def test_no_scaling_leaves_gradients_unchanged() -> None:
+    """loss_scale=None: scale 1, gradients untouched, step taken."""
+    p = Precision()
+    assert p.scale == 1.0 and not p.dynamic
+    own, rep = _grads(1)
+    own0, rep0 = own.clone(), rep.clone()
+    assert _step(p, own, rep)
+    assert torch.equal(own, own0) and torch.equal(rep, rep0)
+
+
+def test_static_scale_unscales_and_never_changes() -> None:
+    """A static loss scale divides both gradient views by it and stays fixed over many steps."""
+    p = Precision(loss_scale=128)
+    for i in range(5):
+        own, rep = _grads(10 + i, mul=128.0)
+        ref_own, ref_rep = own / 128.0, rep / 128.0
+        assert _step(p, own, rep)
+        torch.testing.assert_close(own, ref_own)
+        torch.testing.assert_close(rep, ref_rep)
+    assert p.scale == 128.0 and p.skipped_steps == 0
+
+
+def test_dynamic_scale_grows_after_interval() -> None:
+    """Dynamic: the scale is multiplied by ``growth`` exactly every ``growth_interval`` good steps."""
+    p = Precision(loss_scale="dynamic", init_scale=1024.0, growth=2.0, growth_interval=3)
+    scales = []
+    for i in range(7):
+        own, rep = _grads(20 + i, mul=p.scale)
+        ref = own / p.scale
+        assert _step(p, own, rep)
+        torch.testing.assert_close(own, ref)
+        scales.append(p.scale)
+    assert scales == [1024, 1024, 2048, 2048, 2048, 4096, 4096]
+
+
+def test_dynamic_overflow_backs_off_and_skips() -> None:
+    """Dynamic: an overflow halves the scale, skips, counts, and restarts the growth interval;
+    this holds even with nonfinite='raise'."""
+    p = Precision(loss_scale="dynamic", init_scale=256.0, growth_interval=2, nonfinite="raise")
+    own, rep = _grads(30)
+    assert _step(p, own, rep)  # good_steps = 1
+    own, rep = _grads(31)
+    own[5] = float("inf")
+    own0, rep0 = own.clone(), rep.clone()
+    assert not _step(p, own, rep)
+    assert p.scale == 128.0 and p.skipped_steps == 1 and p.good_steps == 0
+    assert torch.equal(rep, rep0) and torch.equal(own[:5], own0[:5])  # not unscaled when skipped
+    own, rep = _grads(32)
+    assert _step(p, own, rep) and p.scale == 128.0  # one good step is not yet an interval
+    own, rep = _grads(33)
+    assert _step(p, own, rep) and p.scale == 256.0
+
+
+@pytest.mark.parametrize("scale", [None, 64.0])
+@pytest.mark.parametrize("max_norm", [0.5, 3.0, 1e4])
+def test_clipping_matches_torch(scale: float | None, max_norm: float) -> None:
+    """Global-norm clipping over own + replicated gradients matches clip_grad_norm_ on unscaled copies."""
+    p = Precision(loss_scale=scale, max_grad_norm=max_norm)
+    own, rep = _grads(40, n_own=53, n_rep=17)
+    refs = [own.clone().requires_grad_(), rep.clone().requires_grad_()]
+    for r in refs:
+        r.grad = r.detach().clone()
+    norm = torch.nn.utils.clip_grad_norm_(refs, max_norm)
+    s = scale or 1.0
+    own.mul_(s)
+    rep.mul_(s)
+    assert _step(p, own, rep)
+    torch.testing.assert_close(own, refs[0].grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(rep, refs[1].grad, rtol=1e-5, atol=1e-7)
+    if max_norm < norm.item():  # actually clipped: the result has norm max_norm
+        got = math.sqrt(own.double().square().sum().item() + rep.double().square().sum().item())
+        assert got == pytest.approx(max_norm, rel=1e-5)
+
+
+def test_clipping_uses_all_reduced_stats() -> None:
+    """The norm comes from ``stats`` (other ranks' owned chunks) plus this rank's replicated part."""
+    own_a, rep = _grads(50)
+    own_b, _ = _grads(51)  # another rank's chunk
+    stats = Precision.local_stats(own_a) + Precision.local_stats(own_b)
+    total = math.sqrt(stats[0].item() + rep.double().square().sum().item())
+    p = Precision(max_grad_norm=total / 4)
+    ref_own, ref_rep = own_a * (total / 4) / (total + 1e-6), rep * (total / 4) / (total + 1e-6)
+    assert p.finish(0, stats, 1.0, rep, own_a)
+    torch.testing.assert_close(own_a, ref_own)
+    torch.testing.assert_close(rep, ref_rep)
+
+
+def test_overflow_flag_in_stats_skips() -> None:
+    """A non-finite flag in the all-reduced stats (another rank's overflow) skips, even with a finite norm."""
+    p = Precision(loss_scale="dynamic", init_scale=8.0)
+    own, rep = _grads(55)
+    stats = Precision.local_stats(own) + torch.tensor([0.0, 1.0], dtype=torch.float64)
+    assert not p.finish(0, stats, 1.0, rep, own)
+    assert p.scale == 4.0 and p.skipped_steps == 1
+
+
+@pytest.mark.parametrize("where", ["loss", "own", "rep"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_skips_and_leaves_params(where: str, bad: float) -> None:
+    """nonfinite='skip': a NaN/inf loss or gradient skips the step; parameters are untouched."""
+    p = Precision(loss_scale=32.0, max_grad_norm=1.0)
+    params = torch.randn(48, generator=torch.Generator().manual_seed(60)).requires_grad_()
+    before = params.detach().clone()
+    own, rep = _grads(61, n_own=37, n_rep=11)
+    loss = bad if where == "loss" else 2.5
+    if where != "loss":
+        (own if where == "own" else rep)[2] = bad
+    assert not _sgd(p, params, own, rep, loss)
+    assert torch.equal(params.detach(), before)
+    assert p.skipped_steps == 1 and p.scale == 32.0
+    own, rep = _grads(62)  # the next good step does move the parameters
+    assert _sgd(p, params, own, rep, 2.5)
+    assert not torch.equal(params.detach(), before)
+    assert p.skipped_steps == 1
+
+
+@pytest.mark.parametrize("where", ["loss", "own", "rep"])
+def test_nonfinite_raise(where: str) -> None:
+    """nonfinite='raise' with static scaling raises FloatingPointError and leaves gradients as they were."""
+    p = Precision(loss_scale=4.0, nonfinite="raise")
+    own, rep = _grads(70)
+    if where != "loss":
+        (own if where == "own" else rep)[0] = float("nan")
+    own0, rep0 = own.clone(), rep.clone()
+    with pytest.raises(FloatingPointError, match="not finite"):
+        _step(p, own, rep, loss=float("inf") if where == "loss" else 1.0, step=7)
+    assert torch.equal(own[1:], own0[1:]) and torch.equal(rep[1:], rep0[1:])  # not unscaled
+
+
+def test_state_dict_round_trip() -> None:
+    """state_dict/load_state_dict carry scale and counters; the loaded object continues identically."""
+    kw = dict(loss_scale="dynamic", init_scale=64.0, growth_interval=4)
+    a = Precision(**kw)
+    for i in range(3):
+        _step(a, *_grads(80 + i))
+    bad, rep = _grads(85)
+    bad[0] = float("inf")
+    _step(a, bad, rep)
+    for i in range(3):
+        _step(a, *_grads(90 + i))
+    sd = a.state_dict()
+    assert sd == {"scale": 32.0, "good_steps": 3, "skipped_steps": 1}
+    b = Precision(**kw)
+    b.load_state_dict(sd)
+    assert b.state_dict() == sd
+    _step(a, *_grads(95))
+    _step(b, *_grads(95))
+    assert a.state_dict() == b.state_dict() == {"scale": 64.0, "good_steps": 4, "skipped_steps": 1}
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(loss_scale=0), dict(loss_scale=-2.0), dict(loss_scale=float("inf")), dict(loss_scale=float("nan")),
+    dict(loss_scale=True), dict(loss_scale="static"), dict(max_grad_norm=0.0), dict(max_grad_norm=-1.0),
+    dict(max_grad_norm=float("nan")), dict(max_grad_norm=float("inf")), dict(nonfinite="ignore"),
+    dict(init_scale=0.0), dict(growth=1.0), dict(backoff=0.0), dict(backoff=1.0), dict(growth_interval=0),
+])
+def test_invalid_arguments(kwargs: dict) -> None:
+    """Invalid constructor arguments raise ValueError naming the argument."""
+    name = next(iter(kwargs)).split("_")[0]
+    with pytest.raises(ValueError, match=name):
+        Precision(**kwargs)
