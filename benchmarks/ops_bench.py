@@ -464,19 +464,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU threads for torch and the native ops (default: torch's)")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON path (default: benchmarks/results/ops_bench_<device>.json, "
-                        "with a _triton suffix for the triton backend)")
+                        help="JSON path, or a folder for ops_bench_<device>.json (a _triton suffix for the triton "
+                        "backend); default: the folder tawpipe-results/ in the current directory. The committed "
+                        "results are rewritten only with --out benchmarks/results")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     report = run(args)
     print_report(report)
-    out = args.out
-    if out is None:
+    out = args.out if args.out is not None else Path("tawpipe-results")
+    if out.suffix != ".json":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         suffix = "" if args.backend == "native" else f"_{args.backend}"
-        name = f"ops_bench_{device_slug(device)}{suffix}.json"
-        out = Path(__file__).resolve().parent / "results" / name
+        out = out / f"ops_bench_{device_slug(device)}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out}", file=sys.stderr)
