@@ -220,6 +220,10 @@ def test_crossover_is_where_1f1b_bytes_reach_tawpipes():
 
 needs_root = pytest.mark.skipif(cl.unavailable_reason() is not None, reason=str(cl.unavailable_reason()))
 M = 2_000_000  # bytes per probe message
+# What the veth counts besides payload, at worst: one Ethernet + IP + TCP (timestamps) header per
+# MSS-sized segment. Segments are larger when GSO coalesces them, so the overhead varies from
+# under 1% (an idle machine) to this bound (a loaded one: the full suite measured 2.6% on a ring).
+WIRE = 1 + 66 / 1448
 
 
 def _probe(rank: int) -> dict:
@@ -283,12 +287,12 @@ def test_veth_counters_see_inter_node_bytes_only():
     assert [r["cpus"] for r in res] == [sorted(cl.worker_cpus(s, r)) for r in range(4)]  # pinned
     tx0, rx0 = res[0]["inter"]
     tx2, rx2 = res[2]["inter"]
-    assert M <= tx0 <= 1.01 * M and M <= rx2 <= 1.01 * M  # payload + headers
+    assert M <= tx0 <= WIRE * M and M <= rx2 <= WIRE * M  # payload + headers
     assert rx0 < 0.01 * M and tx2 < 0.01 * M  # only ACKs come back
     assert max(res[0]["intra"] + res[2]["intra"]) < 0.005 * M  # loopback: the veth sees ~nothing
     ring = 2 * 3 / 4 * M  # gloo's ring all-reduce leaves each node over one link
-    for r in (0, 2):
-        assert all(ring <= v <= 1.02 * ring for v in res[r]["all_reduce"]), res[r]
+    for r in (0, 2):  # each direction: its payload with headers, plus the ACKs of the other's
+        assert all(ring <= v <= (2 * WIRE - 1) * ring for v in res[r]["all_reduce"]), res[r]
     # the launcher's bridge-side view of the whole run agrees with the nodes' own counters
     assert moved[0].tx >= tx0 + res[0]["all_reduce"][0] and moved[1].rx >= rx2 + res[2]["all_reduce"][1]
     assert not _leftovers(s) and not _our_children()
