@@ -54,7 +54,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a local save_pretrained directory (default: a small random LLaMA)")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--export", help="where to write the trained model (default: a temporary directory)")
+    parser.add_argument("--export", help="where to write the trained model (default: a temporary directory, "
+                                         "removed at the end)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(Path(tmp, "initial"))
@@ -70,7 +71,8 @@ def main() -> None:
         x, y = batch(load_tokens(None).val, SEQ, ROWS, seed=0, step=0, index=0)
         with torch.no_grad():
             loss = F.cross_entropy(trained(input_ids=x).logits.flatten(0, 1), y.flatten())
-        print(f"transformers, the exported model: held-out loss {loss.item():.3f} ({export_dir})")
+        kept = f" ({export_dir})" if args.export else ""  # the temporary one is removed on the way out
+        print(f"transformers, the exported model: held-out loss {loss.item():.3f}{kept}")
 
 
 if __name__ == "__main__":

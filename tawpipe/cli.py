@@ -32,7 +32,8 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--per-node", type=int, required=True, help="devices per group s")
     p.add_argument("--layers", type=int, required=True, help="decoder layers L (>= G x s)")
     p.add_argument("--micro-batches", type=int, required=True, help="micro-batches per device (acc)")
-    p.add_argument("--algo", choices=ALGOS, default="tawpipe")
+    p.add_argument("--algo", choices=ALGOS, default="tawpipe",
+                   help="the schedule: TawPipe, or the WeiPipe ring baseline")
     p.add_argument("--grad-route", choices=GRAD_ROUTES, default="rail",
                    help="router of inter-node gradients: the owner's rail peer, or local index 0")
     p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=1,
@@ -48,9 +49,9 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-table", action="store_true", help="print only the summary")
     m = p.add_argument_group("model (optional: gives sizes in bytes, memory per k and the peer estimates)")
     m.add_argument("--hidden", type=int, help="hidden size H")
-    m.add_argument("--heads", type=int, default=32)
-    m.add_argument("--kv-heads", type=int, default=None)
-    m.add_argument("--vocab", type=int, default=32000)
+    m.add_argument("--heads", type=int, default=32, help="attention heads (for activation memory)")
+    m.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    m.add_argument("--vocab", type=int, default=32000, help="vocabulary size (the replicated embedding and head)")
     m.add_argument("--seq", type=int, default=4096, help="sequence length S")
     m.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch B")
     m.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/activation element")

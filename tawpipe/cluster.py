@@ -83,7 +83,30 @@ def unavailable_reason() -> str | None:
     if os.geteuid() != 0:
         return ("the emulated cluster needs root (it creates network namespaces, veth links and tc "
                 f"rate limits); running as uid {os.geteuid()}: run it as root, e.g. with sudo")
+    lacking = [name for bit, name in _CAPABILITIES if not _effective_capabilities() >> bit & 1]
+    if lacking:
+        return (f"the emulated cluster needs {' and '.join(lacking)} (network namespaces, veth links, tc); "
+                "this process is root without them in its effective set (a container started without "
+                "--cap-add NET_ADMIN --cap-add SYS_ADMIN or --privileged?)")
     return None
+
+
+_PROC_STATUS = "/proc/self/status"
+# `ip link`/`tc` need CAP_NET_ADMIN; `ip netns add` (unshare, bind mount) needs CAP_SYS_ADMIN too
+_CAPABILITIES = ((12, "CAP_NET_ADMIN"), (21, "CAP_SYS_ADMIN"))
+
+
+def _effective_capabilities() -> int:
+    """This process's effective capability set (CapEff of /proc/self/status); every bit set where
+    it cannot be read (not Linux): then ``ip`` itself reports what is missing."""
+    try:
+        with open(_PROC_STATUS) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, IndexError, ValueError):
+        pass
+    return -1
 
 
 @dataclass(frozen=True)

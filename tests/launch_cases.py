@@ -109,7 +109,11 @@ def long_job(rank: int, seconds: float) -> dict:
 
 
 def forever(rank: int, directory: str) -> None:
-    """Write this rank's pid, then all-reduce until stopped."""
+    """Write this rank's pid, leave a progress bar's line open (as tqdm does), then all-reduce
+    until stopped."""
+    if rank == 0:
+        sys.stderr.write("\rtawpipe train:   3%|▎         | 3/100 [00:01<00:30]")
+        sys.stderr.flush()
     Path(directory, f"worker{rank}.pid").write_text(str(os.getpid()))
     while True:
         t = torch.ones(1)
@@ -117,11 +121,73 @@ def forever(rank: int, directory: str) -> None:
         time.sleep(0.1)
 
 
+def random_tensors(rank: int, seed: int) -> dict:
+    """CPU tensors nested in lists and dicts, different on every rank and job."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return {"rank": rank, "vector": torch.randn(1000, generator=g),
+            "nested": [torch.randn(3, 4, generator=g), (torch.arange(rank + 5), torch.ones(0))],
+            "layers": {f"p{i}": torch.randn(64, 64, generator=g).to(torch.float16 if i % 2 else torch.float32)
+                       for i in range(20)},
+            "view": torch.randn(100, generator=g)[10:20]}
+
+
+def counts(rank: int, directory: str) -> dict:
+    """All-reduce until asked to stop; every rank agrees on the iteration to stop at."""
+    from tawpipe.runtime.launch import stop_requested
+
+    n = 0
+    while not stop_requested(agree=True):  # the first call arms the handlers: then the pid is written
+        if n == 0:
+            Path(directory, f"worker{rank}.pid").write_text(str(os.getpid()))
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == dist.get_world_size()
+        n += 1
+        time.sleep(0.02)
+    return {"iterations": n, "pid": os.getpid()}
+
+
+def stubborn(rank: int, directory: str) -> int:
+    """Rank 0 stops when asked; rank 1 asks once (arming the handlers), then never again."""
+    from tawpipe.runtime.launch import stop_requested
+
+    n = 0
+    stop_requested()
+    Path(directory, f"worker{rank}.pid").write_text(str(os.getpid()))
+    while rank == 1 or not stop_requested():
+        n += 1
+        time.sleep(0.02)
+    return n
+
+
+def _local_stop(directory: str, fn) -> None:
+    """A launcher that reports how its job stopped, as a training tool would: to a file."""
+    import json
+
+    from tawpipe.runtime.launch import JobStopped, run_local
+
+    try:
+        run_local(fn, 3 if fn is counts else 2, directory)
+        outcome = {"how": "returned"}
+    except JobStopped as e:
+        outcome = {"how": "stopped", "signal": e.signal.name, "results": e.results, "missing": e.missing,
+                   "complete": e.complete, "message": str(e)}
+    Path(directory, "outcome.json").write_text(json.dumps(outcome))
+    sys.exit(128 + signal.SIGTERM)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "local":  # a launcher for the signal tests
         from tawpipe.runtime.launch import run_local
 
         run_local(forever, 2, sys.argv[2])
+    elif sys.argv[1] in ("local-counts", "local-stubborn"):  # launchers for the stop-request tests
+        _local_stop(sys.argv[2], counts if sys.argv[1] == "local-counts" else stubborn)
+    elif sys.argv[1] == "torchrun-killed":  # one rank started as torchrun starts it; rank 2 is killed
+        from tawpipe.runtime.launch import init_distributed
+
+        init_distributed()
+        train_then(dist.get_rank(), sys.argv[2], 2, 1, "kill")  # the survivors' errors are not caught
     else:  # one rank under torchrun, rank 2 stuck: the others' timeouts must name it
         from tawpipe.runtime.launch import init_distributed
 

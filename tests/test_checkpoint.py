@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -191,3 +192,93 @@ def test_consolidated_loads_into_a_plain_model(saved) -> None:
     _train(eng, 3)
     for n, p in eng.named_parameters():
         assert torch.equal(full[n], p.detach()), n
+
+
+# ---------------------------------------------------------------- single files (save_atomic, load)
+
+
+def _object() -> dict:
+    """A fresh object with tensors of several dtypes, nested containers and plain values."""
+    return {"w": torch.randn(257, 13), "ids": torch.randint(0, 1000, (31,)), "half": torch.randn(40).bfloat16(),
+            "steps": int(torch.randint(0, 100, ())), "nested": [{"m": torch.randn(5)}, (1.5, "x", None)]}
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_save_atomic_round_trips_and_still_loads_with_torch_load(tmp_path) -> None:
+    obj, path = _object(), tmp_path / "full.pt"
+    digest = checkpoint.save_atomic(obj, path)
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert _same(checkpoint.load(path), obj)
+    raw = torch.load(path, weights_only=True)  # plain containers and tensors: the object and its digest
+    assert _same(raw["object"], obj) and raw["sha256"] == checkpoint.content_sha256(obj)
+
+
+def test_save_atomic_file_with_flipped_bytes_is_refused(tmp_path) -> None:
+    obj, path = _object(), tmp_path / "full.pt"
+    checkpoint.save_atomic(obj, path)
+    raw = bytearray(path.read_bytes())
+    start = bytes(raw).find(obj["w"].numpy().tobytes())  # a byte inside a tensor's data: still a readable file
+    assert start > 0
+    raw[start + int(torch.randint(0, obj["w"].numel() * 4, ()))] ^= 1 << int(torch.randint(0, 8, ()))
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))} is corrupt: the SHA-256 of its content "
+                                              r"differs from the one save_atomic stored in it \(flipped bytes\)"):
+        checkpoint.load(path)
+
+
+def test_empty_and_truncated_files_are_named(tmp_path) -> None:
+    path = tmp_path / "full.pt"
+    checkpoint.save_atomic(_object(), path)
+    raw = path.read_bytes()
+    path.write_bytes(raw[: int(torch.randint(1, len(raw) - 1, ()))])
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))} cannot be read as a checkpoint: it is "
+                                              r"truncated or corrupt"):
+        checkpoint.load(path)
+    path.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))} is empty \(0 bytes\)"):
+        checkpoint.load(path)
+    path.write_bytes(bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).tolist()))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))} cannot be read as a checkpoint"):
+        checkpoint.load(path)
+
+
+_CRASH = """
+import os, sys, torch
+from tawpipe.io import checkpoint
+
+def killed(obj, f):
+    f.write(b"partial" * 1000)
+    f.flush()
+    os._exit(9)  # the process dies mid-write: no cleanup runs
+
+torch.save = killed
+checkpoint.save_atomic({"w": torch.zeros(3)}, sys.argv[1])
+"""
+
+
+def test_save_atomic_removes_what_crashed_writes_left_and_only_that(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    crashed = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path / "a.pt")], capture_output=True)
+    assert crashed.returncode == 9, crashed.stderr.decode()
+    left = [p.name for p in tmp_path.glob(".tmp-*")]
+    assert len(left) == 1 and not (tmp_path / "a.pt").exists()
+    # temporary files of writers that may still be writing: this process, another host, an unknown name
+    alive = [f".tmp-{checkpoint._HOST}-{os.getpid()}-0123.pt", ".tmp-otherhost-1-0123.pt", ".tmp-0123abcd.pt"]
+    for name in alive:
+        (tmp_path / name).write_bytes(b"x")
+    obj = _object()
+    checkpoint.save_atomic(obj, tmp_path / "b.pt")
+    assert sorted(p.name for p in tmp_path.glob(".tmp-*")) == sorted(alive), "a crashed write's file survived"
+    assert _same(checkpoint.load(tmp_path / "b.pt"), obj)

@@ -123,6 +123,52 @@ def test_module_entry_point():
     assert PAPER_N4_SLOT5 in out.splitlines()
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    root = Path(tawpipe.__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_help_and_plan_do_not_import_torch():
+    """`tawpipe --help` and `tawpipe plan` stay fast: the package root loads its names on first
+    use, and plan and cost import no torch (importing it took 1-2 s of a 1.5 s `--help`)."""
+    done = _python(
+        "import sys, contextlib, io\n"
+        "import tawpipe.cli\n"
+        "assert 'torch' not in sys.modules, 'import tawpipe.cli imported torch'\n"
+        "for argv in (['--help'], ['plan', '--help'], ['plan', '--nodes', '2', '--per-node', '2', '--layers', '8',\n"
+        "             '--micro-batches', '2', '--hidden', '64', '--no-table']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        tawpipe.cli.main(argv)\n"
+        "    assert 'torch' not in sys.modules, f'tawpipe {argv} imported torch'\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_package_root_loads_its_names_on_first_use():
+    done = _python(
+        "import sys\n"
+        "import tawpipe\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert {'TawPipe', 'ops', 'Topology'} <= set(dir(tawpipe)) and tawpipe.__version__\n"
+        "from tawpipe import Plan, Precision, TawPipe, Topology, build_plan, verify\n"
+        "from tawpipe.engine.engine import TawPipe as engine_class\n"
+        "assert TawPipe is engine_class and tawpipe.TawPipe is TawPipe\n"
+        "import torch\n"
+        "assert callable(torch.ops.tawpipe.pack) and tawpipe.ops.pack\n"
+        "try:\n"
+        "    tawpipe.nothing\n"
+        "except AttributeError as e:\n"
+        "    assert 'nothing' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+    )
+    assert done.returncode == 0, done.stderr
+    # with torch already imported, `import tawpipe` registers torch.ops.tawpipe.* at once, as it used to
+    done = _python("import torch, tawpipe\nassert callable(torch.ops.tawpipe.pack)\n")
+    assert done.returncode == 0, done.stderr
+
+
 MODEL_3X2 = ("plan", "--nodes", "3", "--per-node", "2", "--layers", "8", "--micro-batches", "2", "--no-table",
              "--hidden", "256", "--heads", "8", "--vocab", "512", "--seq", "512", "--dtype-bytes", "4",
              "--prefetch-depth", "3", "--reuse-weights")

@@ -159,6 +159,42 @@ def test_unavailable_reason_names_the_problem(monkeypatch):
         cl.Cluster(spec()).up()
 
 
+def _as_root_with(monkeypatch, tmp_path, cap_eff: str) -> None:
+    """As root with iproute2, and ``cap_eff`` as CapEff in /proc/self/status."""
+    monkeypatch.setattr(cl.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cl.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    status = tmp_path / "status"
+    status.write_text(f"Name:\tpython3\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff}\nCapBnd:\t000001ffffffffff\n")
+    monkeypatch.setattr(cl, "_PROC_STATUS", str(status))
+
+
+def test_root_without_cap_net_admin_is_told_so(monkeypatch, tmp_path):
+    """Root in a container without NET_ADMIN: `ip netns add` would fail, so the cluster (and its
+    tests) are unavailable, naming the capability."""
+    _as_root_with(monkeypatch, tmp_path, f"{0x1fffeffffff & ~(1 << 12):016x}")
+    reason = cl.unavailable_reason()
+    assert "CAP_NET_ADMIN" in reason and "CAP_SYS_ADMIN" not in reason, reason
+    _as_root_with(monkeypatch, tmp_path, "00000000a80425fb")  # docker's default set: neither
+    assert "CAP_NET_ADMIN and CAP_SYS_ADMIN" in cl.unavailable_reason()
+    with pytest.raises(cl.ClusterUnavailable, match="CAP_NET_ADMIN"):
+        cl.Cluster(spec()).up()
+
+
+def test_network_changing_tests_run_only_when_asked(monkeypatch, tmp_path):
+    """As root with every capability the end-to-end tests still skip unless TAWPIPE_NETNS_TESTS=1."""
+    from conftest import NETNS_ENV
+
+    _as_root_with(monkeypatch, tmp_path, "000001fffeffffff")
+    monkeypatch.delenv(NETNS_ENV, raising=False)
+    assert f"set {NETNS_ENV}=1" in cl.unavailable_reason()
+    with pytest.raises(cl.ClusterUnavailable, match=NETNS_ENV):
+        cl.Cluster(spec()).up()  # nothing created
+    monkeypatch.setenv(NETNS_ENV, "0")
+    assert f"set {NETNS_ENV}=1" in cl.unavailable_reason()
+    monkeypatch.setenv(NETNS_ENV, "1")
+    assert cl.unavailable_reason() is None
+
+
 def test_run_needs_an_up_cluster():
     with pytest.raises(cl.ClusterError, match="not up"):
         cl.Cluster(spec()).run(["true"], timeout=1)
@@ -216,9 +252,60 @@ def test_crossover_is_where_1f1b_bytes_reach_tawpipes():
     assert bench.predicted_busiest("1f1b", RunConfig(seq_len=round(s_star))) == pytest.approx(64e6, rel=1e-3)
 
 
+class _Runs:
+    """Not a tensor: a weights-only load refuses it instead of running its code."""
+
+    ran = False
+
+    def __reduce__(self):
+        return (_Runs._run, ())
+
+    @staticmethod
+    def _run():
+        _Runs.ran = True
+        return {}
+
+
+def test_merged_checkpoints_are_loaded_weights_only(tmp_path, monkeypatch):
+    from tawpipe.bench.baselines import merge_params
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "rank0.pt")
+    assert torch.equal(merge_params(str(tmp_path), 2)["w"], torch.ones(2))
+    torch.save(_Runs(), tmp_path / "rank1.pt")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # overrides torch's default, not an explicit True
+    with pytest.raises(Exception, match="[Ww]eights only load failed"):
+        merge_params(str(tmp_path), 2)
+    assert not _Runs.ran
+
+
+def test_comm_plot_titles_tell_the_emulated_link_from_loopback(monkeypatch):
+    """The two committed gloo 2x2 plots had the same title; the cluster's link rate tells them apart."""
+    import json
+    from pathlib import Path
+
+    from tawpipe.bench import comm
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv(cl.LINK_ENV, raising=False)
+    shaped = comm.title(json.loads((results / "comm_gloo_2x2_cluster_400mbit.json").read_text()))
+    local = comm.title(json.loads((results / "comm_gloo_2x2.json").read_text()))
+    assert shaped.startswith("tawpipe bench comm: gloo, 2 nodes x 2 (emulated cluster, 400mbit links), float32")
+    assert local.startswith("tawpipe bench comm: gloo, 2 nodes x 2 (local job, loopback), float32")
+    # plotted by rank 0 of a fresh run inside the cluster: the rate of its node's shaper
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(cl.LINK_ENV, cl.NODE_LINK)
+    monkeypatch.setattr(comm, "_shaped_rate", lambda link: "123mbit" if link == cl.NODE_LINK else None)
+    fresh = dict(backend="gloo", nodes=2, per_node=1, dtype="float32", device="cpu", hosts=["a", "b"])
+    assert comm.title(fresh) == "tawpipe bench comm: gloo, 2 nodes x 1 (emulated cluster, 123mbit links), float32, cpu"
+    monkeypatch.delenv(cl.LINK_ENV)
+    assert comm.title(fresh) == "tawpipe bench comm: gloo, 2 nodes x 1, float32, cpu"  # torchrun: not known
+
+
 # -------------------------------------------------------------------------- on a real cluster
 
-needs_root = pytest.mark.skipif(cl.unavailable_reason() is not None, reason=str(cl.unavailable_reason()))
+# root, iproute2, CAP_NET_ADMIN, and TAWPIPE_NETNS_TESTS=1: they change the host's network (conftest.py)
+needs_netns = pytest.mark.skipif(cl.unavailable_reason() is not None, reason=str(cl.unavailable_reason()))
 M = 2_000_000  # bytes per probe message
 # What the veth counts besides payload, at worst: one Ethernet + IP + TCP (timestamps) header per
 # MSS-sized segment. Segments are larger when GSO coalesces them, so the overhead varies from
@@ -276,7 +363,7 @@ def _leftovers(s: ClusterSpec) -> list[str]:
     return [ns for ns in cl.list_namespaces() if ns.startswith(s.run_id + "-")]
 
 
-@needs_root
+@needs_netns
 def test_veth_counters_see_inter_node_bytes_only():
     s = ClusterSpec(2, 2, "200mbit", pin_cpus=True)
     with cl.Cluster(s) as c:
@@ -310,7 +397,7 @@ def _transfer_seconds(rank: int) -> float:
     return time.perf_counter() - t
 
 
-@needs_root
+@needs_netns
 def test_unlimited_lifts_the_rate_limit_and_puts_it_back():
     s = ClusterSpec(2, 1, "8mbit")  # M bytes take 2 s at 8 Mbit/s
     with cl.Cluster(s) as c:
@@ -323,7 +410,7 @@ def test_unlimited_lifts_the_rate_limit_and_puts_it_back():
     assert not _leftovers(s)
 
 
-@needs_root
+@needs_netns
 def test_failure_and_timeout_tear_everything_down():
     s = ClusterSpec(2, 1, None)
     with pytest.raises(cl.ClusterError, match="fails on purpose"):
@@ -339,7 +426,7 @@ def test_failure_and_timeout_tear_everything_down():
     assert time.monotonic() - t0 < 20 and not _leftovers(s)
 
 
-@needs_root
+@needs_netns
 def test_killed_launcher_leaves_no_workers_and_down_cleans():
     code = ("import sys; from tawpipe.cluster import Cluster, ClusterSpec\n"
             "with Cluster(ClusterSpec(2, 1, None)) as c:\n    c.run(['sleep', '120'], timeout=300)\n")

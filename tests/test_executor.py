@@ -6,9 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
-from tawpipe.runtime.comm.base import P2P
+from tawpipe.runtime.comm.base import P2P, Handle
 from tawpipe.runtime.executor import Executor, Messages
 from tawpipe.plan.actions import OPS, Action
 from tawpipe.plan.schedule import build_plan
@@ -74,3 +75,11 @@ def test_a_send_batched_with_a_fetch_does_not_wait_for_the_fetches_before_it():
     assert not runner.is_alive()
     assert ("recv", 2) in posted_while_held
     assert ("send", 4) in posted_while_held, posted_while_held
+
+
+def test_a_failure_without_a_message_is_named_by_its_type():
+    """A unit interrupted by Ctrl-C (KeyboardInterrupt has no message) says so, not "failed: "."""
+    h = Handle("slot 16 rank 2 ACC_G chunk 1 [g0]")
+    h._finish(error=KeyboardInterrupt())
+    with pytest.raises(RuntimeError, match=r"ACC_G chunk 1 \[g0\] failed: KeyboardInterrupt$"):
+        h.wait(1.0)

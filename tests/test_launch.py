@@ -4,6 +4,7 @@ loopback only; and the progress board that names a stuck rank."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import socket
@@ -13,13 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from launch_cases import ends_at_start, freezes, long_job, raises, train_then
+from launch_cases import ends_at_start, freezes, long_job, raises, random_tensors, train_then
 from tawpipe.runtime import progress
 from tawpipe.io.checkpoint import PeerCheckpointError
 from tawpipe.runtime.comm.base import CommTimeout
-from tawpipe.runtime.launch import JobFailed, _failure, run_local
+from tawpipe.runtime.launch import JobFailed, _failure, free_port, grace_seconds, run_local
 
 TESTS = Path(__file__).resolve().parent
 
@@ -157,13 +159,155 @@ def test_a_signal_to_the_launcher_leaves_no_process(tmp_path) -> None:
         for launcher, sig, err in zip(launchers, sigs, errs):
             assert launcher.returncode == -sig or (sig == signal.SIGINT and launcher.returncode != 0), sig
             if sig != signal.SIGKILL:
-                assert f"{sig.name}: stopped the local job's 2 workers" in err, err
+                assert f"\ntawpipe: {sig.name}: stopped the local job's 2 workers" in err, err
                 assert sig == signal.SIGINT or "Traceback" not in err, err  # SIGINT: KeyboardInterrupt
+                # not at the end of the progress bar's line that rank 0 left open
+                assert not [line for line in err.splitlines() if "3/100" in line and "tawpipe:" in line], err
     finally:
         for launcher in launchers:
             if launcher.poll() is None:
                 launcher.kill()
                 launcher.wait()
+
+
+def _launch(mode: str, directory: Path, world: int, **env: str) -> list[subprocess.Popen]:
+    """The ranks of a job started as torchrun starts them: one process each, with RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT (rank 0 hosts the store), no launcher of ours."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        rank_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), RANK=str(rank),
+                        LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
+        procs.append(subprocess.Popen([sys.executable, str(TESTS / "launch_cases.py"), mode, str(directory)],
+                                      env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+@pytest.mark.parametrize("job", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_under_torchrun_the_survivors_of_a_killed_rank_name_it_and_exit_cleanly(tmp_path, job) -> None:
+    """Rank 2 of 4 is killed inside a step. Every survivor names it and exits with code 1: left to
+    the interpreter's exit, one survivor in about three aborted ("terminate called without an
+    active exception", SIGABRT) and none said which rank had died."""
+    procs = _launch("torchrun-killed", tmp_path, 4, TAWPIPE_TIMEOUT="60")
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert _since_bad(tmp_path) < 30
+    assert procs[2].returncode == -signal.SIGKILL
+    for rank in (0, 1, 3):
+        out = outs[rank]
+        assert procs[rank].returncode == 1, (rank, procs[rank].returncode, out[-3000:])
+        assert "terminate called" not in out and "Fatal Python error" not in out, out[-3000:]
+        assert f"tawpipe: rank {rank}: rank 2 is gone: no heartbeat for " in out, out[-3000:]
+
+
+def _with_launcher(mode: str, directory: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(TESTS / "launch_cases.py"), mode, str(directory)],
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), **env),
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_stops_every_rank_at_an_iteration_boundary(tmp_path) -> None:
+    """SIGTERM to the launcher reaches every worker as a stop request: ranks that ask
+    stop_requested() stop at the same iteration and return, and the launcher raises JobStopped
+    with their results. A rank that asks once but does not stop is killed after the grace
+    (TAWPIPE_GRACE=1), and named missing."""
+    counts, stubborn = tmp_path / "counts", tmp_path / "stubborn"
+    counts.mkdir()
+    stubborn.mkdir()
+    launchers = [_with_launcher("local-counts", counts), _with_launcher("local-stubborn", stubborn, TAWPIPE_GRACE="1")]
+    try:
+        pid_files = [counts / f"worker{r}.pid" for r in range(3)] + [stubborn / f"worker{r}.pid" for r in range(2)]
+        deadline = time.monotonic() + 120
+        while not all(f.exists() and f.read_text() for f in pid_files):
+            assert all(p.poll() is None for p in launchers) and time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)  # a few iterations
+        t0 = time.monotonic()
+        for launcher in launchers:
+            launcher.send_signal(signal.SIGTERM)
+        errs = [launcher.communicate(timeout=60)[1] for launcher in launchers]
+        elapsed = time.monotonic() - t0
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+    workers = [int(f.read_text()) for f in pid_files]
+    assert not any(_alive(p) for p in workers), "a worker outlived its launcher"
+    assert [launcher.returncode for launcher in launchers] == [128 + signal.SIGTERM] * 2, errs
+    done = json.loads((counts / "outcome.json").read_text())
+    assert (done["how"], done["signal"], done["complete"], done["missing"]) == ("stopped", "SIGTERM", True, []), done
+    iterations = [r["iterations"] for r in done["results"]]
+    assert iterations[0] > 3 and len(set(iterations)) == 1, iterations  # the same boundary on every rank
+    assert done["message"] == "stopped on request (SIGTERM): every rank returned"
+    assert "tawpipe: SIGTERM: stopped the local job's 3 workers (3 of them returned)" in errs[0], errs[0]
+    assert "Traceback" not in errs[0], errs[0]
+    partial = json.loads((stubborn / "outcome.json").read_text())
+    assert (partial["how"], partial["complete"], partial["missing"]) == ("stopped", False, [1]), partial
+    assert partial["results"][0] > 3 and partial["results"][1] is None
+    assert "did not return within the 1 s grace" in partial["message"]
+    assert elapsed < 30, elapsed  # the stubborn rank: 1 s grace, then SIGTERM (ignored now), then SIGKILL
+
+
+def test_stop_requested_arms_on_first_use_and_a_second_ctrl_c_stops_at_once() -> None:
+    """Before its first call SIGTERM ends a process as ever; after it, SIGTERM (any number) and a
+    first SIGINT only set the flag; a second SIGINT raises KeyboardInterrupt."""
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent))
+    code = ("import os, signal, sys\n"
+            "from tawpipe.runtime.launch import stop_requested\n"
+            "if sys.argv[1] == 'unarmed':\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    signal.pthread_kill(signal.pthread_self(), 0)\n"
+            "    print('survived')\n"
+            "    sys.exit(0)\n"
+            "assert not stop_requested()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "assert stop_requested() and stop_requested(agree=True)  # no process group: the flag itself\n"
+            "print('asked', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "print('not stopped at once')\n")
+    unarmed = subprocess.run([sys.executable, "-c", code, "unarmed"], env=env, capture_output=True, text=True, timeout=120)
+    assert unarmed.returncode == -signal.SIGTERM and "survived" not in unarmed.stdout, unarmed
+    armed = subprocess.run([sys.executable, "-c", code, "armed"], env=env, capture_output=True, text=True, timeout=120)
+    assert armed.stdout == "asked\n" and "KeyboardInterrupt" in armed.stderr, armed
+
+
+def test_the_grace_period_comes_from_the_argument_or_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv("TAWPIPE_GRACE", raising=False)
+    assert grace_seconds() == 60.0 and grace_seconds(5) == 5.0
+    monkeypatch.setenv("TAWPIPE_GRACE", "2.5")
+    assert grace_seconds() == 2.5 and grace_seconds(0) == 0.0
+    monkeypatch.setenv("TAWPIPE_GRACE", "soon")
+    with pytest.raises(ValueError, match="TAWPIPE_GRACE='soon'"):
+        grace_seconds()
+    with pytest.raises(ValueError, match=">= 0"):
+        grace_seconds(-1)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_ranks_return_tensors() -> None:
+    """CPU tensors in lists and dicts come back exactly. They used to travel through torch's
+    shared-memory reductions, whose file descriptors the launcher fetched from the worker after
+    the worker had exited: 8 jobs in 9 failed with "rank N exited with code 0 before returning"."""
+    for job in range(3):
+        results = run_local(random_tensors, 4, job, timeout=60)
+        assert all(_same(got, random_tensors(rank, job)) for rank, got in enumerate(results)), job
+        assert all(not r["vector"].is_shared() for r in results)
 
 
 @pytest.mark.slow
@@ -254,4 +398,45 @@ def test_store_mirror_shows_every_rank() -> None:
         assert time.monotonic() < deadline
         time.sleep(0.1)
     mirrors[2].close()
+    del server
+
+
+def test_a_rank_whose_heartbeat_stopped_is_gone_and_the_verdict_is_shared(monkeypatch) -> None:
+    """Under torchrun: a rank silent for GONE_AFTER seconds that did not say it ended is gone, and
+    blamed first; what a failing rank finds is posted for the others, who keep a copy."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           master_listen_fd=listener.detach(), timeout=datetime.timedelta(seconds=10))
+    mirrors = [progress.StoreMirror(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                                  timeout=datetime.timedelta(seconds=10)), r, 4, attempt="0")
+               for r in range(4)]
+    for m in mirrors:
+        m.local.write(0, f"slot 3 rank {m.rank} F W1 m0 [w1]", waiting=False)
+        m.push()
+    stale = {"beat": time.time() - 7, "ended": "", "label": "slot 3 rank 2 F W1 m0 [w1]", "waiting": False,
+             "limit": 0.0, "since": time.time() - 8}
+    server.set("tawpipe/progress/0/2", json.dumps(stale))  # rank 2 died 7 s ago
+    server.set("tawpipe/progress/0/3", json.dumps(stale | {"ended": "after a peer: RuntimeError: x"}))
+    entries = mirrors[0].entries()
+    assert [e.rank for e in progress.gone(entries)] == [2]
+    assert progress.departed(progress.gone(entries)[0]) == (
+        "rank 2 is gone: no heartbeat for 7 s (killed, frozen or cut off), last seen in slot 3 F W1 m0 [w1]")
+    monkeypatch.setattr(progress, "_source", mirrors[0])
+    monkeypatch.setattr(progress, "_rank", 0)
+    assert progress.hint(min_age=0).startswith("; rank 2 is gone: no heartbeat for 7 s")  # before the busiest
+    verdict = progress.blame_after_failure(within=0)
+    assert verdict.startswith("rank 2 is gone") and mirrors[0].verdict == verdict
+    assert mirrors[1].read_verdict() == verdict  # a heartbeat keeps a copy, for when the store is gone
+    assert not progress.StoreMirror(mirrors[1].store, 1, 4, attempt="1").read_verdict()  # another attempt's keys
+    # a rank that failed on its own error, and said so, is blamed before a silent one
+    monkeypatch.setattr(progress, "_source", mirrors[2])
+    monkeypatch.setattr(progress, "_rank", 2)
+    server.set("tawpipe/progress/1/3", json.dumps(stale | {"ended": "failed: ValueError: bad input"}))
+    other = progress.StoreMirror(mirrors[1].store, 1, 4, attempt="1")
+    monkeypatch.setattr(progress, "_source", other)
+    monkeypatch.setattr(progress, "_rank", 1)
+    assert progress.blame_after_failure(within=0) == "rank 3 failed first: ValueError: bad input"
     del server

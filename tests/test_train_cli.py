@@ -39,17 +39,21 @@ def _tawpipe(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """6 steps straight, checkpointing at 3 and 6; then 3 + resume from step 3 + 3."""
+    """6 steps straight, checkpointing at 3 and 6; then 3 + resume from step 3 + 3. Both append
+    to one metrics file, as a run interrupted at 6 and resumed from its checkpoint at 3 would."""
     tmp = tmp_path_factory.mktemp("cli")
     data = tmp / "data.txt"
     data.write_bytes((ROOT / "tawpipe" / "plan" / "plan.py").read_bytes())  # any text: bytes are the tokens
-    straight = _tawpipe("train", *SMALL, "--data", str(data), "--save", str(tmp / "straight"), "--save-every", "3")
+    metrics = ["--metrics", str(tmp / "m.jsonl")]
+    straight = _tawpipe("train", *SMALL, "--data", str(data), "--save", str(tmp / "straight"), "--save-every", "3",
+                        *metrics)
     assert straight.returncode == 0, straight.stderr
     resumed = _tawpipe("train", *SMALL, "--data", str(data), "--save", str(tmp / "resumed"),
-                       "--resume", str(tmp / "straight" / "step-00000003"))
+                       "--resume", str(tmp / "straight" / "step-00000003"), *metrics)
     assert resumed.returncode == 0, resumed.stderr
     assert "2 steps" not in resumed.stdout and "3 steps in" in resumed.stdout
-    return {"data": data, "straight": tmp / "straight", "resumed": tmp / "resumed"}
+    return {"data": data, "straight": tmp / "straight", "resumed": tmp / "resumed", "metrics": tmp / "m.jsonl",
+            "resumed_stdout": resumed.stdout}
 
 
 def _shards(d: Path) -> list[dict]:
@@ -78,6 +82,35 @@ def test_resume_is_bit_exact(runs) -> None:
             assert _equal(a[key], b[key]), key
         assert len(a["extra"]["losses"]) == 6 and a["extra"]["data_step"] == 6
     assert straight[0]["extra"]["losses"][:3] == _shards(runs["straight"] / "step-00000003")[0]["extra"]["losses"]
+
+
+def test_resuming_with_metrics_writes_each_step_once(runs) -> None:
+    """The records the interrupted run wrote after its checkpoint are dropped, not repeated; the
+    resumed run's header says where it starts."""
+    records = [json.loads(x) for x in runs["metrics"].read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    losses = _shards(runs["straight"] / "step-00000006")[0]["extra"]["losses"]
+    assert [r["loss"] for r in records] == losses  # bit-exact resume: the same values, written again
+    out = runs["resumed_stdout"]
+    assert ", 6 steps, resumed from step 3\n" in out and "\nresumed from step 3 (" in out
+    assert "metrics: dropped 3 record(s) after step 3 from" in out
+
+
+def test_metrics_truncation_keeps_the_records_up_to_the_step(tmp_path) -> None:
+    from tawpipe.train.metrics import truncate_after
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    assert truncate_after(path, 3) == 3  # 4, 5 and the torn line of a killed run
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    assert truncate_after(path, 3) == 0 and truncate_after(tmp_path / "none.jsonl", 3) == 0
+    path.write_text(path.read_text() + '{"step": 4}')  # complete, but its newline never written
+    assert truncate_after(path, 4) == 0 and path.read_text().endswith('{"step": 4}\n')
+    truncate_after(path, 3)
+    w = MetricsWriter(path, resume_step=2)
+    w.write({"step": 3, "loss": 0.5})
+    w.close()
+    assert w.dropped == 1 and [json.loads(x)["loss"] for x in path.read_text().splitlines()] == [1.0, 1.0, 0.5]
 
 
 def test_a_cli_checkpoint_reshards_onto_one_rank(runs) -> None:
@@ -154,7 +187,7 @@ def test_bad_arguments_fail_before_any_worker(tmp_path, monkeypatch, args, messa
 
 def test_a_bad_argument_is_one_line_on_stderr() -> None:
     out = _tawpipe("train", "--warmup", "-5")
-    assert out.returncode == 1 and out.stdout == ""
+    assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == "tawpipe train: --warmup must be >= 0, got -5\n"
 
 
@@ -260,7 +293,7 @@ def test_train_end_to_end_with_config_validation_metrics_and_export(tmp_path):
                  "topology: 2 node(s) x 2 rank(s) = 4 ranks, chunks of [2, 1, 1, 1] layers", "compute float32",
                  "schedule: tawpipe, gradient route rail, prefetch depth 3 (resident), 2 micro-batch(es) per fetch, "
                  "resident chunks reused, gradients travel in float32",
-                 "memory per rank (rank 0): own chunk", "validation loss: step 2"):
+                 "memory per rank (rank 0), allocated: master", "validation loss: step 2"):
         assert line in text, line
     records = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -286,3 +319,33 @@ def test_train_end_to_end_with_config_validation_metrics_and_export(tmp_path):
         x = torch.randint(0, 256, (2, 24))
         with torch.no_grad():
             torch.testing.assert_close(exported(x).logits, model(x), rtol=0, atol=2e-5)
+
+
+def test_sigterm_saves_at_a_step_boundary_and_the_resume_is_bit_exact(runs, tmp_path) -> None:
+    """Preemption: SIGTERM to a run with --save stops every rank at the same step boundary, saves a
+    checkpoint there, exits 143 saying so; resuming from it ends exactly where an uninterrupted
+    run of the same 16 steps ends."""
+    import signal as sig
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    metrics = tmp_path / "m.jsonl"
+    steps = [*SMALL, "--steps", "16", "--data", str(runs["data"])]
+    proc = subprocess.Popen([sys.executable, "-m", "tawpipe", "train", *steps, "--save", str(tmp_path / "ck"),
+                             "--metrics", str(metrics)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(sig.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + sig.SIGTERM, err
+    stopped = int(re.search(r"stopped on request after step (\d+) of 16; checkpoint: ", err)[1])
+    assert 1 <= stopped < 16 and "Traceback" not in err, err
+    saved = tmp_path / "ck" / f"step-{stopped:08d}"
+    assert (saved / "manifest.json").is_file()
+    resumed = _tawpipe("train", *steps, "--save", str(tmp_path / "resumed"), "--resume", str(saved))
+    straight = _tawpipe("train", *steps, "--save", str(tmp_path / "straight"))
+    assert resumed.returncode == 0 and straight.returncode == 0, resumed.stderr + straight.stderr
+    for a, b in zip(_shards(tmp_path / "straight" / "step-00000016"), _shards(tmp_path / "resumed" / "step-00000016")):
+        assert _equal(a["params"], b["params"]) and _equal(a["optimizer"], b["optimizer"])

@@ -349,5 +349,5 @@ def merge_params(check_dir: str, world_size: int) -> dict[str, torch.Tensor]:
     for r in range(world_size):
         path = os.path.join(check_dir, f"rank{r}.pt")
         if os.path.exists(path):
-            out.update(torch.load(path))
+            out.update(torch.load(path, weights_only=True))  # tensors only: nothing in the file runs
     return out

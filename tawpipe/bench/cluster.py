@@ -409,10 +409,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (after one warm-up step)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="subset of: tawpipe tawpipe-best weipipe fsdp fsdp-mm hsdp ddp 1f1b (default: all)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size of the LLaMA model")
+    p.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
+    p.add_argument("--heads", type=int, default=d.heads, help="attention heads")
     p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="per rank and step")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
     p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=1,

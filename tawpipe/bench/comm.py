@@ -27,6 +27,7 @@ import math
 import os
 import re
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..cluster import LINK_ENV
 from ..ops import DTYPES
 from ..plan.topology import Topology
 from ..runtime.comm.base import CommTimeout
@@ -84,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-a", "--average", type=int, choices=(0, 1, 2, 3), default=1,
                    help="time over ranks: 0 rank 0, 1 mean, 2 min, 3 max")
     p.add_argument("-T", "--timeout", type=float, default=None, help="seconds any wait may take ($TAWPIPE_TIMEOUT)")
-    p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float32", help="element type of the buffers")
     p.add_argument("--time-budget", type=float, default=0.5,
                    help="seconds per measurement: fewer than -n iterations when the warm-up says they would "
                         "take longer (0: always -n)")
@@ -482,6 +484,37 @@ def _local_rank(rank: int, a: dict) -> dict | None:
     return _bench_rank(rank, a, Topology(a["nodes"], a["per_node"]), rank)
 
 
+def title(result: dict) -> str:
+    """The plot's title: backend, topology and how the nodes were joined, dtype, device."""
+    links = _links(result)
+    return (f"tawpipe bench comm: {result['backend']}, {result['nodes']} nodes x {result['per_node']}"
+            f"{f' ({links})' if links else ''}, {result['dtype']}, {result['device']}")
+
+
+def _links(result: dict) -> str:
+    """'emulated cluster, 400mbit links', 'local job, loopback', or '' where unknown (torchrun)."""
+    emulation = result.get("emulation", "")  # noted in a result by hand: "tawpipe cluster run ... --rate 400mbit"
+    if emulation:
+        rate = re.search(r"--rate\s+(\S+)", emulation)
+        return f"emulated cluster, {rate.group(1) if rate else 'unlimited'} links"
+    link = os.environ.get(LINK_ENV)
+    if link:  # plotted by rank 0 inside the emulated cluster: the shaper of its node's link
+        return f"emulated cluster, {_shaped_rate(link) or 'unlimited'} links"
+    if "RANK" not in os.environ and result["backend"] == "gloo" and len(set(result.get("hosts", []))) <= 1:
+        return "local job, loopback"  # run_local: every rank on this machine
+    return ""
+
+
+def _shaped_rate(link: str) -> str | None:
+    """The rate of the htb class that ``tawpipe cluster`` puts on ``link`` ('400mbit'), if any."""
+    try:
+        out = subprocess.run(["tc", "class", "show", "dev", link], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"class htb 1:1 .*?\brate (\S+)", out)
+    return m.group(1).lower() if m else None
+
+
 def plot(result: dict, path: str) -> None:
     """busbw against size, one line per op, one panel per placement."""
     import matplotlib
@@ -505,8 +538,7 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel("busbw (GB/s)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"tawpipe bench comm: {result['backend']}, {result['nodes']} nodes x {result['per_node']}, "
-                 f"{result['dtype']}, {result['device']}", fontsize=10)
+    fig.suptitle(title(result), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -30,13 +30,13 @@ from . import DEFAULT_OUT, provenance
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--per-node", type=int, default=2)
-    p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--preset", default="micro")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (groups)")
+    p.add_argument("--per-node", type=int, default=2, help="ranks per node")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per rank and step")
+    p.add_argument("--preset", default="micro", help="built-in LLaMA preset")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant (after one warm-up)")
     p.add_argument("--comm-ratio", type=float, default=1.0, help="injected comm time / compute time")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",

@@ -9,9 +9,10 @@ resident (fewer bytes again) in more staging buffers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..plan.actions import GRAD_OPS, WEIGHT_OPS, Op
+from ..plan.actions import GRAD_OPS, WEIGHT_OPS, BufKind, Op, buf_kind
 from ..plan.plan import Plan
 from .traffic import ModelDims
 
@@ -25,18 +26,22 @@ class MemoryEstimate:
     staging: float  # the plan's weight and gradient buffers
     replicated: float  # embedding/head/norm: parameters, gradients, AdamW moments (float32)
     activations: float
+    transient: float = 0.0  # held only during a step's end: the gradient norm's float64 copies
 
     @property
     def total(self) -> float:
-        return self.persistent + self.staging + self.replicated + self.activations
+        return self.persistent + self.staging + self.replicated + self.activations + self.transient
 
 
 def working_set_bytes(dims: ModelDims, layers: int) -> float:
     """Activations of ``layers`` transformer layers for one micro-batch while backward runs:
     s·b·h·(34 + 5·a·s/h) bytes per layer at 2-byte activations (Korthikanti et al. 2022,
     attention scores materialised), scaled to ``dims.dtype_bytes``. An estimate, not a count."""
-    s, b, h, a = dims.seq, dims.micro_batch, dims.hidden, dims.heads
-    return layers * s * b * h * (34 + 5 * a * s / h) * dims.dtype_bytes / 2
+    return _working_set(dims.seq, dims.micro_batch, dims.hidden, dims.heads, layers, dims.dtype_bytes)
+
+
+def _working_set(s: int, b: int, h: int, a: int, layers: int, dtype_bytes: int) -> float:
+    return layers * s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2
 
 
 def memory_per_rank(plan: Plan, dims: ModelDims) -> MemoryEstimate:
@@ -55,6 +60,34 @@ def memory_per_rank(plan: Plan, dims: ModelDims) -> MemoryEstimate:
         staging=weight_bufs * chunk * dims.dtype_bytes + grad_bufs * chunk * dims.grad_bytes,
         replicated=16 * dims.replicated_numel,
         activations=boundary + working_set_bytes(dims, chunk_layers),
+    )
+
+
+def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated_numel: int, weight_bytes: int,
+                grad_bytes: int, scratch_bytes: int, seq: int, micro_batch: int, hidden: int, heads: int,
+                vocab: int) -> MemoryEstimate:
+    """``rank``'s memory as the engine lays it out for ``plan`` (``tawpipe.engine.storage``): its
+    own chunk's float32 master, gradient accumulator and AdamW moments (16 B per parameter, counted
+    from ``chunk_numel``, each chunk's parameters); one staging buffer of the largest chunk per
+    buffer the plan names on this rank, weights in ``weight_bytes``, gradients in ``grad_bytes``,
+    plus a scratch in ``scratch_bytes`` (0: none) when those differ; the replicated parameters at
+    16 B each; briefly, 16 B per own parameter more (``transient``): the float64 copy of the
+    gradient accumulator and its square that the gradient norm takes (``Precision.local_stats``).
+    Activations are estimated: the saved chunk inputs, one chunk's working set
+    (``working_set_bytes``) and the head's float32 logits, their log-softmax and gradient."""
+    own = chunk_numel[plan.own_chunk(rank)]
+    largest = max(chunk_numel)
+    names = {b for a in plan.actions[rank] for b in (a.buf, a.grad_buf) if b}
+    per_element = {BufKind.WEIGHTS: weight_bytes, BufKind.GRADS: grad_bytes, BufKind.STATE: 4}
+    staging = largest * (sum(per_element[buf_kind(b)] for b in names) + scratch_bytes)
+    k = int(plan.options.get("mb_per_fetch", 1))
+    chunk_layers = max(b - a for a, b in plan.chunk_layers)
+    boundary = plan.topology.world_size * k * micro_batch * seq * hidden * weight_bytes
+    logits = 3 * micro_batch * seq * vocab * 4
+    return MemoryEstimate(
+        persistent=16 * own, staging=staging, replicated=16 * replicated_numel,
+        activations=boundary + _working_set(seq, micro_batch, hidden, heads, chunk_layers, weight_bytes) + logits,
+        transient=16 * own,
     )
 
 

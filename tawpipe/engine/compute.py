@@ -54,6 +54,23 @@ class EvalState:
     hidden: list[torch.Tensor] = field(default_factory=list)
 
 
+def checked_loss(loss: object) -> torch.Tensor:
+    """``loss_fn``'s result if it is what the engine needs, a scalar tensor with a gradient;
+    otherwise a TypeError that says what it returned and what it must return."""
+    must = ("loss_fn must return the loss as a scalar (0-d) torch tensor that depends on the logits "
+            "(e.g. F.cross_entropy(logits.flatten(0, 1), targets.flatten()) with reduction='mean')")
+    if not torch.is_tensor(loss):
+        raise TypeError(f"{must}, but it returned a {type(loss).__name__} ({loss!r:.40}): return the tensor itself, "
+                        "not .item() or a Python number")
+    if loss.dim() != 0:
+        raise TypeError(f"{must}, but it returned a tensor of shape {tuple(loss.shape)}: reduce it to one number "
+                        "(.mean() over the tokens)")
+    if not loss.requires_grad:
+        raise TypeError(f"{must}, but it returned a tensor without a gradient (detached, or computed under "
+                        "torch.no_grad()): compute it from the logits it is given")
+    return loss
+
+
 def weights_saved_by_reference(
     buf: torch.Tensor, backward_buf: Callable[[], torch.Tensor]
 ) -> torch.autograd.graph.saved_tensors_hooks:
@@ -122,7 +139,7 @@ class ChunkCompute:
         with torch.enable_grad():  # the head and the loss, whose gradients go to `rep`
             y = y.detach().requires_grad_()
             with self._autocast():
-                loss = self.loss_fn(self.head(y), st.targets[m])
+                loss = checked_loss(self.loss_fn(self.head(y), st.targets[m]))
             (loss.float() * st.grad_scale).backward()
         self.s.rep[-1] += loss.detach().float()
         st.dy[(pos, m)] = y.grad
@@ -163,4 +180,7 @@ class ChunkCompute:
         if pos == self.last:
             with self._autocast():
                 for h, y in zip(st.hidden, st.targets):
-                    st.loss_sum += self.loss_fn(self.head(h), y).double()
+                    loss = self.loss_fn(self.head(h), y)
+                    if not (torch.is_tensor(loss) and loss.dim() == 0):
+                        checked_loss(loss)  # the same message as in a step (no gradient here: not asked)
+                    st.loss_sum += loss.double()

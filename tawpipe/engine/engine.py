@@ -126,6 +126,92 @@ def _check_options(topology: Topology, comm: Comm | str | None, offload: str | N
                          f"got {grad_wire_dtype}")
 
 
+# A plan holds a forward and a backward of every chunk for every micro-batch on every rank
+# (2 x N^2 x micro_batches actions) plus the transfers: past a million of the former it takes
+# minutes and gigabytes to build (every rank builds every rank's actions).
+MAX_PLAN_COMPUTE_ACTIONS = 1_000_000
+
+
+def _check_micro_batches(topology: Topology, micro_batches: Any) -> None:
+    """micro_batches: a positive integer small enough that the plan can be built (checked before
+    ``build_plan`` allocates anything: a huge value would end in a MemoryError deep inside it)."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer (micro-batches per rank and step), "
+                         f"got {micro_batches!r}")
+    n = topology.world_size
+    most = max(1, MAX_PLAN_COMPUTE_ACTIONS // (2 * n * n))
+    if micro_batches > most:
+        raise ValueError(
+            f"micro_batches={micro_batches} is too large: on {n} rank(s) the plan would hold at least "
+            f"{2 * n * n * micro_batches:,} actions (2 x ranks^2 x micro_batches forwards and backwards = "
+            f"2 x {n}^2 x {micro_batches}), more than the {MAX_PLAN_COMPUTE_ACTIONS:,} tawpipe builds in reasonable "
+            f"time and memory; lower micro_batches to at most {most} (and put more rows into each micro-batch instead)"
+        )
+
+
+def _available_devices() -> list[str]:
+    out = ["cpu"]
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is not None:
+        out += [f"{acc.type}:{i}" for i in range(torch.accelerator.device_count())]
+    return out
+
+
+def _resolve_device(device: Any) -> torch.device:
+    """``device`` as a torch.device this process can use (an accelerator with its index), or a
+    ValueError naming it and the devices that are available."""
+    available = ", ".join(_available_devices())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device={device!r} is not a device: pass a torch.device or a name such as 'cpu' or "
+                         f"'cuda:0'; available here: {available}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":
+        raise ValueError(f"device={device!r}: the engine cannot train on the meta device (it holds no data); "
+                         f"pass the device to train on; available here: {available}")
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None or acc.type != dev.type:
+        raise ValueError(f"device={device!r} is not available: torch {torch.__version__} in this process sees no "
+                         f"{dev.type} device; available here: {available}")
+    count = torch.accelerator.device_count()
+    if dev.index is None:
+        return torch.device(dev.type, torch.accelerator.current_device_index())
+    if dev.index >= count:
+        raise ValueError(f"device={device!r} is not available: this process sees {count} {dev.type} device(s); "
+                         f"available here: {available}")
+    return dev
+
+
+def _check_replicated(embed: nn.Module, head: nn.Module, names: tuple[str, str, str],
+                      device: torch.device | None, asked: Any = None) -> None:
+    """embed and head are real float32 tensors on the engine's device (``device``; None: not
+    known yet, the meta check only; ``asked``: the device argument). Run before anything is built
+    or sent."""
+    shown = device if device is not None else asked
+    where = f"the engine's device ({shown})" if shown is not None else "the engine's device"
+    for part, module in ((names[0], embed), (names[2], head)):
+        for n, p in module.named_parameters():
+            if p.is_meta:
+                raise ValueError(
+                    f"{part} parameter {n!r} is on the meta device: the embedding and head are replicated on every "
+                    f"rank and must be real (materialised) float32 tensors on {where}; build them outside "
+                    f"torch.device('meta'), or materialise them first ({part}.to_empty(device=...), then initialise "
+                    "or load their weights). Only blocks may stay on meta (with materialize=)"
+                )
+            if device is not None and (p.dtype != torch.float32 or p.device != device):
+                raise ValueError(
+                    f"{part} parameter {n!r} is {p.dtype} on {p.device}, but the embedding and head must be float32 "
+                    f"on {where}: move them there first ({part}.to({str(device)!r}, torch.float32))"
+                )
+
+
+def _find_vocab(embed: nn.Module) -> int | None:
+    """The number of token ids the first nn.Embedding inside ``embed`` takes (None: there is none)."""
+    return next((m.num_embeddings for m in embed.modules() if isinstance(m, nn.Embedding)), None)
+
+
 class TawPipe:
     """Topology-aware weight pipeline training of a stack of identical blocks.
 
@@ -180,11 +266,14 @@ class TawPipe:
         _check_callables(embed=embed, head=head, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
                          block_forward=block_forward, block_context=block_context, materialize=materialize)
         _check_options(topology, comm, offload, timeout, names, recompute, compute_dtype, grad_wire_dtype)
+        _check_micro_batches(topology, micro_batches)
         if loss_scale == "auto":
             loss_scale = "dynamic" if compute_dtype == torch.float16 else None
         self.precision = Precision(loss_scale, max_grad_norm, nonfinite)
         self.timeout = float(timeout) if timeout is not None else default_timeout()
-        self.device = torch.device(device) if device is not None else next(embed.parameters()).device
+        _check_replicated(embed, head, names, None, device)  # meta first: it would make the default device meta
+        self.device = _resolve_device(device if device is not None else next(embed.parameters()).device)
+        _check_replicated(embed, head, names, self.device)
         self.topology, self.micro_batches, self.names = topology, micro_batches, names
         self.block_context = block_context
         replicated = unique_params([(names[0], embed), (names[2], head)])
@@ -204,11 +293,27 @@ class TawPipe:
         backward_of = {(a.chunk, a.mb): a for a in self.plan.actions[self.rank] if a.op is Op.B}
         self.compute = ChunkCompute(self.storage, embed, head, loss_fn, compute_dtype, recompute, backward_of)
         self.optimizer = optimizer([p for _, p in self.storage.own_params] + [p for _, p in replicated])
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a factory that returns a torch.optim.Optimizer of the parameters it is given "
+                f"(e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), but it returned "
+                f"{type(self.optimizer).__name__}: return the optimizer it builds"
+            )
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        if lr_scheduler is not None and not all(callable(getattr(self.scheduler, m, None))
+                                                for m in ("step", "state_dict", "load_state_dict")):
+            raise TypeError(
+                f"lr_scheduler must be a factory that returns a learning-rate scheduler of the optimizer it is given "
+                f"(with step(), state_dict() and load_state_dict(), e.g. lambda opt: torch.optim.lr_scheduler."
+                f"StepLR(opt, 100)), but it returned {type(self.scheduler).__name__}"
+            )
         self.executor = Executor(self.plan, self.timeout, self.device, overlap, self.rank)
         self._embed, self._head = embed, head
+        self._vocab = _find_vocab(embed)
         self.steps = 0
         self._failed: BaseException | None = None
+        self._closed = False
+        self._loaded_unchecked = False  # load_state_dict ran: the ranks must agree before the next step
         self._stats: torch.Tensor | None = None
         self._state: StepState | None = None
         self._last_loss = float("nan")
@@ -252,13 +357,21 @@ class TawPipe:
         return self.precision.skipped_steps
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
-        """One iteration over this rank's micro-batches; returns the mean loss over all ranks."""
+        """One iteration over this rank's micro-batches; returns the mean loss over all ranks.
+
+        ``batch`` is (inputs, targets): inputs 2-D integer token ids (rows, seq_len), rows a multiple
+        of micro_batches, ids inside the vocabulary of ``embed``'s first nn.Embedding (if it has
+        one); targets starting with the same two dimensions. Anything else is refused before the
+        step runs, and the engine stays usable."""
+        self._refuse_if_closed()
         if self._failed is not None:
             raise RuntimeError(
                 f"an earlier step failed ({self._failed!r}); this engine's buffers are in an unknown "
                 "state: build a new engine (and restore a checkpoint) to continue"
             ) from self._failed
-        self._state = self._step_state(batch)
+        state = self._step_state(batch)  # a bad batch is refused here, and the engine stays usable
+        self._check_loaded_shards_agree()
+        self._state = state
         try:
             self.executor.run(self.plan.actions[self.rank], self._work)
         except BaseException as e:
@@ -270,26 +383,78 @@ class TawPipe:
         self.steps += 1
         return self._last_loss
 
+    def _check_tokens(self, inputs: torch.Tensor, targets: torch.Tensor, what: str) -> None:
+        """``inputs`` are 2-D integer token ids inside the embedding's vocabulary and ``targets``
+        match them: a clear error here rather than a deep one inside the step."""
+        for name, t in (("inputs", inputs), ("targets", targets)):
+            if t.device.type != self.device.type and t.device.type != "cpu":
+                raise ValueError(f"{what}: {name} is on {t.device}; pass CPU tensors or tensors on {self.device}")
+        if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
+            raise TypeError(f"{what}: inputs are {inputs.dtype}, but they must be token ids of an integer dtype "
+                            "(torch.int64): convert them with inputs.long()")
+        if self._vocab is not None and inputs.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{what}: inputs are {inputs.dtype}, but the embedding (nn.Embedding) takes token ids "
+                            "of torch.int64 or torch.int32: convert them with inputs.long()")
+        if inputs.dim() != 2 or inputs.shape[1] == 0:
+            hint = {1: ": one row? pass inputs[None]", 3: ": drop the last dimension"}.get(inputs.dim(), "")
+            raise ValueError(f"{what}: inputs have shape {tuple(inputs.shape)}, but they must be 2-D token ids "
+                             f"(rows, seq_len) with seq_len >= 1{hint}")
+        if targets.shape[:2] != inputs.shape:
+            raise ValueError(f"{what}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape: "
+                             "targets must be (rows, seq_len) like the inputs, one target per input token")
+        if self._vocab is not None and inputs.numel():
+            lo, hi = (int(v) for v in torch.aminmax(inputs))
+            if lo < 0 or hi >= self._vocab:
+                raise ValueError(
+                    f"{what}: inputs hold token id {lo if lo < 0 else hi}, outside the vocabulary of the embedding "
+                    f"(nn.Embedding with {self._vocab} ids: 0 to {self._vocab - 1}); check the tokenizer against "
+                    "the model's vocabulary size"
+                )
+
     def _step_state(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepState:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2
                 and all(torch.is_tensor(t) for t in batch)):
             raise TypeError("step(batch): batch must be a pair of tensors (inputs, targets)")
         inputs, targets = batch
         acc = self.micro_batches
-        for name, t in (("inputs", inputs), ("targets", targets)):
-            if t.device.type != self.device.type and t.device.type != "cpu":
-                raise ValueError(f"{name} is on {t.device}; pass CPU tensors or tensors on {self.device}")
-        if inputs.dim() == 0 or inputs.shape[0] % acc or inputs.shape[0] == 0:
-            raise ValueError(f"batch has {inputs.shape[0] if inputs.dim() else 0} rows, not a positive "
+        self._check_tokens(inputs, targets, "step(batch)")
+        if inputs.shape[0] % acc or inputs.shape[0] == 0:
+            raise ValueError(f"step(batch): batch has {inputs.shape[0]} rows, not a positive "
                              f"multiple of micro_batches={acc}")
-        if inputs.shape != targets.shape[: inputs.dim()]:
-            raise ValueError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape")
         mb_in = [t.to(self.device) for t in inputs.chunk(acc)]
         return StepState(
             inputs=mb_in, targets=[t.to(self.device) for t in targets.chunk(acc)],
             ctx=[self.block_context(t) if self.block_context else {} for t in mb_in],
             grad_scale=self.precision.scale / (self.topology.world_size * acc),
         )
+
+    def _check_loaded_shards_agree(self) -> None:
+        """After ``load_state_dict``, before the weights are used with other ranks: every rank must
+        have loaded the same step, scheduler, optimizer hyper-parameters and loss scale (one CHECK of
+        the setup program; until it passes, every step asks again)."""
+        if not self._loaded_unchecked:
+            return
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+        rows = self.gather_rows([self.steps, fingerprint.state_digest(scheduler), fingerprint.state_digest(groups),
+                                 fingerprint.state_digest(self.precision.state_dict())])
+        steps = [r[0] for r in rows]
+        if len(set(steps)) > 1:
+            raise ValueError(
+                f"the ranks loaded shards of different steps ({', '.join(f'rank {r}: step {s}' for r, s in enumerate(steps))}): "
+                f"rank(s) {[r for r, s in enumerate(steps) if s != steps[0]]} differ from rank 0, so they would "
+                "train on other weights and another learning rate; load every rank's shard of the same checkpoint "
+                "(tawpipe.io.checkpoint.restore does), then step"
+            )
+        for j, what in ((1, "learning-rate scheduler state"), (2, "optimizer hyper-parameters (learning rate...)"),
+                        (3, "loss scaling state")):
+            differ = [r for r, row in enumerate(rows) if row[j] != rows[0][j]]
+            if differ:
+                raise ValueError(
+                    f"rank(s) {differ} loaded another {what} than rank 0, all at step {steps[0]}: every rank must "
+                    "load its own shard of the same checkpoint (tawpipe.io.checkpoint.restore does), then step"
+                )
+        self._loaded_unchecked = False
 
     def memory_report(self) -> MemoryReport:
         return self.storage.memory_report(self.optimizer)
@@ -331,6 +496,9 @@ class TawPipe:
         scale, counters and optimizer hyper-parameters are then taken from ``state`` as they are.
         A shard saved with another loss-scaling mode (e.g. float32, unscaled, into a float16
         engine) keeps this engine's own scale, with a warning, instead of adopting a wrong one.
+        Every rank loads its shard; before the next step (or evaluate, full_state_dict) the ranks
+        compare the step, scheduler state, optimizer hyper-parameters and loss scale they loaded
+        (one CHECK), and every rank raises a ValueError naming the ranks that differ.
         """
         if not reshard and state.get("chunk") != self.own_chunk:
             raise ValueError(
@@ -367,6 +535,7 @@ class TawPipe:
             self.scheduler.load_state_dict(state["scheduler"])
         self._load_precision(state["precision"], state.get("compute_dtype"))
         self.steps = int(state["steps"])
+        self._loaded_unchecked = True  # the ranks compare what they loaded before the next step
 
     def _load_precision(self, saved: dict[str, Any], saved_dtype: str | None) -> None:
         mode = saved.get("loss_scale", self.precision.loss_scale)
@@ -431,6 +600,11 @@ class TawPipe:
         """Return once every rank has called it (one CHECK on the step channel)."""
         self.gather_rows([1])
 
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was closed (TawPipe.close() was called) and communicates no more: "
+                               "build a new TawPipe (and restore a checkpoint into it) to go on")
+
     def _refuse_if_failed(self) -> None:
         if self._failed is not None:
             raise RuntimeError(f"an earlier step failed ({self._failed!r}): this engine's state is unknown and "
@@ -439,6 +613,7 @@ class TawPipe:
     def gather_rows(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (integers; the same count on every rank), in rank order: one
         all-reduce, run as the setup program's CHECK (checkpoints agree through it)."""
+        self._refuse_if_closed()
         self._refuse_if_failed()
         n = self.topology.world_size
         table = torch.zeros(n, len(values), dtype=torch.int64)
@@ -451,7 +626,9 @@ class TawPipe:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather every chunk on rank 0 under the original parameter names (None elsewhere)."""
+        self._refuse_if_closed()
         self._refuse_if_failed()
+        self._check_loaded_shards_agree()
         received: dict[int, torch.Tensor] = {}
         actions = gather_program(self.plan, root=0)[self.rank]
 
@@ -483,9 +660,15 @@ class TawPipe:
         ``batches`` and every other rank's (the same count on each), leaving training state as it
         was. Runs ``plan.programs.eval_program``: each chunk broadcast once from its owner into an
         idle weight buffer, every rank's batches through it, the loss sums all-reduced."""
+        self._refuse_if_closed()
         self._refuse_if_failed()
         if not batches:
             raise ValueError("evaluate needs at least one (inputs, targets) batch")
+        for i, b in enumerate(batches):
+            if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(torch.is_tensor(t) for t in b)):
+                raise TypeError(f"evaluate(batches): batches[{i}] must be a pair of tensors (inputs, targets)")
+            self._check_tokens(b[0], b[1], f"evaluate(batches): batches[{i}]")
+        self._check_loaded_shards_agree()
         buf = next(b for b in sorted(self.storage.bufs) if buf_kind(b) is BufKind.WEIGHTS)
         inputs = [x.to(self.device) for x, _ in batches]
         st = EvalState(inputs=inputs, targets=[y.to(self.device) for _, y in batches],
@@ -504,6 +687,8 @@ class TawPipe:
         return st.loss_sum.item() / (self.topology.world_size * len(batches))
 
     def close(self) -> None:
+        """Stop the engine's channels; every method that communicates then refuses."""
+        self._closed = True
         self.executor.close()
 
     # ------------------------------------------------------------------ actions -> calls

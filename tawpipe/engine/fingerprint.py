@@ -36,6 +36,26 @@ def _checksum(params: Sequence[tuple[str, nn.Parameter]]) -> int:
     return int.from_bytes(h.digest(), "little") & _MASK
 
 
+def state_digest(state: object) -> int:
+    """A digest of a state (a scheduler's, an optimizer's groups...) that is equal on every rank for
+    equal states: objects other than plain data (functions, say) count by their type only, never by
+    a repr that holds a memory address."""
+    def plain(x: object) -> object:
+        if isinstance(x, dict):
+            return [(plain(k), plain(v)) for k, v in x.items()]
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if torch.is_tensor(x):
+            return ("tensor", x.detach().cpu().tolist())
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, (torch.dtype, torch.device)):
+            return str(x)
+        return type(x).__qualname__
+
+    return _digest(plain(state))
+
+
 def _optimizer(opt: torch.optim.Optimizer) -> str:
     # hyper-parameters only: the own chunk's parameter count differs between ranks (uneven chunks)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]

@@ -12,6 +12,7 @@ Replicated gradients are identical on every rank after their all-reduce and coun
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,10 @@ class Precision:
         if not (ls is None or ls == "dynamic" or (isinstance(ls, (int, float)) and not isinstance(ls, bool)
                                                   and math.isfinite(ls) and ls > 0)):
             raise ValueError(f"loss_scale must be None, 'dynamic' or a finite positive number, got {ls!r}")
+        mgn = self.max_grad_norm
+        if mgn is not None and (isinstance(mgn, bool) or not isinstance(mgn, numbers.Real)):
+            raise TypeError(f"max_grad_norm must be a number > 0 (the global gradient norm to clip to) or None, "
+                            f"got {mgn!r} (a {type(mgn).__name__}): pass e.g. max_grad_norm=1.0")
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a finite number > 0 (or None), got {self.max_grad_norm}")
         if self.nonfinite not in NONFINITE:

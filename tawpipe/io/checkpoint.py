@@ -10,6 +10,10 @@ parameter's name, shape and dtype), the dtypes, the tawpipe and torch versions, 
 SHA-256 and byte count, and the caller's ``meta`` (JSON). Every file is written atomically
 (temporary file, fsync, rename); temporary files a crash left behind are removed at the next save.
 
+A single file (``save_atomic``, no manifest) vouches for itself: it holds the object together
+with the SHA-256 of its content (every tensor's bytes, every key and value), which ``load``
+recomputes; ``load`` names the file that is empty, truncated, unreadable or altered.
+
 Shards hold parameters and optimizer state under the model's parameter names, so ``restore``
 loads a checkpoint onto any topology: each rank reads the shards that hold its layers (on the same
 topology, exactly its own). It refuses a shard whose checksum or step disagrees with the manifest,
@@ -22,6 +26,7 @@ import hashlib
 import json
 import os
 import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable
@@ -36,6 +41,8 @@ if TYPE_CHECKING:
 FORMAT = "tawpipe-checkpoint/1"
 MANIFEST = "manifest.json"
 _TMP = ".tmp-"
+_HOST = "".join(c if c.isalnum() or c == "." else "_" for c in socket.gethostname()) or "host"
+CHECKED = "tawpipe-checked/1"  # save_atomic's file: {CHECKED: 1, "sha256": ..., "object": ...}
 
 
 class CheckpointError(ValueError):
@@ -67,7 +74,8 @@ def _write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Non
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f"{_TMP}{secrets.token_hex(8)}{suffix}")
+    # the writer's host and pid in the name: a later save_atomic can tell a crashed write's file
+    tmp = os.path.join(directory, f"{_TMP}{_HOST}-{os.getpid()}-{secrets.token_hex(8)}{suffix}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as the umask allows, like open()
     try:
         with os.fdopen(fd, "wb") as f:
@@ -90,13 +98,72 @@ def _write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Non
 
 def save_atomic(obj: Any, path: str | os.PathLike[str]) -> str:
     """Write to a temporary file in the same directory, fsync, then rename over `path`, so a
-    crash leaves either the old file or the new one, never a torn one. Returns its SHA-256."""
-    return _write_atomic(path, lambda f: torch.save(obj, f), ".pt")[0]
+    crash leaves either the old file or the new one, never a torn one. Returns its SHA-256.
+
+    The file holds ``obj`` with the SHA-256 of its content, which ``load`` checks (and unwraps).
+    Temporary files that writes on this host which have since died left in the directory are
+    removed first."""
+    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if os.path.isdir(directory):
+        _remove_temporary([Path(directory)], only_dead_writers=True)
+    checked = {CHECKED: 1, "sha256": content_sha256(obj), "object": obj}
+    return _write_atomic(path, lambda f: torch.save(checked, f), ".pt")[0]
+
+
+def content_sha256(obj: Any) -> str:
+    """The SHA-256 of what a checkpoint object holds: its containers' structure, keys and values,
+    and every tensor's dtype, shape and bytes (equal before saving and after loading)."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if torch.is_tensor(x):
+            t = x.detach()
+            t = (t.to_dense() if t.layout != torch.strided else t).resolve_conj().resolve_neg().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        elif isinstance(x, dict):
+            h.update(f"D{type(x).__name__}{len(x)};".encode())
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{type(x).__name__}{len(x)};".encode())
+            for v in x:
+                walk(v)
+        elif isinstance(x, (set, frozenset)):
+            h.update(f"S{type(x).__name__}{sorted(repr(v) for v in x)};".encode())
+        else:
+            r = repr(x)
+            h.update(f"V{type(x).__name__}{len(r)}:{r};".encode())
+
+    walk(obj)
+    return h.hexdigest()
 
 
 def load(path: str | os.PathLike[str]) -> Any:
-    """Load a tawpipe checkpoint file; only tensors and plain containers are accepted."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Load a tawpipe checkpoint file; only tensors and plain containers are accepted.
+
+    A file of ``save_atomic`` is checked against the SHA-256 it holds, and its object returned.
+    CheckpointError names a file that is empty, truncated, unreadable or altered."""
+    path = os.fspath(path)
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes): its write never completed (or a copy failed); "
+                              "use another copy or an earlier checkpoint")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch reports a torn file in many ways
+        cause = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]  # torch's first sentence
+        raise CheckpointError(
+            f"{path} cannot be read as a checkpoint: it is truncated or corrupt, or not a file of torch.save with "
+            f"tensors and plain containers only ({type(e).__name__}: {cause}); use another copy or an earlier "
+            "checkpoint"
+        ) from e
+    if isinstance(obj, dict) and CHECKED in obj:
+        if set(obj) != {CHECKED, "sha256", "object"} or content_sha256(obj["object"]) != obj["sha256"]:
+            raise CheckpointError(f"{path} is corrupt: the SHA-256 of its content differs from the one save_atomic "
+                                  "stored in it (flipped bytes); use another copy or an earlier checkpoint")
+        return obj["object"]
+    return obj
 
 
 def sha256(path: str | os.PathLike[str]) -> str:
@@ -158,11 +225,39 @@ def check_model(manifest: dict[str, Any], signature: dict[str, Any], where: str 
         raise CheckpointError(f"checkpoint {where} is of a different model: {diff}")
 
 
+def _writer_is_gone(tmp: Path) -> bool:
+    """Whether the write that made temporary file ``tmp`` has died: its name holds the writer's
+    host and pid (``_write_atomic``); a writer on another host, or a name without them, counts as
+    alive (its file stays)."""
+    try:
+        host, pid, _ = tmp.name[len(_TMP):].rsplit("-", 2)
+        pid_number = int(pid)
+    except ValueError:
+        return False
+    if host != _HOST or pid_number == os.getpid():
+        return False
+    try:
+        os.kill(pid_number, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
+
+
+def _remove_temporary(directories: list[Path], *, only_dead_writers: bool) -> None:
+    """Remove the temporary files (``.tmp-*``) of writes that crashed in ``directories``: all of them
+    (nothing of this job writes there now), or only those whose writer is gone (others may be writing)."""
+    for d in directories:
+        for tmp in d.glob(f"{_TMP}*"):
+            if not only_dead_writers or _writer_is_gone(tmp):
+                tmp.unlink(missing_ok=True)
+
+
 def _remove_stale(root: Path, step: Path) -> None:
     """Temporary files of saves that crashed, and the manifest of the step about to be rewritten
     (until the new one lands, the directory is incomplete)."""
-    for tmp in [*root.glob(f"{_TMP}*"), *root.glob(f"step-*/{_TMP}*")]:
-        tmp.unlink(missing_ok=True)
+    _remove_temporary([root, *root.glob("step-*")], only_dead_writers=False)
     (step / MANIFEST).unlink(missing_ok=True)
 
 

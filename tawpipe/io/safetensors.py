@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,11 +82,18 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> 
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temporary file in the same directory and rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    os.close(fd)
+    """Write through a temporary file in the same directory and rename it over ``path``.
+
+    The temporary file is created with mode 0o666 less the umask, like ``open()`` and the
+    checkpoint shards (``tawpipe.io.checkpoint``): not ``mkstemp``'s 0o600, which the rename would
+    keep. ``write`` gets its path (safetensors writes to a path, not to a file object)."""
+    tmp = path.parent / f".tmp-{secrets.token_hex(8)}{path.suffix}"
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
-        write(Path(tmp))
+        mode = tmp.stat().st_mode & 0o777
+        write(tmp)
+        if tmp.stat().st_mode & 0o777 != mode:  # the writer replaced the file (safetensors does, with 0o600)
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -99,6 +99,38 @@ def meta_model(spec: str, *, layers: int | None = None, vocab_size: int | None =
     return list(model.blocks), model.embed, model.head, cfg.vocab_size
 
 
+def check_weights(spec: str) -> None:
+    """For a Hugging Face directory, every problem of its weight files that loading would meet
+    (``tawpipe.models.hf.check_pretrained``: headers only, no tensor is read); ValueError, one line.
+    Other specs have no weight files."""
+    if check(spec) == "hf-dir":
+        from tawpipe.models import hf
+
+        hf.check_pretrained(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the memory of activations depends on: hidden size, attention heads, vocabulary."""
+
+    hidden: int
+    heads: int
+    vocab: int
+
+
+def shape(spec: str, *, layers: int | None = None, vocab_size: int | None = None,
+          max_seq_len: int | None = None) -> Shape:
+    """The hidden size, heads and vocabulary of the model ``spec`` names (configs only)."""
+    kind = check(spec)
+    if kind in ("hf-dir", "hf-json"):
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(Path(spec) / "config.json" if kind == "hf-dir" else spec)
+        return Shape(c.hidden_size, c.num_attention_heads, c.vocab_size)
+    cfg = _builtin_config(spec, kind, layers=layers, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    return Shape(cfg.hidden, cfg.n_heads, cfg.vocab_size)
+
+
 def _builtin_config(spec: str, kind: str, **overrides: int | None) -> LlamaConfig:
     base = dict(PRESETS[spec]) if kind == "preset" else dataclasses.asdict(_llama_config(_read_json(Path(spec)), Path(spec)))
     names = {"layers": "n_layers", "vocab_size": "vocab_size", "max_seq_len": "max_seq_len"}
@@ -144,11 +176,14 @@ __all__ = [
     "ModelParts",
     "block_forward",
     "block_numel",
+    "Shape",
     "check",
+    "check_weights",
     "embed_head_numel",
     "llama_loss",
     "llama_parts",
     "load",
     "meta_model",
     "num_params",
+    "shape",
 ]

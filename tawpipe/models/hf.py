@@ -46,7 +46,7 @@ import torch.nn as nn
 from .llama import llama_loss
 from .parts import PART_NAMES, ModelParts
 from .seeding import draw_seed, layer_part, seeded
-from .weights import SafetensorsCheckpoint, has_safetensors
+from .weights import INDEX, SINGLE, SafetensorsCheckpoint, has_safetensors
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -153,11 +153,55 @@ def from_pretrained(path: str | os.PathLike[str], **kwargs: Any) -> ModelParts:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: pass a directory written by save_pretrained")
-    if not has_safetensors(path) and any(path.glob("*.bin")):
-        raise ValueError(f"{path} holds PyTorch .bin weights; tawpipe reads safetensors only: load the model "
-                         "with transformers and save_pretrained(..., safe_serialization=True) once")
-    checkpoint = SafetensorsCheckpoint(path) if has_safetensors(path) else None
-    return from_config(path / "config.json", checkpoint=checkpoint, **kwargs)
+    return from_config(path / "config.json", checkpoint=_checkpoint(path), **kwargs)
+
+
+def _checkpoint(path: Path) -> SafetensorsCheckpoint | None:
+    """The directory's safetensors weights; None where it holds none (random initialisation)."""
+    if has_safetensors(path):
+        return SafetensorsCheckpoint(path)
+    bins = sorted(p.name for p in path.glob("*.bin"))
+    if bins:
+        more = ", ..." if len(bins) > 2 else ""
+        raise ValueError(f"{path} holds PyTorch .bin weights ({', '.join(bins[:2])}{more}); "
+                         "tawpipe reads safetensors only: convert them once with transformers, "
+                         f"AutoModelForCausalLM.from_pretrained('{path}').save_pretrained('{path}', "
+                         "safe_serialization=True)")
+    stray = sorted(p.name for p in path.glob("*.safetensors"))
+    if stray:
+        raise ValueError(f"{path} holds {', '.join(stray[:2])}{', ...' if len(stray) > 2 else ''} but neither "
+                         f"{SINGLE} nor {INDEX}: copy the index that came with the shards into it, or save "
+                         "the model again with save_pretrained")
+    return None
+
+
+def check_pretrained(path: str | os.PathLike[str]) -> None:
+    """Everything :func:`from_pretrained` would refuse in a ``save_pretrained`` directory, found
+    before any process starts and without reading a tensor: .bin-only weights; shards the index
+    names that are absent or lie outside the directory; damaged or truncated files; tensors the
+    config's model lacks, has in other shapes, or layers beyond the config's (ValueError, one
+    line, naming the file and the fix)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    checkpoint = _checkpoint(path)
+    if checkpoint is None:
+        return
+    checkpoint.verify()
+    config = AutoConfig.from_pretrained(path)
+    adapter = adapter_for(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    blocks = list(model.get_submodule(adapter.layers))
+    names = _NameMap(model, adapter, adapter.embed_module(model), adapter.head_module(model))
+    prefix = adapter.layers + "."
+    layers = {int(n[len(prefix):].split(".", 1)[0]) for n in checkpoint.names()
+              if n.startswith(prefix) and n[len(prefix):].split(".", 1)[0].isdigit()}
+    if layers and max(layers) >= len(blocks):
+        raise ValueError(f"{path} holds weights of {max(layers) + 1} layers ({prefix}0 to {prefix}{max(layers)}) "
+                         f"but its config.json builds {len(blocks)}: training would drop layers "
+                         f"{len(blocks)}-{max(layers)}; set num_hidden_layers to {max(layers) + 1} in config.json")
+    names.check(checkpoint)
 
 
 def from_config(config: PretrainedConfig | str | os.PathLike[str], *,
@@ -287,7 +331,8 @@ class _NameMap:
         if wrong:
             name, got, want = wrong[0]
             raise ValueError(f"{checkpoint.path}: {len(wrong)} tensors have other shapes than the config says, "
-                             f"e.g. {name} is {got}, expected {want}: the config and the weights disagree")
+                             f"e.g. {name} is {got}, expected {want}: the config and the weights disagree; use the "
+                             "config.json saved with these weights")
 
 
 def _empty_on_cpu(modules: Iterable[nn.Module]) -> None:

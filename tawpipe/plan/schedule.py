@@ -153,7 +153,6 @@ def _check_args(topology: Topology, num_layers: int, micro_batches: int, algo: s
             )
 
 
-
 class _Events:
     """Events per (slot, phase); ``project`` turns them into per-rank action lists.
 

@@ -9,22 +9,41 @@ A local job has no deadline: liveness is per wait (every wait of the engine time
 ``TAWPIPE_TIMEOUT`` seconds), so a job runs as long as it makes progress. It ends at its first
 failure, which it names: a rank that died ("rank 3 died (SIGKILL)"), a rank that raised, or, when
 a wait timed out, the rank the progress board (``tawpipe.runtime.progress``) shows stuck. Workers lead
-their own process groups and die with the launcher (PR_SET_PDEATHSIG); SIGINT, SIGTERM and
-SIGHUP to the launcher stop them all before it exits. The store and gloo bind to loopback only.
+their own process groups and die with the launcher (PR_SET_PDEATHSIG). The store and gloo bind
+to loopback only. Return values travel pickled to bytes by the standard pickler (tensors
+included: no shared memory that the worker's exit could take away).
+
+Stopping on request (preemption, Ctrl-C): a rank's loop asks ``stop_requested()`` at each
+iteration boundary. Its first call arms handlers: from then on SIGTERM, and a first SIGINT, only
+set the flag (a second SIGINT stops at once); before it, and in ranks that never ask, they end
+the process as they always did. SIGINT, SIGTERM and SIGHUP to ``run_local``'s launcher are
+forwarded to every worker as SIGTERM; the launcher waits up to ``grace`` seconds for them to end
+by themselves, then stops what is left. When ranks returned it raises ``JobStopped`` (their
+results); when none did (they never ask), it ends as the signal would have ended it. Under
+torchrun the workers get torchrun's SIGTERM directly, and the same handlers apply.
+
+Under torchrun, ``init_distributed()`` also makes an uncaught exception end the rank at once
+after its traceback (exit code 1): left to the interpreter's exit, communication threads still
+inside gloo were killed mid-call and aborted the process ("terminate called without an active
+exception"). Before exiting, a rank that failed because of a peer names it: a peer that failed
+first, or one whose heartbeat stopped (killed).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import faulthandler
 import os
+import pickle
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -41,6 +60,8 @@ from .timeout import default_timeout
 LOOPBACK = "127.0.0.1"
 _GRACE = 1.0  # after a first failure, how long to look for the rank that caused it
 _STOP_WAIT = 2.0  # SIGTERM, then SIGKILL after this many seconds
+GRACE_ENV = "TAWPIPE_GRACE"
+DEFAULT_GRACE = 60.0  # after a stop request, how long the launcher waits for the workers to end
 # Start-up, and the default process group, wait at least this long: ranks start at different
 # speeds, and one that dies is seen at once anyway. The engine's own groups use the timeout.
 _RENDEZVOUS_MIN = 60.0
@@ -75,6 +96,7 @@ def init_distributed(timeout: float | None = None, cpu: bool = False) -> torch.d
             **({"device_id": device} if use_cuda else {}),
         )
         _mirror_progress()
+        _exit_at_once_on_failure()
     if dist.get_backend() != "gloo":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -88,10 +110,116 @@ def _mirror_progress() -> None:
                               timeout=timedelta(seconds=10), wait_for_workers=False)
     except (RuntimeError, ValueError):
         return
-    mirror = progress.StoreMirror(store, dist.get_rank(), dist.get_world_size()).start()
-    atexit.register(mirror.close)  # before exit stops daemon threads mid-call (see StoreMirror.close)
-    progress.install(dist.get_rank(), mirror.local, 0, mirror)
+    global _mirror
+    _mirror = progress.StoreMirror(store, dist.get_rank(), dist.get_world_size(),
+                                   attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "")).start()
+    atexit.register(_mirror.end)  # before exit stops daemon threads mid-call (see StoreMirror.close)
+    progress.install(dist.get_rank(), _mirror.local, 0, _mirror)
     progress.publish(progress.OUTSIDE)
+
+
+_mirror: progress.StoreMirror | None = None
+
+
+def _exit_at_once_on_failure() -> None:
+    """Under torchrun: an uncaught exception prints its traceback, names the peer to blame when
+    the error is about one, runs the atexit functions and ends the process with exit code 1 (by
+    SIGINT for KeyboardInterrupt, as Python does), skipping the interpreter's finalization. That
+    finalization killed communication threads still inside a gloo call when they came back for
+    the GIL, which aborted the process ("terminate called without an active exception")."""
+    previous, rank = sys.excepthook, dist.get_rank()
+    if getattr(previous, "_tawpipe", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        try:
+            previous(kind, value, tb)
+            headline, _timed_out, about_a_peer = _classify(value)
+            if about_a_peer:  # a broken connection or a timeout: say whose fault it is
+                culprit = progress.blame_after_failure(within=progress.GONE_AFTER + 2.0)
+                if culprit:
+                    print(f"tawpipe: rank {rank}: {culprit}; this rank's error above follows from it",
+                          file=sys.stderr, flush=True)
+            if _mirror is not None:  # so that this rank's silence does not read as a death
+                _mirror.end(("after a peer: " if about_a_peer else progress.FAILED) + headline)
+                if _hosts_the_store(rank):  # ranks blocked on this one fail when it exits, the store with it
+                    progress.linger_for_the_others(within=3 * _mirror.interval + 2.0)
+        finally:
+            _exit_now(1, interrupted=issubclass(kind, KeyboardInterrupt))
+
+    hook._tawpipe = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _hosts_the_store(rank: int) -> bool:
+    """Whether the job's TCPStore lives in this process: rank 0's, unless torchrun's agent hosts it."""
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+
+
+def _exit_now(code: int, interrupted: bool = False) -> None:
+    """End this process without the interpreter's finalization (see _exit_at_once_on_failure)."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed pipe: nothing more to say
+                pass
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code)
+
+
+# ------------------------------------------------------------------------- stopping on request
+
+_stop_asked = False
+_armed = _warned = False
+
+
+def stop_requested(agree: bool = False) -> bool:
+    """Whether this rank was asked to stop: by SIGTERM (the launcher's, torchrun's, a scheduler's
+    preemption), or by a first SIGINT. Ask it at each iteration boundary, then save and return.
+
+    The first call, on the main thread, arms the handlers; until then SIGTERM and SIGINT end the
+    process as ever, so ranks that never ask are not waited for. A second SIGINT raises
+    KeyboardInterrupt at once. ``agree=True`` is a collective (every rank calls it at the same
+    point): every rank gets True if any rank was asked, so all stop at the same iteration (with
+    the local flag alone a rank may stop one iteration early and leave its peers waiting)."""
+    global _stop_asked
+    _arm_stop_handlers()
+    if agree and dist.is_available() and dist.is_initialized():
+        cuda = dist.get_backend() == "nccl"
+        flag = torch.tensor([int(_stop_asked)], dtype=torch.int32,
+                            device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        _stop_asked = _stop_asked or bool(flag.item())
+    return _stop_asked
+
+
+def _arm_stop_handlers() -> None:
+    global _armed, _warned
+    if _armed:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        if not _warned:
+            _warned = True
+            warnings.warn("stop_requested() was first called on a thread other than the main one, where signal "
+                          "handlers cannot be installed: SIGTERM and SIGINT still end this process at once",
+                          RuntimeWarning, stacklevel=3)
+        return
+    _armed = True
+    for sig, ours in ((signal.SIGTERM, (signal.SIG_DFL,)), (signal.SIGINT, (signal.SIG_DFL, signal.default_int_handler))):
+        if signal.getsignal(sig) in ours:  # not one the program installed, nor an ignored one (nohup)
+            signal.signal(sig, _on_stop_signal)
+
+
+def _on_stop_signal(signum: int, _frame: Any) -> None:
+    global _stop_asked
+    if signum == signal.SIGINT and _stop_asked:
+        raise KeyboardInterrupt  # a second Ctrl-C: stop now
+    _stop_asked = True
 
 
 def die_with_parent(parent: int) -> None:
@@ -115,6 +243,25 @@ class JobFailed(RuntimeError):
         self.summary, self.rank, self.kind = summary, rank, kind
 
 
+class JobStopped(Exception):
+    """A local job stopped on request: ``signal`` reached the launcher, which forwarded SIGTERM to
+    every worker, and ranks returned. ``results[rank]`` is that rank's return value, None for
+    ``missing`` ranks: those that did not end within the grace (killed), or died. Not a failure:
+    a rank that raised while stopping makes a JobFailed instead."""
+
+    def __init__(self, signum: int, results: list[Any], missing: list[int], grace: float) -> None:
+        self.signal = signal.Signals(signum)
+        self.results, self.missing = results, missing
+        how = ("every rank returned" if not missing else
+               f"rank(s) {missing} did not return within the {grace:g} s grace and were stopped")
+        super().__init__(f"stopped on request ({self.signal.name}): {how}")
+
+    @property
+    def complete(self) -> bool:
+        """Every rank returned."""
+        return not self.missing
+
+
 @dataclass
 class _Report:
     ok: bool
@@ -127,7 +274,8 @@ class _Report:
 _PEER_TROUBLE = ("connection reset by peer", "connection closed by peer", "broken pipe", "timed out")
 
 
-def _failure(e: BaseException) -> _Report:
+def _classify(e: BaseException) -> tuple[str, bool, bool]:
+    """(headline, a wait timed out, the error is about a peer) of an error and its causes."""
     chain, cause = [], e
     while cause is not None and len(chain) < 20:
         chain.append(cause)
@@ -135,8 +283,20 @@ def _failure(e: BaseException) -> _Report:
     timed_out = any(isinstance(c, CommTimeout) or "timed out" in str(c).lower() for c in chain)
     peer = timed_out or any(isinstance(c, dist.DistError) or getattr(c, "about_a_peer", False)
                             or any(t in str(c).lower() for t in _PEER_TROUBLE) for c in chain)
-    headline = f"{type(e).__name__}: {e}".splitlines()[0]
+    return f"{type(e).__name__}: {e}".splitlines()[0], timed_out, peer
+
+
+def _failure(e: BaseException) -> _Report:
+    """The report of the error being handled."""
+    headline, timed_out, peer = _classify(e)
     return _Report(False, traceback.format_exc(), headline, timed_out, peer)
+
+
+def _pickled(report: _Report) -> bytes:
+    """The standard pickler, not multiprocessing's: torch registers reductions there that move
+    tensors to shared memory handed over by the sender's process, which may have exited by the
+    time the launcher reads ("rank 2 exited with code 0 before returning")."""
+    return pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _worker(rank: int, world_size: int, parent: int, port: int, timeout: float, board: Any,
@@ -158,11 +318,20 @@ def _worker(rank: int, world_size: int, parent: int, port: int, timeout: float, 
                               timeout=timedelta(seconds=max(timeout, _RENDEZVOUS_MIN)))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=max(timeout, _RENDEZVOUS_MIN)))
+        # every rank done connecting before any runs fn: a rank whose fn returns at once and exits
+        # broke the connections a slower peer was still making ("Gloo connectFullMesh failed")
+        dist.barrier()
         progress.publish(progress.OUTSIDE)
-        conn.send(_Report(True, fn(rank, *args)))
+        value = fn(rank, *args)
+        try:
+            report = _pickled(_Report(True, value))
+        except Exception as e:  # noqa: BLE001 - e.g. a lambda, an open file
+            raise TypeError(f"rank {rank}'s return value cannot be pickled for the launcher: "
+                            f"{type(e).__name__}: {e}") from e
+        conn.send_bytes(report)
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which ends the job
         try:
-            conn.send(_failure(e))
+            conn.send_bytes(_pickled(_failure(e)))
         finally:
             os._exit(1)  # not a clean exit: channel threads may sit in a transfer
     if dist.is_initialized():
@@ -187,6 +356,7 @@ class _LocalJob:
         self.procs: list[Any] = []
         self.readers: dict[Connection, int] = {}
         self.reports: dict[int, _Report] = {}
+        self.groups: set[int] = set()  # workers seen leading their process group
 
     def start(self, fn: Callable, args: tuple) -> None:
         for rank in range(self.world):
@@ -200,19 +370,14 @@ class _LocalJob:
             self.procs.append(p)
             self.readers[reader] = rank
 
-    def wait(self) -> list[Any]:
-        """Every rank's return value, or JobFailed at the first failure."""
+    def wait(self, signals: "_Signals") -> list[Any]:
+        """Every rank's return value, or JobFailed at the first failure, or _Stop at a stop signal."""
         failed_at: float | None = None
         board: list[progress.Entry] = []
         while failed_at is not None or len(self.reports) < self.world:
-            pending = [r for r, rank in self.readers.items() if rank not in self.reports]
-            sentinels = [p.sentinel for rank, p in enumerate(self.procs) if rank not in self.reports]
-            ready = wait(pending + sentinels, timeout=0.2 if failed_at else 1.0)
-            for r in (x for x in ready if x in self.readers):
-                try:
-                    self.reports[self.readers[r]] = r.recv()
-                except (EOFError, OSError):  # died while sending: seen below as a dead rank
-                    self.readers.pop(r)
+            if signals.first is not None:
+                raise _Stop(signals.first)
+            self._collect(0.2)
             if failed_at is None and (self._dead() or any(not r.ok for r in self.reports.values())
                                       or self._overdue() is not None):
                 failed_at = time.monotonic()
@@ -220,6 +385,61 @@ class _LocalJob:
             if failed_at is not None and time.monotonic() - failed_at >= _GRACE:
                 raise self._diagnose(board)
         return [self.reports[r].value for r in range(self.world)]
+
+    def _collect(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for a report or an exit; read the reports that came."""
+        pending = [r for r, rank in self.readers.items() if rank not in self.reports]
+        running = [p.sentinel for rank, p in enumerate(self.procs) if rank not in self.reports and p.exitcode is None]
+        for r in wait(pending + running, timeout=timeout):
+            if r not in self.readers:
+                continue
+            rank = self.readers[r]
+            try:
+                data = r.recv_bytes()
+            except (EOFError, OSError):  # died before or while sending: seen as a dead rank
+                self.readers.pop(r)
+                continue
+            try:
+                self.reports[rank] = pickle.loads(data)
+            except Exception as e:  # noqa: BLE001 - a class the launcher cannot import, ...
+                self.reports[rank] = _Report(False, traceback.format_exc(),
+                                             f"its return value cannot be unpickled in the launcher: {type(e).__name__}: {e}")
+
+    def stop_on_request(self, signum: int, grace: float, signals: "_Signals") -> None:
+        """Forward SIGTERM to every running worker (the process, not its group: its children are its
+        own business) and wait up to ``grace`` s (less at a second SIGINT) for each to report or
+        end; then stop what is left. Raises JobStopped when ranks returned, JobFailed when one
+        raised meanwhile; returns when none returned (they did not ask: the signal ended them)."""
+        name = signal.Signals(signum).name
+        for rank, p in enumerate(self.procs):
+            if rank not in self.reports and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    if os.getpgid(p.pid) == p.pid:  # for stop(), after the worker is gone
+                        self.groups.add(p.pid)
+                    os.kill(p.pid, signal.SIGTERM)
+        t0, told = time.monotonic(), False
+        while not signals.again and time.monotonic() - t0 < grace:
+            if all(rank in self.reports or p.exitcode is not None for rank, p in enumerate(self.procs)):
+                break
+            if not told and time.monotonic() - t0 >= 1.0:
+                _say(f"{name}: asked the local job's {self.world} workers to stop; waiting up to {grace:g} s for "
+                     f"them to end by themselves ({'Ctrl-C again' if signum == signal.SIGINT else 'SIGINT'} "
+                     "stops them now)")
+                told = True
+            self._collect(0.2)
+        self.stop()
+        self._collect(0.0)  # a report sent at the last moment
+        returned = [r for r in range(self.world) if r in self.reports and self.reports[r].ok]
+        _say(f"{name}: stopped the local job's {self.world} workers"
+             + (f" ({len(returned)} of them returned)" if returned else ""))
+        failures = [(r, self.reports[r]) for r in sorted(self.reports) if not self.reports[r].ok]
+        if failures:  # its own error first, as in _diagnose
+            rank, report = next(((r, rep) for r, rep in failures if not rep.about_a_peer), failures[0])
+            raise JobFailed(f"rank {rank} failed while stopping on {name}: {report.headline}", rank, "failed",
+                            f"traceback of rank {rank}:\n{report.value}")
+        if returned:
+            raise JobStopped(signum, [self.reports[r].value if r in returned else None for r in range(self.world)],
+                             [r for r in range(self.world) if r not in returned], grace)
 
     def _dead(self) -> list[int]:
         """Ranks that exited without a report (in rank order)."""
@@ -263,6 +483,9 @@ class _LocalJob:
             alive = [p for p in self.procs if p.exitcode is None]
             for p in alive:
                 _signal_group(p.pid, sig)
+            for pid in self.groups - {p.pid for p in alive}:  # a worker gone, its children maybe not
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, sig)
             deadline = time.monotonic() + wait_s
             for p in alive:
                 p.join(max(0.0, deadline - time.monotonic()))
@@ -274,13 +497,17 @@ class _LocalJob:
 
 
 def _signal_group(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         if os.getpgid(pid) == pid:  # the worker leads its group (it set that up first thing)
             os.killpg(pid, sig)
         else:
             os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+
+
+def _say(message: str) -> None:
+    """A launcher message on a line of its own: a rank's progress bar (tqdm, on the same terminal)
+    leaves its line open, and Ctrl-C echoes ^C there."""
+    print(f"\ntawpipe: {message}", file=sys.stderr, flush=True)
 
 
 class _Stop(BaseException):
@@ -289,46 +516,81 @@ class _Stop(BaseException):
         self.signum = signum
 
 
-def _install_stop_handlers() -> dict[int, Any]:
-    """SIGINT, SIGTERM and SIGHUP stop the job. A SIGINT ignored because the job was started in
-    the background is taken over too; a SIGTERM or SIGHUP ignored on purpose (nohup) is not, nor
-    a handler the caller installed. Only possible on the main thread. Returns the old handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
+class _Signals:
+    """SIGINT, SIGTERM and SIGHUP to the launcher, noted for the job's loop to act on. A SIGINT
+    ignored because the job was started in the background is taken over too; a SIGTERM or SIGHUP
+    ignored on purpose (nohup) is not, nor a handler the caller installed. Only possible on the
+    main thread. After the first signal, a SIGINT (Ctrl-C again) cuts the grace short; repeats of
+    SIGTERM and SIGHUP are ignored (timeout(1) signals the launcher, then its whole group)."""
 
-    def stop(signum: int, _frame: Any) -> None:
-        raise _Stop(signum)
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self.again = False
+        self.old: dict[int, Any] = {}
 
-    old = {}
-    for sig, ours in ((signal.SIGINT, (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler)),
-                      (signal.SIGTERM, (signal.SIG_DFL,)), (signal.SIGHUP, (signal.SIG_DFL,))):
-        if signal.getsignal(sig) in ours:
-            old[sig] = signal.signal(sig, stop)
-    return old
+    def install(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig, ours in ((signal.SIGINT, (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler)),
+                              (signal.SIGTERM, (signal.SIG_DFL,)), (signal.SIGHUP, (signal.SIG_DFL,))):
+                if signal.getsignal(sig) in ours:
+                    self.old[sig] = signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum: int, _frame: Any) -> None:
+        if self.first is None:
+            self.first = signum
+        elif signum == signal.SIGINT:
+            self.again = True
+
+    def restore(self) -> None:
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+        self.old = {}
 
 
-def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None) -> list[Any]:
-    """Run ``fn(rank, *args)`` on ``world_size`` local CPU processes joined by gloo.
+def grace_seconds(grace: float | None = None) -> float:
+    """``grace``, else ``TAWPIPE_GRACE``, else 60 s: how long a stopped job's workers may take."""
+    if grace is None:
+        text = os.environ.get(GRACE_ENV, "")
+        try:
+            grace = float(text) if text.strip() else DEFAULT_GRACE
+        except ValueError:
+            raise ValueError(f"{GRACE_ENV}={text!r} is not a number of seconds") from None
+    if not grace >= 0:
+        raise ValueError(f"the grace period must be >= 0 seconds, got {grace}")
+    return float(grace)
+
+
+def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None,
+              grace: float | None = None) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` local CPU processes joined by gloo; every rank's
+    return value (pickled: CPU tensors, lists, dicts, ...).
 
     ``fn`` must be importable (module level). ``timeout`` (default ``TAWPIPE_TIMEOUT``, 300 s)
     bounds every wait, not the job: the workers see it as ``TAWPIPE_TIMEOUT``. Raises JobFailed
-    naming the first failure; a signal to the launcher stops every worker, then takes its course.
+    naming the first failure.
+
+    SIGINT, SIGTERM or SIGHUP to this process is forwarded to every worker as SIGTERM, and the
+    workers get up to ``grace`` seconds (default ``TAWPIPE_GRACE``, else 60) to end by
+    themselves: ranks that check ``stop_requested()`` stop at an iteration boundary and return.
+    Then what is left is stopped, and:
+
+    * ranks returned: JobStopped (``.signal``, ``.results``, ``.missing``), which a training tool
+      reports as stopped on request (e.g. exit status 128 + the signal) after saving;
+    * a rank raised meanwhile: JobFailed (``... (while stopping on SIGTERM)``);
+    * none returned (they do not check: the SIGTERM ended them): as before, the signal takes its
+      course: KeyboardInterrupt for SIGINT, else the process ends by the signal.
     """
     timeout = float(timeout or default_timeout())
+    grace = grace_seconds(grace)
     job = _LocalJob(world_size, timeout)
-    handlers = _install_stop_handlers()
+    signals = _Signals().install()
     try:
         job.start(fn, args)
-        return job.wait()
+        return job.wait(signals)
     except _Stop as s:
-        for sig in handlers:  # a repeat must not cut the stop short (timeout(1) signals the whole group)
-            signal.signal(sig, signal.SIG_IGN)
-        job.stop()
-        name = signal.Signals(s.signum).name
-        print(f"tawpipe: {name}: stopped the local job's {world_size} workers", file=sys.stderr)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        handlers = {}
+        job.stop_on_request(s.signum, grace, signals)  # raises JobStopped or JobFailed where ranks reported
+        signals.restore()
         if s.signum == signal.SIGINT:
             raise KeyboardInterrupt from None
         signal.raise_signal(s.signum)  # its previous disposition now: usually, to end this process
@@ -336,5 +598,4 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     finally:
         job.stop()
         job.close()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        signals.restore()

@@ -4,9 +4,11 @@ A wait that times out only says that *this* rank waited too long; the culprit is
 rank publishes, into a slot of its own, the unit its executor is busy with or waiting for and
 since when (``publish``: a few microseconds, no communication). A local job's slots live in one
 shared-memory block that the launcher and every worker can read (``Board``); under torchrun a
-heartbeat thread copies the slot into the TCPStore when it changes, at most once a second
+heartbeat thread copies the slot into the TCPStore once a second, with the time of the beat
 (``StoreMirror``). When a wait fails, ``suspect`` picks the rank most likely to blame: the one
-busy (not waiting) for the longest, or, when every rank waits, the one waiting longest.
+busy (not waiting) for the longest, or, when every rank waits, the one waiting longest. Under
+torchrun a rank whose heartbeat stopped without its saying that it ended is ``gone`` (killed,
+frozen or cut off): it is blamed before any other.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Entry:
     waiting: bool
     age: float
     limit: float  # the wait's timeout (0 when busy)
+    beat: float | None = None  # seconds since its last heartbeat (under torchrun; None: no heartbeat)
+    ended: str = ""  # how it ended, as it said before ending ("" while it runs)
 
 
 class Source(Protocol):
@@ -90,15 +94,24 @@ class Board:
 
 class StoreMirror:
     """Under torchrun: this rank's slot copied to a ``torch.distributed`` store key by a heartbeat
-    thread, and every rank's keys read back on demand. Ages rest on the nodes' wall clocks."""
+    thread every ``interval`` seconds (the beat's time included, so that a rank that died shows as
+    ``gone``), and every rank's keys read back on demand. Ages rest on the nodes' wall clocks.
+
+    After a failure, the first rank that finds whom to blame posts it as the job's verdict; every
+    heartbeat keeps a copy of it, so that a rank that fails only once the store is gone (when
+    rank 0, which hosts it without torchrun's agent, has exited) can still name the culprit."""
 
     PREFIX = "tawpipe/progress/"
 
-    def __init__(self, store: object, rank: int, world: int, interval: float = 1.0) -> None:
-        self.store, self.rank, self.world = store, rank, world
+    def __init__(self, store: object, rank: int, world: int, interval: float = 1.0, attempt: str = "") -> None:
+        self.store, self.rank, self.world, self.interval = store, rank, world, interval
+        # the keys of one attempt: torchrun's agent keeps its store across restarts
+        self.prefix = f"{self.PREFIX}{attempt}/" if attempt else self.PREFIX
+        self.verdict_key = f"{self.prefix}verdict"
         self.local = Board(bytearray(Board.nbytes(1)), 1)
+        self.verdict = ""  # the job's verdict, once posted
         self._lock = threading.Lock()  # one request at a time on the store connection
-        self._pushed = -1
+        self._ended = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(interval,), name="tawpipe-progress", daemon=True)
 
@@ -114,36 +127,68 @@ class StoreMirror:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(wait)
 
-    def push(self) -> None:
-        """Copy this rank's slot to the store if it changed since the last push."""
-        version = self.local.version(0)
-        if version == self._pushed:
+    def end(self, how: str = "exited", wait: float = 15.0) -> None:
+        """Stop the heartbeat and tell the others that this rank ended (``how``), so that its silence
+        does not read as a death. The first call counts; best effort (the store may be gone)."""
+        self.close(wait)
+        if self._ended:
             return
+        self._ended = how
+        try:
+            self.push(force=True)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to tell
+            pass
+
+    def push(self, force: bool = False) -> None:
+        """Copy this rank's slot, with the time of this beat, to the store."""
         e = self.local.read(0)
-        if e is None:
+        if e is None and not (force and self._ended):
             return
-        doc = {"label": e.label, "waiting": e.waiting, "limit": e.limit, "since": time.time() - e.age}
+        doc = {"beat": time.time(), "ended": self._ended, "verdict": bool(self.verdict)}
+        if e is not None:
+            doc |= {"label": e.label, "waiting": e.waiting, "limit": e.limit, "since": time.time() - e.age}
         with self._lock:
-            self.store.set(f"{self.PREFIX}{self.rank}", json.dumps(doc))
-        self._pushed = version
+            self.store.set(f"{self.prefix}{self.rank}", json.dumps(doc))
 
     def _beat(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
                 self.push()
+                self.read_verdict()
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
                 return
 
-    def entries(self) -> list[Entry]:
-        keys = [f"{self.PREFIX}{r}" for r in range(self.world)]
-        out = []
+    def read_verdict(self) -> str:
+        """The job's verdict (from the store until one is posted, then the copy)."""
+        if not self.verdict:
+            with self._lock:
+                if self.store.check([self.verdict_key]):
+                    self.verdict = self.store.get(self.verdict_key).decode()
+        return self.verdict
+
+    def post_verdict(self, verdict: str) -> str:
+        """Post ``verdict`` unless another rank did first; the job's verdict."""
+        with self._lock:
+            if not self.store.check([self.verdict_key]):
+                self.store.set(self.verdict_key, verdict)
+            self.verdict = self.store.get(self.verdict_key).decode()
+        return self.verdict
+
+    def docs(self) -> dict[int, dict]:
+        """Every rank's last push, by rank."""
+        keys = [f"{self.prefix}{r}" for r in range(self.world)]
+        out = {}
         with self._lock:
             for r, key in enumerate(keys):
-                if not self.store.check([key]):
-                    continue
-                doc = json.loads(self.store.get(key))
-                out.append(Entry(r, doc["label"], doc["waiting"], time.time() - doc["since"], doc["limit"]))
+                if self.store.check([key]):
+                    out[r] = json.loads(self.store.get(key))
         return out
+
+    def entries(self) -> list[Entry]:
+        now = time.time()
+        return [Entry(r, doc.get("label", ""), doc.get("waiting", False), now - doc.get("since", now),
+                      doc.get("limit", 0.0), now - doc["beat"] if "beat" in doc else None, doc.get("ended", ""))
+                for r, doc in self.docs().items()]
 
 
 _board: Board | None = None
@@ -179,12 +224,91 @@ def stuck(entry: Entry) -> str:
     return f"rank {entry.rank} stuck {'waiting for' if entry.waiting else 'in'} {what} for {entry.age:.0f} s"
 
 
+GONE_AFTER = 5.0  # seconds without a heartbeat (sent every second) before a rank counts as gone
+
+
+def gone(entries: list[Entry], after: float = GONE_AFTER) -> list[Entry]:
+    """Ranks whose heartbeat stopped ``after`` seconds ago or more without their saying they ended:
+    killed (SIGKILL, the OOM killer), frozen, or cut off from the store. Oldest silence first."""
+    return sorted((e for e in entries if e.beat is not None and e.beat >= after and not e.ended),
+                  key=lambda e: -(e.beat or 0.0))
+
+
+def departed(entry: Entry) -> str:
+    """``rank 2 is gone: no heartbeat for 6 s (killed, frozen or cut off), last seen in slot 1 F W0 m0 [w0]``."""
+    what = entry.label.replace(f" rank {entry.rank} ", " ", 1)
+    return (f"rank {entry.rank} is gone: no heartbeat for {entry.beat or 0.0:.0f} s (killed, frozen or cut off)"
+            + (f", last seen {'waiting for' if entry.waiting else 'in'} {what}" if what else ""))
+
+
 def hint(min_age: float) -> str:
-    """For a timeout message: the peer most likely to blame, or ''."""
+    """For a timeout message: the peer most likely to blame (a gone one first), or ''."""
     if _source is None:
         return ""
     try:
-        e = suspect(_source.entries(), exclude={_rank}, min_age=min_age)
+        entries = _source.entries()
+        dead = [e for e in gone(entries) if e.rank != _rank]
+        if dead:
+            return f"; {departed(dead[0])}"
+        e = suspect([e for e in entries if not e.ended], exclude={_rank}, min_age=min_age)
     except Exception:  # noqa: BLE001 - a hint must never hide the error it decorates
         return ""
     return f"; {stuck(e)}" if e is not None else ""
+
+
+FAILED = "failed: "  # how a rank that failed on its own ends (``StoreMirror.end``)
+
+
+def blame_after_failure(within: float) -> str:
+    """Under torchrun, once this rank failed because of a peer (a broken connection, a timeout):
+    the peer to blame, as a sentence, or ''. The job's verdict if a rank posted one; else a peer
+    that failed on its own error and said so; else a gone one, waiting up to ``within`` seconds
+    for a dead rank's heartbeat to fall silent long enough (it died between two beats, and the
+    break is seen at once). What it finds becomes the job's verdict."""
+    mirror = _source
+    if not isinstance(mirror, StoreMirror):
+        return ""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if mirror.read_verdict():
+                return mirror.verdict
+            entries = [e for e in mirror.entries() if e.rank != _rank]
+        except Exception:  # noqa: BLE001 - the store is gone: its host (torchrun's agent, or rank 0) exited
+            return mirror.verdict or ("the job's store is unreachable: the process hosting it (torchrun's agent, "
+                                      "or rank 0) is gone")
+        own = [e for e in entries if e.ended.startswith(FAILED)]
+        dead = gone(entries)
+        found = (f"rank {own[0].rank} failed first: {own[0].ended[len(FAILED):]}" if own
+                 else departed(dead[0]) if dead else "")
+        if found:
+            try:
+                return mirror.post_verdict(found)
+            except Exception:  # noqa: BLE001 - the store went meanwhile
+                return found
+        if time.monotonic() >= deadline:
+            return ""
+        time.sleep(0.25)
+
+
+def linger_for_the_others(within: float) -> None:
+    """Under torchrun, in the rank that hosts the job's store (rank 0 without torchrun's agent),
+    once a verdict is posted: wait up to ``within`` seconds until every other rank has a copy of
+    it, has ended or is gone. Ranks blocked on this one fail only when it exits, and then the
+    store is gone with it."""
+    mirror = _source
+    if not isinstance(mirror, StoreMirror) or not mirror.verdict:
+        return
+    deadline = time.monotonic() + within
+    others = set(range(mirror.world)) - {_rank}
+    while time.monotonic() < deadline:
+        try:
+            docs = mirror.docs()
+        except Exception:  # noqa: BLE001 - the store is gone after all
+            return
+        now = time.time()
+        done = {r for r, d in docs.items()
+                if d.get("verdict") or d.get("ended") or now - d.get("beat", now) >= GONE_AFTER}
+        if done >= others:
+            return
+        time.sleep(0.25)

@@ -7,7 +7,10 @@ entry point trains across real nodes (NCCL on GPUs), with the topology read from
 rank builds only its own chunk. --config reads a TOML or YAML file whose keys are the flags' names;
 flags on the command line override it.
 
-Arguments and data are checked before any worker starts. ``--save DIR`` writes checkpoints
+Everything is checked before any worker starts (``validate``): the arguments, the data, a Hugging
+Face directory's weight files (headers only), ``TAWPIPE_TIMEOUT``, that every path the job writes is
+writable, and that the estimated memory of the ranks on this host fits what it has; a problem is one
+line on stderr and exit status 2. ``--save DIR`` writes checkpoints
 (``tawpipe.io.checkpoint``) every ``--save-every`` steps and at the end; ``--resume DIR`` continues
 from one, bit-exactly: the engine's shard (weights, optimizer, scheduler, loss scale, counters)
 plus each rank's RNG state and the loss history; the data position is the step number, since
@@ -17,12 +20,18 @@ batches are drawn from (seed, step, index) alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import functools
 import math
 import os
+import re
+import signal
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -31,19 +40,21 @@ import torch
 import torch.distributed as dist
 
 from .. import models
+from ..cost.memory import MemoryEstimate, rank_memory
 from ..cost.traffic import plan_traffic
 from ..engine.engine import TawPipe, default_optimizer
 from ..io import checkpoint, safetensors
 from ..models.parts import parts_signature
 from ..ops import DTYPES
-from ..plan.plan import ALGOS
+from ..plan.plan import ALGOS, Plan
 from ..plan.schedule import build_plan, depth_text, prefetch_depth_arg
 from ..plan.topology import Topology
-from ..runtime.launch import JobFailed, init_distributed, run_local
+from ..runtime.launch import JobFailed, JobStopped, init_distributed, run_local, stop_requested
+from ..runtime.timeout import default_timeout
 from .data import TokenSource
 from .data import batch as draw_batch
 from .data import load_tokens
-from .metrics import MetricsWriter, check_tensorboard, gather_peaks, peak_host_bytes
+from .metrics import MetricsWriter, check_tensorboard, gather_peaks
 
 
 @dataclass(frozen=True)
@@ -77,11 +88,39 @@ class TrainConfig:
     metrics: str | None = None
     tensorboard: str | None = None
     log_every: int = 1
+    max_skipped_in_a_row: int = 10
 
 
 # may change on resume: they do not change what is trained
 _NOT_TRAINING = ("save", "save_every", "resume", "export", "val_every", "val_batches", "metrics", "tensorboard",
-                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights")
+                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "max_skipped_in_a_row")
+
+
+class Refused(SystemExit):
+    """A bad input found before any worker starts. ``main`` prints the message (one line) on
+    stderr; the process exits with status 2, like a usage error."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 2
+
+
+class TrainError(RuntimeError):
+    """A run that cannot go on, for a reason its one line says: ``main`` prints that line, no
+    traceback (a full disk, steps skipped one after another)."""
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks before the start found out, for the header ``main`` prints."""
+
+    memory: str  # the memory estimate of the ranks on this host, one line
+    resumed_from: int | None = None  # the checkpoint's step
+
+
+GiB = 2**30
+RUNTIME_BYTES = 384 * 2**20  # a rank's own footprint besides the model: torch, the data, the communicator
+# (measured: the peak RSS of a rank of the built-in "micro" model, whose own memory is a few MiB)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,6 +172,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", default=None, help="append a JSON record per logged step to this file")
     p.add_argument("--tensorboard", default=None, help="also write the metrics as TensorBoard events here")
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between metrics records")
+    p.add_argument("--max-skipped-in-a-row", type=int, default=d.max_skipped_in_a_row, metavar="N",
+                   help="stop with an error when N steps in a row are skipped (loss or gradients not finite), "
+                        "or when every step of the run was; 0: never")
     _read_config_file_first(p)
 
 
@@ -188,15 +230,23 @@ def _config_argv(p: argparse.ArgumentParser, path: str) -> list[str]:
     return argv
 
 
-def _config(args: argparse.Namespace) -> TrainConfig:
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _config(args: argparse.Namespace) -> tuple[TrainConfig, Preflight]:
+    """The run's configuration, checked (``validate``); Refused (exit status 2) otherwise."""
     names = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
-        validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"tawpipe train: {e}") from None
-    return cfg
+        pre = validate(cfg, Topology.from_env() if _under_torchrun() else None)
+    except (ValueError, OSError, ImportError) as e:
+        raise Refused(f"tawpipe train: {_one_line(e)}") from None
+    return cfg, pre
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 def _arg(name: str) -> str:
@@ -209,33 +259,42 @@ def _schedule(cfg: TrainConfig) -> dict[str, Any]:
                 reuse_weights=cfg.reuse_weights)
 
 
-def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
-    """Everything that can be checked before a worker starts; raises ValueError (one line)."""
+def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
+    """Everything that can be checked before a worker starts; raises ValueError, OSError or
+    ImportError (one line). ``topology``: torchrun's (default: the local emulated cluster's).
+    Creates the directories the job writes to, last, once everything else passed."""
     for name in ("steps", "micro_batches", "batch_size", "seq_len", "nodes", "per_node", "layers", "save_every",
                  "val_batches", "log_every"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ValueError(f"{_arg(name)} must be >= 1, got {value}")
-    for name in ("warmup", "val_every"):
+    for name in ("warmup", "val_every", "max_skipped_in_a_row"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{_arg(name)} must be >= 0, got {getattr(cfg, name)}")
     for name in ("lr", "max_grad_norm"):
         value = getattr(cfg, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{_arg(name)} must be a finite number > 0, got {value}")
+    default_timeout()  # a bad TAWPIPE_TIMEOUT: its ValueError says what to set
     kind = models.check(cfg.model)
     if cfg.layers is not None and kind.startswith("hf"):
         raise ValueError("--layers applies to built-in models; a Hugging Face model's layers come from its config")
+    try:
+        models.check_weights(cfg.model)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--model {cfg.model}: {e}") from None
     if cfg.tensorboard:
         check_tensorboard()
-    world = world_size or cfg.nodes * cfg.per_node
+    topology = topology or Topology(cfg.nodes, cfg.per_node)
+    world = topology.world_size
     vocab = _vocab(cfg)
-    blocks, embed, head, model_vocab = models.meta_model(cfg.model, **_builtin_overrides(cfg, vocab))
+    overrides = _builtin_overrides(cfg, vocab)
+    blocks, embed, head, model_vocab = models.meta_model(cfg.model, **overrides)
     if len(blocks) < world:
         raise ValueError(f"{len(blocks)} layers for {world} ranks: every rank needs at least one layer "
                          f"(--layers >= {world})")
     try:
-        build_plan(Topology(1, world), len(blocks), cfg.micro_batches, **_schedule(cfg))
+        plan = build_plan(topology, len(blocks), cfg.micro_batches, grad_route=cfg.grad_route, **_schedule(cfg))
     except ValueError as e:
         raise ValueError(f"schedule: {e}") from None
     if vocab > model_vocab:
@@ -243,16 +302,142 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                          "use data tokenised for this model")
     if cfg.save_every is not None and cfg.save is None:
         raise ValueError("--save-every needs --save DIR")
-    for name in ("save", "export"):
+    _check_export(cfg)
+    resumed_from = None
+    if cfg.resume is not None:
+        resumed_from = _check_resume(cfg, parts_signature(blocks, embed, head))
+    memory = _check_memory(cfg, topology, plan, blocks, embed, head, models.shape(cfg.model, **overrides))
+    params = sum({id(p): p.numel() for m in (*blocks, embed, head) for p in m.parameters()}.values())
+    _check_writable(cfg, params)
+    return Preflight(memory=memory, resumed_from=resumed_from)
+
+
+def _check_export(cfg: TrainConfig) -> None:
+    """--export must not replace the model it starts from."""
+    if cfg.export is None or cfg.model in models.PRESETS:
+        return
+    model = Path(cfg.model)
+    source = model if model.is_dir() else model.parent if model.is_file() else None
+    if source is not None and Path(cfg.export).resolve() == source.resolve():
+        raise ValueError(f"--export {cfg.export} is the directory of --model {cfg.model}: the export would replace "
+                         "the weights and config the run starts from; export to another directory")
+
+
+def _check_writable(cfg: TrainConfig, params: int) -> None:
+    """Every path the job writes, created (directories) and tried now rather than after the start;
+    and room on the file system for one checkpoint (12 B per parameter: the float32 master and
+    two AdamW moments) and for the export (4 B per parameter), where the disk says how much it has."""
+    for name, size in (("save", 12 * params), ("export", 4 * params), ("tensorboard", 0)):
         if getattr(cfg, name) is not None:
             path = Path(getattr(cfg, name))
-            if path.exists() and not path.is_dir():
-                raise ValueError(f"{_arg(name)} {path} exists and is not a directory")
-            path.mkdir(parents=True, exist_ok=True)
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise ValueError(f"{_arg(name)} {path} is not writable")
-    if cfg.resume is not None:
-        _check_resume(cfg, parts_signature(blocks, embed, head))
+            _writable_dir(_arg(name), path)
+            try:
+                st = os.statvfs(path)
+            except (OSError, AttributeError):  # no statvfs (Windows): found out when writing
+                continue
+            if st.f_bavail * st.f_frsize < size:
+                raise ValueError(f"{_arg(name)} {path}: no space left on device for it: "
+                                 f"{_gib(st.f_bavail * st.f_frsize)} free, the {name} takes about {_gib(size)}: "
+                                 f"free space there, or point {_arg(name)} at a file system with room")
+    if cfg.metrics is not None:
+        path = Path(cfg.metrics)
+        if path.is_dir():
+            raise ValueError(f"--metrics {path} is a directory: name a file (e.g. {path / 'metrics.jsonl'})")
+        _writable_dir("--metrics", path.parent, of=path)
+        if path.exists() and not os.access(path, os.W_OK):
+            raise ValueError(f"--metrics {path} is not writable: choose another file, or make it writable")
+
+
+def _writable_dir(flag: str, path: Path, of: Path | None = None) -> None:
+    """Create ``path`` and write a file in it; ValueError naming ``flag``'s value where that fails."""
+    what = f"{flag} {of or path}"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} exists and is not a directory" if of is None else
+                         f"{what}: {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{what}: cannot create the directory {path} ({e.strerror or e}): "
+                         "choose a writable location") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tawpipe-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{what}: cannot write in {path} ({e.strerror or e}): choose a writable location") from None
+
+
+def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list[torch.nn.Module],
+                  embed: torch.nn.Module, head: torch.nn.Module, shape: models.Shape) -> str:
+    """The estimated memory of this host's ranks against what it has: ValueError with the
+    estimate and the fixes where it does not fit; else the estimate, one line."""
+    weight_bytes = DTYPES[cfg.dtype].itemsize
+    grad_bytes = 4 if cfg.grad_wire_dtype == "float32" else weight_bytes
+    chunk_numel = [sum(p.numel() for b in blocks[a:z] for p in b.parameters()) for a, z in plan.chunk_layers]
+    replicated = sum({id(p): p.numel() for m in (embed, head) for p in m.parameters()}.values())
+    torchrun = _under_torchrun()
+    local = topology.group_ranks(topology.group_of(int(os.environ["RANK"]))) if torchrun else range(topology.world_size)
+    per_rank = [rank_memory(plan, r, chunk_numel=chunk_numel, replicated_numel=replicated, weight_bytes=weight_bytes,
+                            grad_bytes=grad_bytes, scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0,
+                            seq=cfg.seq_len, micro_batch=cfg.batch_size, hidden=shape.hidden, heads=shape.heads,
+                            vocab=shape.vocab) for r in local]
+    busiest = max(per_rank, key=lambda m: m.total)
+    if torchrun and torch.cuda.is_available():  # each rank has a device of its own
+        free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))
+        need, available, where = busiest.total + RUNTIME_BYTES, free, "free on this rank's GPU"
+        ranks = "this rank"
+    else:
+        need = sum(m.total for m in per_rank) + len(per_rank) * RUNTIME_BYTES
+        available, where = _host_available() or (None, "")
+        ranks = f"{len(per_rank)} rank(s) on this host"
+    detail = (f"{_gib(need)} for {ranks}; per rank up to {_gib(busiest.total + RUNTIME_BYTES)}: {_breakdown(busiest)}")
+    if available is not None and need > available:
+        more = ("more nodes (each rank then owns fewer layers)" if torchrun else
+                f"more machines under torchrun (this host runs all {topology.world_size} ranks)")
+        raise ValueError(f"not enough memory: the run needs about {detail}; {_gib(available)} is available ({where}): "
+                         f"use {more}, a smaller --prefetch-depth or --mb-per-fetch (fewer staging buffers), "
+                         "--dtype bfloat16, a smaller --batch-size or --seq-len, or a smaller model "
+                         "(--model, --layers)")
+    return f"memory estimate: {detail}" + (f"; {_gib(available)} available ({where})" if available is not None else "")
+
+
+def _breakdown(m: MemoryEstimate) -> str:
+    return (f"own chunk {_gib(m.persistent)} (16 B per parameter: float32 master, gradient accumulator, AdamW), "
+            f"staging {_gib(m.staging)}, replicated {_gib(m.replicated)}, activations ~{_gib(m.activations)}, "
+            f"gradient norm {_gib(m.transient)}, runtime ~{_gib(RUNTIME_BYTES)}")
+
+
+def _gib(n: float) -> str:
+    if n < GiB:
+        return f"{n / 2**20:,.1f} MiB"
+    return f"{n / GiB:,.2f} GiB" if n < 1000 * GiB else f"{n / 2**40:,.1f} TiB"
+
+
+def _host_available() -> tuple[int, str] | None:
+    """Bytes this host can still give the job, and where the figure comes from: MemAvailable,
+    or less where a cgroup (a container's limit) allows less; None where neither is readable."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    best = (kib * 1024, "MemAvailable in /proc/meminfo")
+    # cgroup v2, then v1: the limit less the usage, page cache that can be dropped not counted
+    for d, limit_file, usage_file, inactive in ((Path("/sys/fs/cgroup"), "memory.max", "memory.current",
+                                                 "inactive_file"),
+                                                (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes",
+                                                 "memory.usage_in_bytes", "total_inactive_file")):
+        try:
+            limit = (d / limit_file).read_text().strip()
+            if limit == "max" or int(limit) >= 2**60:
+                continue
+            stat = dict(line.split()[:2] for line in (d / "memory.stat").read_text().splitlines() if " " in line)
+            free = int(limit) - int((d / usage_file).read_text()) + int(stat.get(inactive, 0))
+        except (OSError, ValueError):
+            continue
+        if free < best[0]:
+            best = (max(free, 0), f"under this cgroup's memory limit of {_gib(int(limit))}")
+    return best
 
 
 def _vocab(cfg: TrainConfig) -> int:
@@ -272,7 +457,8 @@ def _builtin_overrides(cfg: TrainConfig, vocab: int) -> dict[str, int | None]:
     return {"layers": cfg.layers, "vocab_size": max(vocab, 256), "max_seq_len": max(cfg.seq_len, 16)}
 
 
-def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> None:
+def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> int:
+    """The checkpoint's step, once it is found fit to resume this run."""
     manifest = checkpoint.read_manifest(cfg.resume)
     checkpoint.check_model(manifest, signature, cfg.resume)
     if manifest["step"] >= cfg.steps:
@@ -283,6 +469,7 @@ def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> None:
     if changed:
         print(f"tawpipe train: note: resuming with other settings than the checkpoint's ({', '.join(changed)}); "
               "the run will differ from an uninterrupted one", file=sys.stderr)
+    return int(manifest["step"])
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -301,7 +488,10 @@ def _load_model(cfg: TrainConfig, src: TokenSource, device: torch.device) -> mod
 
 
 def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.device) -> dict:
-    """One rank's training loop; returns the loss curves and traffic figures."""
+    """One rank's training loop; returns the loss curves and traffic figures. A SIGTERM (a
+    scheduler's preemption) or a first Ctrl-C ends it at the next step boundary, every rank at the
+    same one, after saving a checkpoint when --save is set (``stopped_at`` in the result)."""
+    stop_requested()  # arms the handlers: from now on a stop signal waits for a step boundary
     src = load_tokens(cfg.data)
     parts = _load_model(cfg, src, device)
     if cfg.export and parts.checkpoint_name is None:
@@ -329,50 +519,93 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
     if rank == 0:
         print(_summary(cfg, src, parts, engine), flush=True)
     tokens_per_step = topology.world_size * cfg.micro_batches * cfg.batch_size * cfg.seq_len
-    writer = MetricsWriter(cfg.metrics, cfg.tensorboard) if rank == 0 and (cfg.metrics or cfg.tensorboard) else None
+    writer = None
+    metrics_flag = ("--metrics", cfg.metrics) if cfg.metrics else ("--tensorboard", cfg.tensorboard)
+    if rank == 0 and (cfg.metrics or cfg.tensorboard):
+        with _writing(*metrics_flag):
+            writer = MetricsWriter(cfg.metrics, cfg.tensorboard, resume_step=start if cfg.resume else None)
+        if writer.dropped:
+            print(f"metrics: dropped {writer.dropped} record(s) after step {start} from {cfg.metrics}: "
+                  "the resumed run writes them again", flush=True)
     bar = _progress(cfg.steps, start) if rank == 0 else None
     val_losses: dict[int, float] = {}
+    skipped_before, in_a_row = engine.skipped_steps, 0
     t0 = time.perf_counter()
-    for step in range(start, cfg.steps):
-        idx = [rank * cfg.micro_batches + i for i in range(cfg.micro_batches)]
-        mbs = [draw_batch(src.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, step=step, index=i) for i in idx]
-        t_step = time.perf_counter()
-        loss = engine.step((torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])))
-        step_seconds = time.perf_counter() - t_step
-        losses.append(loss)
-        done = engine.steps
-        if val and (done % cfg.val_every == 0 or done == cfg.steps):
-            val_losses[done] = engine.evaluate(val)
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            peaks = gather_peaks(device)  # a collective: every rank takes part
-            if writer is not None:
-                writer.write({
-                    "step": done, "loss": loss, "lr": engine.optimizer.param_groups[0]["lr"],
-                    **({"val_loss": val_losses[done]} if done in val_losses else {}),
-                    "tokens": tokens_per_step * done, "tokens_per_s": tokens_per_step / step_seconds,
-                    "step_seconds": step_seconds, "bytes_per_iter": per_rank_bytes, "peak_memory": peaks,
-                })
-        if bar is not None:
-            elapsed = time.perf_counter() - t0
-            bar.update(1)
-            shown = f" | val {val_losses[max(val_losses)]:.3f}" if val_losses else ""
-            bar.set_postfix_str(
-                f"loss {loss:.3f}{shown} | {tokens_per_step * (step + 1 - start) / elapsed:,.0f} tok/s | "
-                f"moved/iter: intra-node {intra / 1e6:.2f} MB, inter-node {inter / 1e6:.2f} MB (rank 0)"
-            )
-        if cfg.save and (done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-            _save(engine, cfg, parts, losses, device)
+    stopped_at = None
+    try:
+        for step in range(start, cfg.steps):
+            idx = [rank * cfg.micro_batches + i for i in range(cfg.micro_batches)]
+            mbs = [draw_batch(src.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, step=step, index=i) for i in idx]
+            t_step = time.perf_counter()
+            skipped = engine.skipped_steps
+            loss = engine.step((torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])))
+            step_seconds = time.perf_counter() - t_step
+            in_a_row = in_a_row + 1 if engine.skipped_steps > skipped else 0
+            losses.append(loss)
+            done = engine.steps
+            if val and (done % cfg.val_every == 0 or done == cfg.steps):
+                val_losses[done] = engine.evaluate(val)
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                peaks = gather_peaks(device)  # a collective: every rank takes part
+                if writer is not None:
+                    with _writing(*metrics_flag):
+                        writer.write({
+                            "step": done, "loss": loss, "lr": engine.optimizer.param_groups[0]["lr"],
+                            **({"val_loss": val_losses[done]} if done in val_losses else {}),
+                            "skipped_steps": engine.skipped_steps,
+                            "tokens": tokens_per_step * done, "tokens_per_s": tokens_per_step / step_seconds,
+                            "step_seconds": step_seconds, "bytes_per_iter": per_rank_bytes, "peak_memory": peaks,
+                        })
+            if bar is not None:
+                elapsed = time.perf_counter() - t0
+                bar.update(1)
+                shown = f" | val {val_losses[max(val_losses)]:.3f}" if val_losses else ""
+                shown += f" | skipped {engine.skipped_steps}" if engine.skipped_steps else ""
+                bar.set_postfix_str(
+                    f"loss {loss:.3f}{shown} | {tokens_per_step * (step + 1 - start) / elapsed:,.0f} tok/s | "
+                    f"moved/iter: intra-node {intra / 1e6:.2f} MB, inter-node {inter / 1e6:.2f} MB (rank 0)"
+                )
+            _check_skipped(cfg, in_a_row, done - start, done, loss, rank)
+            stopping = done < cfg.steps and stop_requested(agree=True)  # a collective: every rank asks
+            if cfg.save and (stopping or done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+                _save(engine, cfg, parts, losses, device)
+            if stopping:
+                stopped_at = done
+                break
+    except BaseException:
+        if bar is not None:  # its last line ends, so that the error's starts a line of its own
+            bar.close()
+        raise
     seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
     if writer is not None:
         writer.close()
-    if cfg.export:
-        safetensors.export(engine, parts, cfg.export, torch.float32)
+    if cfg.export and stopped_at is None:
+        with _writing("--export", cfg.export):
+            safetensors.export(engine, parts, cfg.export, torch.float32)
     memory = str(engine.memory_report())
     engine.close()
-    return {"losses": losses, "val_losses": val_losses, "steps_run": cfg.steps - start, "seconds": seconds,
-            "memory": memory, "intra_bytes": intra, "inter_bytes": inter, "tokens_per_step": tokens_per_step}
+    return {"losses": losses, "val_losses": val_losses, "steps_run": len(losses) - start, "seconds": seconds,
+            "stopped_at": stopped_at,
+            "memory": memory, "intra_bytes": intra, "inter_bytes": inter, "tokens_per_step": tokens_per_step,
+            "skipped": engine.skipped_steps - skipped_before, "skipped_total": engine.skipped_steps}
+
+
+def _check_skipped(cfg: TrainConfig, in_a_row: int, run: int, done: int, loss: float, rank: int = 0) -> None:
+    """TrainError once --max-skipped-in-a-row steps in a row were skipped, or every step of a
+    finished run was: nothing is being trained (every rank sees the same steps skipped)."""
+    limit = cfg.max_skipped_in_a_row
+    if not limit or not (in_a_row >= limit or (done == cfg.steps and in_a_row == run)):
+        return
+    what = f"the last {in_a_row} steps" if in_a_row < run else f"all {run} steps of this run"
+    error = TrainError(
+        f"step {done}: {what} were skipped, their loss (last: {loss}) or gradients not finite, so nothing is "
+        "being trained: lower --lr, use --dtype float32 or bfloat16 rather than float16, or check the model's "
+        f"weights for NaN/Inf (--max-skipped-in-a-row 0 lets the run go on; now {limit})")
+    # Every rank stops at the same step with the same error: the launcher names rank 0's.
+    error.about_a_peer = rank != 0  # type: ignore[attr-defined]
+    raise error
 
 
 def _validation_batches(rank: int, cfg: TrainConfig, src: TokenSource) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -385,12 +618,12 @@ def _validation_batches(rank: int, cfg: TrainConfig, src: TokenSource) -> list[t
 
 
 def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engine: TawPipe) -> str:
-    """What this run trains, on what and where, and the memory each rank needs."""
-    topo, plan, mib = engine.topology, engine.plan, 2**20
-    report = engine.memory_report()
+    """What this run trains, on what and where."""
+    topo, plan = engine.topology, engine.plan
     psi, rep = parts.decoder_params, parts.replicated_params
     layers = [stop - start for start, stop in (plan.chunk_layers[k] for k in plan.model_order)]
     return "\n".join([
+        *([f"resumed from step {engine.steps} ({checkpoint.resolve(cfg.resume)})"] if cfg.resume else []),
         f"data: {src.description}: {len(src.train):,} training and {len(src.val):,} held-out tokens, "
         f"vocabulary {src.vocab_size}",
         f"model: {parts.description}: {psi:,} decoder parameters + {rep:,} replicated; compute {cfg.dtype}, "
@@ -400,17 +633,39 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
         f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {depth_text(plan, cfg.prefetch_depth)}, "
         f"{cfg.mb_per_fetch} micro-batch(es) per fetch, resident chunks {'reused' if cfg.reuse_weights else 'refetched'}, "
         f"gradients travel in {cfg.grad_wire_dtype if cfg.grad_wire_dtype == 'float32' else cfg.dtype}",
-        f"memory per rank (rank 0): own chunk {report.persistent / mib:,.1f} MiB (master, gradient accumulator), "
-        f"{report.sharded_target / mib:,.1f} MiB with AdamW state from the first step (16 B x Psi/N); staging "
-        f"{sum(report.staging.values()) / mib:,.1f} MiB; replicated {16 * rep / mib:,.1f} MiB (weights, gradients, "
-        f"AdamW); peak RSS so far {peak_host_bytes() / mib:,.1f} MiB",
-    ])
+    ])  # memory: the estimate before the workers start, what was allocated at the end
 
 
 def _save(engine: TawPipe, cfg: TrainConfig, parts: models.ModelParts, losses: list[float],
           device: torch.device) -> None:
     extra = {"rng": _get_rng(device), "losses": list(losses), "data_step": engine.steps}
-    checkpoint.save(engine, cfg.save, extra=extra, meta={"model": parts.config, "train": asdict(cfg)})
+    with _writing("--save", checkpoint.step_dir(cfg.save, engine.steps)):
+        checkpoint.save(engine, cfg.save, extra=extra, meta={"model": parts.config, "train": asdict(cfg)})
+
+
+@contextlib.contextmanager
+def _writing(flag: str, path: Any) -> Iterator[None]:
+    """A full disk while writing ``path`` becomes a TrainError that says so in one line (the
+    writers' own errors hide it: torch's is "enforce fail ... unexpected pos")."""
+    try:
+        yield
+    except Exception as e:
+        if not _no_space(e):
+            raise
+        raise TrainError(f"no space left on device: could not write {path} ({flag}): free space there, or point "
+                         f"{flag} at a file system with room") from e
+
+
+def _no_space(e: BaseException | None) -> bool:
+    """Whether ``e`` or an error it came from is a full disk (or quota)."""
+    seen = 0
+    while e is not None and seen < 20:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if re.search(r"no space left on device|disk quota exceeded|os error (28|122)\b", str(e), re.I):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def _get_rng(device: torch.device) -> dict[str, torch.Tensor]:
@@ -438,34 +693,61 @@ def _local_rank(rank: int, cfg: TrainConfig) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+    try:
+        cfg, pre = _config(args)
+    except Refused as e:
+        print(e, file=sys.stderr)
+        raise
+    resumed = f", resumed from step {pre.resumed_from}" if pre.resumed_from is not None else ""
+    stopped_by = signal.SIGTERM  # what a stopped run's exit code says (128 + the signal)
+    if _under_torchrun():
         device = init_distributed()
         rank = dist.get_rank()
-        result = train_rank(rank, cfg, Topology.from_env(), device)
+        if rank == 0:
+            print(f"tawpipe train: {pre.memory}", flush=True)
+        try:
+            result = train_rank(rank, cfg, Topology.from_env(), device)
+        except TrainError as e:
+            print(f"tawpipe train: rank {rank}: {e}", file=sys.stderr)
+            return 1
         dist.destroy_process_group()
         if rank != 0:
             return 0
     else:
         world = cfg.nodes * cfg.per_node
         print(f"tawpipe train: local emulated cluster, {cfg.nodes} nodes x {cfg.per_node} ranks (gloo, CPU), "
-              f"model {cfg.model}, {cfg.steps} steps")
+              f"model {cfg.model}, {cfg.steps} steps{resumed}")
+        print(f"tawpipe train: {pre.memory}", flush=True)
         try:
             result = run_local(_local_rank, world, cfg)[0]
+        except JobStopped as e:
+            if not e.complete or e.results[0] is None:
+                print(f"tawpipe train: {e}; nothing was saved after the last checkpoint", file=sys.stderr)
+                return 128 + e.signal
+            result, stopped_by = e.results[0], e.signal
         except JobFailed as e:
-            print(f"tawpipe train: {e}", file=sys.stderr)
+            ours = re.match(rf"rank (\d+) failed: {TrainError.__name__}: (.*)", e.summary)
+            print(f"tawpipe train: rank {ours[1]}: {ours[2]}" if ours else f"tawpipe train: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return 130
+    if result["stopped_at"] is not None:
+        saved = f"; checkpoint: {checkpoint.resolve(cfg.save)} (resume with --resume {cfg.save})" if cfg.save else \
+            "; nothing saved (no --save)"
+        print(f"tawpipe train: stopped on request after step {result['stopped_at']} of {cfg.steps}{saved}",
+              file=sys.stderr)
     losses = result["losses"]
     k = min(5, len(losses))
     start, end = sum(losses[:k]) / k, sum(losses[-k:]) / k
     print(f"loss at start {losses[0]:.4f} (mean of first {k}: {start:.4f}) -> at end {losses[-1]:.4f} "
           f"(mean of last {k}: {end:.4f}); {result['steps_run']} steps in {result['seconds']:.1f}s, "
-          f"{result['tokens_per_step'] * result['steps_run'] / result['seconds']:,.0f} tok/s")
+          f"{result['tokens_per_step'] * result['steps_run'] / result['seconds']:,.0f} tok/s; "
+          f"{result['skipped']} of them skipped (loss or gradients not finite)"
+          + (f", {result['skipped_total']} since the first step" if result["skipped_total"] != result["skipped"]
+             else ""))
     if result["val_losses"]:
         print("validation loss: " + ", ".join(f"step {s} {v:.4f}" for s, v in result["val_losses"].items()))
-    print(f"memory per rank (rank 0): {result['memory']}")
+    print(f"memory per rank (rank 0), allocated: {result['memory']}")
     if cfg.save:
         print(f"checkpoint: {checkpoint.resolve(cfg.save)}")
-    return 0
+    return 0 if result["stopped_at"] is None else 128 + stopped_by

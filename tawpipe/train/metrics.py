@@ -54,19 +54,28 @@ def check_tensorboard() -> None:
 
 class MetricsWriter:
     """One JSON object per line in ``path`` (appended, flushed per record); numbers also go to a
-    TensorBoard event directory when ``tensorboard`` is given."""
+    TensorBoard event directory when ``tensorboard`` is given.
 
-    def __init__(self, path: str | os.PathLike[str] | None, tensorboard: str | os.PathLike[str] | None = None) -> None:
+    ``resume_step``: a run resumed from that step; records past it (an interrupted run wrote them
+    after its last checkpoint, and the resumed run writes them again) are dropped from ``path``
+    first, and from TensorBoard's view (``purge_step``). ``dropped`` counts them."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, tensorboard: str | os.PathLike[str] | None = None,
+                 resume_step: int | None = None) -> None:
         self._file = None
+        self.dropped = 0
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            if resume_step is not None:
+                self.dropped = truncate_after(path, resume_step)
             self._file = open(path, "a")
         self._tb = None
         if tensorboard is not None:
             check_tensorboard()
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(os.fspath(tensorboard))
+            purge = {"purge_step": resume_step + 1} if resume_step is not None else {}
+            self._tb = SummaryWriter(os.fspath(tensorboard), **purge)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -82,6 +91,40 @@ class MetricsWriter:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_after(path: str | os.PathLike[str], step: int) -> int:
+    """Keep in the JSONL file ``path`` the records up to ``step``; returns how many lines were
+    dropped (later records, and a line a killed run left half written). Rewritten atomically;
+    a file that does not exist is left so."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return 0
+    keep = [line if line.endswith("\n") else line + "\n" for line in lines if _step_of(line) is not None
+            and _step_of(line) <= step]
+    if keep == lines:
+        return 0
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return len(lines) - len(keep)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def _flatten(record: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:

@@ -147,7 +147,8 @@ class Handle:
             )
         if self._error is not None:
             timed_out = "timed out" in str(self._error).lower()  # the backend's own timeout came first
-            raise RuntimeError(f"{self.label} failed: {self._error}"
+            cause = str(self._error) or type(self._error).__name__  # KeyboardInterrupt says nothing itself
+            raise RuntimeError(f"{self.label} failed: {cause}"
                                + (progress.hint(min_age=timeout / 2) if timed_out else "")) from self._error
         if self._event is not None:
             (stream or torch.cuda.current_stream()).wait_event(self._event)

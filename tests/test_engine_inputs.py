@@ -1,0 +1,282 @@
+"""Bad input to the engine API ends in one clear exception that names the problem and the fix,
+raised before anything is communicated where that is possible, and leaves the engine usable
+where it was refused before a step ran ("nothing late, nothing silent")."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tawpipe.engine.engine as engine_module
+from engine_cases import HIDDEN, VOCAB, TinyLM, lm_loss
+from tawpipe.engine.engine import MAX_PLAN_COMPUTE_ACTIONS, TawPipe
+from tawpipe.engine.precision import Precision
+from tawpipe.plan.topology import Topology
+from test_engine_errors import NoComm
+
+
+class NoConnect(NoComm):
+    """A backend that fails the test if the engine even connects (its channels are asked for
+    right after every argument check passed)."""
+
+    def channel_comm(self, name):
+        raise AssertionError("the engine connected before it refused its arguments")
+
+
+def _build(topo=Topology(1, 1), layers=2, comm=None, loss_fn=lm_loss, embed=None, head=None, **kw) -> TawPipe:
+    torch.manual_seed(0)
+    m = TinyLM(layers)
+    return TawPipe(m.blocks, embed if embed is not None else m.embed, head if head is not None else m.head,
+                   loss_fn, topology=topo, micro_batches=kw.pop("acc", 1), comm=comm or NoComm(topo.world_size),
+                   block_context=m.context, **kw)
+
+
+def _tokens(rows: int = 2, seq: int = 5) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, seq))  # fresh every run: the checks must hold for any ids
+
+
+def _params(eng: TawPipe) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in eng.named_parameters()}
+
+
+# ---------------------------------------------------------------- 1. micro_batches
+
+
+@pytest.fixture
+def no_plan(monkeypatch):
+    """build_plan fails the test: a huge micro_batches must be refused before any plan is built
+    (without the check the test would fail here, not run out of memory)."""
+
+    def built(*args, **kwargs):
+        raise AssertionError(f"build_plan ran with micro_batches={args[2]}")
+
+    monkeypatch.setattr(engine_module, "build_plan", built)
+
+
+@pytest.mark.parametrize("topo", [Topology(1, 1), Topology(2, 2)])
+def test_huge_micro_batches_are_refused_before_the_plan_is_built(no_plan, topo) -> None:
+    n = topo.world_size
+    most = MAX_PLAN_COMPUTE_ACTIONS // (2 * n * n)
+    for acc in (10**9, most + 1):
+        with pytest.raises(ValueError, match=rf"micro_batches={acc} is too large: on {n} rank\(s\) the plan would "
+                                             rf"hold at least [\d,]+ actions .* lower micro_batches to at most {most}"):
+            _build(topo=topo, layers=4, acc=acc, comm=NoConnect(n))
+    with pytest.raises(AssertionError, match=f"build_plan ran with micro_batches={most}"):
+        _build(topo=topo, layers=4, acc=most, comm=NoConnect(n))  # the bound itself passes the check
+
+
+@pytest.mark.parametrize("acc", [0, -3, 2.0, True, "4"])
+def test_micro_batches_must_be_a_positive_integer(no_plan, acc) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"micro_batches must be a positive integer (micro-batches per "
+                                                   f"rank and step), got {acc!r}")):
+        _build(acc=acc, comm=NoConnect(1))
+
+
+# ---------------------------------------------------------------- 2. device
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no CUDA device")
+def test_cuda_on_a_cpu_only_torch_names_what_is_available() -> None:
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        with pytest.raises(ValueError, match=rf"device={re.escape(repr(device))} is not available: torch .* sees no "
+                                             r"cuda device; available here: cpu$"):
+            _build(device=device, comm=NoConnect(1))
+
+
+@pytest.mark.parametrize("device", ["nonsense", "gpu0", 3.5])
+def test_a_device_that_is_no_device_names_what_is_available(device) -> None:
+    available = "cpu" + "".join(f", cuda:{i}" for i in range(torch.cuda.device_count()))
+    with pytest.raises(ValueError, match=rf"device={re.escape(repr(device))} is not a device: pass a torch.device "
+                                         rf"or a name such as 'cpu' or 'cuda:0'; available here: {available}$"):
+        _build(device=device, comm=NoConnect(1))
+
+
+def test_the_meta_device_is_refused_as_the_engine_device() -> None:
+    with pytest.raises(ValueError, match="device='meta': the engine cannot train on the meta device"):
+        _build(device="meta", comm=NoConnect(1))
+
+
+# ---------------------------------------------------------------- 3. optimizer and scheduler factories
+
+
+@pytest.mark.parametrize("returned, name", [(None, "NoneType"), ([], "list"), ("adamw", "str")])
+def test_an_optimizer_factory_must_return_an_optimizer(returned, name) -> None:
+    with pytest.raises(TypeError, match=r"optimizer must be a factory that returns a torch.optim.Optimizer of the "
+                                        rf"parameters it is given \(.*\), but it returned {name}: return the optimizer"):
+        _build(optimizer=lambda params: returned)
+
+
+def test_a_scheduler_factory_must_return_a_scheduler() -> None:
+    with pytest.raises(TypeError, match=r"lr_scheduler must be a factory that returns a learning-rate scheduler .* "
+                                        r"but it returned NoneType"):
+        _build(lr_scheduler=lambda opt: None)
+
+
+# ---------------------------------------------------------------- 4. step inputs
+
+
+def _bad_batches() -> list[tuple[str, tuple[torch.Tensor, torch.Tensor], type, str]]:
+    x, y = _tokens(), _tokens()
+    high = int(torch.randint(VOCAB, 10 * VOCAB, ()))
+    low = -int(torch.randint(1, 10 * VOCAB, ()))
+    with_high, with_low = x.clone(), x.clone()
+    with_high[1, int(torch.randint(0, 5, ()))] = high
+    with_low[0, int(torch.randint(0, 5, ()))] = low
+    vocab = rf"outside the vocabulary of the embedding \(nn.Embedding with {VOCAB} ids: 0 to {VOCAB - 1}\)"
+    return [
+        ("float ids", (x.float(), y), TypeError,
+         r"inputs are torch.float32, but they must be token ids of an integer dtype \(torch.int64\): convert them "
+         r"with inputs.long\(\)"),
+        ("int16 ids", (x.short(), y), TypeError, r"inputs are torch.int16, but the embedding \(nn.Embedding\) takes token ids of torch.int64 or "
+                                                  r"torch.int32"),
+        ("(B, S, 1)", (x[..., None], y[..., None]), ValueError,
+         r"inputs have shape \(2, 5, 1\), but they must be 2-D token ids \(rows, seq_len\) with seq_len >= 1: drop "
+         r"the last dimension"),
+        ("1-D", (x[0], y[0]), ValueError, r"inputs have shape \(5,\), but they must be 2-D token ids .*pass inputs\[None\]"),
+        ("empty rows", (x[:, :0], y[:, :0]), ValueError, r"inputs have shape \(2, 0\)"),
+        ("id >= vocabulary", (with_high, y), ValueError, rf"inputs hold token id {high}, {vocab}"),
+        ("negative id", (with_low, y), ValueError, rf"inputs hold token id {low}, {vocab}"),
+        ("short targets", (x, y[:, :4]), ValueError,
+         r"inputs \(2, 5\) and targets \(2, 4\) differ in shape: targets must be \(rows, seq_len\) like the inputs"),
+        ("1-D targets", (x, y[0]), ValueError, r"inputs \(2, 5\) and targets \(5,\) differ in shape"),
+        ("rows", (x[:1], y[:1]), ValueError, r"batch has 1 rows, not a positive multiple of micro_batches=2"),
+    ]
+
+
+def test_bad_step_inputs_are_refused_before_the_step_and_the_engine_stays_exact() -> None:
+    eng, twin = _build(acc=2), _build(acc=2)
+    for what, batch, error, message in _bad_batches():
+        before = _params(eng)
+        with pytest.raises(error, match=r"^step\(batch\): " + message):
+            eng.step(batch)
+        assert eng.steps == 0 and all(torch.equal(p, before[n]) for n, p in _params(eng).items()), what
+    x, y = _tokens(4), _tokens(4)
+    assert eng.step((x, y)) == twin.step((x, y))  # the refusals left nothing behind
+    assert all(torch.equal(p, _params(twin)[n]) for n, p in _params(eng).items())
+    with pytest.raises(ValueError, match=r"^evaluate\(batches\): batches\[1\]: inputs hold token id"):
+        eng.evaluate([(x, y), (x + VOCAB, y)])
+    assert eng.evaluate([(x, y)]) == twin.evaluate([(x, y)])
+
+
+class TableEmbed(nn.Module):
+    """An embedding without nn.Embedding: the engine cannot know its vocabulary (it takes any id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(VOCAB, HIDDEN))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids.remainder(VOCAB), self.table)
+
+
+def test_without_an_nn_embedding_the_vocabulary_is_not_checked() -> None:
+    eng = _build(embed=TableEmbed())
+    x = _tokens() + VOCAB * int(torch.randint(1, 5, ()))  # ids this embed takes
+    assert eng.step((x, _tokens())) > 0
+    with pytest.raises(TypeError, match="inputs are torch.float32"):  # the rest still holds
+        eng.step((x.float(), _tokens()))
+
+
+# ---------------------------------------------------------------- 5. loss_fn
+
+
+@pytest.mark.parametrize("loss_fn, message", [
+    (lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten(), reduction="none"),
+     r"but it returned a tensor of shape \(10,\): reduce it to one number"),
+    (lambda logits, t: lm_loss(logits, t).item(),
+     r"but it returned a float \([\d.]+\): return the tensor itself, not .item\(\) or a Python number"),
+    (lambda logits, t: lm_loss(logits, t).detach(), r"but it returned a tensor without a gradient"),
+])
+def test_a_loss_fn_that_returns_no_scalar_tensor_is_named(loss_fn, message) -> None:
+    """The loss is only seen when the last chunk's forward calls ``loss_fn``, inside the step, so
+    that is where it is checked: calling ``loss_fn`` once more before the step (on what?) would cost
+    a forward of the whole model and could still differ from what it returns in the step. The step
+    then fails with a TypeError naming loss_fn and what it must return, and the engine refuses
+    further steps as after any failed step (its buffers are mid-step)."""
+    eng = _build(loss_fn=loss_fn)
+    x, y = _tokens(), _tokens()
+    with pytest.raises(TypeError, match=r"^loss_fn must return the loss as a scalar \(0-d\) torch tensor that "
+                                        r"depends on the logits \(.*\), " + message):
+        eng.step((x, y))
+    with pytest.raises(RuntimeError, match=r"an earlier step failed \(TypeError\(.loss_fn must return"):
+        eng.step((x, y))
+
+
+def test_evaluate_names_a_loss_fn_that_returns_no_scalar() -> None:
+    eng = _build(loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten(), reduction="none"))
+    with pytest.raises(TypeError, match=r"^loss_fn must return the loss as a scalar .* shape \(10,\)"):
+        eng.evaluate([(_tokens(), _tokens())])
+
+
+# ---------------------------------------------------------------- 6. meta embed or head
+
+
+@pytest.mark.parametrize("part", ["embed", "head"])
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_meta_embed_or_head_is_named_before_connecting(part, device) -> None:
+    with torch.device("meta"):
+        meta = TinyLM(2)
+    name = "'weight'" if part == "embed" else "'norm.weight'"
+    where = r"the engine's device \(cpu\)" if device else r"the engine's device"
+    with pytest.raises(ValueError, match=rf"^{part} parameter {name} is on the meta device: the embedding and head "
+                                         rf"are replicated on every rank and must be real \(materialised\) float32 "
+                                         rf"tensors on {where}; .*{part}.to_empty"):
+        _build(comm=NoConnect(1), device=device, **{part: getattr(meta, part)})
+
+
+def test_an_embed_of_another_dtype_is_named_before_connecting() -> None:
+    with pytest.raises(ValueError, match=r"^embed parameter 'weight' is torch.float64 on cpu, but the embedding and "
+                                         r"head must be float32 on the engine's device \(cpu\)"):
+        _build(comm=NoConnect(1), embed=nn.Embedding(VOCAB, HIDDEN).double())
+
+
+# ---------------------------------------------------------------- 7. max_grad_norm
+
+
+@pytest.mark.parametrize("value", ["1.0", [1.0], True])
+def test_max_grad_norm_of_the_wrong_type_is_named(value) -> None:
+    message = rf"^max_grad_norm must be a number > 0 \(the global gradient norm to clip to\) or None, got " \
+              rf"{re.escape(repr(value))} \(a {type(value).__name__}\): pass e.g. max_grad_norm=1.0$"
+    with pytest.raises(TypeError, match=message):
+        _build(max_grad_norm=value, comm=NoConnect(1))
+    with pytest.raises(TypeError, match=message):
+        Precision(max_grad_norm=value)
+
+
+# ---------------------------------------------------------------- 8. a closed engine
+
+
+def test_a_closed_engine_refuses_everything_that_communicates() -> None:
+    eng = _build()
+    x, y = _tokens(), _tokens()
+    eng.step((x, y))
+    eng.close()
+    closed = r"^this engine was closed \(TawPipe.close\(\) was called\) and communicates no more: build a new TawPipe"
+    for call in (lambda: eng.step((x, y)), lambda: eng.evaluate([(x, y)]), lambda: eng.gather_rows([1]),
+                 eng.barrier, eng.full_state_dict):
+        with pytest.raises(RuntimeError, match=closed):
+            call()
+    assert eng.state_dict()["steps"] == 1  # reading this rank's state needs no channel
+
+
+# ---------------------------------------------------------------- 11. ranks that loaded different shards
+
+
+def test_ranks_that_loaded_shards_of_different_steps_refuse_the_next_step() -> None:
+    from tawpipe.runtime.launch import run_local
+
+    from engine_inputs_cases import mixed_step_shards
+
+    seed = int(torch.randint(0, 1000, ()))
+    results = run_local(mixed_step_shards, 2, seed, timeout=120)
+    for rank, out in enumerate(results):
+        assert re.search(r"^the ranks loaded shards of different steps \(rank 0: step 2, rank 1: step 1\): rank\(s\) "
+                         r"\[1\] differ from rank 0, .* load every rank's shard of the same checkpoint",
+                         out["steps"]), (rank, out["steps"])
+        assert re.search(r"^rank\(s\) \[1\] loaded another learning-rate scheduler state than rank 0, all at step 2",
+                         out["scheduler"]), (rank, out["scheduler"])
+        assert abs(out["resumed"] - out["loss3"]) <= 1e-6 * abs(out["loss3"]), (rank, out)
