@@ -371,8 +371,8 @@ def test_store_mirror_close_waits_for_the_push_in_flight() -> None:
     assert not mirror._thread.is_alive() and store.writes == 1
 
 
-def test_store_mirror_shows_every_rank() -> None:
-    """Under torchrun each rank's slot reaches the others through the job's store."""
+def _store_mirrors(n: int, **kwargs) -> tuple[dist.TCPStore, list[progress.StoreMirror]]:
+    """A job's store on a free local port, and one rank's mirror of the progress board per rank."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -380,7 +380,14 @@ def test_store_mirror_shows_every_rank() -> None:
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                            master_listen_fd=listener.detach(), timeout=datetime.timedelta(seconds=10))
     mirrors = [progress.StoreMirror(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                                  timeout=datetime.timedelta(seconds=10)), r, 3) for r in range(3)]
+                                                  timeout=datetime.timedelta(seconds=10)), r, n, **kwargs)
+               for r in range(n)]
+    return server, mirrors
+
+
+def test_store_mirror_shows_every_rank() -> None:
+    """Under torchrun each rank's slot reaches the others through the job's store."""
+    server, mirrors = _store_mirrors(3)
     assert mirrors[0].entries() == []
     now = time.monotonic()
     mirrors[0].local.write(0, "slot 2 rank 0 REDUCE_G chunk 1 root r1", waiting=True, limit=9.0, since=now - 7)
@@ -404,15 +411,7 @@ def test_store_mirror_shows_every_rank() -> None:
 def test_a_rank_whose_heartbeat_stopped_is_gone_and_the_verdict_is_shared(monkeypatch) -> None:
     """Under torchrun: a rank silent for GONE_AFTER seconds that did not say it ended is gone, and
     blamed first; what a failing rank finds is posted for the others, who keep a copy."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    port = listener.getsockname()[1]
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                           master_listen_fd=listener.detach(), timeout=datetime.timedelta(seconds=10))
-    mirrors = [progress.StoreMirror(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                                  timeout=datetime.timedelta(seconds=10)), r, 4, attempt="0")
-               for r in range(4)]
+    server, mirrors = _store_mirrors(4, attempt="0")
     for m in mirrors:
         m.local.write(0, f"slot 3 rank {m.rank} F W1 m0 [w1]", waiting=False)
         m.push()
