@@ -51,6 +51,7 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 BlockForward = Callable[..., torch.Tensor]
 
+
 def default_optimizer(params: list[nn.Parameter], lr: float = 1e-3) -> torch.optim.Optimizer:
     """AdamW as in the paper: lr 1e-3, betas (0.9, 0.95), weight decay 0.1 on matrices only."""
     decay = [p for p in params if p.dim() >= 2]
@@ -605,6 +606,11 @@ class TawPipe:
             raise RuntimeError("this engine was closed (TawPipe.close() was called) and communicates no more: "
                                "build a new TawPipe (and restore a checkpoint into it) to go on")
 
+    def _refuse_if_unusable(self) -> None:
+        """Before anything that communicates: the engine is neither closed nor failed."""
+        self._refuse_if_closed()
+        self._refuse_if_failed()
+
     def _refuse_if_failed(self) -> None:
         if self._failed is not None:
             raise RuntimeError(f"an earlier step failed ({self._failed!r}): this engine's state is unknown and "
@@ -613,8 +619,7 @@ class TawPipe:
     def gather_rows(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (integers; the same count on every rank), in rank order: one
         all-reduce, run as the setup program's CHECK (checkpoints agree through it)."""
-        self._refuse_if_closed()
-        self._refuse_if_failed()
+        self._refuse_if_unusable()
         n = self.topology.world_size
         table = torch.zeros(n, len(values), dtype=torch.int64)
         table[self.rank] = torch.tensor(list(values), dtype=torch.int64)
@@ -626,8 +631,7 @@ class TawPipe:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather every chunk on rank 0 under the original parameter names (None elsewhere)."""
-        self._refuse_if_closed()
-        self._refuse_if_failed()
+        self._refuse_if_unusable()
         self._check_loaded_shards_agree()
         received: dict[int, torch.Tensor] = {}
         actions = gather_program(self.plan, root=0)[self.rank]
@@ -660,8 +664,7 @@ class TawPipe:
         ``batches`` and every other rank's (the same count on each), leaving training state as it
         was. Runs ``plan.programs.eval_program``: each chunk broadcast once from its owner into an
         idle weight buffer, every rank's batches through it, the loss sums all-reduced."""
-        self._refuse_if_closed()
-        self._refuse_if_failed()
+        self._refuse_if_unusable()
         if not batches:
             raise ValueError("evaluate needs at least one (inputs, targets) batch")
         for i, b in enumerate(batches):

@@ -70,7 +70,9 @@ class _Hashing:
         self.f.flush()
 
 
-def _write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None], suffix: str) -> tuple[str, int]:
+def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None], suffix: str) -> tuple[str, int]:
+    """Write ``path`` through a temporary file in its directory (mode 0o666 less the umask), fsync,
+    rename: a crash leaves the old file or the new one. Returns the SHA-256 and size written."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -107,7 +109,7 @@ def save_atomic(obj: Any, path: str | os.PathLike[str]) -> str:
     if os.path.isdir(directory):
         _remove_temporary([Path(directory)], only_dead_writers=True)
     checked = {CHECKED: 1, "sha256": content_sha256(obj), "object": obj}
-    return _write_atomic(path, lambda f: torch.save(checked, f), ".pt")[0]
+    return write_atomic(path, lambda f: torch.save(checked, f), ".pt")[0]
 
 
 def content_sha256(obj: Any) -> str:
@@ -227,7 +229,7 @@ def check_model(manifest: dict[str, Any], signature: dict[str, Any], where: str 
 
 def _writer_is_gone(tmp: Path) -> bool:
     """Whether the write that made temporary file ``tmp`` has died: its name holds the writer's
-    host and pid (``_write_atomic``); a writer on another host, or a name without them, counts as
+    host and pid (``write_atomic``); a writer on another host, or a name without them, counts as
     alive (its file stays)."""
     try:
         host, pid, _ = tmp.name[len(_TMP):].rsplit("-", 2)
@@ -293,7 +295,7 @@ def save(engine: TawPipe, root: str | os.PathLike[str], *, extra: dict[str, Any]
     try:
         shard = engine.state_dict()
         shard["extra"] = extra or {}
-        digest, size = _write_atomic(d / name, lambda f: torch.save(shard, f), ".pt")
+        digest, size = write_atomic(d / name, lambda f: torch.save(shard, f), ".pt")
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
         error = e
     rows = _agree(engine, [error is None, size, *_digest_row(digest)], f"could not write {d}", error)
@@ -338,7 +340,7 @@ def _write_manifest(engine: TawPipe, d: Path, rows: list[list[int]], meta: dict[
         "files": files,
         "meta": meta,
     }
-    _write_atomic(d / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()), ".json")
+    write_atomic(d / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()), ".json")
 
 
 def _verified(d: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..models.weights import INDEX, SINGLE, shard_names
+from .checkpoint import write_atomic
 
 if TYPE_CHECKING:
     from ..engine.engine import TawPipe
@@ -66,7 +66,7 @@ def save_sharded(engine: TawPipe, directory: str | os.PathLike[str], checkpoint_
         weight_map[checkpoint_name(n)] = files[-1]
         total += p.numel() * item
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _atomic(directory / INDEX, lambda path: path.write_text(json.dumps(index, indent=2) + "\n"))
+    write_atomic(directory / INDEX, lambda f: f.write((json.dumps(index, indent=2) + "\n").encode()), ".json")
     # Weights of an earlier save: transformers would read a stale model.safetensors before the index.
     for stale in [directory / SINGLE, *directory.glob("model-*-of-*.safetensors")]:
         if stale.name not in files and stale.exists():
@@ -74,28 +74,9 @@ def save_sharded(engine: TawPipe, directory: str | os.PathLike[str], checkpoint_
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     # Own copies: the engine's parameters are views of one flat buffer, which safetensors refuses.
     data = {n: t.detach().to("cpu", dtype, copy=True).contiguous() for n, t in tensors.items()}
-    _atomic(path, lambda tmp: save_file(data, tmp, metadata={"format": "pt"}))
-
-
-def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temporary file in the same directory and rename it over ``path``.
-
-    The temporary file is created with mode 0o666 less the umask, like ``open()`` and the
-    checkpoint shards (``tawpipe.io.checkpoint``): not ``mkstemp``'s 0o600, which the rename would
-    keep. ``write`` gets its path (safetensors writes to a path, not to a file object)."""
-    tmp = path.parent / f".tmp-{secrets.token_hex(8)}{path.suffix}"
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    try:
-        mode = tmp.stat().st_mode & 0o777
-        write(tmp)
-        if tmp.stat().st_mode & 0o777 != mode:  # the writer replaced the file (safetensors does, with 0o600)
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    blob = save(data, metadata={"format": "pt"})
+    write_atomic(path, lambda f: f.write(blob), ".safetensors")
