@@ -72,14 +72,14 @@ class TinyLM(nn.Module):
 _CALLS = {
     Op.SEND_W: "send", Op.RECV_W: "recv", Op.BCAST_W: "broadcast", Op.SEND_G: "send",
     Op.RECV_G: "recv", Op.REDUCE_G: "reduce", Op.ALLREDUCE_REPLICATED: "all_reduce",
-    Op.ALLREDUCE_STATS: "all_reduce",
+    Op.ALLREDUCE_STATS: "all_reduce", Op.ALLREDUCE_G: "all_reduce",
 }
 
 
 # case keys passed to the engine as they are
 _ENGINE_OPTIONS = ("grad_route", "overlap", "recompute", "algo", "prefetch_depth", "mb_per_fetch",
                    "reuse_weights",
-                   "grad_wire_dtype", "offload")
+                   "grad_wire_dtype", "offload", "replicas")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ def _check_traffic(results: list[list[dict]]) -> None:
             # each channel executes exactly its part of the plan and nothing else (the step's
             # statistics are an action of the plan too): its collectives in plan order, and its
             # messages, which gloo posts as soon as each is ready, as the same multiset
-            for channel in ("weights", "grads", "replicated", "step"):
+            for channel in ("weights", "grads", "replicated", "replicas", "step"):
                 for p2p in (False, True):
                     executed = [rec[1:] for rec in r["recorded"] if rec[0] == channel
                                 and (rec[1] in ("send", "recv")) == p2p]

@@ -46,15 +46,15 @@ def _working_set(s: int, b: int, h: int, a: int, layers: int, dtype_bytes: int) 
 
 def memory_per_rank(plan: Plan, dims: ModelDims) -> MemoryEstimate:
     """The busiest rank's memory for ``plan`` on a model of ``dims`` (same layers as the plan)."""
-    n = plan.topology.world_size
     layer = dims.layer_numel
     chunk_layers = max(stop - start for start, stop in plan.chunk_layers)
     chunk = chunk_layers * layer
-    weight_bufs = max(len({a.buf for a in acts if a.op in WEIGHT_OPS}) for acts in plan.actions)
+    programs = plan.actions[:plan.replica_size]  # every replica runs the same lists
+    weight_bufs = max(len({a.buf for a in acts if a.op in WEIGHT_OPS}) for acts in programs)
     grad_bufs = max(len({a.grad_buf if a.op is Op.B else a.buf for a in acts
-                         if a.op is Op.B or a.op in GRAD_OPS}) for acts in plan.actions)
+                         if a.op is Op.B or a.op in GRAD_OPS}) for acts in programs)
     k = int(plan.options.get("mb_per_fetch", 1))
-    boundary = n * k * dims.activation_numel * dims.dtype_bytes
+    boundary = plan.replica_size * k * dims.activation_numel * dims.dtype_bytes
     return MemoryEstimate(
         persistent=16 * chunk,
         staging=weight_bufs * chunk * dims.dtype_bytes + grad_bufs * chunk * dims.grad_bytes,
@@ -82,7 +82,7 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     staging = largest * (sum(per_element[buf_kind(b)] for b in names) + scratch_bytes)
     k = int(plan.options.get("mb_per_fetch", 1))
     chunk_layers = max(b - a for a, b in plan.chunk_layers)
-    boundary = plan.topology.world_size * k * micro_batch * seq * hidden * weight_bytes
+    boundary = plan.replica_size * k * micro_batch * seq * hidden * weight_bytes
     logits = 3 * micro_batch * seq * vocab * 4
     return MemoryEstimate(
         persistent=16 * own, staging=staging, replicated=16 * replicated_numel,

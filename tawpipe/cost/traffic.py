@@ -14,6 +14,7 @@ every rank sends 2(n-1)/n x M bytes to the next rank.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from ..plan.actions import OPS, Action, Op
 from ..plan.plan import Plan
 from ..plan.topology import Topology
 
-KINDS = ("weights", "grads", "replicated", "stats")
+KINDS = ("weights", "grads", "replica", "replicated", "stats")
 Kind = str | tuple[str, ...] | None
 
 
@@ -49,14 +50,21 @@ class Traffic:
         floor = max(per_link.values(), default=0.0) / rate_bytes_per_s
         return floor, sum(per_slot.values()) / rate_bytes_per_s
 
+    @functools.cached_property
+    def _by_rank(self) -> dict[int, list[tuple[tuple[int, str, str, bool], float]]]:
+        out: dict[int, list[tuple[tuple[int, str, str, bool], float]]] = defaultdict(list)
+        for key, v in self.flows.items():
+            out[key[0]].append((key, v))
+        return out
+
     def total(self, rank: int | None = None, *, direction: str = "sent", kind: Kind = None,
               inter: bool | None = None) -> float:
         """Bytes matching every given filter (None = any; ``kind`` may name several kinds)."""
         kinds = (kind,) if isinstance(kind, str) else kind
+        items = self.flows.items() if rank is None else self._by_rank.get(rank, ())
         return sum(
-            v for (r, d, k, x), v in self.flows.items()
-            if d == direction and (rank is None or r == rank) and (kinds is None or k in kinds)
-            and (inter is None or x == inter)
+            v for (r, d, k, x), v in items
+            if d == direction and (kinds is None or k in kinds) and (inter is None or x == inter)
         )
 
     def node_bytes(self, rank: int) -> tuple[float, float]:
@@ -100,32 +108,42 @@ class Traffic:
 
 
 def plan_traffic(plan: Plan) -> Traffic:
-    """Attribute every byte of ``plan`` to sender, receiver, kind and scope."""
-    topo = plan.topology
+    """Attribute every byte of ``plan`` to sender, receiver, kind and scope.
+
+    A plan of replicas is counted on replica 0's lists: every hop inside a replica happens in each
+    replica, shifted; the collectives that span replicas are counted for every rank."""
+    topo, size, replicas = plan.topology, plan.replica_size, plan.replicas
+    nodes = topo.nodes // replicas
     flows: dict[tuple[int, str, str, bool], float] = defaultdict(float)
     node_slots: dict[tuple[int, int, str], float] = defaultdict(float)
 
-    def hop(slot: int, src: int, dst: int, kind: str, nbytes: float) -> None:
+    def hop(slot: int, src: int, dst: int, kind: str, nbytes: float, copies: int) -> None:
         gs, gd = topo.group_of(src), topo.group_of(dst)
-        flows[(src, "sent", kind, gs != gd)] += nbytes
-        flows[(dst, "received", kind, gs != gd)] += nbytes
-        if gs != gd:
-            node_slots[(slot, gs, "sent")] += nbytes
-            node_slots[(slot, gd, "received")] += nbytes
+        for i in range(copies):
+            off = i * size
+            flows[(src + off, "sent", kind, gs != gd)] += nbytes
+            flows[(dst + off, "received", kind, gs != gd)] += nbytes
+            if gs != gd:
+                node_slots[(slot, gs + i * nodes, "sent")] += nbytes
+                node_slots[(slot, gd + i * nodes, "received")] += nbytes
 
-    for acts in plan.actions:
+    for acts in plan.actions[:size]:
         for a in acts:
             spec = OPS[a.op]
             if spec.transfer == "send":
-                hop(a.slot, a.rank, a.peer, spec.kind, a.bytes)
+                hop(a.slot, a.rank, a.peer, spec.kind, a.bytes, replicas)
             elif spec.transfer == "collective" and a.root is None:  # an all-reduce: a ring
                 k = len(a.group)
-                if k > 1:
-                    i = a.group.index(a.rank)
-                    hop(a.slot, a.rank, a.group[(i + 1) % k], spec.kind, 2 * (k - 1) / k * a.bytes)
+                if k < 2:
+                    continue
+                ranks = [a.rank + i * size for i in range(replicas)] if spec.scope == "job" else [a.rank]
+                for r in ranks:
+                    i = a.group.index(r)
+                    hop(a.slot, r, a.group[(i + 1) % k], spec.kind, 2 * (k - 1) / k * a.bytes,
+                        1 if spec.scope == "job" else replicas)
             elif spec.transfer == "collective" and a.rank == a.root:  # a chain, counted from the root
                 for src, dst in _chain(a):
-                    hop(a.slot, src, dst, spec.kind, a.bytes)
+                    hop(a.slot, src, dst, spec.kind, a.bytes, replicas)
     return Traffic(topology=topo, flows=dict(flows), node_slots=dict(node_slots))
 
 

@@ -127,26 +127,31 @@ def _check_options(topology: Topology, comm: Comm | str | None, offload: str | N
                          f"got {grad_wire_dtype}")
 
 
-# A plan holds a forward and a backward of every chunk for every micro-batch on every rank
-# (2 x N^2 x micro_batches actions) plus the transfers: past a million of the former it takes
-# minutes and gigabytes to build (every rank builds every rank's actions).
+# A plan holds a forward and a backward of every chunk for every micro-batch on every rank of a
+# replica (2 x (N/R)^2 x micro_batches actions) plus the transfers: past a million of the former
+# it takes minutes and gigabytes to build (one replica's ranks' actions are built).
 MAX_PLAN_COMPUTE_ACTIONS = 1_000_000
 
 
-def _check_micro_batches(topology: Topology, micro_batches: Any) -> None:
+def _check_micro_batches(topology: Topology, micro_batches: Any, replicas: Any) -> None:
     """micro_batches: a positive integer small enough that the plan can be built (checked before
     ``build_plan`` allocates anything: a huge value would end in a MemoryError deep inside it)."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer (micro-batches per rank and step), "
                          f"got {micro_batches!r}")
-    n = topology.world_size
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or topology.nodes % replicas:
+        fits = [r for r in range(1, topology.nodes + 1) if topology.nodes % r == 0]
+        raise ValueError(f"replicas must divide the {topology.nodes} nodes into replicas of whole nodes: one of "
+                         f"{fits}, got {replicas!r}")
+    n = topology.world_size // replicas
     most = max(1, MAX_PLAN_COMPUTE_ACTIONS // (2 * n * n))
     if micro_batches > most:
         raise ValueError(
             f"micro_batches={micro_batches} is too large: on {n} rank(s) the plan would hold at least "
-            f"{2 * n * n * micro_batches:,} actions (2 x ranks^2 x micro_batches forwards and backwards = "
+            f"{2 * n * n * micro_batches:,} actions (2 x ranks per replica^2 x micro_batches forwards and backwards = "
             f"2 x {n}^2 x {micro_batches}), more than the {MAX_PLAN_COMPUTE_ACTIONS:,} tawpipe builds in reasonable "
-            f"time and memory; lower micro_batches to at most {most} (and put more rows into each micro-batch instead)"
+            f"time and memory; lower micro_batches to at most {most} (and put more rows into each micro-batch "
+            "instead), or use more replicas"
         )
 
 
@@ -228,6 +233,9 @@ class TawPipe:
     gives each rank its own chunk's real blocks.
     ``offload="host"`` keeps the own chunk's master, gradient accumulator and optimizer state in
     pinned host memory, streamed through two staging buffers (``tawpipe.engine.offload``).
+    ``replicas`` R splits the nodes into R replicas of whole nodes, each a pipeline over its N/R
+    ranks; a chunk's R owners add their gradients once per step (design §3.5). The step is still
+    one step on every rank's micro-batches; R > 1 needs ``comm="torch"`` (the default).
     """
 
     def __init__(
@@ -261,13 +269,17 @@ class TawPipe:
         names: tuple[str, str, str] = PART_NAMES,
         materialize: Materialize | None = None,
         offload: str | None = None,
+        replicas: int = 1,
     ) -> None:
         blocks = list(blocks)
         _check_blocks(blocks)
         _check_callables(embed=embed, head=head, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
                          block_forward=block_forward, block_context=block_context, materialize=materialize)
         _check_options(topology, comm, offload, timeout, names, recompute, compute_dtype, grad_wire_dtype)
-        _check_micro_batches(topology, micro_batches)
+        _check_micro_batches(topology, micro_batches, replicas)
+        if replicas > 1 and not (comm is None or comm == "torch" or isinstance(comm, Comm)):
+            raise ValueError(f"replicas={replicas} needs comm='torch' (NCCL through torch.distributed on GPUs): the "
+                             f"{comm!r} backend has no communicators across replicas yet")
         if loss_scale == "auto":
             loss_scale = "dynamic" if compute_dtype == torch.float16 else None
         self.precision = Precision(loss_scale, max_grad_norm, nonfinite)
@@ -285,6 +297,7 @@ class TawPipe:
             weight_bytes=torch.empty((), dtype=compute_dtype).element_size(),
             grad_bytes=torch.empty((), dtype=grad_wire_dtype).element_size(),
             replicated_numel=sum(p.numel() for _, p in replicated) + 1,  # + the loss sum
+            replicas=replicas,
         )
         self._connect(comm)  # communication starts only now, after every check above passed
         self.storage = ChunkStorage(self.plan, self.rank, blocks, replicated,
@@ -344,6 +357,7 @@ class TawPipe:
                 f"the comm backend has {comm.world_size} ranks but the topology {self.topology.world_size}"
             )
         self.rank = comm.rank
+        comm.add_groups(self.plan.replica_groups())
         # The root backend carries the weights; every other channel has its own communicator.
         self._comms = {ch: comm if ch is Channel.WEIGHTS else comm.channel_comm(ch) for ch in QUEUES}
 
@@ -720,6 +734,8 @@ class TawPipe:
             return lambda: comm.all_reduce(s.rep, a.group)
         if a.op is Op.ALLREDUCE_STATS:
             return lambda: self._all_reduce_stats(comm, a.group)
+        if a.op is Op.ALLREDUCE_G:
+            return lambda: self._all_reduce_grad(comm, a.group)
         raise ValueError(f"the engine cannot execute {a.op}")
 
     def _p2p(self, unit: list[Action], tensor: Callable[[Action], torch.Tensor]) -> Messages:
@@ -727,8 +743,18 @@ class TawPipe:
                         tuple(P2P(OPS[a.op].transfer, tensor(a), a.peer) for a in unit),
                         tuple(a.tag for a in unit), self.timeout)
 
+    def _all_reduce_grad(self, comm: Comm, group: tuple[int, ...]) -> None:
+        """The own chunk's accumulator summed with its owners' in the other replicas."""
+        acc = self.storage.grad_acc
+        summed = acc.to(self.device)  # a copy when offloaded to the host
+        comm.all_reduce(summed, group)
+        if summed is not acc:
+            acc.copy_(summed)
+
     def _all_reduce_stats(self, comm: Comm, group: tuple[int, ...]) -> None:
         stats = Precision.local_stats(self.storage.grad_acc).to(self.device)
+        if self.plan.replica_of(self.rank) > 0:
+            stats[0] = 0  # each chunk's norm counted once: its owners in every replica hold the same sum
         comm.all_reduce(stats, group)
         self._stats = stats
 

@@ -73,6 +73,7 @@ def fields(plan: Plan, *, compute_dtype: torch.dtype, grad_dtype: torch.dtype, b
         ("topology", _digest(plan.topology), f"{plan.topology.nodes}x{plan.topology.per_node}"),
         ("num_layers", plan.num_layers, str(plan.num_layers)),
         ("micro_batches", plan.micro_batches, str(plan.micro_batches)),
+        ("replicas", plan.replicas, str(plan.replicas)),
         ("grad_route", _digest(o.get("grad_route")), str(o.get("grad_route"))),
         ("prefetch_depth", int(o["prefetch_depth"]), str(o["prefetch_depth"])),
         ("mb_per_fetch", int(o["mb_per_fetch"]), str(o["mb_per_fetch"])),
@@ -97,7 +98,7 @@ def compare(table: list[list[int]], mine: Sequence[tuple[str, int, str]], rank: 
         for j, (name, _, readable) in enumerate(mine):
             if table[r][j] != table[0][j]:
                 shown = ""
-                if name in ("num_layers", "micro_batches", "prefetch_depth", "mb_per_fetch"):
+                if name in ("num_layers", "micro_batches", "replicas", "prefetch_depth", "mb_per_fetch"):
                     shown = f" (rank 0: {table[0][j]}, rank {r}: {table[r][j]})"
                 raise ValueError(
                     f"rank {r} disagrees with rank 0 on {name}{shown}: every rank must build the "

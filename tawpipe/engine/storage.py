@@ -221,6 +221,6 @@ class ChunkStorage:
         return MemoryReport(
             master=self.master.numel() * 4, optimizer=opt, grad_accumulator=self.grad_acc.numel() * 4,
             staging=staging, replicated=sum(p.numel() * p.element_size() for _, p in self.replicated),
-            decoder_params=self.decoder_params, world_size=self.plan.topology.world_size,
+            decoder_params=self.decoder_params, world_size=self.plan.replica_size,
             offloaded=self.offload is not None,
         )

@@ -294,6 +294,8 @@ def save(engine: TawPipe, root: str | os.PathLike[str], *, extra: dict[str, Any]
     digest, size = "0" * 64, 0
     try:
         shard = engine.state_dict()
+        if engine.plan.replica_of(engine.rank) > 0:  # replica 0's owner saves the chunk; this rank its extra
+            shard = dict(shard, params={}, aliases={}, optimizer=dict(shard["optimizer"], state={}))
         shard["extra"] = extra or {}
         digest, size = write_atomic(d / name, lambda f: torch.save(shard, f), ".pt")
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
@@ -323,8 +325,9 @@ def _write_manifest(engine: TawPipe, d: Path, rows: list[list[int]], meta: dict[
     plan = engine.plan
     files = {}
     for r, row in enumerate(rows):
-        chunk = plan.own_chunk(r)
-        files[f"rank-{r:05d}.pt"] = {"rank": r, "chunk": chunk, "layers": list(plan.chunk_layers[chunk]),
+        chunk, replica = plan.own_chunk(r), plan.replica_of(r)
+        files[f"rank-{r:05d}.pt"] = {"rank": r, "chunk": chunk, "replica": replica,
+                                     "layers": list(plan.chunk_layers[chunk]) if replica == 0 else None,
                                      "bytes": row[1], "sha256": _row_digest(row[2:6])}
     manifest = {
         "format": FORMAT,
@@ -332,6 +335,7 @@ def _write_manifest(engine: TawPipe, d: Path, rows: list[list[int]], meta: dict[
         "tawpipe_version": __version__,
         "torch_version": torch.__version__,
         "topology": {"nodes": plan.topology.nodes, "per_node": plan.topology.per_node},
+        "replicas": plan.replicas,
         "algo": plan.algo,
         "plan_sha256": hashlib.sha256(plan.to_json().encode()).hexdigest(),
         "model": engine.model_signature(),
@@ -387,12 +391,15 @@ def restore(engine: TawPipe, path: str | os.PathLike[str]) -> Restored:
         step = manifest["step"]
         check_model(manifest, engine.model_signature(), d)
         start, stop = engine.plan.chunk_layers[engine.own_chunk]
-        needed = [n for n, f in sorted(manifest["files"].items()) if f["layers"][0] < stop and start < f["layers"][1]]
+        files = manifest["files"]  # a replica's shards hold only its extra (layers None): replica 0's hold the chunks
+        needed = [n for n, f in sorted(files.items())
+                  if f["layers"] is not None and f["layers"][0] < stop and start < f["layers"][1]]
         same = f"rank-{engine.rank:05d}.pt"  # its extra (RNG...) is this rank's on the same topology
-        extra_from = [same] if same in manifest["files"] and same not in needed else []
+        extra_from = [same] if same in files and same not in needed else []
         shards = {n: _verified(d, n, manifest) for n in needed + extra_from}
         first = shards[needed[0]]
-        resharded = needed != [same] or manifest["files"][same]["layers"] != [start, stop]
+        resharded = not (len(needed) == 1 and files[needed[0]]["layers"] == [start, stop]
+                         and files[needed[0]]["chunk"] == engine.own_chunk)
         state = dict(first, params={}, optimizer=dict(first["optimizer"], state={}))
         for n in needed:
             state["params"].update(shards[n]["params"])

@@ -35,6 +35,7 @@ class Op(str, enum.Enum):
     CHECK = "CHECK"
     EVAL_F = "EVAL_F"
     ALLREDUCE_EVAL = "ALLREDUCE_EVAL"
+    ALLREDUCE_G = "ALLREDUCE_G"
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,14 @@ EVAL = "eval"  # a validation pass's hidden states and loss sum
 
 
 class Channel(str, enum.Enum):
-    """Who runs an op (design §5.2): the calling thread, or one of four in-order queues, each with
+    """Who runs an op (design §5.2): the calling thread, or one of five in-order queues, each with
     its own thread, CUDA stream and communicator."""
 
     COMPUTE = "compute"
     WEIGHTS = "weights"
     GRADS = "grads"
     REPLICATED = "replicated"
+    REPLICAS = "replicas"
     STEP = "step"
 
     def __str__(self) -> str:  # its name in labels, traces and records, on every Python version
@@ -153,10 +155,14 @@ class OpSpec:
 
     channel: Channel
     transfer: str | None  # "send" | "recv" | "collective" | None
-    kind: str | None  # "weights" | "grads" | "replicated" | "stats" | "state" | "setup" | "eval" | None
+    kind: str | None  # "weights" | "grads" | "replicated" | "replica" | "stats" | "state" | "setup" | "eval" | None
     reads: Callable[[Action, Plan], Names]
     writes: Callable[[Action, Plan], Names]
     always_overlaps: bool = False  # runs on its channel even with overlap=False (design §5.3)
+    # whom a collective's ``group`` names: "node", a topology group inside one replica (another
+    # replica's copy of the action names its own node); or "job", ranks of several replicas (every
+    # rank, or a chunk's owners in every replica), the same group in every replica's copy
+    scope: str = "node"
 
     @property
     def ordered(self) -> bool:
@@ -230,17 +236,21 @@ OPS: dict[Op, OpSpec] = {
     # its members join at different slots (each right after its last B), so it runs on its own
     # channel even where every other transfer is waited for at once (design §5.3)
     Op.ALLREDUCE_REPLICATED: OpSpec(Channel.REPLICATED, "collective", "replicated", _const(REP), _const(REP),
-                                    always_overlaps=True),
-    Op.ALLREDUCE_STATS: OpSpec(Channel.STEP, "collective", "stats", _const(ACC), _const(STATS)),
+                                    always_overlaps=True, scope="job"),
+    # replicas (design §3.5): a chunk's owners, one per replica, add up their float32 accumulators
+    # once the replica's last contribution is in; on its own channel, so the rest of the backward
+    # goes on meanwhile
+    Op.ALLREDUCE_G: OpSpec(Channel.REPLICAS, "collective", "replica", _const(ACC), _const(ACC), scope="job"),
+    Op.ALLREDUCE_STATS: OpSpec(Channel.STEP, "collective", "stats", _const(ACC), _const(STATS), scope="job"),
     Op.SEND_MASTER: OpSpec(Channel.STEP, "send", "state", _const(MASTER), _none),
     Op.RECV_MASTER: OpSpec(Channel.STEP, "recv", "state", _none, _buf),
     # every rank's fingerprint of its configuration, compared before the first step (an all-gather
     # written as an all-reduce of one row per rank)
-    Op.CHECK: OpSpec(Channel.STEP, "collective", "setup", _none, _const(FINGERPRINT)),
+    Op.CHECK: OpSpec(Channel.STEP, "collective", "setup", _none, _const(FINGERPRINT), scope="job"),
     # validation (``eval_program``): a forward of one chunk for every batch, no gradients, then the
     # loss sums of every rank added up
     Op.EVAL_F: OpSpec(Channel.COMPUTE, None, None, lambda a, _p: (a.buf, EVAL), _const(EVAL)),
-    Op.ALLREDUCE_EVAL: OpSpec(Channel.STEP, "collective", "eval", _const(EVAL), _const(EVAL)),
+    Op.ALLREDUCE_EVAL: OpSpec(Channel.STEP, "collective", "eval", _const(EVAL), _const(EVAL), scope="job"),
 }
 
 WEIGHT_OPS = frozenset({Op.LOAD_W, Op.SEND_W, Op.RECV_W, Op.BCAST_W, Op.F, Op.B})  # touch weight bufs

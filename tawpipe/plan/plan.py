@@ -7,10 +7,12 @@ table in ``actions``. A plan is plain data: it prints, and it round-trips throug
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from .actions import OPS, Action, Names, Op
 from .tables import plan_table
@@ -18,9 +20,58 @@ from .topology import Topology
 
 ALGOS = ("tawpipe", "weipipe")
 GRAD_ROUTES = ("rail", "leader")
-_JSON_FORMAT = "tawpipe-plan/2"
+_JSON_FORMAT = "tawpipe-plan/3"
 STATS_BYTES = 16  # two float64: the squared gradient norm of the own chunk, the non-finite flag
 EVAL_BYTES = 8  # one float64: a rank's validation loss sum
+
+
+def shift(a: Action, offset: int) -> Action:
+    """Replica 0's action ``a`` as the rank ``offset`` ranks further runs it, in its own replica."""
+    node = OPS[a.op].scope == "node"
+    return dataclasses.replace(
+        a, rank=a.rank + offset,
+        peer=None if a.peer is None else a.peer + offset,
+        root=None if a.root is None else a.root + offset,
+        group=tuple(m + offset for m in a.group) if node and a.group is not None else a.group,
+    )
+
+
+class Programs(Sequence[tuple[Action, ...]]):
+    """Every rank's action list, replica by replica: replica 0's lists are held, and another
+    replica's are replica 0's shifted by whole replicas, made when first asked for (design §3.5).
+    A rank that runs the plan makes only its own list; ``verify`` proves replica 0's."""
+
+    def __init__(self, template: Sequence[tuple[Action, ...]], replicas: int) -> None:
+        self.template, self.replicas = tuple(template), replicas
+        self._made: dict[int, tuple[Action, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self.template) * self.replicas
+
+    @overload
+    def __getitem__(self, rank: int) -> tuple[Action, ...]: ...
+    @overload
+    def __getitem__(self, rank: slice) -> Sequence[tuple[Action, ...]]: ...
+    def __getitem__(self, rank: int | slice) -> Any:
+        if isinstance(rank, slice):
+            return tuple(self[r] for r in range(len(self))[rank])
+        if not -len(self) <= rank < len(self):
+            raise IndexError(f"rank {rank} is outside 0..{len(self) - 1}")
+        rank %= len(self)
+        replica, local = divmod(rank, len(self.template))
+        if replica == 0:
+            return self.template[local]
+        if rank not in self._made:
+            self._made[rank] = tuple(shift(a, replica * len(self.template)) for a in self.template[local])
+        return self._made[rank]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Programs):
+            return (self.template, self.replicas) == (other.template, other.replicas)
+        return isinstance(other, Sequence) and len(other) == len(self) and all(
+            tuple(x) == y for x, y in zip(other, self))
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -32,6 +83,11 @@ class Plan:
     records the build parameters (``layer_numel``, ``weight_bytes``, ``grad_bytes``,
     ``replicated_numel``, ``prefetch_depth``, ``mb_per_fetch`` and, for TawPipe, ``grad_route``)
     so that byte counts can be checked and recomputed.
+
+    ``replicas`` R (design §3.5): the job's nodes form R replicas of G/R nodes, each running the
+    same pipeline over its N/R ranks on its own micro-batches; there are N/R chunks, ``owner``
+    names their owners in replica 0, and the rank ``offset`` = replica x N/R further owns the same
+    chunk in its replica. ``actions`` is then usually a ``Programs``.
     """
 
     algo: str
@@ -41,16 +97,40 @@ class Plan:
     chunk_layers: tuple[tuple[int, int], ...]
     owner: tuple[int, ...]
     num_slots: int
-    actions: tuple[tuple[Action, ...], ...]
+    actions: Sequence[tuple[Action, ...]]
     options: dict[str, Any] = field(default_factory=dict)
+    replicas: int = 1
 
     @functools.cached_property
     def model_order(self) -> tuple[int, ...]:
         """Chunk ids in the order a micro-batch's forward visits them."""
         return tuple(sorted(range(len(self.chunk_layers)), key=lambda k: self.chunk_layers[k][0]))
 
+    @property
+    def replica_size(self) -> int:
+        """Ranks per replica: N/R, also the number of chunks."""
+        return self.topology.world_size // self.replicas
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.replica_size
+
+    @functools.cached_property
+    def _chunk_of(self) -> dict[int, int]:
+        return {o: k for k, o in enumerate(self.owner)}
+
     def own_chunk(self, rank: int) -> int:
-        return self.owner.index(rank)
+        try:
+            return self._chunk_of[rank % self.replica_size]
+        except KeyError:
+            raise ValueError(f"rank {rank} owns no chunk (owner {self.owner})") from None
+
+    def replica_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The groups of ``ALLREDUCE_G``: each chunk's owners (none for one replica)."""
+        return tuple(self.owners(k) for k in range(self.replica_size)) if self.replicas > 1 else ()
+
+    def owners(self, chunk: int) -> tuple[int, ...]:
+        """The ranks that own ``chunk``: one per replica, on the rail of replica 0's owner."""
+        return tuple(self.owner[chunk] + i * self.replica_size for i in range(self.replicas))
 
     def reads(self, a: Action) -> Names:
         return OPS[a.op].reads(a, self)
@@ -75,12 +155,14 @@ class Plan:
             return STATS_BYTES
         if kind == "eval":
             return EVAL_BYTES
-        if kind == "state":
+        if kind in ("state", "replica"):  # float32 masters; float32 accumulators
             return self.chunk_numel(chunk) * 4
         return 0  # "setup": sized by the engine's fingerprint
 
-    def to_json(self, indent: int | None = None) -> str:
-        """The plan as one JSON document; actions are a flat list, rank by rank, in list order."""
+    def to_json(self, indent: int | None = None, *, actions: bool = True) -> str:
+        """The plan as one JSON document; actions are a flat list, rank by rank, in list order:
+        replica 0's (the others are its shifts), or none with ``actions=False`` (a summary)."""
+        listed = self.actions[:self.replica_size] if actions else []
         doc = {
             "format": _JSON_FORMAT,
             "algo": self.algo,
@@ -90,8 +172,9 @@ class Plan:
             "chunk_layers": [list(c) for c in self.chunk_layers],
             "owner": list(self.owner),
             "num_slots": self.num_slots,
+            "replicas": self.replicas,
             "options": self.options,
-            "actions": [a.to_json() for acts in self.actions for a in acts],
+            "actions": [a.to_json() for acts in listed for a in acts],
         }
         return json.dumps(doc, indent=indent, ensure_ascii=False)
 
@@ -101,7 +184,8 @@ class Plan:
         if doc.get("format") != _JSON_FORMAT:
             raise ValueError(f"not a tawpipe plan (format {doc.get('format')!r}, expected {_JSON_FORMAT!r})")
         topo = Topology(**doc["topology"])
-        per_rank: list[list[Action]] = [[] for _ in range(topo.world_size)]
+        replicas = int(doc["replicas"])
+        per_rank: list[list[Action]] = [[] for _ in range(topo.world_size // replicas)]
         for d in doc["actions"]:
             a = Action.from_json(d)
             per_rank[a.rank].append(a)
@@ -113,8 +197,8 @@ class Plan:
             chunk_layers=tuple((int(s), int(e)) for s, e in doc["chunk_layers"]),
             owner=tuple(doc["owner"]),
             num_slots=doc["num_slots"],
-            actions=tuple(tuple(acts) for acts in per_rank),
-            options=dict(doc["options"]),
+            actions=Programs([tuple(acts) for acts in per_rank], replicas),
+            options=dict(doc["options"]), replicas=replicas,
         )
 
     def table(self) -> str:

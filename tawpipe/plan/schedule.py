@@ -15,8 +15,18 @@ import enum
 from collections import Counter
 from typing import Any
 
-from .actions import G_RECV, OPS, W_OWN, WEIPIPE_B_BUFS, WEIPIPE_F_BUFS, Action, Op, grad_buf, weight_buf
-from .plan import ALGOS, GRAD_ROUTES, STATS_BYTES, Plan
+from .actions import (
+    G_RECV,
+    OPS,
+    W_OWN,
+    WEIPIPE_B_BUFS,
+    WEIPIPE_F_BUFS,
+    Action,
+    Op,
+    grad_buf,
+    weight_buf,
+)
+from .plan import ALGOS, GRAD_ROUTES, STATS_BYTES, Plan, Programs
 from .topology import Topology
 
 RESIDENT = "resident"
@@ -60,8 +70,13 @@ def build_plan(
     weight_bytes: int = 2,
     grad_bytes: int = 4,
     replicated_numel: int = 0,
+    replicas: int = 1,
 ) -> Plan:
     """Build the plan of one iteration.
+
+    ``replicas`` R: the G nodes form R replicas of G/R whole nodes; each runs this schedule over
+    its N/R ranks on its own micro-batches, and a chunk's R owners add up their gradients once per
+    iteration (``ALLREDUCE_G``, design §3.5). One replica's lists are built; the others are shifts.
 
     ``prefetch_depth`` d: weights for slot t+d are fetched during slot t, through d+1 weight and
     d+1 gradient staging buffers (design §3.2); ``"resident"`` is ``resident_depth(topology)``,
@@ -72,6 +87,8 @@ def build_plan(
     balanced: the first ``num_layers mod N`` chunks hold one extra layer. Message sizes are
     layers x ``layer_numel`` x the dtype size of weights or gradients.
     """
+    job = topology
+    topology = _replica_topology(job, replicas, num_layers)
     if prefetch_depth == RESIDENT and isinstance(topology, Topology):
         if not reuse_weights:
             raise ValueError("prefetch_depth='resident' keeps fetched chunks only if they are reused: "
@@ -106,11 +123,51 @@ def build_plan(
                                      prefetch_depth, mb_per_fetch, reuse_weights)
     else:
         events, num_slots = _weipipe(n, micro_batches, nbytes, rbytes)
+    programs = events.project(n)
+    if replicas > 1:
+        programs = _join_replicas(programs, replicas, owner, chunk_layers, layer_numel)
     return Plan(
-        algo=algo, topology=topology, num_layers=num_layers, micro_batches=micro_batches,
+        algo=algo, topology=job, num_layers=num_layers, micro_batches=micro_batches,
         chunk_layers=chunk_layers, owner=owner, num_slots=num_slots,
-        actions=events.project(n), options=options,
+        actions=Programs(programs, replicas), options=options, replicas=replicas,
     )
+
+
+def _replica_topology(job: Topology, replicas: int, num_layers: int) -> Topology:
+    """The topology of one replica: G/R whole nodes (a ValueError naming the fix otherwise)."""
+    if not isinstance(job, Topology):
+        return job  # _check_args names the problem
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
+    if job.nodes % replicas:
+        fits = [r for r in range(1, job.nodes + 1) if job.nodes % r == 0]
+        raise ValueError(f"replicas={replicas} does not divide the {job.nodes} nodes: every replica is the same "
+                         f"number of whole nodes; pick one of {fits}")
+    if replicas > 1 and num_layers < job.world_size // replicas:
+        raise ValueError(f"num_layers={num_layers} < {job.world_size // replicas} ranks per replica: every rank "
+                         f"owns one chunk of at least one layer; use more replicas (each of fewer nodes)")
+    return Topology(job.nodes // replicas, job.per_node)
+
+
+def _join_replicas(programs: tuple[tuple[Action, ...], ...], replicas: int, owner: tuple[int, ...],
+                   chunk_layers: tuple[tuple[int, int], ...], layer_numel: int) -> tuple[tuple[Action, ...], ...]:
+    """Replica 0's lists in a job of ``replicas`` replicas: the all-reduces that span every rank
+    span the job's ranks, and each owner adds its chunk's gradient with the other replicas' owners
+    right after the last write of its accumulator (``ALLREDUCE_G``, on its own channel)."""
+    size = len(programs)
+    everyone = tuple(range(size * replicas))
+    out = []
+    for r, acts in enumerate(programs):
+        chunk = owner.index(r)
+        last = max(i for i, a in enumerate(acts) if a.op is Op.ACC_G)
+        rail = tuple(r + i * size for i in range(replicas))
+        start, stop = chunk_layers[chunk]
+        nbytes = (stop - start) * layer_numel * 4  # the float32 accumulator
+        exchange = Action(acts[last].slot, r, Op.ALLREDUCE_G, chunk=chunk, group=rail, bytes=nbytes)
+        joined = [dataclasses.replace(a, group=everyone) if OPS[a.op].scope == "job" else a for a in acts]
+        joined.insert(last + 1, exchange)
+        out.append(tuple(joined))
+    return tuple(out)
 
 
 def _check_args(topology: Topology, num_layers: int, micro_batches: int, algo: str, grad_route: str,

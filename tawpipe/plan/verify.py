@@ -13,6 +13,13 @@ The verifier runs the plan symbolically in two execution models (design §5.3):
   ``plan.Hazards``. Point-to-point batches are modelled one transfer at a time, the strictest
   reading. This model proves the engine cannot deadlock; contents need no second check, because
   dataflow order gives every action the same inputs as list order does.
+
+A plan of R replicas (design §3.5) is proven on replica 0 alone unless ``exhaustive``: every other
+replica's lists are replica 0's shifted (by construction for ``Programs``, checked action by action
+otherwise), and the only actions that join replicas are collectives every replica's copy reaches at
+the same point of the same list; so an execution of the whole job is R copies of replica 0's, a
+collective completes when replica 0's members reach it, and an ``ALLREDUCE_G`` hands each owner the
+other replicas' contributions as the shifts of its own. The exhaustive proof runs every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from .actions import GRAD_OPS, OPS, WEIGHT_OPS, Action, Channel, Hazards, Op, PlanError, batches, describe
-from .plan import Plan
+from .plan import Plan, Programs, shift
+
+EXHAUSTIVE_ACTIONS = 200_000  # above this many actions in all, a plan of replicas is proven on replica 0
 
 _SENDS = frozenset(op for op, s in OPS.items() if s.transfer == "send")
 _RECVS = frozenset(op for op, s in OPS.items() if s.transfer == "recv")
@@ -37,12 +46,20 @@ class VerifyReport:
     collectives: int
     weight_buffers: int  # max distinct weight buffer names on one rank, w_own included
     grad_buffers: int  # max distinct gradient buffer names on one rank, g_recv included
-    contributions: int  # gradient contributions that reached their owners (N x N x acc)
+    contributions: int  # gradient contributions that reached each chunk's owner, summed over chunks
+    ranks_run: int = 0  # ranks simulated: every rank, or replica 0's
 
 
-def verify(plan: Plan) -> VerifyReport:
-    """Check ``plan`` in both execution models; raise ``PlanError`` on the first thing wrong."""
-    return Verifier(plan).run()
+def verify(plan: Plan, *, exhaustive: bool | None = None) -> VerifyReport:
+    """Check ``plan`` in both execution models; raise ``PlanError`` on the first thing wrong.
+
+    ``exhaustive``: simulate every rank (True) or, for a plan of replicas, replica 0's after
+    proving the others its shifts (False); None: every rank where the plan has at most
+    ``EXHAUSTIVE_ACTIONS`` actions (or one replica)."""
+    if exhaustive is None:
+        exhaustive = plan.replicas == 1 or (
+            len(plan.actions) * max(len(acts) for acts in plan.actions[:plan.replica_size]) <= EXHAUSTIVE_ACTIONS)
+    return Verifier(plan, exhaustive).run()
 
 
 def _fail(a: Action, msg: str) -> PlanError:
@@ -61,21 +78,24 @@ class _Content:
 class Verifier:
     """One verification of one plan; ``run`` is the whole of it."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, exhaustive: bool = True) -> None:
         self.plan = plan
-        self.n = plan.topology.world_size
+        self.n = plan.topology.world_size if exhaustive or plan.replicas == 1 else plan.replica_size
+        self.exhaustive = self.n == plan.topology.world_size
         self.bufs: list[dict[str, _Content]] = [{} for _ in range(self.n)]
         self.accum: list[list[tuple[int, int, int]]] = [[] for _ in range(self.n)]
         self.computes: list[list[Action]] = [[] for _ in range(self.n)]
         self.p2p = self.collectives = 0
 
     def run(self) -> VerifyReport:
-        _check_static(self.plan)
+        _check_static(self.plan, self.n)
+        if not self.exhaustive:
+            _check_shifts(self.plan)
         self.run_serial()
         self.run_channels()
         _check_compute_order(self.plan, self.computes)
         self._check_contributions()
-        acts = self.plan.actions
+        acts = self.plan.actions[:self.n]
         wmax = max(len({a.buf for a in r if a.op in WEIGHT_OPS}) for r in acts)
         gmax = max(len({a.grad_buf if a.op is Op.B else a.buf for a in r if a.op is Op.B or a.op in GRAD_OPS})
                    for r in acts)
@@ -86,7 +106,8 @@ class Verifier:
                                 f"{limit} (w_own + prefetch_depth + 1)")
         return VerifyReport(
             actions=sum(len(r) for r in acts), p2p_messages=self.p2p, collectives=self.collectives,
-            weight_buffers=wmax, grad_buffers=gmax, contributions=sum(len(x) for x in self.accum),
+            weight_buffers=wmax, grad_buffers=gmax,
+            contributions=sum(len(x) for x in self.accum[:self.plan.replica_size]), ranks_run=self.n,
         )
 
     # ------------------------------------------------------------------ symbolic contents
@@ -123,7 +144,7 @@ class Verifier:
     def _local(self, a: Action) -> None:
         r, bufs = a.rank, self.bufs[a.rank]
         if a.op is Op.LOAD_W:
-            if self.plan.owner[a.chunk] != r:
+            if self.plan.own_chunk(r) != a.chunk:
                 raise _fail(a, f"loads W{a.chunk} but the rank owns W{self.plan.own_chunk(r)}")
             bufs[a.buf] = _Content(a.chunk, None, a)
         elif a.op is Op.F:
@@ -139,7 +160,7 @@ class Verifier:
                 self._overwrite(a, a.grad_buf)
                 bufs[a.grad_buf] = _Content(a.chunk, mine, a)
         elif a.op is Op.ACC_G:
-            if self.plan.owner[a.chunk] != r:
+            if self.plan.own_chunk(r) != a.chunk:
                 raise _fail(a, f"accumulates chunk {a.chunk} but the rank owns chunk {self.plan.own_chunk(r)}")
             c = self._grad(a, a.buf)
             c.consumed = True
@@ -165,8 +186,9 @@ class Verifier:
 
     def _check_collective(self, acts: list[Action]) -> None:
         a0 = acts[0]
-        # members of the replicated all-reduce join it at different slots (after their last B)
-        slot = None if a0.op is Op.ALLREDUCE_REPLICATED else a0.slot
+        # members of the replicated all-reduce join it at different slots (after their last B), and
+        # so do a chunk's owners in the replicas (after their last ACC_G)
+        slot = None if a0.op in (Op.ALLREDUCE_REPLICATED, Op.ALLREDUCE_G) else a0.slot
         key = (a0.op, slot, a0.chunk, a0.root, a0.bytes, a0.buf)
         for a in acts[1:]:
             if (a.op, None if slot is None else a.slot, a.chunk, a.root, a.bytes, a.buf) != key:
@@ -188,6 +210,15 @@ class Verifier:
                 items += c.items
                 c.consumed = True
             self.bufs[a0.root][a0.buf] = _Content(a0.chunk, items, a0)
+        elif a0.op is Op.ALLREDUCE_G:
+            size, total = self.plan.replica_size, []
+            if self.exhaustive:  # every owner adds the others' accumulators
+                for a in acts:
+                    total += self.accum[a.rank]
+            else:  # replica 0's owner alone: the others' contributions are the shifts of its own
+                total = [(k, d + i * size, m) for i in range(self.plan.replicas) for k, d, m in self.accum[a0.rank]]
+            for a in acts:
+                self.accum[a.rank] = list(total)
         self.collectives += 1
 
     # ------------------------------------------------------------------ execution models
@@ -207,7 +238,7 @@ class Verifier:
     def _units(self, batched: bool) -> tuple[list[list[list[Action]]], list[list[set[int]]]]:
         """Every rank's units (P2P batches, or single actions) and each unit's dependencies."""
         units, deps = [], []
-        for acts in self.plan.actions:
+        for acts in self.plan.actions[:self.n]:
             hz: Hazards[int] = Hazards()
             rank_units = list(batches(acts)) if batched else [[a] for a in acts]
             rank_deps = []
@@ -221,8 +252,8 @@ class Verifier:
         return units, deps
 
     def _check_contributions(self) -> None:
-        n, acc = self.n, self.plan.micro_batches
-        for r in range(n):
+        n, acc = self.plan.topology.world_size, self.plan.micro_batches
+        for r in range(self.n):
             k = self.plan.own_chunk(r)
             expected = Counter((k, d, m) for d in range(n) for m in range(acc))
             got = Counter(self.accum[r])
@@ -259,6 +290,7 @@ class _Simulation:
         self.pos = [[0] * len(u) for u in units]  # next action inside each unit
         self.colls: Counter[tuple] = Counter()  # completed collectives per (rank, channel, group)
         self.arrived: dict[tuple, set[int]] = {}
+        self.groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # a group -> its simulated members
 
     def _queued(self, a: Action) -> bool:
         return OPS[a.op].channel not in self.inline
@@ -354,12 +386,15 @@ class _Simulation:
 
     def _gather(self, r: int, u: int, a: Action, woken: set[int]) -> bool:
         channel = OPS[a.op].channel
-        key = (channel, a.group, self.colls[(r, channel, a.group)])
+        group = self.groups.get(a.group)
+        if group is None:  # the members simulated: every replica's copy reaches it with them
+            group = self.groups[a.group] = tuple(m for m in a.group if m < len(self.units))
+        key = (channel, group, self.colls[(r, channel, group)])
         members = self.arrived.setdefault(key, set())
         members.add(r)
-        if len(members) < len(a.group):
+        if len(members) < len(group):
             return False
-        heads = [(u, a) if m == r else self._blocked_at(m, a) for m in a.group]
+        heads = [(u, a) if m == r else self._blocked_at(m, a) for m in group]
         if any(h is None or OPS[h[1].op].transfer != "collective" for h in heads):
             return False
         acts = [b for _, b in heads]
@@ -368,21 +403,25 @@ class _Simulation:
         else:
             self.v._check_collective(acts)
         del self.arrived[key]
-        for m, (mu, _) in zip(a.group, heads):
+        for m, (mu, _) in zip(group, heads):
             self.pos[m][mu] += 1
-            self.colls[(m, channel, a.group)] += 1
+            self.colls[(m, channel, group)] += 1
             woken.add(m)
         return True
 
 
-def _check_static(plan: Plan) -> None:
-    """Shape of the plan and of every action; replicated all-reduce, statistics and STEP."""
-    topo, n, acc = plan.topology, plan.topology.world_size, plan.micro_batches
-    if len(plan.actions) != n or len(plan.owner) != n or len(plan.chunk_layers) != n:
-        raise PlanError(f"need one action list, one owner and one chunk per rank (N={n}), got "
-                        f"{len(plan.actions)}, {len(plan.owner)}, {len(plan.chunk_layers)}")
-    if sorted(plan.owner) != list(range(n)):
-        raise PlanError(f"owner {plan.owner} is not a permutation of the ranks")
+def _check_static(plan: Plan, ranks: int) -> None:
+    """Shape of the plan and of the first ``ranks`` ranks' actions; replicated all-reduce,
+    statistics, the replicas' gradient all-reduce and STEP."""
+    topo, n, acc, size = plan.topology, plan.topology.world_size, plan.micro_batches, plan.replica_size
+    if not (isinstance(plan.replicas, int) and plan.replicas >= 1 and n % plan.replicas == 0
+            and topo.nodes % plan.replicas == 0):
+        raise PlanError(f"replicas={plan.replicas} does not divide the {topo.nodes} nodes into equal replicas")
+    if len(plan.actions) != n or len(plan.owner) != size or len(plan.chunk_layers) != size:
+        raise PlanError(f"need one action list per rank (N={n}) and one owner and one chunk per rank of a replica "
+                        f"({size}), got {len(plan.actions)}, {len(plan.owner)}, {len(plan.chunk_layers)}")
+    if sorted(plan.owner) != list(range(size)):
+        raise PlanError(f"owner {plan.owner} is not a permutation of replica 0's ranks")
     pos = 0
     for k in plan.model_order:
         start, stop = plan.chunk_layers[k]
@@ -392,10 +431,12 @@ def _check_static(plan: Plan) -> None:
     if pos != plan.num_layers:
         raise PlanError(f"chunk_layers {plan.chunk_layers} do not cover {plan.num_layers} layers")
     everyone = tuple(range(n))
-    for r, acts in enumerate(plan.actions):
+    for r in range(ranks):
+        acts = plan.actions[r]
         _check_rank_frame(plan, r, acts)
         _check_tags(acts)
         prev_slot = -1
+        home = range(plan.replica_of(r) * size, (plan.replica_of(r) + 1) * size)
         for a in acts:
             if a.rank != r:
                 raise _fail(a, f"is in the list of rank {r}")
@@ -411,20 +452,45 @@ def _check_static(plan: Plan) -> None:
                 if a.op is not Op.STEP and a.group != everyone:
                     raise _fail(a, "must span all ranks")
                 continue
-            if a.chunk is None or not 0 <= a.chunk < n or a.buf is None:
-                raise _fail(a, "needs a valid chunk and a buffer")
+            if a.chunk is None or not 0 <= a.chunk < size:
+                raise _fail(a, "needs a valid chunk")
+            if a.op is Op.ALLREDUCE_G:
+                if a.chunk != plan.own_chunk(r) or a.group != plan.owners(a.chunk):
+                    raise _fail(a, f"must add the rank's own chunk {plan.own_chunk(r)} with its owners in every "
+                                   f"replica {list(plan.owners(plan.own_chunk(r)))}")
+                continue
+            if a.buf is None:
+                raise _fail(a, "needs a buffer")
             if a.op in (Op.F, Op.B):
                 if a.mb is None or not 0 <= a.mb < acc:
                     raise _fail(a, f"micro-batch outside 0..{acc - 1}")
                 if a.op is Op.B and a.grad_buf is None:
                     raise _fail(a, "has no grad_buf")
             elif spec.is_p2p:
-                if a.peer is None or not 0 <= a.peer < n or a.peer == r:
-                    raise _fail(a, "needs a peer rank other than itself")
+                if a.peer is None or a.peer not in home or a.peer == r:
+                    raise _fail(a, f"needs a peer rank other than itself in its replica ({home.start}..{home.stop - 1})")
             elif spec.transfer == "collective":
                 g = topo.group_of(r)
                 if a.group != topo.group_ranks(g) or a.root not in a.group:
                     raise _fail(a, f"must span exactly group {g} {list(topo.group_ranks(g))} with a root in it")
+
+
+def _check_shifts(plan: Plan) -> None:
+    """Every replica's lists are replica 0's, shifted: by construction for ``Programs``, else
+    checked action by action."""
+    if isinstance(plan.actions, Programs) and list(plan.actions.template) == list(plan.actions[:plan.replica_size]):
+        return
+    size = plan.replica_size
+    for r in range(size, plan.topology.world_size):
+        want = plan.actions[r % size]
+        got = plan.actions[r]
+        offset = r - r % size
+        if len(got) != len(want):
+            raise PlanError(f"rank {r} has {len(got)} actions, but replica 0's rank {r % size} has {len(want)}: "
+                            "replicas must run the same lists")
+        for a, b in zip(got, want):
+            if a != shift(b, offset):
+                raise _fail(a, f"differs from replica 0's {describe(b)} shifted by {offset} ranks")
 
 
 def _check_tags(acts: tuple[Action, ...]) -> None:
@@ -442,8 +508,17 @@ def _check_tags(acts: tuple[Action, ...]) -> None:
 
 
 def _check_rank_frame(plan: Plan, r: int, acts: tuple[Action, ...]) -> None:
-    """One replicated all-reduce after the last B; the statistics, then STEP, close the list."""
+    """One replicated all-reduce after the last B; with replicas, one gradient all-reduce after the
+    last ACC_G; the statistics, then STEP, close the list."""
     ops = [a.op for a in acts]
+    exchanges = [i for i, op in enumerate(ops) if op is Op.ALLREDUCE_G]
+    if len(exchanges) != (plan.replicas > 1):
+        raise PlanError(f"rank {r} has {len(exchanges)} ALLREDUCE_G actions; a plan of {plan.replicas} replica(s) "
+                        f"needs {int(plan.replicas > 1)}")
+    accs = [i for i, op in enumerate(ops) if op is Op.ACC_G]
+    if exchanges and accs and exchanges[0] < accs[-1]:
+        raise _fail(acts[exchanges[0]], "comes before the rank's last ACC_G: a contribution would miss the "
+                                        "other replicas")
     allreduce = [i for i, op in enumerate(ops) if op is Op.ALLREDUCE_REPLICATED]
     backs = [i for i, op in enumerate(ops) if op is Op.B]
     if len(allreduce) != 1:

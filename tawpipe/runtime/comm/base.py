@@ -75,6 +75,13 @@ class Comm(abc.ABC):
         order on their channel instead."""
         raise NotImplementedError(f"{type(self).__name__} posts no single messages (async_p2p is False)")
 
+    def add_groups(self, groups: Sequence[Group]) -> None:
+        """Make collectives over ``groups`` possible, on this comm and every channel it has made
+        or will make (a plan's ``replica_groups``). Every rank calls it with the same groups.
+        This default has none beyond the world and the topology's groups."""
+        if any(len(g) > 1 for g in groups):
+            raise NotImplementedError(f"{type(self).__name__} has no collectives across replicas: use comm='torch'")
+
     @abc.abstractmethod
     def channel_comm(self, name: str) -> "Comm":
         """The Comm of channel ``name``: its operations never interleave with another channel's

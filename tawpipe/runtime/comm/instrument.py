@@ -41,6 +41,9 @@ class _Wrapper(Comm):
             self._channels[name] = self._wrap(self.inner.channel_comm(name), name)
         return self._channels[name]
 
+    def add_groups(self, groups):
+        self.inner.add_groups(groups)
+
     def _before(self, op: str, tensor: torch.Tensor, peer=None, root=None, group=None) -> None:
         pass
 

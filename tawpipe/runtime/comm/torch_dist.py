@@ -1,13 +1,14 @@
 """Comm over torch.distributed: gloo on the CPU, NCCL on CUDA.
 
 Process groups are created eagerly (every rank must create them in the same order): one world
-clone for point-to-point traffic and one subgroup per topology group, per channel, so that each
-channel's operations never interleave with another channel's.
+clone for point-to-point traffic, one subgroup per topology group and one per extra group the
+caller names (a plan's replica groups), per channel, so that each channel's operations never
+interleave with another channel's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
 import torch
@@ -35,7 +36,8 @@ def check_job(topology: Topology) -> None:
 
 
 class TorchDistComm(Comm):
-    def __init__(self, topology: Topology, timeout: float, _channel: str = Channel.WEIGHTS) -> None:
+    def __init__(self, topology: Topology, timeout: float, _channel: str = Channel.WEIGHTS,
+                 _groups: tuple[Group, ...] = ()) -> None:
         check_job(topology)
         self.topology = topology
         self.timeout = timeout
@@ -43,14 +45,13 @@ class TorchDistComm(Comm):
         self.world_size = dist.get_world_size()
         self.name = _channel
         if _channel == Channel.WEIGHTS:  # the first channel: agree on the groups before creating them
-            _check_same_topology(topology, self.rank, self.world_size)
+            _check_same(self.rank, self.world_size, (topology.nodes, topology.per_node), "topology",
+                        "give every rank the same Topology(nodes, per_node)")
         td = timedelta(seconds=timeout)
         world = tuple(range(self.world_size))
         self._groups: dict[Group, dist.ProcessGroup] = {world: dist.new_group(list(world), timeout=td)}
-        for g in range(topology.nodes):
-            ranks = topology.group_ranks(g)
-            if len(ranks) > 1 and ranks != world:
-                self._groups[ranks] = dist.new_group(list(ranks), timeout=td)
+        self._extra: tuple[Group, ...] = ()  # groups added beyond the topology's
+        self._create((*self.topology_groups, *_groups))
         # Point-to-point messages from a lower to a higher rank go on one connection per pair, the
         # other way on a second: a connection then carries bulk data one way only. On one shared
         # connection, the control messages a transfer needs (gloo's "ready to receive") queue
@@ -61,14 +62,33 @@ class TorchDistComm(Comm):
     def channel_comm(self, name: str) -> Comm:
         # Created on first use; every rank asks for the same channels in the same order.
         if name not in self._channels:
-            self._channels[name] = TorchDistComm(self.topology, self.timeout, _channel=name)
+            self._channels[name] = TorchDistComm(self.topology, self.timeout, _channel=name, _groups=self._extra)
         return self._channels[name]
+
+    def add_groups(self, groups: Sequence[Group]) -> None:
+        _check_same(self.rank, self.world_size, [tuple(g) for g in groups], "groups",
+                    "give every rank the same plan options (replicas)")
+        for comm in self._channels.values():
+            comm._create(groups)
+
+    def _create(self, groups: Iterable[Group]) -> None:
+        """A process group for each of ``groups`` this comm lacks (every rank, the same order)."""
+        td = timedelta(seconds=self.timeout)
+        for ranks in map(tuple, groups):
+            if len(ranks) > 1 and ranks not in self._groups:
+                self._groups[ranks] = dist.new_group(list(ranks), timeout=td)
+                self._extra += (ranks,) if ranks not in self.topology_groups else ()
+
+    @property
+    def topology_groups(self) -> tuple[Group, ...]:
+        return tuple(self.topology.group_ranks(g) for g in range(self.topology.nodes))
 
     def _pg(self, group: Group) -> dist.ProcessGroup:
         try:
             return self._groups[tuple(group)]
         except KeyError:
-            raise ValueError(f"group {group} is not a topology group or the world") from None
+            raise ValueError(f"group {group} is not a topology group, the world or a group added with "
+                             "add_groups") from None
 
     def _line(self, src: int, dst: int) -> dist.ProcessGroup:
         return self._up if src < dst else self._down
@@ -123,14 +143,19 @@ class _Posted:
                               "(raise the timeout with TAWPIPE_TIMEOUT for slow links)") from e
 
 
-def _check_same_topology(topology: Topology, rank: int, world: int) -> None:
-    """Every rank creates one process group per topology group; ranks that disagree on the
-    topology would create different groups and hang, so compare first (one small all-gather)."""
+def _check_same(rank: int, world: int, mine: object, what: str, fix: str) -> None:
+    """Every rank creates the same process groups in the same order; ranks that disagree on them
+    would create different groups and hang, so compare first (one small all-gather)."""
     seen: list = [None] * world
-    dist.all_gather_object(seen, (topology.nodes, topology.per_node))
-    for r, shape in enumerate(seen):
-        if shape != seen[0]:
-            raise ValueError(
-                f"rank {r} has topology {shape[0]}x{shape[1]} but rank 0 has {seen[0][0]}x{seen[0][1]} "
-                f"(this is rank {rank}): give every rank the same Topology(nodes, per_node)"
-            )
+    dist.all_gather_object(seen, mine)
+    for r, theirs in enumerate(seen):
+        if theirs != seen[0]:
+            raise ValueError(f"rank {r} has {what} {_short(theirs)} but rank 0 has {_short(seen[0])} (this is rank "
+                             f"{rank}): {fix}")
+
+
+def _short(value: object) -> str:
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return f"{value[0]}x{value[1]}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
