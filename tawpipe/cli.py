@@ -9,18 +9,21 @@ subcommand runs (``tawpipe.commands``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import gc
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 
 from .commands import delegate
-from .cost.memory import Choice, MemoryEstimate, fitting, memory_per_rank
-from .cost.traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
+from .cost.memory import Choice, MemoryEstimate, estimate_memory, fitting, memory_per_rank
+from .cost.traffic import KINDS, PEER_METHODS, ModelDims, estimate, plan_traffic
 from .plan.plan import ALGOS, GRAD_ROUTES, Plan
 from .plan.schedule import RESIDENT, build_plan, depth_text, prefetch_depth_arg
 from .plan.topology import Topology
-from .plan.verify import verify
+from .plan.verify import VerifyReport, verify
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
@@ -43,9 +46,15 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                    help="k: micro-batches each resident chunk runs per fetch (divides --micro-batches)")
     p.add_argument("--reuse-weights", action="store_true",
                    help="do not fetch again a chunk still in a staging buffer (fewer bytes than the paper)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="R: the nodes form R replicas of nodes/R nodes, each a pipeline; a chunk's R owners add "
+                        "their gradients once per iteration (with a model, every R is compared)")
     p.add_argument("--link-gbps", type=float, default=10.0,
                    help="inter-node link rate per node and direction, Gbit/s (for link times)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON summary instead (the plan without its actions, what verify proved, traffic)")
+    p.add_argument("--actions", action="store_true",
+                   help="with --json: print the whole plan instead, with replica 0's actions (Plan.from_json reads it)")
     p.add_argument("--no-table", action="store_true", help="print only the summary")
     m = p.add_argument_group("model (optional: gives sizes in bytes, memory per k and the peer estimates)")
     m.add_argument("--hidden", type=int, help="hidden size H")
@@ -81,18 +90,24 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
         topo = Topology(args.nodes, args.per_node)
         dims, sizes = _dims_and_sizes(args)
         build = functools.partial(build_plan, topo, args.layers, args.micro_batches, algo=args.algo,
-                                  grad_route=args.grad_route, **sizes)
+                                  grad_route=args.grad_route, replicas=args.replicas, **sizes)
         plan = build(mb_per_fetch=args.mb_per_fetch, prefetch_depth=args.prefetch_depth,
                      reuse_weights=args.reuse_weights)
         if not args.link_gbps > 0:
             raise ValueError(f"--link-gbps must be > 0, got {args.link_gbps}")
+        if args.actions and not args.json:
+            raise ValueError("--actions lists the plan's actions in its JSON: add --json")
     except ValueError as e:
         raise SystemExit(f"tawpipe plan: {e}") from None
+    gc.freeze()  # the plan lives to the end: the collector need not walk its millions of objects again
     report = verify(plan)
     if args.json:
-        print(plan.to_json())
+        print(plan.to_json() if args.actions else _json_summary(plan, report, args))
         return 0
     if not args.no_table:
+        if plan.replicas > 1:
+            print(f"replica 0 of {plan.replicas} (ranks 0-{plan.replica_size - 1}); replica i runs the same plan on "
+                  f"ranks + i x {plan.replica_size}")
         print(plan.table())
         print()
     layers = [stop - start for start, stop in (plan.chunk_layers[k] for k in plan.model_order)]
@@ -102,8 +117,11 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
           f"{depth_text(plan, args.prefetch_depth)}, "
           f"{args.mb_per_fetch} micro-batch(es) per fetch"
           f"{', resident chunks reused' if args.reuse_weights else ''}, "
-          f"{plan.num_slots} slots + prologue")
-    print(f"verified (serial and channel models): {report.actions} actions, {report.p2p_messages} P2P "
+          f"{plan.num_slots} slots + prologue"
+          f"{f'; {plan.replicas} replicas of {plan.replica_size} ranks' if plan.replicas > 1 else ''}")
+    ranks = (f" on replica 0's {report.ranks_run} ranks, the other replicas proven its shifts"
+             if report.ranks_run < topo.world_size else "")
+    print(f"verified (serial and channel models{ranks}): {report.actions} actions, {report.p2p_messages} P2P "
           f"messages, {report.collectives} collectives, {report.weight_buffers} weight and "
           f"{report.grad_buffers} gradient buffers per rank, {report.contributions} gradient "
           "contributions delivered, no deadlock")
@@ -116,6 +134,7 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
               f"(busiest link's bytes), per-slot bursts {bursts:.3f} s (each slot's busiest link, summed)")
         if args.algo == "tawpipe":
             _print_k_table(args, dims, build)
+            _print_replicas(args, dims, topo)
         plans = {args.algo: plan}
         other = "weipipe" if args.algo == "tawpipe" else "tawpipe"
         if other == "tawpipe" or topo.world_size > 1:  # a WeiPipe ring needs two ranks
@@ -151,6 +170,51 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..
         k, d, reuse = cheapest
         print(f"within {args.memory_budget:g} GiB per rank: largest k {largest}; fewest inter-node bytes with "
               f"k={k}, --prefetch-depth {d}{' --reuse-weights' if reuse else ''}")
+
+
+def _print_replicas(args: argparse.Namespace, dims: ModelDims, topo: Topology) -> None:
+    """Per replica count R: the busiest node's inter-node bytes, the link floor and the memory per
+    rank, in closed form (design §3.5, §7), at this k and depth (without reuse): a plan per R of a
+    large cluster would take longer to build than the answer is worth."""
+    k, depth = args.mb_per_fetch, args.prefetch_depth
+    if depth == RESIDENT:
+        return  # the closed form covers numbered depths
+    rate = args.link_gbps * 1e9 / 8
+    budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
+    print(f"replicas (closed form, k={k}, prefetch depth {depth}; R divides the {topo.nodes} nodes):")
+    print(f"{'R':>5}  {'ranks/pipeline':>14}  {'inter-node/iter (per node)':>27}  {'floor':>9}  {'memory/rank':>12}  fits")
+    best = None
+    for r in (r for r in range(1, topo.nodes + 1) if topo.nodes % r == 0):
+        size = topo.world_size // r
+        if size > args.layers:
+            print(f"{r:>5}  {size:>14}  {'':>27}  {'':>9}  {'':>12}  no: {args.layers} layers < {size} ranks")
+            continue
+        inter = estimate("tawpipe", dims, topo, args.micro_batches, replicas=r).inter_node_per_node
+        mem = estimate_memory(dims, topo, replicas=r, prefetch_depth=depth, mb_per_fetch=k).total
+        fits = budget is None or mem <= budget
+        if fits and (best is None or inter < best[1]):
+            best = (r, inter)
+        print(f"{r:>5}  {size:>14}  {inter / 1e9:>24.3f} GB  {inter / rate:>7.3f} s  {mem / 2**30:>8.3f} GiB  "
+              f"{'yes' if fits else 'no: over --memory-budget'}")
+    if best is not None:
+        print(f"fewest inter-node bytes{' within the budget' if budget is not None else ''}: --replicas {best[0]}")
+
+
+def _json_summary(plan: Plan, report: VerifyReport, args: argparse.Namespace) -> str:
+    """The plan without its actions, what verify proved and the traffic: small at any size."""
+    traffic = plan_traffic(plan)
+    doc = {
+        "format": "tawpipe-plan-summary/1",
+        "plan": json.loads(plan.to_json(actions=False)),
+        "verified": dataclasses.asdict(report),
+        "traffic": {
+            "sent_per_rank_mean": traffic.total() / plan.topology.world_size,
+            "inter_node_per_node": traffic.per_node(),
+            "by_kind_busiest_rank": {k: traffic.busiest(kind=k)[1] for k in KINDS},
+            "units": "bytes" if args.hidden is not None else "parameters of one layer",
+        },
+    }
+    return json.dumps(doc)
 
 
 def _depth_label(choice: Choice, asked: int | str) -> str:

@@ -63,7 +63,8 @@ def test_layout_manifest_and_checksums(saved) -> None:
     assert m["dtypes"] == {"master": "torch.float32", "compute": "torch.float32", "grad_wire": "torch.float32"}
     entry = m["files"]["rank-00000.pt"]
     raw = (d / "rank-00000.pt").read_bytes()
-    assert entry == {"rank": 0, "chunk": 0, "layers": [0, 4], "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    assert entry == {"rank": 0, "chunk": 0, "replica": 0, "layers": [0, 4], "bytes": len(raw),
+                     "sha256": hashlib.sha256(raw).hexdigest()}
     ref = TinyLM(4)  # the signature lists every parameter the model has
     assert m["model"]["num_layers"] == 4
     assert {n for n, _, _ in m["model"]["block"]} == {n for n, _ in ref.blocks[0].named_parameters()}

@@ -50,7 +50,8 @@ def test_plan_prints_the_papers_worked_tables(capsys, nodes, per_node, layers, a
 
 
 def test_plan_json_is_the_plan(capsys):
-    out = run(capsys, "plan", "--nodes", "2", "--per-node", "3", "--layers", "7", "--micro-batches", "2", "--json")
+    out = run(capsys, "plan", "--nodes", "2", "--per-node", "3", "--layers", "7", "--micro-batches", "2", "--json",
+              "--actions")
     plan = Plan.from_json(out)
     assert plan == build_plan(Topology(2, 3), 7, 2, layer_numel=1, weight_bytes=1, grad_bytes=1)
 

@@ -219,6 +219,17 @@ def test_best_k_is_the_micro_batch_count():
     assert "tawpipe-best" not in bench.methods(1)
 
 
+def test_replicas_add_tawpipe_at_both_k_on_the_node_counts_they_divide():
+    known = bench.methods(2, replicas=(2,))
+    assert known["tawpipe-r2"].engine_options == {**known["tawpipe"].engine_options, "replicas": 2}
+    assert known["tawpipe-best-r2"].engine_options == {**known["tawpipe-best"].engine_options, "replicas": 2}
+    assert known["tawpipe"].replicas == 1 and known["fsdp"].replicas == 1
+    assert "tawpipe-best-r2" not in bench.methods(1, replicas=(2,)) and "tawpipe-r2" not in bench.methods(2)
+    assert bench.for_shape(known["tawpipe-r2"], 4, 2).label == "tawpipe (k=1), 2 replicas of 2×2"
+    assert bench.for_shape(known["tawpipe-r2"], 3, 2) is None
+    assert bench.for_shape(known["hsdp"], 3, 2) is known["hsdp"]
+
+
 def test_fsdp_prediction_counts_gloo_reduce_scatter_as_all_reduce():
     cfg = RunConfig(nodes=2, per_node=2, micro_batches=3)
     dims = bench._dims(cfg)

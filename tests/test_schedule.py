@@ -331,3 +331,15 @@ def test_resident_depth_fetches_each_chunk_once_per_iteration(nodes, per_node, a
         build_plan(topo, 2 * topo.world_size, acc, prefetch_depth="resident")
     with pytest.raises(ValueError, match="integer >= 1 or 'resident', got 'deep'"):
         build_plan(topo, 2 * topo.world_size, acc, prefetch_depth="deep", reuse_weights=True)
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 1), (1, 2), (1, 3), (3, 1), (2, 2), (3, 2)])
+def test_every_prefetch_depth_verifies_without_reuse(nodes, per_node):
+    """Deep prefetch without reuse: a turnaround holds its buffer a slot longer than the paper's
+    turn-by-turn filling assumes, so at depth >= 2 the turn's buffer may still be in use; the
+    fetch must then go to a free one (this used to hand slot 4 of a two-rank plan the wrong chunk)."""
+    n = nodes * per_node
+    for depth in range(1, 2 * n + 2):
+        for acc, k in ((2, 1), (3, 1), (4, 2)):
+            plan = build_plan(Topology(nodes, per_node), n + 1, acc, prefetch_depth=depth, mb_per_fetch=k)
+            assert verify(plan).contributions == n * n * acc, (depth, acc, k)

@@ -156,7 +156,7 @@ def _no_workers(monkeypatch) -> None:
     (["--val-batches", "0"], "--val-batches must be >= 1, got 0"),
     (["--export", "{file}"], "--export .* exists and is not a directory"),
     (["--data", "/nonexistent/corpus.txt"], "data file not found: /nonexistent/corpus.txt"),
-    (["--layers", "3"], r"3 layers for 4 ranks: every rank needs at least one layer \(--layers >= 4\)"),
+    (["--layers", "3"], r"3 layers for 4 ranks: every rank needs at least one layer \(--layers >= 4, or more --replicas\)"),
     (["--layers", "0"], "--layers must be >= 1, got 0"),
     (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),

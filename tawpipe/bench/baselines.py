@@ -343,10 +343,11 @@ def update_error(init: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], go
     return (num / den) ** 0.5
 
 
-def merge_params(check_dir: str, world_size: int) -> dict[str, torch.Tensor]:
-    """Union of the parameters every rank wrote to ``check_dir``."""
+def merge_params(check_dir: str, world_size: int, ranks: range | None = None) -> dict[str, torch.Tensor]:
+    """Union of the parameters every rank (or every rank of ``ranks``: one replica's) wrote to
+    ``check_dir``."""
     out: dict[str, torch.Tensor] = {}
-    for r in range(world_size):
+    for r in range(world_size) if ranks is None else ranks:
         path = os.path.join(check_dir, f"rank{r}.pt")
         if os.path.exists(path):
             out.update(torch.load(path, weights_only=True))  # tensors only: nothing in the file runs

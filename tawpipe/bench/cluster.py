@@ -1,17 +1,19 @@
 """`tawpipe bench cluster`: TawPipe against its peers on an emulated multi-node cluster.
 
 Every method (TawPipe with one weight fetch per micro-batch and with the best k, WeiPipe,
-FSDP2 default and memory-matched, HSDP, DDP, 1F1B) trains the same model on the same global
-batch with the same optimizer, on the same namespaces and rate-limited links
-(``tawpipe.cluster``). Methods are interleaved in rounds — round r runs each once, the order
-rotated by r — so slow phases of a shared machine hit all of them alike. Each run is a fresh set
-of processes, so peak RSS is the method's own.
+FSDP2 default and memory-matched, HSDP, DDP, 1F1B; with ``--replicas R``, TawPipe at both k as R
+replicas of G/R nodes too) trains the same model on the same global batch with the same
+optimizer, on the same namespaces and rate-limited links (``tawpipe.cluster``). Methods are
+interleaved in rounds — round r runs each once, the order rotated by r — so slow phases of a
+shared machine hit all of them alike. Each run is a fresh set of processes, so peak RSS is the
+method's own.
 
 Per method: median iteration time and its spread, tokens/s, inter-node bytes per iteration
 measured on the veth links against the prediction (the engine's own plan for TawPipe/WeiPipe,
 closed forms for the peers), the network floor (busiest link direction / rate), persistent and
 peak memory per rank, and an exactness check in round 0: losses of the first two steps and the
-first update of every parameter against single-process training on the global batch.
+first update of every parameter against single-process training on the global batch (with
+replicas: every replica's parameters, each checked on its own).
 
 Results go into ``--out`` (default ``tawpipe-results/`` in the current directory; the committed
 results are rewritten only with ``--out benchmarks/results/cluster``).
@@ -53,28 +55,50 @@ class Method:
     engine_options: dict[str, Any] | None = None  # None: a peer from tawpipe.bench.baselines
     unlimited: bool = False  # run with the links' rate limit lifted: the method's compute-only time
 
+    @property
+    def replicas(self) -> int:
+        """R of a TawPipe run as R replicas (engine option ``replicas``); 1 otherwise."""
+        return (self.engine_options or {}).get("replicas", 1)
+
 
 def compute_only(m: Method) -> Method:
     """``m`` again, on the same cluster with its links unlimited: the compute side of its bound."""
     return Method(f"{m.name}-compute", f"{m.label}, links unlimited", m.engine_options, unlimited=True)
 
 
-def methods(micro_batches: int, prefetch_depth: int | str = 1, recompute: str = "none") -> dict[str, Method]:
+def methods(micro_batches: int, prefetch_depth: int | str = 1, recompute: str = "none",
+            replicas: tuple[int, ...] = ()) -> dict[str, Method]:
     """Every method the bench knows, in the default order. ``prefetch_depth`` is tawpipe's at k = 1;
     the best k keeps every chunk resident (one fetch per chunk and iteration; this model fits).
     ``recompute`` is the engine's (tawpipe and WeiPipe); "none" keeps activations, as every peer
-    here does, so all do the same work."""
+    here does, so all do the same work. Each R in ``replicas`` adds tawpipe-rR and tawpipe-best-rR:
+    the same two with the engine's ``replicas=R`` (see :func:`for_shape`)."""
     k = micro_batches  # the largest k dividing micro_batches; it fits this model's memory
-    out = [Method("tawpipe", "tawpipe (k=1)", {"prefetch_depth": prefetch_depth, "recompute": recompute})]
+    taw = [Method("tawpipe", "tawpipe (k=1)", {"prefetch_depth": prefetch_depth, "recompute": recompute})]
     if k > 1:
         best = {"mb_per_fetch": k, "reuse_weights": True, "prefetch_depth": RESIDENT, "recompute": recompute}
-        out.append(Method("tawpipe-best", f"tawpipe (k={k}, reuse, resident)", best))
+        taw.append(Method("tawpipe-best", f"tawpipe (k={k}, reuse, resident)", best))
+    out = list(taw)
+    for r in replicas:
+        out += [Method(f"{m.name}-r{r}", f"{m.label}, {r} replicas", {**m.engine_options, "replicas": r})
+                for m in taw]
     out += [
         Method("weipipe", "WeiPipe", {"algo": "weipipe", "recompute": recompute}),
         Method("fsdp", "FSDP2"), Method("fsdp-mm", "FSDP2 memory-matched"), Method("hsdp", "HSDP"),
         Method("ddp", "DDP"), Method("1f1b", "1F1B"),
     ]
     return {m.name: m for m in out}
+
+
+def for_shape(m: Method, nodes: int, per_node: int) -> Method | None:
+    """``m`` on a cluster of ``nodes`` x ``per_node``: a run as R replicas names the replicas' shape
+    in its label, and is left out (None) where R does not divide the nodes."""
+    r = m.replicas
+    if r == 1:
+        return m
+    if nodes % r:
+        return None
+    return replace(m, label=f"{m.label} of {nodes // r}×{per_node}")
 
 
 def build_engine(model: Any, cfg: RunConfig, topology: Topology, device: torch.device, **options: Any) -> TawPipe:
@@ -172,7 +196,7 @@ def run_shape(cfg: RunConfig, chosen: list[Method], spec: ClusterSpec, rounds: i
                 log(f"  round {r + 1}/{rounds} {m.label:<22} {time.perf_counter() - t0:6.1f} s wall, "
                     f"median step {statistics.median(_step_times(records)):.2f} s")
                 if check_dir:
-                    checks[m.name] = _check(cfg, records, check_dir, ref_losses, ref_init, ref_after)
+                    checks[m.name] = _check(cfg, records, check_dir, ref_losses, ref_init, ref_after, m.replicas)
     return {"runs": runs, "checks": checks, "failures": failures, "reference_losses": ref_losses}
 
 
@@ -191,12 +215,26 @@ def _losses(records: list[dict]) -> list[float]:
 
 
 def _check(cfg: RunConfig, records: list[dict], check_dir: str, ref_losses: list[float],
-           ref_init: dict, ref_after: dict) -> dict[str, Any]:
+           ref_init: dict, ref_after: dict, replicas: int = 1) -> dict[str, Any]:
+    """Losses and the first update against the reference. With R replicas each replica's ranks
+    hold a whole model: every replica's update is checked and the worst one reported."""
     losses = _losses(records)[: len(ref_losses)]
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    update_err = baselines.update_error(ref_init, ref_after, baselines.merge_params(check_dir, cfg.world_size))
-    return {"losses": losses, "loss_rel_err": loss_err, "update_rel_err": update_err,
-            "ok": loss_err <= LOSS_TOL and update_err <= UPDATE_TOL}
+    if replicas == 1:
+        update_err = baselines.update_error(ref_init, ref_after, baselines.merge_params(check_dir, cfg.world_size))
+        errs = None
+    else:
+        size = cfg.world_size // replicas
+        errs = [baselines.update_error(ref_init, ref_after,
+                                       baselines.merge_params(check_dir, cfg.world_size,
+                                                              range(i * size, (i + 1) * size)))
+                for i in range(replicas)]
+        update_err = max(errs)
+    out = {"losses": losses, "loss_rel_err": loss_err, "update_rel_err": update_err,
+           "ok": loss_err <= LOSS_TOL and update_err <= UPDATE_TOL}
+    if errs is not None:
+        out["update_rel_err_per_replica"] = errs
+    return out
 
 
 def summarize(cfg: RunConfig, m: Method, runs: list[list[dict]], check: dict | None, rate_bits: int | None,
@@ -204,6 +242,8 @@ def summarize(cfg: RunConfig, m: Method, runs: list[list[dict]], check: dict | N
     """One row: times pooled over rounds, bytes per iteration, memory, prediction, check."""
     row: dict[str, Any] = {"method": m.name, "label": m.label, "predicted_busiest_bytes": None,
                            "predicted_total_bytes": None, "unlimited": m.unlimited}
+    if m.replicas > 1:
+        row["replicas"] = m.replicas
     if failures:
         row.update(failed_runs=len(failures), errors=failures)
     if not runs:  # every round's run failed
@@ -408,7 +448,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every method once")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (after one warm-up step)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="subset of: tawpipe tawpipe-best weipipe fsdp fsdp-mm hsdp ddp 1f1b (default: all)")
+                   help="subset of: tawpipe tawpipe-best weipipe fsdp fsdp-mm hsdp ddp 1f1b, and with --replicas "
+                        "tawpipe-rR tawpipe-best-rR (default: all)")
+    p.add_argument("--replicas", type=int, nargs="+", default=[], metavar="R",
+                   help="also run tawpipe and the best k as R replicas of nodes/R nodes each (tawpipe-rR, "
+                        "tawpipe-best-rR; engine option replicas=R), on the node counts R divides")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size of the LLaMA model")
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
@@ -437,7 +481,12 @@ def main(args: argparse.Namespace) -> int:
         cfgs = [RunConfig(nodes=g, per_node=args.per_node, hidden=args.hidden, layers=args.layers,
                           heads=args.heads, seq_len=args.seq_len, micro_batches=args.micro_batches,
                           batch_size=args.batch_size, steps=args.steps) for g in args.nodes]
-        known = methods(args.micro_batches, args.prefetch_depth, args.recompute)
+        bad_r = [r for r in args.replicas if r < 2 or not any(g % r == 0 for g in args.nodes)]
+        if bad_r:
+            raise ValueError(f"--replicas {bad_r}: each R must be >= 2 and divide one of the node counts "
+                             f"{args.nodes} (R = 1 is tawpipe itself)")
+        known = methods(args.micro_batches, args.prefetch_depth, args.recompute,
+                        tuple(dict.fromkeys(args.replicas)))
         names = args.methods or list(known)
         bad = [n for n in names if n not in known]
         if bad:
@@ -454,16 +503,17 @@ def main(args: argparse.Namespace) -> int:
     rate_bits = specs[0].rate_bits
     result: dict[str, Any] = {
         "benchmark": "cluster", "rate": rate, "rounds": args.rounds, "machine": provenance(),
-        "engine": {"prefetch_depth": args.prefetch_depth, "recompute": args.recompute},
+        "engine": {"prefetch_depth": args.prefetch_depth, "recompute": args.recompute, "replicas": args.replicas},
         "pin_cpus": args.pin_cpus, "shapes": [], "notes": [],
     }
     for cfg, spec in zip(cfgs, specs):
+        here = [f for f in (for_shape(m, cfg.nodes, cfg.per_node) for m in chosen) if f is not None]
         print(f"tawpipe bench cluster: {cfg.nodes} nodes x {cfg.per_node} ranks, {rate or 'unlimited'} links, "
-              f"{args.rounds} rounds of {len(chosen)} methods", flush=True)
-        raw = run_shape(cfg, chosen, spec, args.rounds, args.timeout,
+              f"{args.rounds} rounds of {len(here)} methods", flush=True)
+        raw = run_shape(cfg, here, spec, args.rounds, args.timeout,
                         log=functools.partial(print, flush=True))
         rows = [summarize(cfg, m, raw["runs"].get(m.name, []), raw["checks"].get(m.name), rate_bits,
-                          raw["failures"].get(m.name)) for m in chosen]
+                          raw["failures"].get(m.name)) for m in here]
         add_bounds(rows)
         result["shapes"].append({"config": asdict(cfg), "rows": rows, "reference_losses": raw["reference_losses"],
                                  "raw": raw["runs"]})
@@ -503,6 +553,11 @@ def _notes(result: dict[str, Any]) -> list[str]:
                  "fetched (depth N - 1, reuse); WeiPipe: lock-step (depth 1). Both: recompute "
                  f"'{e['recompute']}'" + (" (activations kept, as every peer keeps them)." if e["recompute"] == "none"
                                           else "."))
+    if any(r.get("replicas") for shape in result["shapes"] for r in shape["rows"]):
+        notes.append("'R replicas of g×p': the same engine as R pipelines of g nodes each, every one on its own "
+                     "ranks' micro-batches, and a chunk's R owners all-reduce its gradient once per step (plan "
+                     "op ALLREDUCE_G, on the rail); its prediction is its plan, the all-reduce included. Same "
+                     "update: every replica's parameters are checked against the reference, the worst reported.")
     if any(r.get("unlimited") for shape in result["shapes"] for r in shape["rows"]):
         notes.append("'links unlimited': the same method with the links' rate limit lifted for that run only, "
                      "in the same round as the others; its time is the compute-only side of the bound.")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..plan.actions import GRAD_OPS, WEIGHT_OPS, BufKind, Op, buf_kind
 from ..plan.plan import Plan
+from ..plan.topology import Topology
 from .traffic import ModelDims
 
 
@@ -60,6 +61,25 @@ def memory_per_rank(plan: Plan, dims: ModelDims) -> MemoryEstimate:
         staging=weight_bufs * chunk * dims.dtype_bytes + grad_bufs * chunk * dims.grad_bytes,
         replicated=16 * dims.replicated_numel,
         activations=boundary + working_set_bytes(dims, chunk_layers),
+    )
+
+
+def estimate_memory(dims: ModelDims, topology: Topology, *, replicas: int = 1, prefetch_depth: int = 1,
+                    mb_per_fetch: int = 1) -> MemoryEstimate:
+    """What ``memory_per_rank`` counts for a TawPipe plan without reuse, from the shapes alone:
+    for clusters whose plans are too large to build once per choice (``tawpipe plan`` advising R).
+    A rank stages w_own + d + 1 weight and d + 1 gradient buffers, plus g_recv where gradients
+    arrive from other nodes of its replica (``verify``'s bound)."""
+    n = topology.world_size // replicas
+    chunk_layers = -(-dims.layers // n)
+    chunk = chunk_layers * dims.layer_numel
+    routed = topology.nodes // replicas > 1
+    return MemoryEstimate(
+        persistent=16 * chunk,
+        staging=chunk * ((prefetch_depth + 2) * dims.dtype_bytes + (prefetch_depth + 1 + routed) * dims.grad_bytes),
+        replicated=16 * dims.replicated_numel,
+        activations=n * mb_per_fetch * dims.activation_numel * dims.dtype_bytes
+        + working_set_bytes(dims, chunk_layers),
     )
 
 

@@ -100,8 +100,7 @@ class Traffic:
             intra = max(self.total(q, kind=kind, inter=False) for q in range(self.topology.world_size))
             lines.append(f"{name:>10}: busiest rank across nodes r{r} {_fmt(v, in_bytes)}; "
                          f"most within a node by one rank {_fmt(intra, in_bytes)}")
-        nodes = ", ".join(_fmt(v, in_bytes) for v in self.per_node())
-        rails = ", ".join(_fmt(v, in_bytes) for v in self.per_rail())
+        nodes, rails = _listed(self.per_node(), in_bytes), _listed(self.per_rail(), in_bytes)
         lines.append(f"across nodes, per node: {nodes}")
         lines.append(f"across nodes, per rail (local index): {rails}")
         return "\n".join(lines)
@@ -110,40 +109,46 @@ class Traffic:
 def plan_traffic(plan: Plan) -> Traffic:
     """Attribute every byte of ``plan`` to sender, receiver, kind and scope.
 
-    A plan of replicas is counted on replica 0's lists: every hop inside a replica happens in each
-    replica, shifted; the collectives that span replicas are counted for every rank."""
+    A plan of replicas is counted on replica 0's lists: the hops inside replica 0 are repeated,
+    shifted, in every replica; the collectives that span replicas are counted for every rank."""
     topo, size, replicas = plan.topology, plan.replica_size, plan.replicas
-    nodes = topo.nodes // replicas
-    flows: dict[tuple[int, str, str, bool], float] = defaultdict(float)
-    node_slots: dict[tuple[int, int, str], float] = defaultdict(float)
+    inside: tuple[dict, dict] = (defaultdict(float), defaultdict(float))  # replica 0's (flows, node_slots)
+    across: tuple[dict, dict] = (defaultdict(float), defaultdict(float))
 
-    def hop(slot: int, src: int, dst: int, kind: str, nbytes: float, copies: int) -> None:
+    def hop(into: tuple[dict, dict], slot: int, src: int, dst: int, kind: str, nbytes: float) -> None:
+        flows, node_slots = into
         gs, gd = topo.group_of(src), topo.group_of(dst)
-        for i in range(copies):
-            off = i * size
-            flows[(src + off, "sent", kind, gs != gd)] += nbytes
-            flows[(dst + off, "received", kind, gs != gd)] += nbytes
-            if gs != gd:
-                node_slots[(slot, gs + i * nodes, "sent")] += nbytes
-                node_slots[(slot, gd + i * nodes, "received")] += nbytes
+        flows[(src, "sent", kind, gs != gd)] += nbytes
+        flows[(dst, "received", kind, gs != gd)] += nbytes
+        if gs != gd:
+            node_slots[(slot, gs, "sent")] += nbytes
+            node_slots[(slot, gd, "received")] += nbytes
 
     for acts in plan.actions[:size]:
         for a in acts:
             spec = OPS[a.op]
             if spec.transfer == "send":
-                hop(a.slot, a.rank, a.peer, spec.kind, a.bytes, replicas)
+                hop(inside, a.slot, a.rank, a.peer, spec.kind, a.bytes)
             elif spec.transfer == "collective" and a.root is None:  # an all-reduce: a ring
                 k = len(a.group)
                 if k < 2:
                     continue
-                ranks = [a.rank + i * size for i in range(replicas)] if spec.scope == "job" else [a.rank]
-                for r in ranks:
-                    i = a.group.index(r)
-                    hop(a.slot, r, a.group[(i + 1) % k], spec.kind, 2 * (k - 1) / k * a.bytes,
-                        1 if spec.scope == "job" else replicas)
+                ring = 2 * (k - 1) / k * a.bytes
+                if spec.scope == "job":
+                    for r in range(a.rank, topo.world_size, size):
+                        hop(across, a.slot, r, a.group[(a.group.index(r) + 1) % k], spec.kind, ring)
+                else:
+                    hop(inside, a.slot, a.rank, a.group[(a.group.index(a.rank) + 1) % k], spec.kind, ring)
             elif spec.transfer == "collective" and a.rank == a.root:  # a chain, counted from the root
                 for src, dst in _chain(a):
-                    hop(a.slot, src, dst, spec.kind, a.bytes, replicas)
+                    hop(inside, a.slot, src, dst, spec.kind, a.bytes)
+    flows, node_slots = across
+    nodes = topo.nodes // replicas
+    for i in range(replicas):
+        for (r, d, kind, x), v in inside[0].items():
+            flows[(r + i * size, d, kind, x)] += v
+        for (slot, g, d), v in inside[1].items():
+            node_slots[(slot, g + i * nodes, d)] += v
     return Traffic(topology=topo, flows=dict(flows), node_slots=dict(node_slots))
 
 
@@ -153,6 +158,13 @@ def _chain(a: Action) -> list[tuple[int, int]]:
     order = members[i:] + members[:i]
     links = list(zip(order, order[1:]))
     return links if a.op is Op.BCAST_W else [(d, s) for s, d in reversed(links)]
+
+
+def _listed(values: list[float], in_bytes: bool, most: int = 16) -> str:
+    """Every value, or for many of them their range."""
+    if len(values) <= most:
+        return ", ".join(_fmt(v, in_bytes) for v in values)
+    return f"{len(values)} values from {_fmt(min(values), in_bytes)} to {_fmt(max(values), in_bytes)}"
 
 
 def _fmt(v: float, in_bytes: bool) -> str:
@@ -222,19 +234,29 @@ class Estimate:
     inter_node_per_node: float  # leaving the busiest node over inter-node links
 
 
-def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: int) -> Estimate:
+def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: int, replicas: int = 1) -> Estimate:
     """Ring-model estimate for ``method`` in ddp, fsdp, hsdp, 1f1b, weipipe, tawpipe.
 
     The ring over all ranks is node-major, so it leaves each node over exactly one link. tawpipe
     and weipipe are the paper's schedules (k = 1, one fetch per use); for other options, and
-    exactly at a few micro-batches, count the plan with ``plan_traffic``.
+    exactly at a few micro-batches, count the plan with ``plan_traffic``. ``replicas`` (tawpipe):
+    R pipelines of G/R nodes, plus the ring all-reduce of each chunk's float32 gradient over its
+    R owners, which all cross nodes (design §3.5).
     """
+    if method == "tawpipe" and replicas > 1:
+        one = estimate(method, dims, Topology(topology.nodes // replicas, topology.per_node), micro_batches)
+        n, s = topology.world_size, topology.per_node
+        chunk = dims.decoder_numel / (n // replicas)
+        exchange = 2 * (replicas - 1) / replicas * chunk * 4  # per rank
+        rep_one, rep_all = _replicated_ring(dims, n // replicas), _replicated_ring(dims, n)
+        return Estimate(method, one.sent_per_rank - rep_one + rep_all + exchange,
+                        one.inter_node_per_node - (rep_one if topology.nodes > replicas else 0) + rep_all + s * exchange)
     n, G, s, acc = topology.world_size, topology.nodes, topology.per_node, micro_batches
     psi, e = dims.decoder_numel, dims.replicated_numel
     wb, gb, ab = dims.dtype_bytes, dims.grad_bytes, dims.dtype_bytes
     cross = 1.0 if G > 1 else 0.0
     ring = (n - 1) / n
-    rep = 2 * ring * e * gb  # world all-reduce of the replicated gradients, per rank
+    rep = _replicated_ring(dims, n)  # world all-reduce of the replicated gradients, per rank
     if method == "ddp":  # one all-reduce of all gradients (no_sync during accumulation)
         v = 2 * ring * (psi + e) * gb
         return Estimate(method, v, cross * v)
@@ -256,6 +278,11 @@ def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: in
         intra_rank = (s - 1) / s * acc * psi * (2 * wb + gb)
         return Estimate(method, intra_rank + inter_node / s + rep, inter_node + cross * rep)
     raise ValueError(f"unknown method {method!r}; expected one of {PEER_METHODS}")
+
+
+def _replicated_ring(dims: ModelDims, n: int) -> float:
+    """Bytes a rank sends in the ring all-reduce of the replicated gradients over ``n`` ranks."""
+    return 2 * (n - 1) / n * dims.replicated_numel * dims.grad_bytes
 
 
 PEER_METHODS = ("ddp", "fsdp", "hsdp", "1f1b", "weipipe", "tawpipe")

@@ -359,7 +359,9 @@ class TawPipe:
         self.rank = comm.rank
         comm.add_groups(self.plan.replica_groups())
         # The root backend carries the weights; every other channel has its own communicator.
-        self._comms = {ch: comm if ch is Channel.WEIGHTS else comm.channel_comm(ch) for ch in QUEUES}
+        # (the replicas' channel only where there are replicas: no idle communicator otherwise)
+        used = [ch for ch in QUEUES if ch is not Channel.REPLICAS or self.plan.replicas > 1]
+        self._comms = {ch: comm if ch is Channel.WEIGHTS else comm.channel_comm(ch) for ch in used}
 
     # ------------------------------------------------------------------ public API
 

@@ -159,7 +159,7 @@ def _join_replicas(programs: tuple[tuple[Action, ...], ...], replicas: int, owne
     out = []
     for r, acts in enumerate(programs):
         chunk = owner.index(r)
-        last = max(i for i, a in enumerate(acts) if a.op is Op.ACC_G)
+        last = next(i for i in reversed(range(len(acts))) if acts[i].op is Op.ACC_G)
         rail = tuple(r + i * size for i in range(replicas))
         start, stop = chunk_layers[chunk]
         nbytes = (stop - start) * layer_numel * 4  # the float32 accumulator
@@ -218,13 +218,16 @@ class _Events:
     """
 
     def __init__(self, phases: type[enum.IntEnum], p2p: frozenset[enum.IntEnum]) -> None:
-        self._phases, self._p2p = phases, p2p
+        self._phases, self._p2p, self._width = phases, p2p, len(phases)
         self._events: dict[tuple[int, int], list[list[tuple[Action, ...]]]] = {}
 
     def add(self, phase: enum.IntEnum, *actions: Action, order: int = 0) -> None:
         """Add one event; a slot's events run in (``order``, phase) order."""
         key = (actions[0].slot, order)
-        self._events.setdefault(key, [[] for _ in self._phases])[phase].append(actions)
+        phases = self._events.get(key)
+        if phases is None:
+            phases = self._events[key] = [[] for _ in range(self._width)]
+        phases[phase].append(actions)
 
     def project(self, n: int) -> tuple[tuple[Action, ...], ...]:
         """Each rank's actions in the global order; point-to-point pairs get their tags here: the
@@ -376,10 +379,12 @@ def _tawpipe(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str,
 def _place_weights(chunks: list[int], depth: int, reuse: bool) -> list[tuple[str, bool]]:
     """For the chunk each compute slot uses: its weight buffer, and whether it must be fetched.
 
-    There are depth + 1 buffers, and the fetch for slot t is issued at slot t - depth. The paper's
-    schedule fills them in turn and keeps a chunk only across a turnaround (F then B of the same
-    chunk). With ``reuse``, the fetch goes to a buffer no slot from t - depth on still uses (one
-    always exists: d slots use at most d buffers), evicting the chunk needed again the latest, and a
+    There are depth + 1 buffers, and the fetch for slot t is issued at slot t - depth, so it must
+    go to a buffer no slot from t - depth on still uses (one always exists: d slots use at most d
+    buffers). The paper's schedule fills them in turn and keeps a chunk only across a turnaround
+    (F then B of the same chunk); where the turn's buffer is still in use (a turnaround held it
+    one slot longer, at depth >= 2) the fetch takes the free buffer used longest ago instead. With
+    ``reuse``, the fetch goes to a free buffer evicting the chunk needed again the latest, and a
     chunk still in its buffer when it is needed again is not fetched again (design §3.2)."""
     nbuf = depth + 1
     held: list[int | None] = [None] * nbuf  # chunk in each buffer
@@ -393,11 +398,13 @@ def _place_weights(chunks: list[int], depth: int, reuse: bool) -> list[tuple[str
     for t, c in enumerate(chunks):
         if c in held and (reuse or chunks[t - 1] == c):
             b, fetched = held.index(c), False
-        elif reuse:
-            free = [b for b in range(nbuf) if last[b] < t - depth]
-            b, fetched = max(free, key=lambda b: (next_use(b, t), -b)), True
         else:
-            b, fetched = fetches % nbuf, True
+            free = [b for b in range(nbuf) if last[b] < t - depth]
+            if reuse:
+                b = max(free, key=lambda b: (next_use(b, t), -b))
+            else:
+                b = fetches % nbuf if fetches % nbuf in free else min(free, key=lambda b: (last[b], b))
+            fetched = True
         fetches += fetched
         held[b], last[b] = c, t
         where.append((weight_buf(b), fetched))

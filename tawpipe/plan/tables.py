@@ -17,7 +17,7 @@ def plan_table(plan: Plan) -> str:
 
 def _by_slot(plan: Plan) -> list[dict[int, list[Action]]]:
     per_rank: list[dict[int, list[Action]]] = []
-    for acts in plan.actions:
+    for acts in plan.actions[:plan.replica_size]:
         d: dict[int, list[Action]] = {}
         for a in acts:
             d.setdefault(a.slot, []).append(a)
@@ -30,18 +30,20 @@ def _row(cells: list[str]) -> str:
 
 
 def _tawpipe_table(plan: Plan) -> str:
-    """Columns are groups (nodes), rows are slots; the STEP slot is not drawn."""
+    """Columns are groups (nodes), rows are slots; the STEP slot is not drawn. A plan of replicas
+    shows replica 0's nodes: the others run the same, shifted."""
     topo = plan.topology
+    nodes = topo.nodes // plan.replicas
     per_rank = _by_slot(plan)
     head = ["slot"]
-    for g in range(topo.nodes):
+    for g in range(nodes):
         ranks = topo.group_ranks(g)
         listed = ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{ranks[0]}–{ranks[-1]}"
         head.append(f"group {g} ({'rank' if len(ranks) == 1 else 'ranks'} {listed})")
     lines = [_row(head), "|" + "---|" * len(head)]
     for slot in range(-1, plan.num_slots - 1):
         row = ["−1" if slot == -1 else str(slot)]
-        for g in range(topo.nodes):
+        for g in range(nodes):
             acts = [a for r in topo.group_ranks(g) for a in per_rank[r].get(slot, ())]
             row.append("; ".join(_tawpipe_cell(acts, slot, plan.micro_batches)))
         lines.append(_row(row))
@@ -79,6 +81,9 @@ def _tawpipe_cell(acts: list[Action], slot: int, acc: int) -> list[str]:
             parts.append(f"P2P G{a.chunk} r{a.rank}→r{a.peer}")
     if reduce is None:
         parts += [f"acc G{a.chunk} on r{a.rank}" for a in acts if a.op is Op.ACC_G and a.buf != G_RECV]
+    summed = [f"G{a.chunk}" for a in acts if a.op is Op.ALLREDUCE_G]
+    if summed:
+        parts.append(f"all-reduce {','.join(summed)} across replicas")
     return parts
 
 

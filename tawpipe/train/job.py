@@ -77,6 +77,7 @@ class TrainConfig:
     prefetch_depth: int | str = 1
     mb_per_fetch: int = 1
     reuse_weights: bool = False
+    replicas: int = 1
     grad_wire_dtype: str = "float32"
     seed: int = 0
     save: str | None = None
@@ -93,7 +94,7 @@ class TrainConfig:
 
 # may change on resume: they do not change what is trained
 _NOT_TRAINING = ("save", "save_every", "resume", "export", "val_every", "val_batches", "metrics", "tensorboard",
-                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "max_skipped_in_a_row")
+                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "replicas", "max_skipped_in_a_row")
 
 
 class Refused(SystemExit):
@@ -156,6 +157,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "inter-node bytes fall by k (see `tawpipe plan --memory-budget`)")
     p.add_argument("--reuse-weights", action=argparse.BooleanOptionalAction, default=d.reuse_weights,
                    help="do not fetch again a chunk still in a staging buffer")
+    p.add_argument("--replicas", type=int, default=d.replicas,
+                   help="R: the nodes form R replicas of nodes/R nodes, each a pipeline of its own; a chunk's R "
+                        "owners add their gradients once per step (see `tawpipe plan --replicas`)")
     p.add_argument("--grad-wire-dtype", choices=("float32", "compute"), default=d.grad_wire_dtype,
                    help="dtype gradients travel in; the owner accumulates in float32 either way")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial model and of the batches")
@@ -256,7 +260,7 @@ def _arg(name: str) -> str:
 def _schedule(cfg: TrainConfig) -> dict[str, Any]:
     """The schedule options, as both ``build_plan`` and the engine take them."""
     return dict(algo=cfg.algo, prefetch_depth=cfg.prefetch_depth, mb_per_fetch=cfg.mb_per_fetch,
-                reuse_weights=cfg.reuse_weights)
+                reuse_weights=cfg.reuse_weights, replicas=cfg.replicas)
 
 
 def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
@@ -264,7 +268,7 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     ImportError (one line). ``topology``: torchrun's (default: the local emulated cluster's).
     Creates the directories the job writes to, last, once everything else passed."""
     for name in ("steps", "micro_batches", "batch_size", "seq_len", "nodes", "per_node", "layers", "save_every",
-                 "val_batches", "log_every"):
+                 "val_batches", "log_every", "replicas"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ValueError(f"{_arg(name)} must be >= 1, got {value}")
@@ -286,13 +290,18 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     if cfg.tensorboard:
         check_tensorboard()
     topology = topology or Topology(cfg.nodes, cfg.per_node)
-    world = topology.world_size
+    if topology.nodes % cfg.replicas:
+        fits = [r for r in range(1, topology.nodes + 1) if topology.nodes % r == 0]
+        raise ValueError(f"--replicas {cfg.replicas} does not divide the {topology.nodes} nodes: every replica is the "
+                         f"same number of whole nodes; use one of {fits}")
+    world = topology.world_size // cfg.replicas  # ranks of one pipeline
     vocab = _vocab(cfg)
     overrides = _builtin_overrides(cfg, vocab)
     blocks, embed, head, model_vocab = models.meta_model(cfg.model, **overrides)
     if len(blocks) < world:
-        raise ValueError(f"{len(blocks)} layers for {world} ranks: every rank needs at least one layer "
-                         f"(--layers >= {world})")
+        each = f" of each of the {cfg.replicas} replicas" if cfg.replicas > 1 else ""
+        raise ValueError(f"{len(blocks)} layers for {world} ranks{each}: every rank needs at least one layer "
+                         f"(--layers >= {world}, or more --replicas)")
     try:
         plan = build_plan(topology, len(blocks), cfg.micro_batches, grad_route=cfg.grad_route, **_schedule(cfg))
     except ValueError as e:
@@ -628,7 +637,8 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
         f"vocabulary {src.vocab_size}",
         f"model: {parts.description}: {psi:,} decoder parameters + {rep:,} replicated; compute {cfg.dtype}, "
         "masters and optimizer state float32",
-        f"topology: {topo.nodes} node(s) x {topo.per_node} rank(s) = {topo.world_size} ranks, chunks of {layers} "
+        f"topology: {topo.nodes} node(s) x {topo.per_node} rank(s) = {topo.world_size} ranks"
+        f"{f' in {plan.replicas} replicas of {plan.replica_size}' if plan.replicas > 1 else ''}, chunks of {layers} "
         f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.batch_size} x {cfg.seq_len} tokens",
         f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {depth_text(plan, cfg.prefetch_depth)}, "
         f"{cfg.mb_per_fetch} micro-batch(es) per fetch, resident chunks {'reused' if cfg.reuse_weights else 'refetched'}, "
