@@ -21,7 +21,7 @@ from .commands import delegate
 from .cost.memory import Choice, MemoryEstimate, estimate_memory, fitting, memory_per_rank
 from .cost.traffic import KINDS, PEER_METHODS, ModelDims, estimate, plan_traffic
 from .plan.plan import ALGOS, GRAD_ROUTES, Plan
-from .plan.schedule import RESIDENT, build_plan, depth_text, prefetch_depth_arg
+from .plan.schedule import RESIDENT, build_plan, check_replicas, compute_actions, depth_text, prefetch_depth_arg
 from .plan.topology import Topology
 from .plan.verify import VerifyReport, verify
 
@@ -88,6 +88,7 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
         raise SystemExit(f"tawpipe plan: unrecognized arguments: {' '.join(rest)}")
     try:
         topo = Topology(args.nodes, args.per_node)
+        _check_plan_size(topo, args.micro_batches, args.replicas)
         dims, sizes = _dims_and_sizes(args)
         build = functools.partial(build_plan, topo, args.layers, args.micro_batches, algo=args.algo,
                                   grad_route=args.grad_route, replicas=args.replicas, **sizes)
@@ -141,6 +142,24 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
             plans[other] = build(algo=other)  # its own defaults: the paper's schedule
         _print_peers(args, dims, topo, plans)
     return 0
+
+
+# One pipeline's plan holds 2 x ranks^2 x micro-batches forwards and backwards (and about twice
+# as many transfers); 16 x 8 ranks at 64 micro-batches (2.1 M) takes about 2 minutes and 3.4 GB.
+MOST_COMPUTE_ACTIONS = 4_000_000
+
+
+def _check_plan_size(topo: Topology, micro_batches: int, replicas: int) -> None:
+    """Refuse, before building it, a plan too large for this machine, naming the way out."""
+    n = check_replicas(topo, replicas)
+    computes = compute_actions(topo, micro_batches, replicas)
+    if computes > MOST_COMPUTE_ACTIONS:
+        fits = [r for r in range(replicas, topo.nodes + 1)
+                if topo.nodes % r == 0 and compute_actions(topo, micro_batches, r) <= MOST_COMPUTE_ACTIONS]
+        hint = f"--replicas {fits[0]}" if fits else "fewer --micro-batches"
+        raise ValueError(f"one pipeline of {n} ranks at {micro_batches} micro-batches holds {computes:,} forwards and "
+                         f"backwards (2 x ranks^2 x micro-batches), more than the {MOST_COMPUTE_ACTIONS:,} this command "
+                         f"builds; run the nodes as replicas ({hint}) or with fewer micro-batches")
 
 
 def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..., Plan]) -> None:

@@ -128,6 +128,9 @@ def test_json_round_trips_replica_zero_only() -> None:
     assert back == plan and isinstance(back.actions, Programs)
     assert [back.actions[r] for r in range(8)] == [plan.actions[r] for r in range(8)]
     assert json.loads(plan.to_json(actions=False))["actions"] == []
+    one = build_plan(Topology(2, 2), 4, 2)  # a plan saved before replicas existed still reads
+    older = {k: v for k, v in json.loads(one.to_json()).items() if k != "replicas"} | {"format": "tawpipe-plan/2"}
+    assert Plan.from_json(json.dumps(older)) == one
 
 
 def _reference_flows(plan: Plan) -> dict:
@@ -258,3 +261,21 @@ def test_checkpoints_resume_exactly_and_reshard_to_another_replica_count(tmp_pat
     one = {n: p for r in results for n, p in r["params3_1"].items()}
     assert two.keys() == one.keys()
     assert max(((one[n] - p).norm() / p.norm()).item() for n, p in two.items()) < 1e-5
+
+
+def test_a_plan_too_large_to_build_names_the_replicas_that_fit(capsys) -> None:
+    with pytest.raises(SystemExit, match=r"134,217,728 forwards and backwards.*--replicas 8"):
+        main(["plan", "--nodes", "128", "--per-node", "8", "--layers", "1024", "--micro-batches", "64"])
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(replicas=3), r"replicas=3 does not divide the 2 nodes.*\[1, 2\]"),
+    (dict(replicas=2, comm="nccl-native"), r"replicas=2 needs comm='torch'"),
+])
+def test_the_engine_refuses_replicas_it_cannot_run_before_connecting(options, message) -> None:
+    from engine_cases import TinyLM, lm_loss
+    from tawpipe.engine.engine import TawPipe
+
+    m = TinyLM(4)
+    with pytest.raises(ValueError, match=message):
+        TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=2, **options)

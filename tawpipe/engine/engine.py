@@ -37,7 +37,7 @@ from ..ops import SUPPORTED_DTYPES
 from ..plan.actions import OPS, QUEUES, Action, BufKind, Channel, Op, buf_kind
 from ..plan.plan import Plan
 from ..plan.programs import eval_program, gather_program, setup_program
-from ..plan.schedule import build_plan
+from ..plan.schedule import build_plan, check_replicas, compute_actions
 from ..plan.topology import Topology
 from ..runtime.comm.base import P2P, Comm
 from ..runtime.executor import Executor, Messages
@@ -139,16 +139,12 @@ def _check_micro_batches(topology: Topology, micro_batches: Any, replicas: Any) 
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer (micro-batches per rank and step), "
                          f"got {micro_batches!r}")
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or topology.nodes % replicas:
-        fits = [r for r in range(1, topology.nodes + 1) if topology.nodes % r == 0]
-        raise ValueError(f"replicas must divide the {topology.nodes} nodes into replicas of whole nodes: one of "
-                         f"{fits}, got {replicas!r}")
-    n = topology.world_size // replicas
-    most = max(1, MAX_PLAN_COMPUTE_ACTIONS // (2 * n * n))
+    n = check_replicas(topology, replicas)
+    most = max(1, MAX_PLAN_COMPUTE_ACTIONS // compute_actions(topology, 1, replicas))
     if micro_batches > most:
         raise ValueError(
             f"micro_batches={micro_batches} is too large: on {n} rank(s) the plan would hold at least "
-            f"{2 * n * n * micro_batches:,} actions (2 x ranks per replica^2 x micro_batches forwards and backwards = "
+            f"{compute_actions(topology, micro_batches, replicas):,} actions (2 x ranks per replica^2 x micro_batches forwards and backwards = "
             f"2 x {n}^2 x {micro_batches}), more than the {MAX_PLAN_COMPUTE_ACTIONS:,} tawpipe builds in reasonable "
             f"time and memory; lower micro_batches to at most {most} (and put more rows into each micro-batch "
             "instead), or use more replicas"

@@ -38,9 +38,9 @@ class Op(str, enum.Enum):
     ALLREDUCE_G = "ALLREDUCE_G"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Action:
-    """One thing one rank does in one slot."""
+    """One thing one rank does in one slot (slots: a large plan holds millions)."""
 
     slot: int
     rank: int

@@ -21,6 +21,7 @@ from .topology import Topology
 ALGOS = ("tawpipe", "weipipe")
 GRAD_ROUTES = ("rail", "leader")
 _JSON_FORMAT = "tawpipe-plan/3"
+_JSON_FORMAT_ONE_REPLICA = "tawpipe-plan/2"  # before replicas: still read
 STATS_BYTES = 16  # two float64: the squared gradient norm of the own chunk, the non-finite flag
 EVAL_BYTES = 8  # one float64: a rank's validation loss sum
 
@@ -181,10 +182,10 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> "Plan":
         doc = json.loads(text)
-        if doc.get("format") != _JSON_FORMAT:
+        if doc.get("format") not in (_JSON_FORMAT, _JSON_FORMAT_ONE_REPLICA):
             raise ValueError(f"not a tawpipe plan (format {doc.get('format')!r}, expected {_JSON_FORMAT!r})")
         topo = Topology(**doc["topology"])
-        replicas = int(doc["replicas"])
+        replicas = int(doc.get("replicas", 1))
         per_rank: list[list[Action]] = [[] for _ in range(topo.world_size // replicas)]
         for d in doc["actions"]:
             a = Action.from_json(d)

@@ -133,16 +133,29 @@ def build_plan(
     )
 
 
-def _replica_topology(job: Topology, replicas: int, num_layers: int) -> Topology:
-    """The topology of one replica: G/R whole nodes (a ValueError naming the fix otherwise)."""
-    if not isinstance(job, Topology):
-        return job  # _check_args names the problem
+def check_replicas(job: Topology, replicas: object) -> int:
+    """The ranks of one replica, or a ValueError naming the replica counts that fit."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
     if job.nodes % replicas:
         fits = [r for r in range(1, job.nodes + 1) if job.nodes % r == 0]
         raise ValueError(f"replicas={replicas} does not divide the {job.nodes} nodes: every replica is the same "
                          f"number of whole nodes; pick one of {fits}")
+    return job.world_size // replicas
+
+
+def compute_actions(job: Topology, micro_batches: int, replicas: int = 1) -> int:
+    """Forwards and backwards in one replica's plan, 2 x (N/R)^2 x micro-batches: what sets the
+    time and memory it takes to build and prove (about twice as many transfers come with them)."""
+    n = job.world_size // replicas
+    return 2 * n * n * micro_batches
+
+
+def _replica_topology(job: Topology, replicas: int, num_layers: int) -> Topology:
+    """The topology of one replica: G/R whole nodes (a ValueError naming the fix otherwise)."""
+    if not isinstance(job, Topology):
+        return job  # _check_args names the problem
+    check_replicas(job, replicas)
     if replicas > 1 and num_layers < job.world_size // replicas:
         raise ValueError(f"num_layers={num_layers} < {job.world_size // replicas} ranks per replica: every rank "
                          f"owns one chunk of at least one layer; use more replicas (each of fewer nodes)")

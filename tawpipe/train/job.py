@@ -47,7 +47,7 @@ from ..io import checkpoint, safetensors
 from ..models.parts import parts_signature
 from ..ops import DTYPES
 from ..plan.plan import ALGOS, Plan
-from ..plan.schedule import build_plan, depth_text, prefetch_depth_arg
+from ..plan.schedule import build_plan, check_replicas, depth_text, prefetch_depth_arg
 from ..plan.topology import Topology
 from ..runtime.launch import JobFailed, JobStopped, init_distributed, run_local, stop_requested
 from ..runtime.timeout import default_timeout
@@ -290,11 +290,10 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     if cfg.tensorboard:
         check_tensorboard()
     topology = topology or Topology(cfg.nodes, cfg.per_node)
-    if topology.nodes % cfg.replicas:
-        fits = [r for r in range(1, topology.nodes + 1) if topology.nodes % r == 0]
-        raise ValueError(f"--replicas {cfg.replicas} does not divide the {topology.nodes} nodes: every replica is the "
-                         f"same number of whole nodes; use one of {fits}")
-    world = topology.world_size // cfg.replicas  # ranks of one pipeline
+    try:
+        world = check_replicas(topology, cfg.replicas)  # ranks of one pipeline
+    except ValueError as e:
+        raise ValueError(f"--replicas: {e}") from None
     vocab = _vocab(cfg)
     overrides = _builtin_overrides(cfg, vocab)
     blocks, embed, head, model_vocab = models.meta_model(cfg.model, **overrides)
