@@ -39,6 +39,7 @@ from ..plan.plan import Plan
 from ..plan.programs import eval_program, gather_program, setup_program
 from ..plan.schedule import build_plan, check_replicas, compute_actions
 from ..plan.topology import Topology
+from ..plan.verify import verify
 from ..runtime.comm.base import P2P, Comm
 from ..runtime.executor import Executor, Messages
 from ..runtime.timeout import default_timeout
@@ -131,6 +132,9 @@ def _check_options(topology: Topology, comm: Comm | str | None, offload: str | N
 # replica (2 x (N/R)^2 x micro_batches actions) plus the transfers: past a million of the former
 # it takes minutes and gigabytes to build (one replica's ranks' actions are built).
 MAX_PLAN_COMPUTE_ACTIONS = 1_000_000
+# Up to this many, the engine proves its plan before it connects (about 1.5 s of one core at the
+# most); beyond, it trusts the schedules' tests and ``tawpipe plan``, which proves what it prints.
+VERIFY_COMPUTE_ACTIONS = 50_000
 
 
 def _check_micro_batches(topology: Topology, micro_batches: Any, replicas: Any) -> None:
@@ -295,6 +299,8 @@ class TawPipe:
             replicated_numel=sum(p.numel() for _, p in replicated) + 1,  # + the loss sum
             replicas=replicas,
         )
+        if compute_actions(topology, micro_batches, replicas) <= VERIFY_COMPUTE_ACTIONS:
+            verify(self.plan)  # a schedule bug is a PlanError here, not a silently wrong gradient
         self._connect(comm)  # communication starts only now, after every check above passed
         self.storage = ChunkStorage(self.plan, self.rank, blocks, replicated,
                                     block_forward or _default_block_forward, names[1],
