@@ -15,6 +15,7 @@ points into a buffer being refilled.
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -99,8 +100,12 @@ class ChunkCompute:
 
     def __init__(self, storage: ChunkStorage, embed: nn.Module, head: nn.Module,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 compute_dtype: torch.dtype, recompute: str, backward_of: dict[ChunkMb, Action]) -> None:
-        self.s, self.embed, self.head, self.loss_fn = storage, embed, head, loss_fn
+                 compute_dtype: torch.dtype, recompute: str, backward_of: dict[ChunkMb, Action],
+                 head_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.s, self.embed, self.head = storage, embed, head
+        # the head and the loss in one call: the user's fused one, or loss_fn of the head's logits
+        self.head_loss = (functools.partial(head_loss, head) if head_loss is not None
+                          else lambda hidden, targets: loss_fn(head(hidden), targets))
         self.dtype, self.recompute = compute_dtype, recompute
         self.last = len(storage.plan.chunk_layers) - 1
         self._backward_of = backward_of  # (chunk, mb) -> its B action, for recompute="none"
@@ -139,7 +144,7 @@ class ChunkCompute:
         with torch.enable_grad():  # the head and the loss, whose gradients go to `rep`
             y = y.detach().requires_grad_()
             with self._autocast():
-                loss = checked_loss(self.loss_fn(self.head(y), st.targets[m]))
+                loss = checked_loss(self.head_loss(y, st.targets[m]))
             (loss.float() * st.grad_scale).backward()
         self.s.rep[-1] += loss.detach().float()
         st.dy[(pos, m)] = y.grad
@@ -180,7 +185,7 @@ class ChunkCompute:
         if pos == self.last:
             with self._autocast():
                 for h, y in zip(st.hidden, st.targets):
-                    loss = self.loss_fn(self.head(h), y)
+                    loss = self.head_loss(h, y)
                     if not (torch.is_tensor(loss) and loss.dim() == 0):
                         checked_loss(loss)  # the same message as in a step (no gradient here: not asked)
                     st.loss_sum += loss.double()

@@ -236,6 +236,8 @@ class TawPipe:
     ``replicas`` R splits the nodes into R replicas of whole nodes, each a pipeline over its N/R
     ranks; a chunk's R owners add their gradients once per step (design §3.5). The step is still
     one step on every rank's micro-batches; R > 1 needs ``comm="torch"`` (the default).
+    ``head_loss(head, hidden, targets)``, if given, replaces ``loss_fn(head(hidden), targets)``:
+    a head and loss that never hold the whole logits (``tawpipe.models.llama.chunked_head_loss``).
     """
 
     def __init__(
@@ -270,11 +272,13 @@ class TawPipe:
         materialize: Materialize | None = None,
         offload: str | None = None,
         replicas: int = 1,
+        head_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         blocks = list(blocks)
         _check_blocks(blocks)
         _check_callables(embed=embed, head=head, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                         block_forward=block_forward, block_context=block_context, materialize=materialize)
+                         block_forward=block_forward, block_context=block_context, materialize=materialize,
+                         head_loss=head_loss)
         _check_options(topology, comm, offload, timeout, names, recompute, compute_dtype, grad_wire_dtype)
         _check_micro_batches(topology, micro_batches, replicas)
         if replicas > 1 and not (comm is None or comm == "torch" or isinstance(comm, Comm)):
@@ -307,7 +311,8 @@ class TawPipe:
                                     compute_dtype, grad_wire_dtype, self.device, materialize, offload,
                                     self.timeout)
         backward_of = {(a.chunk, a.mb): a for a in self.plan.actions[self.rank] if a.op is Op.B}
-        self.compute = ChunkCompute(self.storage, embed, head, loss_fn, compute_dtype, recompute, backward_of)
+        self.compute = ChunkCompute(self.storage, embed, head, loss_fn, compute_dtype, recompute, backward_of,
+                                    head_loss)
         self.optimizer = optimizer([p for _, p in self.storage.own_params] + [p for _, p in replicated])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(

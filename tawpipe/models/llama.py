@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .loss import linear_cross_entropy
 from .parts import ModelParts
 from .seeding import draw_seed, generator, layer_part
 
@@ -331,6 +332,12 @@ def hf_config(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> Any:
 def llama_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position, computed in float32."""
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def chunked_head_loss(head: Head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``llama_loss(head(hidden), targets)`` without the [tokens, vocabulary] float32 logits
+    (``models.loss.linear_cross_entropy``): the engine's ``head_loss`` for long sequences."""
+    return linear_cross_entropy(head.norm(hidden), head.out.weight, targets)
 
 
 def num_params(model: Llama, *, exclude_embedding: bool = False) -> int:
