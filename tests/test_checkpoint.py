@@ -162,8 +162,8 @@ def test_stale_temporary_files_are_removed_at_the_next_save(saved, monkeypatch) 
 
 
 def test_a_failed_engine_is_not_saved(tmp_path) -> None:
-    eng = _engine(nonfinite="raise", loss_scale=None)
-    eng.compute.loss_fn = lambda logits, targets: lm_loss(logits, targets) * float("nan")
+    eng = _engine(nonfinite="raise", loss_scale=None,
+                  head_loss=lambda head, hidden, targets: lm_loss(head(hidden), targets) * float("nan"))
     with pytest.raises(FloatingPointError):
         _train(eng, 1)
     with pytest.raises(RuntimeError, match="state is unknown"):
