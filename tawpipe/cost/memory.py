@@ -47,21 +47,12 @@ def _working_set(s: int, b: int, h: int, a: int, layers: int, dtype_bytes: int) 
 
 def memory_per_rank(plan: Plan, dims: ModelDims) -> MemoryEstimate:
     """The busiest rank's memory for ``plan`` on a model of ``dims`` (same layers as the plan)."""
-    layer = dims.layer_numel
-    chunk_layers = max(stop - start for start, stop in plan.chunk_layers)
-    chunk = chunk_layers * layer
     programs = plan.actions[:plan.replica_size]  # every replica runs the same lists
     weight_bufs = max(len({a.buf for a in acts if a.op in WEIGHT_OPS}) for acts in programs)
     grad_bufs = max(len({a.grad_buf if a.op is Op.B else a.buf for a in acts
                          if a.op is Op.B or a.op in GRAD_OPS}) for acts in programs)
-    k = int(plan.options.get("mb_per_fetch", 1))
-    boundary = plan.replica_size * k * dims.activation_numel * dims.dtype_bytes
-    return MemoryEstimate(
-        persistent=16 * chunk,
-        staging=weight_bufs * chunk * dims.dtype_bytes + grad_bufs * chunk * dims.grad_bytes,
-        replicated=16 * dims.replicated_numel,
-        activations=boundary + working_set_bytes(dims, chunk_layers),
-    )
+    return _layout(dims, max(stop - start for start, stop in plan.chunk_layers), plan.replica_size,
+                   int(plan.options.get("mb_per_fetch", 1)), weight_bufs, grad_bufs)
 
 
 def estimate_memory(dims: ModelDims, topology: Topology, *, replicas: int = 1, prefetch_depth: int = 1,
@@ -71,15 +62,20 @@ def estimate_memory(dims: ModelDims, topology: Topology, *, replicas: int = 1, p
     A rank stages w_own + d + 1 weight and d + 1 gradient buffers, plus g_recv where gradients
     arrive from other nodes of its replica (``verify``'s bound)."""
     n = topology.world_size // replicas
-    chunk_layers = -(-dims.layers // n)
-    chunk = chunk_layers * dims.layer_numel
     routed = topology.nodes // replicas > 1
+    return _layout(dims, -(-dims.layers // n), n, mb_per_fetch, prefetch_depth + 2, prefetch_depth + 1 + routed)
+
+
+def _layout(dims: ModelDims, chunk_layers: int, chunks: int, k: int, weight_bufs: int,
+            grad_bufs: int) -> MemoryEstimate:
+    """A rank's memory with the largest chunk of ``chunk_layers`` layers, the given staging buffers
+    and the inputs of ``chunks`` chunks for ``k`` micro-batches."""
+    chunk = chunk_layers * dims.layer_numel
     return MemoryEstimate(
         persistent=16 * chunk,
-        staging=chunk * ((prefetch_depth + 2) * dims.dtype_bytes + (prefetch_depth + 1 + routed) * dims.grad_bytes),
+        staging=chunk * (weight_bufs * dims.dtype_bytes + grad_bufs * dims.grad_bytes),
         replicated=16 * dims.replicated_numel,
-        activations=n * mb_per_fetch * dims.activation_numel * dims.dtype_bytes
-        + working_set_bytes(dims, chunk_layers),
+        activations=chunks * k * dims.activation_numel * dims.dtype_bytes + working_set_bytes(dims, chunk_layers),
     )
 
 

@@ -103,7 +103,7 @@ def build_plan(
         stop = start + base + (1 if p < extra else 0)
         positions.append((start, stop))
         start = stop
-    sizes = dict(w=weight_bytes, g=grad_bytes)
+    sizes = dict(w=weight_bytes, g=grad_bytes, replica=4)  # the replicas add float32 accumulators
     options: dict[str, Any] = {
         "layer_numel": layer_numel, "weight_bytes": weight_bytes, "grad_bytes": grad_bytes,
         "replicated_numel": replicated_numel, "prefetch_depth": prefetch_depth,
@@ -125,7 +125,7 @@ def build_plan(
         events, num_slots = _weipipe(n, micro_batches, nbytes, rbytes)
     programs = events.project(n)
     if replicas > 1:
-        programs = _join_replicas(programs, replicas, owner, chunk_layers, layer_numel)
+        programs = _join_replicas(programs, replicas, owner, nbytes["replica"])
     return Plan(
         algo=algo, topology=job, num_layers=num_layers, micro_batches=micro_batches,
         chunk_layers=chunk_layers, owner=owner, num_slots=num_slots,
@@ -155,15 +155,15 @@ def _replica_topology(job: Topology, replicas: int, num_layers: int) -> Topology
     """The topology of one replica: G/R whole nodes (a ValueError naming the fix otherwise)."""
     if not isinstance(job, Topology):
         return job  # _check_args names the problem
-    check_replicas(job, replicas)
-    if replicas > 1 and num_layers < job.world_size // replicas:
-        raise ValueError(f"num_layers={num_layers} < {job.world_size // replicas} ranks per replica: every rank "
+    size = check_replicas(job, replicas)
+    if replicas > 1 and num_layers < size:
+        raise ValueError(f"num_layers={num_layers} < {size} ranks per replica: every rank "
                          f"owns one chunk of at least one layer; use more replicas (each of fewer nodes)")
     return Topology(job.nodes // replicas, job.per_node)
 
 
 def _join_replicas(programs: tuple[tuple[Action, ...], ...], replicas: int, owner: tuple[int, ...],
-                   chunk_layers: tuple[tuple[int, int], ...], layer_numel: int) -> tuple[tuple[Action, ...], ...]:
+                   replica_bytes: list[int]) -> tuple[tuple[Action, ...], ...]:
     """Replica 0's lists in a job of ``replicas`` replicas: the all-reduces that span every rank
     span the job's ranks, and each owner adds its chunk's gradient with the other replicas' owners
     right after the last write of its accumulator (``ALLREDUCE_G``, on its own channel)."""
@@ -174,9 +174,7 @@ def _join_replicas(programs: tuple[tuple[Action, ...], ...], replicas: int, owne
         chunk = owner.index(r)
         last = next(i for i in reversed(range(len(acts))) if acts[i].op is Op.ACC_G)
         rail = tuple(r + i * size for i in range(replicas))
-        start, stop = chunk_layers[chunk]
-        nbytes = (stop - start) * layer_numel * 4  # the float32 accumulator
-        exchange = Action(acts[last].slot, r, Op.ALLREDUCE_G, chunk=chunk, group=rail, bytes=nbytes)
+        exchange = Action(acts[last].slot, r, Op.ALLREDUCE_G, chunk=chunk, group=rail, bytes=replica_bytes[chunk])
         joined = [dataclasses.replace(a, group=everyone) if OPS[a.op].scope == "job" else a for a in acts]
         joined.insert(last + 1, exchange)
         out.append(tuple(joined))
