@@ -15,9 +15,15 @@ rendezvous listens on node 0's veth address, so ``Topology.from_env()`` and
 ``tawpipe.runtime.launch.init_distributed()`` work unchanged inside. Workers die with the launcher
 (PR_SET_PDEATHSIG, plus a process-group kill), and every wait has a timeout.
 
-Needs root and iproute2 (``ip``, ``tc``). Addresses are private (``SUBNET``.0/24) and exist only
-inside the namespaces created here. Every name starts with ``tpc<launcher pid>x<n>-``, so a
-launcher that was killed outright leaves names that ``tawpipe cluster down`` recognises and removes.
+Compute is fixed by default: each rank runs in a cgroup of its own whose CPU quota is its share of
+the machine (``cpus_per_rank``, e.g. 2 cores / 4 ranks = 0.5 core), so time a rank spends waiting
+for a message is lost, as a GPU's is, instead of going to the other ranks on its core. The shared
+mode (``compute="shared"``) lets ranks borrow each other's idle cores: waiting looks free there.
+
+Needs root and iproute2 (``ip``, ``tc``), and for fixed compute the cgroup cpu controller (v1 or
+v2). Addresses are private (``SUBNET``.0/24) and exist only inside the namespaces created here.
+Every name (namespaces, cgroups) starts with ``tpc<launcher pid>x<n>``, so a launcher that was
+killed outright leaves names that ``tawpipe cluster down`` recognises and removes.
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ NODE_LINK = "tplink"  # the node's end of its veth, the same name in every node 
 LINK_ENV = "TAWPIPE_CLUSTER_LINK"  # set for workers: the interface whose counters are inter-node
 COMMAND_TIMEOUT = 30.0  # seconds for one ip/tc invocation
 _NAME = re.compile(rf"^{PREFIX}(\d+)x(\d+)-(br|n\d+)$")
+_RUN = re.compile(rf"^{PREFIX}(\d+)x(\d+)$")
+CGROUP_ROOTS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct", "/sys/fs/cgroup")  # v1 mounts, then v2
+CPU_PERIOD_US = 10_000  # short, so a rank over its quota waits at most a few ms, not half of 100 ms
+THREADS_ENV = "TAWPIPE_CLUSTER_THREADS"  # set for workers: torch's thread count to match the quota
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$", re.IGNORECASE)
 _RATE_SCALE = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _runs = count()
@@ -74,8 +84,9 @@ def parse_rate(rate: str) -> int:
     return int(float(m.group(1)) * _RATE_SCALE[m.group(2).lower()])
 
 
-def unavailable_reason() -> str | None:
-    """Why the emulated cluster cannot run here, or None when it can."""
+def unavailable_reason(spec: "ClusterSpec | None" = None) -> str | None:
+    """Why the emulated cluster (``spec``'s, when given: fixed compute needs a cgroup cpu
+    controller too) cannot run here, or None when it can."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return (f"the emulated cluster needs iproute2's {' and '.join(missing)}, not found on PATH: "
@@ -88,6 +99,11 @@ def unavailable_reason() -> str | None:
         return (f"the emulated cluster needs {' and '.join(lacking)} (network namespaces, veth links, tc); "
                 "this process is root without them in its effective set (a container started without "
                 "--cap-add NET_ADMIN --cap-add SYS_ADMIN or --privileged?)")
+    if spec is not None and spec.compute == "fixed" and cpu_controller() is None:
+        return ("fixed compute (a CPU quota per rank) needs the cgroup cpu controller, cgroup v1's 'cpu' "
+                f"hierarchy or v2 with 'cpu' in cgroup.controllers, under one of {list(CGROUP_ROOTS)}; none "
+                "found: mount it, or run with --compute shared (ranks then lend each other their idle cores, "
+                "so waiting looks free)")
     return None
 
 
@@ -120,6 +136,10 @@ class ClusterSpec:
     # each rank on one core, round-robin over the cores this process may use: ranks sharing a core
     # share it evenly, but a rank's helper threads can no longer use an idle core
     pin_cpus: bool = False
+    # "fixed": each rank in a cgroup with ``cpus_per_rank`` cores of quota (default: this process's
+    # cores / ranks), so a waiting rank's compute is lost as on a GPU; "shared": no quota
+    compute: str = "fixed"
+    cpus_per_rank: float | None = None
     run_id: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}x{next(_runs)}")
 
     def __post_init__(self) -> None:
@@ -131,6 +151,13 @@ class ClusterSpec:
             raise ValueError(f"at most 250 nodes fit the cluster's /24 subnet, got {self.nodes}")
         if self.rate is not None:
             parse_rate(self.rate)
+        if self.compute not in ("fixed", "shared"):
+            raise ValueError(f"compute must be 'fixed' (a CPU quota per rank) or 'shared', got {self.compute!r}")
+        if self.cpus_per_rank is not None:
+            if self.compute == "shared":
+                raise ValueError("cpus-per-rank sets the quota of fixed compute; leave it out with compute 'shared'")
+            if not 0.01 <= self.cpus_per_rank <= os.cpu_count():
+                raise ValueError(f"cpus-per-rank must lie in 0.01..{os.cpu_count()} (cores), got {self.cpus_per_rank!r}")
         if _NAME.match(f"{self.run_id}-br") is None:
             raise ValueError(f"run id {self.run_id!r} must look like '{PREFIX}<pid>x<n>'")
 
@@ -162,6 +189,21 @@ class ClusterSpec:
     @staticmethod
     def address(g: int) -> str:
         return f"{SUBNET}.{g + 1}"
+
+    @property
+    def rank_cpus(self) -> float | None:
+        """Cores of quota per rank under fixed compute (None: shared)."""
+        if self.compute == "shared":
+            return None
+        if self.cpus_per_rank is not None:
+            return self.cpus_per_rank
+        return len(os.sched_getaffinity(0)) / self.world_size
+
+    @property
+    def threads(self) -> int:
+        """torch threads per rank: the quota's whole cores (at least one); 1 when shared."""
+        cpus = self.rank_cpus
+        return max(1, int(cpus + 1e-9)) if cpus is not None else 1
 
     def node_of(self, rank: int) -> int:
         if not 0 <= rank < self.world_size:
@@ -196,6 +238,104 @@ def _shaper(ns: str, dev: str, spec: ClusterSpec) -> list[list[str]]:
         [*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
          "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:10"],
     ]
+
+
+def cpu_controller(roots: Sequence[str] = CGROUP_ROOTS) -> tuple[str, int] | None:
+    """(directory, cgroup version) of the first cpu controller under ``roots`` that root may use."""
+    for root in roots:
+        if os.path.exists(os.path.join(root, "cpu.cfs_quota_us")):
+            return root, 1
+        controllers = os.path.join(root, "cgroup.controllers")
+        if os.path.exists(controllers):
+            with open(controllers) as f:
+                if "cpu" in f.read().split():
+                    return root, 2
+    return None
+
+
+class CpuQuota:
+    """One cgroup per rank, ``<root>/<run id>/r<rank>``, limited to ``spec.rank_cpus`` cores.
+
+    A rank's processes join its cgroup before they exec (``join``), so everything the rank runs,
+    gloo's threads included, shares the quota, as a GPU's compute and its copy engines share one
+    device's time."""
+
+    def __init__(self, spec: ClusterSpec, controller: tuple[str, int]) -> None:
+        self.spec = spec
+        self.root, self.version = controller
+        self.base = os.path.join(self.root, spec.run_id)
+
+    def path(self, rank: int) -> str:
+        return os.path.join(self.base, f"r{rank}")
+
+    def create(self) -> None:
+        quota = max(1000, round(self.spec.rank_cpus * CPU_PERIOD_US))  # the kernel's minimum is 1 ms
+        os.mkdir(self.base)
+        if self.version == 2:  # children may only use controllers their parent hands down
+            _write(os.path.join(self.root, "cgroup.subtree_control"), "+cpu")
+            _write(os.path.join(self.base, "cgroup.subtree_control"), "+cpu")
+        for rank in range(self.spec.world_size):
+            os.mkdir(self.path(rank))
+            if self.version == 1:
+                _write(os.path.join(self.path(rank), "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+                _write(os.path.join(self.path(rank), "cpu.cfs_quota_us"), str(quota))
+            else:
+                _write(os.path.join(self.path(rank), "cpu.max"), f"{quota} {CPU_PERIOD_US}")
+
+    def procs_file(self, rank: int) -> str:
+        """The file a process writes its pid to, to join ``rank``'s cgroup."""
+        return os.path.join(self.path(rank), "cgroup.procs")
+
+    def remove(self) -> list[str]:
+        """Delete the cgroups (their processes must be gone); returns the errors met."""
+        return remove_cgroups([self.base])
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def remove_cgroups(bases: Sequence[str]) -> list[str]:
+    """Delete each run's cgroup directory and the rank cgroups in it, killing what is left inside."""
+    errors = []
+    for base in bases:
+        if not os.path.isdir(base):
+            continue
+        children = [os.path.join(base, d) for d in sorted(os.listdir(base)) if os.path.isdir(os.path.join(base, d))]
+        for cg in [*children, base]:
+            for attempt in range(50):  # a killed process leaves its cgroup a moment after SIGKILL
+                try:
+                    os.rmdir(cg)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if attempt == 0:
+                        _kill_cgroup(cg)
+                    if attempt == 49:
+                        errors.append(f"rmdir {cg}: {e.strerror}")
+                    time.sleep(0.1)
+    return errors
+
+
+def _kill_cgroup(cg: str) -> None:
+    with contextlib.suppress(OSError), open(os.path.join(cg, "cgroup.procs")) as f:
+        for pid in f.read().split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def stale_cgroups(alive: Callable[[int], bool], everything: bool = False,
+                  controller: tuple[str, int] | None = None) -> list[str]:
+    """This module's run cgroups whose launcher is no longer alive (all of them with ``everything``)."""
+    controller = controller or cpu_controller()
+    if controller is None:
+        return []
+    root = controller[0]
+    return [os.path.join(root, d) for d in sorted(os.listdir(root))
+            if (m := _RUN.match(d)) and os.path.isdir(os.path.join(root, d))
+            and (everything or not alive(int(m.group(1))))]
 
 
 def setup_commands(spec: ClusterSpec) -> list[list[str]]:
@@ -313,6 +453,13 @@ class LinkBytes:
         return max(self.tx, self.rx)
 
 
+def describe_compute(spec: ClusterSpec) -> str:
+    """How the ranks' compute is set, in words."""
+    if spec.compute == "shared":
+        return f"compute shared (ranks borrow idle cores; {spec.threads} thread(s) each)"
+    return f"compute fixed at {spec.rank_cpus:.2f} core(s) per rank ({spec.threads} thread(s) each)"
+
+
 def network_floor(per_node: Sequence[LinkBytes], rate_bits: float) -> float:
     """Seconds the busiest link direction needs at ``rate_bits``: no schedule can be faster."""
     return max(b.busiest_direction for b in per_node) * 8 / rate_bits
@@ -338,8 +485,10 @@ def worker_env(spec: ClusterSpec, rank: int, port: int, base: dict[str, str] | N
         ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(spec.world_size),
         MASTER_ADDR=spec.address(0), MASTER_PORT=str(port),
         GLOO_SOCKET_IFNAME=NODE_LINK, **{LINK_ENV: NODE_LINK},
-        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
     )
+    # fixed compute: as many threads as the quota has whole cores; shared: the caller's choice, or 1
+    threads = str(spec.threads) if spec.compute == "fixed" else env.get("OMP_NUM_THREADS", "1")
+    env.update(OMP_NUM_THREADS=threads, **{THREADS_ENV: threads})
     return env
 
 
@@ -351,10 +500,13 @@ def worker_command(spec: ClusterSpec, rank: int, argv: Sequence[str]) -> list[st
 _BOOT = "import sys; from tawpipe.cluster import _worker_main; sys.exit(_worker_main(sys.argv[1], int(sys.argv[2])))"
 
 
-def _prepare_worker(parent: int, cpus: set[int] | None) -> Callable[[], None]:
-    """A preexec_fn: PR_SET_PDEATHSIG and the CPU affinity survive the exec of ip and python."""
+def _prepare_worker(parent: int, cpus: set[int] | None, cgroup_procs: str | None = None) -> Callable[[], None]:
+    """A preexec_fn: PR_SET_PDEATHSIG, the CPU affinity and the rank's cgroup (its CPU quota)
+    survive the exec of ip and python."""
 
     def prepare() -> None:
+        if cgroup_procs is not None:
+            _write(cgroup_procs, str(os.getpid()))
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
         die_with_parent(parent)
@@ -385,6 +537,7 @@ class Cluster:
         self._old_handlers: dict[int, Any] = {}
         self._signalled: int | None = None
         self._up = False
+        self._quota: CpuQuota | None = None
 
     def __enter__(self) -> "Cluster":
         self.up()
@@ -394,13 +547,19 @@ class Cluster:
         self.down()
 
     def up(self) -> None:
-        reason = unavailable_reason()
+        reason = unavailable_reason(self.spec)
         if reason:
             raise ClusterUnavailable(reason)
         self._signalled = None
         self._install_signal_handlers()
         self._up = True
         try:
+            if self.spec.compute == "fixed":
+                self._quota = CpuQuota(self.spec, cpu_controller())
+                try:
+                    self._quota.create()
+                except OSError as e:
+                    raise ClusterError(f"could not create the cgroup {e.filename}: {e.strerror}") from None
             for cmd in setup_commands(self.spec):
                 _ip(cmd)
         except BaseException as e:
@@ -417,6 +576,9 @@ class Cluster:
         if self._up:
             existing = list_namespaces()
             errors = remove_namespaces([ns for ns in self.spec.namespaces if ns in existing])
+            if self._quota is not None:
+                errors += self._quota.remove()
+                self._quota = None
             self._up = False
             if errors:
                 print("tawpipe cluster: teardown problems (run 'tawpipe cluster down'):\n  "
@@ -472,7 +634,9 @@ class Cluster:
                 self._procs.append(subprocess.Popen(
                     worker_command(self.spec, rank, rank_argv), env=worker_env(self.spec, rank, self._port, env_base),
                     stdout=log, stderr=subprocess.STDOUT if log else None, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=_prepare_worker(os.getpid(), worker_cpus(self.spec, rank)),
+                    start_new_session=True,
+                    preexec_fn=_prepare_worker(os.getpid(), worker_cpus(self.spec, rank),
+                                               self._quota.procs_file(rank) if self._quota else None),
                 ))
             try:
                 codes = self._wait(timeout, tmp)
@@ -572,7 +736,7 @@ def _worker_main(task_path: str, rank: int) -> int:
 
         from .runtime.launch import init_distributed
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
         init_distributed(timeout=outer["timeout"])
         try:
             value = task["fn"](rank, *task["args"])
@@ -594,13 +758,25 @@ def _worker_main(task_path: str, rank: int) -> int:
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
-    """The link options of every command that builds a cluster: ``ClusterSpec``'s rate (None for
-    'none'), queue and pinning."""
+    """The options of every command that builds a cluster: ``ClusterSpec``'s rate (None for
+    'none'), queue, pinning and compute (see :func:`spec_from_args`)."""
     p.add_argument("--rate", default="100mbit", type=lambda v: None if v.lower() == "none" else v,
                    help="link rate per direction, tc syntax; 'none': no limit")
     p.add_argument("--queue-ms", type=int, default=400, help="bulk queue length in ms (acknowledgements bypass it)")
     p.add_argument("--pin-cpus", action="store_true",
                    help="pin each rank to one core, round-robin (default: the kernel places them)")
+    p.add_argument("--compute", choices=("fixed", "shared"), default="fixed",
+                   help="fixed (default): each rank gets a CPU quota of its own (a cgroup), so time it spends "
+                        "waiting is lost as on a GPU; shared: ranks lend each other idle cores, and waiting "
+                        "looks nearly free")
+    p.add_argument("--cpus-per-rank", type=float, default=None, metavar="CORES",
+                   help="fixed compute: cores of quota per rank (default: this machine's cores / ranks)")
+
+
+def spec_from_args(args: argparse.Namespace, nodes: int, per_node: int) -> ClusterSpec:
+    """The cluster of ``nodes`` x ``per_node`` that the options of :func:`add_link_arguments` ask for."""
+    return ClusterSpec(nodes, per_node, args.rate, args.queue_ms, pin_cpus=args.pin_cpus, compute=args.compute,
+                       cpus_per_rank=args.cpus_per_rank)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -635,23 +811,25 @@ def main(args: argparse.Namespace) -> int:
     if args.action == "down":
         names = stale_namespaces(list_namespaces(), _pid_alive, everything=args.all)
         errors = remove_namespaces(names)
-        print(f"tawpipe cluster down: removed {len(names) - len(errors)} namespace(s)"
-              + "".join(f"\n  {e}" for e in errors))
-        return 1 if errors else 0
+        cgroups = stale_cgroups(_pid_alive, everything=args.all)
+        cg_errors = remove_cgroups(cgroups)
+        print(f"tawpipe cluster down: removed {len(names) - len(errors)} namespace(s) and "
+              f"{len(cgroups) - len(cg_errors)} cgroup(s)" + "".join(f"\n  {e}" for e in errors + cg_errors))
+        return 1 if errors or cg_errors else 0
     target = [a for a in args.target if a != "--"] if args.target[:1] == ["--"] else list(args.target)
     if not target:
         raise SystemExit("tawpipe cluster run: nothing to run; give '-- module:function' or '-- command'")
     try:
-        spec = ClusterSpec(args.nodes, args.per_node, args.rate, args.queue_ms, pin_cpus=args.pin_cpus)
+        spec = spec_from_args(args, args.nodes, args.per_node)
     except ValueError as e:
         raise SystemExit(f"tawpipe cluster run: {e}") from None
     fn = _resolve(target)
-    reason = unavailable_reason()
+    reason = unavailable_reason(spec)
     if reason:
         raise SystemExit(f"tawpipe cluster run: {reason}")
     with Cluster(spec) as c:
         print(f"tawpipe cluster: {spec.nodes} nodes x {spec.per_node} ranks, links {spec.rate or 'unlimited'} "
-              f"each way, namespaces {spec.run_id}-*", flush=True)
+              f"each way, {describe_compute(spec)}, namespaces {spec.run_id}-*", flush=True)
         before = c.link_bytes()
         t0 = time.perf_counter()
         results = c.run(fn, *target[1:], timeout=args.timeout, quiet=False) if fn else \

@@ -30,8 +30,8 @@ def pytest_configure(config) -> None:
         return
 
     @functools.wraps(real)
-    def unavailable_reason() -> str | None:
-        reason = real()
+    def unavailable_reason(spec=None) -> str | None:
+        reason = real(spec)
         return NOT_ASKED if reason is None and not netns_asked() else reason
 
     unavailable_reason._asks_first = True

@@ -4,6 +4,8 @@ The reference here is written out directly (model, data windows, one optimizer s
 nothing with tawpipe.bench.baselines but the model and data modules. Plain SGD makes the update
 proportional to the gradient, so a wrong loss scale, a missing or doubled micro-batch, or a
 gradient reduced over the wrong ranks all show; one AdamW run covers the bench's optimizer.
+The reference always takes the plain loss of the whole logits, also where the methods compute
+the head's loss in chunks (``RunConfig.loss="chunked"``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ TINY = RunConfig(nodes=2, per_node=2, hidden=32, heads=4, layers=4, seq_len=16, 
 def _reference(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of two steps and the first update, by plain training on all ranks' windows."""
     torch.manual_seed(cfg.seed)
-    model = Llama(LlamaConfig(vocab_size=256, hidden=cfg.hidden, n_layers=cfg.layers, n_heads=cfg.heads,
+    model = Llama(LlamaConfig(vocab_size=cfg.vocab, hidden=cfg.hidden, n_layers=cfg.layers, n_heads=cfg.heads,
                               n_kv_heads=cfg.heads, max_seq_len=cfg.seq_len, tie_embeddings=False))
     if cfg.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
@@ -76,11 +78,9 @@ def _assert_update(name: str, after: torch.Tensor, init: torch.Tensor, expected:
     assert err <= 1e-5 * expected.norm() + ulp.norm(), f"{name}: {err:.3g} vs update norm {expected.norm():.3g}"
 
 
-@pytest.mark.parametrize("method, shape", [("ddp", (2, 2)), ("fsdp", (2, 2)), ("fsdp-mm", (2, 2)),
-                                           ("hsdp", (2, 2)), ("1f1b", (3, 1))])
-def test_same_update_as_single_process(method, shape, tmp_path):
-    # 1F1B on 3 stages of 4 layers: uneven stages (2, 1, 1)
-    cfg = dataclasses.replace(TINY, nodes=shape[0], per_node=shape[1])
+def _assert_same_update(method: str, cfg: RunConfig, tmp_path) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """``method`` computes the reference's losses and first update; its records and the initial
+    parameters."""
     ref_losses, ref_update = _reference(cfg)
     losses, params, records = _run(method, cfg, tmp_path)
     torch.manual_seed(cfg.seed)
@@ -89,6 +89,15 @@ def test_same_update_as_single_process(method, shape, tmp_path):
     for name, delta in ref_update.items():
         _assert_update(name, params[name], init[name].detach(), delta)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
+    return records, init
+
+
+@pytest.mark.parametrize("method, shape", [("ddp", (2, 2)), ("fsdp", (2, 2)), ("fsdp-mm", (2, 2)),
+                                           ("fsdp-node", (2, 2)), ("hsdp", (2, 2)), ("1f1b", (3, 1))])
+def test_same_update_as_single_process(method, shape, tmp_path):
+    # 1F1B on 3 stages of 4 layers: uneven stages (2, 1, 1)
+    cfg = dataclasses.replace(TINY, nodes=shape[0], per_node=shape[1])
+    records, init = _assert_same_update(method, cfg, tmp_path)
     for r in records:
         assert len(r["step_seconds"]) == cfg.steps and r["peak_rss_bytes"] > 0
         assert r["link_bytes"] is None  # not on an emulated cluster
@@ -97,12 +106,37 @@ def test_same_update_as_single_process(method, shape, tmp_path):
     held = [r["persistent_bytes"] for r in records]
     if method == "ddp":
         assert held == [full] * cfg.world_size
-    elif method in ("fsdp", "fsdp-mm"):
+    elif method in ("fsdp", "fsdp-mm", "fsdp-node"):
         assert sum(held) == pytest.approx(full, rel=0.02)  # shards (dim 0 padded to world size)
     elif method == "hsdp":
         assert sum(held) == pytest.approx(cfg.nodes * full, rel=0.02)  # one sharded copy per node
     else:
         assert sum(held) == full  # each stage its own layers
+
+
+@pytest.mark.parametrize("method, shape", [("ddp", (2, 2)), ("fsdp-node", (2, 2)), ("1f1b", (3, 1))])
+def test_chunked_loss_and_a_larger_vocabulary_give_the_same_update(method, shape, tmp_path):
+    # FSDP2 keeps the head's weight unsharded only inside the root's forward, and 1F1B's loss is
+    # the last stage's head: both must see the gradient of the chunked loss.
+    cfg = dataclasses.replace(TINY, nodes=shape[0], per_node=shape[1], vocab=512, loss="chunked")
+    _assert_same_update(method, cfg, tmp_path)
+
+
+@pytest.mark.parametrize("loss, fused", [("plain", False), ("chunked", True)])
+def test_the_loss_option_picks_the_heads_loss(loss, fused):
+    # The chunked loss is exact, so only how it is computed tells it from the plain one: its
+    # gradient comes from linear_cross_entropy's own autograd function, not through the logits.
+    cfg = dataclasses.replace(TINY, nodes=3, per_node=1, vocab=300, loss=loss)
+    torch.manual_seed(cfg.seed)
+    model = Llama(cfg.model_config())
+    x, y = torch.randint(0, 256, (2, cfg.seq_len)), torch.randint(0, 300, (2, cfg.seq_len))
+    expected = F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+    first, middle, last = (baselines._Stage(model, cfg, s, 3) for s in range(3))
+    hidden = last(middle(first(x)))  # 1F1B's last stage sends out its hidden state
+    assert hidden.shape == (2, cfg.seq_len, cfg.hidden)
+    for value in (baselines._Stage(model, cfg)(x, y), last.loss(hidden, y)):  # DDP/FSDP2's whole model, 1F1B
+        assert value.item() == pytest.approx(expected, rel=1e-5)
+        assert ("LinearCrossEntropy" in type(value.grad_fn).__name__) == fused
 
 
 def test_adamw_matches_the_bench_optimizer(tmp_path):
@@ -129,7 +163,9 @@ def test_stage_layers_cover_the_model_in_order(layers, stages):
 
 
 @pytest.mark.parametrize("kw, what", [(dict(layers=3), "at least as many layers"), (dict(hidden=30), "heads"),
-                                      (dict(optimizer="adam"), "optimizer"), (dict(steps=0), "steps")])
+                                      (dict(optimizer="adam"), "optimizer"), (dict(steps=0), "steps"),
+                                      (dict(vocab=255), "vocab must be an integer >= 256"),
+                                      (dict(vocab=512.0), "vocab"), (dict(loss="fused"), "loss must be one of")])
 def test_config_rejects_bad_input(kw, what):
     with pytest.raises(ValueError, match=what):
         dataclasses.replace(TINY, **kw)

@@ -241,6 +241,32 @@ def test_fsdp_prediction_counts_gloo_reduce_scatter_as_all_reduce():
     assert psi + e == 6_557_952
 
 
+def test_fsdp_node_prediction_gathers_the_blocks_across_nodes_only_in_forward():
+    cfg = RunConfig(nodes=2, per_node=2, micro_batches=3)
+    dims = bench._dims(cfg)
+    ring, psi, e = 3 / 4, dims.decoder_numel, dims.replicated_numel
+    # forward: blocks and root over all ranks; backward: the blocks from the node; one all-reduce
+    node = bench.predicted_busiest("fsdp-node", cfg)
+    assert node == pytest.approx((3 * ring * (psi + e) + 2 * ring * (psi + e)) * 4)
+    # one rank per node keeps the whole blocks after forward: no backward gather either
+    assert bench.predicted_busiest("fsdp-node", dataclasses.replace(cfg, nodes=4, per_node=1)) == pytest.approx(node)
+    assert bench.predicted_busiest("fsdp", cfg) - node == pytest.approx(3 * ring * psi * 4)
+    assert bench.predicted_busiest("fsdp-node", dataclasses.replace(cfg, nodes=1, per_node=4)) == 0.0
+    assert list(bench.methods(2))[-6:] == ["fsdp", "fsdp-mm", "fsdp-node", "hsdp", "ddp", "1f1b"]
+
+
+def test_a_larger_vocabulary_is_in_the_predictions_and_the_engines_loss(monkeypatch):
+    from tawpipe.bench import baselines
+    from tawpipe.models.llama import Llama, chunked_head_loss
+
+    cfg = RunConfig(vocab=1024, loss="chunked")
+    dims = bench._dims(cfg)
+    assert dims.decoder_numel + dims.replicated_numel == sum(p.numel() for p in Llama(cfg.model_config()).parameters())
+    monkeypatch.setattr(bench, "TawPipe", lambda *args, **kw: kw)
+    model = baselines.build_model(cfg)
+    assert bench.build_engine(model, cfg, cfg.topology, torch.device("cpu"))["head_loss"] is chunked_head_loss
+
+
 def test_bound_pairs_each_method_with_its_unlimited_run():
     taw = bench.methods(2)["tawpipe"]
     free = bench.compute_only(taw)
@@ -261,6 +287,44 @@ def test_crossover_is_where_1f1b_bytes_reach_tawpipes():
     cfg = RunConfig()
     s_star = bench.crossover_seq(cfg, 64e6)
     assert bench.predicted_busiest("1f1b", RunConfig(seq_len=round(s_star))) == pytest.approx(64e6, rel=1e-3)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_a_preset_fills_what_the_command_line_leaves_at_its_default():
+    a = _parse("--rate", "5mbit", "--preset", "long", "--rounds", "1")
+    assert (a.rate, a.rounds, a.cpus_per_rank, a.seq_len, a.layers_per_rank) == ("5mbit", 1, 0.3, [4096], 1)
+    assert a.compute_only == ["tawpipe-best"] and "fsdp-node" in a.methods and a.nodes == [2, 3]
+    b = _parse("--preset", "sweep")
+    assert b.nodes == [2] and len(b.seq_len) >= 4 and b.rate == "14mbit"
+    assert _parse().preset is None and _parse().seq_len == [RunConfig().seq_len]
+
+
+def _sweep_shape(seq: int, taw: float, one_f_one_b: float) -> dict:
+    cfg = RunConfig(hidden=128, heads=4, layers=4, seq_len=seq)
+    row = dict(status="ok", peak_rss_bytes_max=2**20, predicted_busiest_bytes=3.2e6)
+    return {"config": dataclasses.asdict(cfg),
+            "rows": [dict(row, method="tawpipe-best", label="best", time_median_s=taw),
+                     dict(row, method="1f1b", label="1F1B", time_median_s=one_f_one_b, predicted_busiest_bytes=None)]}
+
+
+def test_the_measured_crossover_is_where_the_time_ratio_crosses_one():
+    # ratio 2 at S = 512, 0.5 at S = 2048: 1 at 1024 in log S
+    result = {"shapes": [_sweep_shape(256, 4.0, 1.0), _sweep_shape(512, 2.0, 1.0), _sweep_shape(2048, 2.0, 4.0)]}
+    (c,) = bench.sweep_crossovers(result)
+    assert c["measured_seq"] == pytest.approx(1024.0)
+    cfg = RunConfig(hidden=128, heads=4, layers=4, seq_len=256)
+    assert c["predicted_seq"] == pytest.approx(bench.crossover_seq(cfg, 3.2e6))
+    assert c["measured_over_predicted"] == pytest.approx(1024.0 / c["predicted_seq"])
+    result["crossovers"] = [c]
+    text = "\n".join(bench._sweep_markdown(result))
+    assert "| 512 | 2.00 | 1.00 | 2.00 |" in text and "S = 1,024 (measured" in text
+    never = {"shapes": [_sweep_shape(256, 2.0, 1.0), _sweep_shape(512, 1.5, 1.0)]}
+    assert bench.sweep_crossovers(never)[0]["measured_seq"] is None
 
 
 class _Runs:
@@ -316,7 +380,8 @@ def test_comm_plot_titles_tell_the_emulated_link_from_loopback(monkeypatch):
 # -------------------------------------------------------------------------- on a real cluster
 
 # root, iproute2, CAP_NET_ADMIN, and TAWPIPE_NETNS_TESTS=1: they change the host's network (conftest.py)
-needs_netns = pytest.mark.skipif(cl.unavailable_reason() is not None, reason=str(cl.unavailable_reason()))
+needs_netns = pytest.mark.skipif(cl.unavailable_reason(ClusterSpec(1, 1)) is not None,
+                                 reason=str(cl.unavailable_reason(ClusterSpec(1, 1))))
 M = 2_000_000  # bytes per probe message
 # What the veth counts besides payload, at worst: one Ethernet + IP + TCP (timestamps) header per
 # MSS-sized segment. Segments are larger when GSO coalesces them, so the overhead varies from
@@ -459,8 +524,11 @@ def test_killed_launcher_leaves_no_workers_and_down_cleans():
             time.sleep(0.1)
         assert not any(os.path.exists(f"/proc/{p}") for p in workers), "workers outlived their launcher"
         assert [ns for ns in cl.list_namespaces() if ns.startswith(prefix)], "expected leftovers to clean"
+        cgroups = cl.cpu_controller()[0]
+        assert [d for d in os.listdir(cgroups) if d.startswith(prefix)], "expected the ranks' cgroups left"
         assert cl.main(argparse.Namespace(action="down", all=False)) == 0
         assert not [ns for ns in cl.list_namespaces() if ns.startswith(prefix)]
+        assert not [d for d in os.listdir(cgroups) if d.startswith(prefix)], "down left the cgroups"
     finally:
         if launcher.poll() is None:
             launcher.kill()

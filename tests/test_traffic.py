@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tawpipe.plan.actions import Op
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
-from tawpipe.cost.traffic import PEER_METHODS, ModelDims, estimate, plan_traffic
+from tawpipe.cost.traffic import (PEER_METHODS, ModelDims, crossover_tokens, estimate, plan_traffic,
+                                  weight_passing_bytes)
+from tawpipe.plan.schedule import RESIDENT
 
 
 MODEL = ("weights", "grads", "replicated")  # the model's traffic; "stats" is 16 bytes whatever the units
@@ -150,3 +154,32 @@ def test_resident_depth_sends_the_fewest_bytes_of_any_depth(nodes, per_node, acc
         assert busiest["resident"] < busiest[1]
         assert len({t.total(kind="grads") for t in by_depth.values()}) == 1
         assert by_depth["resident"].total(kind="weights") < by_depth[1].total(kind="weights")
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+@pytest.mark.parametrize("k", [1, 2])
+def test_crossover_closed_form_agrees_with_the_plan(nodes, k):
+    """Design §7.4: the tokens per micro-batch at which 1F1B's busiest link carries as much as
+    TawPipe's, from the closed form and from a real plan's bytes (k = 1 fetches again in the
+    backward; k = acc keeps every chunk resident), and the anchors' G = 2 formula 6LH(f_w·b_w + b_g)
+    / (b_a·N·k) when the replicated part is left out."""
+    topo, acc = Topology(nodes, 2), 2
+    dims = ModelDims(hidden=128, layers=topo.world_size, heads=4, vocab=512, seq=4096, dtype_bytes=4, grad_bytes=4)
+    kw = dict(mb_per_fetch=k, reuse_weights=True, prefetch_depth=RESIDENT) if k > 1 else {}
+    plan = build_plan(topo, dims.layers, acc, layer_numel=dims.layer_numel, weight_bytes=4, grad_bytes=4,
+                      replicated_numel=dims.replicated_numel, **kw)
+    t = plan_traffic(plan)
+    planned = max(max(t.per_node(direction="sent")), max(t.per_node(direction="received")))
+    f_w = 2 if k == 1 else 1
+    closed = weight_passing_bytes(dims, topo, acc, k, f_w)
+    # k = 1: the turnaround chunk is not fetched twice, so the closed form is a little high
+    assert closed == pytest.approx(planned, rel=0.1 if k == 1 else 0.01)
+    from_plan, from_formula = (crossover_tokens(b, dims, topo, acc) for b in (planned, closed))
+    assert from_formula == pytest.approx(from_plan, rel=0.1 if k == 1 else 0.01)
+    one_f_one_b = estimate("1f1b", dims, topo, acc).inter_node_per_node
+    assert one_f_one_b == pytest.approx(planned * dims.seq / from_plan)  # equal at the crossover
+    if nodes == 2:
+        bare = weight_passing_bytes(replace(dims, vocab=1), topo, acc, k, f_w) - 2 * 3 / 4 * (2 * dims.hidden) * 4  # the ring of E = 2H
+        psi_per_12lh2 = dims.decoder_numel / (12 * dims.layers * dims.hidden ** 2)
+        anchors = 6 * dims.layers * dims.hidden * (f_w * 4 + 4) / (4 * topo.world_size * k) * psi_per_12lh2
+        assert crossover_tokens(bare, dims, topo, acc) == pytest.approx(anchors, rel=1e-9)

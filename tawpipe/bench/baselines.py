@@ -2,18 +2,21 @@
 
 DDP, FSDP2 (``fully_shard``; the default keeps unsharded gradients until the last micro-batch,
 "memory-matched" reduce-scatters after every micro-batch so that only shards persist, as in
-TawPipe), HSDP (``fully_shard`` over a replicate x shard = nodes x per-node mesh) and 1F1B
-(``torch.distributed.pipelining.Schedule1F1B``, one stage per rank). Each is a rank function
-``fn(rank, cfg) -> dict`` for a job whose torch.distributed is already initialised
-(``tawpipe.runtime.launch.run_local`` or ``tawpipe.cluster.Cluster.run``), and all of them — and the
-TawPipe engine, through :func:`measure` — produce the same record: per-step losses, timed step
+TawPipe; "node reshard" reshards the blocks to the node after forward, so that backward gathers
+them inside the node, ZeRO++'s hpZ), HSDP (``fully_shard`` over a replicate x shard = nodes x
+per-node mesh) and 1F1B (``torch.distributed.pipelining.Schedule1F1B``, one stage per rank).
+Each is a rank function ``fn(rank, cfg) -> dict`` for a job whose torch.distributed is already
+initialised (``tawpipe.runtime.launch.run_local`` or ``tawpipe.cluster.Cluster.run``), and all of
+them — and the TawPipe engine, through :func:`measure` — produce the same record: per-step losses, timed step
 seconds, persistent and peak memory, the node's inter-node link bytes when run on an emulated
 cluster, and optionally the parameters after the first step for a check against
 :func:`reference`, plain single-process training on the whole global batch.
 
 Rank r trains on micro-batches r·acc … r·acc+acc−1 of each step (``tawpipe.train.data.batch``), as
 ``tawpipe train`` does; 1F1B feeds all of them, in that order, through its first stage. The
-model's embedding and head are untied, so 1F1B's first and last stages share no weight.
+model's embedding and head are untied, so 1F1B's first and last stages share no weight. Every
+method computes the head and the loss with :func:`head_loss` (``RunConfig.loss``); the
+reference keeps the plain ``llama_loss(model(x), y)``.
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ import torch.nn as nn
 
 from ..cluster import link_bytes
 from ..engine.engine import default_optimizer
-from ..models.llama import Llama, LlamaConfig, block_forward, llama_loss
+from ..models.llama import Head, Llama, LlamaConfig, block_forward, chunked_head_loss, llama_loss
 from ..plan.topology import Topology
 from ..train.data import batch as draw_batch
 from ..train.data import load_tokens
 from ..train.metrics import peak_host_bytes
+
+
+LOSSES = ("plain", "chunked")
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class RunConfig:
     layers: int = 8
     heads: int = 8  # MHA with head_dim 32, like the paper's model family
     seq_len: int = 512
+    vocab: int = 256  # the byte corpus uses ids < 256; a larger vocabulary sizes the embedding and head
     micro_batches: int = 2  # per rank and step
     batch_size: int = 1  # sequences per micro-batch
     warmup: int = 1  # untimed steps first; the parameters after step 0 are checked
@@ -56,6 +63,7 @@ class RunConfig:
     lr: float = 1e-3
     optimizer: str = "adamw"  # tawpipe.engine.default_optimizer; "sgd": plain SGD, whose update
     # is proportional to the gradient (Adam's first step is not: it hides gradient scale errors)
+    loss: str = "plain"  # "chunked": the head's cross-entropy without the float32 logits (chunked_head_loss)
     seed: int = 0
     check_dir: str | None = None  # write each rank's parameters after step 0 here
 
@@ -70,6 +78,11 @@ class RunConfig:
                              "(or a 1F1B stage): use at least as many layers as ranks")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
+        if isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 256:
+            raise ValueError(f"vocab must be an integer >= 256 (the byte corpus has token ids up to 255), "
+                             f"got {self.vocab!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"hidden={self.hidden} must split into {self.heads} heads of even size")
 
@@ -86,7 +99,7 @@ class RunConfig:
         return self.world_size * self.micro_batches * self.batch_size * self.seq_len
 
     def model_config(self) -> LlamaConfig:
-        return LlamaConfig(vocab_size=256, hidden=self.hidden, n_layers=self.layers, n_heads=self.heads,
+        return LlamaConfig(vocab_size=self.vocab, hidden=self.hidden, n_layers=self.layers, n_heads=self.heads,
                            n_kv_heads=self.heads, max_seq_len=self.seq_len, tie_embeddings=False)
 
 
@@ -169,13 +182,67 @@ def rank_data(cfg: RunConfig, rank: int) -> Callable[[int], tuple[torch.Tensor, 
     return functools.partial(rank_batch, cfg, tokens, rank=rank)
 
 
-def _accumulate(model: nn.Module, cfg: RunConfig, x: torch.Tensor, y: torch.Tensor,
+def _plain_head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return llama_loss(head(hidden), targets)
+
+
+def head_loss(cfg: RunConfig) -> Callable[[Head, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(head, hidden, targets) -> loss`` of ``cfg.loss`` (the engine's ``head_loss`` contract):
+    the plain loss of the head's logits, or ``chunked_head_loss``, which never holds them in float32."""
+    return chunked_head_loss if cfg.loss == "chunked" else _plain_head_loss
+
+
+def stage_layers(layers: int, stages: int, stage: int) -> tuple[int, int]:
+    """Contiguous, balanced layer range of ``stage`` (the first ``layers % stages`` get one more)."""
+    base, extra = divmod(layers, stages)
+    start = stage * base + min(stage, extra)
+    return start, start + base + (stage < extra)
+
+
+class _Stage(nn.Module):
+    """Embedding (first stage), a contiguous run of layers, head (last stage), under the model's
+    parameter names (:meth:`global_names`). The only stage of one is the whole model, whose forward
+    with targets ends in the loss: DDP's and FSDP2's hooks on it then run around the head's loss
+    too (FSDP2 has the root's parameters, embedding and head, unsharded only inside its forward)."""
+
+    def __init__(self, model: Llama, cfg: RunConfig, stage: int = 0, stages: int = 1) -> None:
+        super().__init__()
+        self.start, stop = stage_layers(cfg.layers, stages, stage)
+        self.embed = model.embed if stage == 0 else None
+        self.blocks = nn.ModuleList(model.blocks[self.start:stop])
+        self.head = model.head if stage == stages - 1 else None
+        self._ctx = model.block_context(cfg.seq_len, "cpu")
+        self._head_loss = head_loss(cfg)
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden state after this stage's layers; the loss if ``targets`` are given."""
+        if self.embed is not None:
+            h = self.embed(h)
+        for block in self.blocks:
+            h = block_forward(block, h, **self._ctx)
+        return h if targets is None else self.loss(h, targets)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's head and loss (1F1B's ``loss_fn``)."""
+        return self._head_loss(self.head, hidden, targets)
+
+    def global_names(self) -> dict[str, nn.Parameter]:
+        out = {}
+        for name, p in self.named_parameters():
+            if name.startswith("blocks."):
+                _, idx, rest = name.split(".", 2)
+                name = f"blocks.{self.start + int(idx)}.{rest}"
+            out[name] = p
+        return out
+
+
+def _accumulate(net: nn.Module, cfg: RunConfig, x: torch.Tensor, y: torch.Tensor,
                 sync: Callable[[int], Any]) -> float:
     """Forward/backward of each micro-batch with loss / acc; ``sync(m)`` wraps micro-batch m."""
     total = 0.0
     for m, (xm, ym) in enumerate(zip(x.chunk(cfg.micro_batches), y.chunk(cfg.micro_batches))):
         with sync(m):
-            loss = llama_loss(model(xm), ym) / cfg.micro_batches
+            loss = net(xm, ym) / cfg.micro_batches
             loss.backward()
         total += loss.item()
     return total
@@ -183,7 +250,7 @@ def _accumulate(model: nn.Module, cfg: RunConfig, x: torch.Tensor, y: torch.Tens
 
 def ddp(rank: int, cfg: RunConfig) -> dict[str, Any]:
     """DistributedDataParallel; gradients are all-reduced once, after the last micro-batch."""
-    model = build_model(cfg)
+    model = _Stage(build_model(cfg), cfg)
     net = nn.parallel.DistributedDataParallel(model)
     opt = make_optimizer(cfg, list(model.parameters()))
     data = rank_data(cfg, rank)
@@ -198,15 +265,18 @@ def ddp(rank: int, cfg: RunConfig) -> dict[str, Any]:
     return measure(cfg, step, lambda: dict(model.named_parameters()) if rank == 0 else {}, opt)
 
 
-def _fsdp(rank: int, cfg: RunConfig, mesh_shape: tuple[int, ...], sync_every_micro_batch: bool) -> dict[str, Any]:
+def _fsdp(rank: int, cfg: RunConfig, mesh_shape: tuple[int, ...], sync_every_micro_batch: bool,
+          reshard_blocks: bool | int = True) -> dict[str, Any]:
+    """FSDP2 with one group per block and the root (embedding, head) left to FSDP2's default:
+    not resharded after forward, since backward needs it first."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = build_model(cfg)
+    model = _Stage(build_model(cfg), cfg)
     names = ("replicate", "shard")[-len(mesh_shape):]  # HSDP: dim 0 replicates, dim 1 shards
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_blocks)
     fully_shard(model, mesh=mesh)
     opt = make_optimizer(cfg, list(model.parameters()))
     data = rank_data(cfg, rank)
@@ -239,48 +309,26 @@ def fsdp_memory_matched(rank: int, cfg: RunConfig) -> dict[str, Any]:
     return _fsdp(rank, cfg, (cfg.world_size,), sync_every_micro_batch=True)
 
 
+def fsdp_node_reshard(rank: int, cfg: RunConfig) -> dict[str, Any]:
+    """FSDP2 over all ranks whose blocks reshard to their node after forward
+    (``reshard_after_forward=per_node``, ZeRO++'s hpZ): the forward all-gather crosses nodes, the
+    backward one stays inside the node. Gradients are synced once per step, as in ``fsdp``.
+
+    FSDP2 takes the int only as a non-trivial divisor of the world size; the two trivial node
+    sizes mean what FSDP2 itself maps them to: one rank per node keeps the whole blocks after
+    forward (False), one node is plain ``fsdp`` (True)."""
+    reshard = True if cfg.nodes == 1 else False if cfg.per_node == 1 else cfg.per_node
+    return _fsdp(rank, cfg, (cfg.world_size,), sync_every_micro_batch=False, reshard_blocks=reshard)
+
+
 def hsdp(rank: int, cfg: RunConfig) -> dict[str, Any]:
     """FSDP2 sharded inside a node, replicated across nodes; gradients synced once per step."""
     return _fsdp(rank, cfg, (cfg.nodes, cfg.per_node), sync_every_micro_batch=False)
 
 
-def stage_layers(layers: int, stages: int, stage: int) -> tuple[int, int]:
-    """Contiguous, balanced layer range of ``stage`` (the first ``layers % stages`` get one more)."""
-    base, extra = divmod(layers, stages)
-    start = stage * base + min(stage, extra)
-    return start, start + base + (stage < extra)
-
-
-class _Stage(nn.Module):
-    """One 1F1B stage: embedding on the first, head on the last, its layers in between."""
-
-    def __init__(self, model: Llama, cfg: RunConfig, stage: int, stages: int) -> None:
-        super().__init__()
-        self.start, stop = stage_layers(cfg.layers, stages, stage)
-        self.embed = model.embed if stage == 0 else None
-        self.blocks = nn.ModuleList(model.blocks[self.start:stop])
-        self.head = model.head if stage == stages - 1 else None
-        self._ctx = model.block_context(cfg.seq_len, "cpu")
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            h = self.embed(h)
-        for block in self.blocks:
-            h = block_forward(block, h, **self._ctx)
-        return self.head(h) if self.head is not None else h
-
-    def global_names(self) -> dict[str, nn.Parameter]:
-        out = {}
-        for name, p in self.named_parameters():
-            if name.startswith("blocks."):
-                _, idx, rest = name.split(".", 2)
-                name = f"blocks.{self.start + int(idx)}.{rest}"
-            out[name] = p
-        return out
-
-
 def one_f_one_b(rank: int, cfg: RunConfig) -> dict[str, Any]:
-    """Schedule1F1B with one stage per rank over the whole global batch (world·acc micro-batches)."""
+    """Schedule1F1B with one stage per rank over the whole global batch (world·acc micro-batches);
+    the last stage sends out its hidden state and the schedule's loss is its head's."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     n = cfg.world_size
@@ -289,7 +337,8 @@ def one_f_one_b(rank: int, cfg: RunConfig) -> dict[str, Any]:
     stage_mod = _Stage(build_model(cfg), cfg, rank, n)
     opt = make_optimizer(cfg, list(stage_mod.parameters()))
     stage = PipelineStage(stage_mod, rank, n, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=n * cfg.micro_batches, loss_fn=llama_loss, scale_grads=True)
+    # every rank passes a loss_fn (the schedule runs no backward without one); only the last calls it
+    schedule = Schedule1F1B(stage, n_microbatches=n * cfg.micro_batches, loss_fn=stage_mod.loss, scale_grads=True)
     tokens = load_tokens(None).train
 
     def step(i: int) -> float | None:
@@ -310,7 +359,8 @@ def one_f_one_b(rank: int, cfg: RunConfig) -> dict[str, Any]:
 
 
 METHODS: dict[str, Callable[[int, RunConfig], dict[str, Any]]] = {
-    "ddp": ddp, "fsdp": fsdp, "fsdp-mm": fsdp_memory_matched, "hsdp": hsdp, "1f1b": one_f_one_b,
+    "ddp": ddp, "fsdp": fsdp, "fsdp-mm": fsdp_memory_matched, "fsdp-node": fsdp_node_reshard, "hsdp": hsdp,
+    "1f1b": one_f_one_b,
 }
 
 

@@ -1,12 +1,13 @@
 """`tawpipe bench cluster`: TawPipe against its peers on an emulated multi-node cluster.
 
 Every method (TawPipe with one weight fetch per micro-batch and with the best k, WeiPipe,
-FSDP2 default and memory-matched, HSDP, DDP, 1F1B; with ``--replicas R``, TawPipe at both k as R
-replicas of G/R nodes too) trains the same model on the same global batch with the same
-optimizer, on the same namespaces and rate-limited links (``tawpipe.cluster``). Methods are
-interleaved in rounds — round r runs each once, the order rotated by r — so slow phases of a
-shared machine hit all of them alike. Each run is a fresh set of processes, so peak RSS is the
-method's own.
+FSDP2 default, memory-matched and resharded to the node after forward, HSDP, DDP, 1F1B; with
+``--replicas R``, TawPipe at both k as R replicas of G/R nodes too) trains the same model on the
+same global batch with the same optimizer, on the same namespaces and rate-limited links
+(``tawpipe.cluster``). Methods are interleaved in rounds — round r runs each once, the order
+rotated by r — so slow phases of a shared machine hit all of them alike. Each run is a fresh set
+of processes, so peak RSS is the method's own. ``--vocab`` and ``--loss`` set the model's
+vocabulary and every method's head and loss (``tawpipe.bench.baselines.head_loss``).
 
 Per method: median iteration time and its spread, tokens/s, inter-node bytes per iteration
 measured on the veth links against the prediction (the engine's own plan for TawPipe/WeiPipe,
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -34,8 +36,9 @@ from typing import Any
 
 import torch
 
-from ..cluster import Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, unavailable_reason
-from ..cost.traffic import ModelDims, estimate, plan_traffic
+from ..cluster import (Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, describe_compute,
+                       spec_from_args, unavailable_reason)
+from ..cost.traffic import ModelDims, crossover_tokens, estimate, plan_traffic
 from ..engine.engine import TawPipe
 from ..models.llama import block_forward, llama_loss
 from ..plan.schedule import RESIDENT, prefetch_depth_arg
@@ -84,7 +87,8 @@ def methods(micro_batches: int, prefetch_depth: int | str = 1, recompute: str = 
                 for m in taw]
     out += [
         Method("weipipe", "WeiPipe", {"algo": "weipipe", "recompute": recompute}),
-        Method("fsdp", "FSDP2"), Method("fsdp-mm", "FSDP2 memory-matched"), Method("hsdp", "HSDP"),
+        Method("fsdp", "FSDP2"), Method("fsdp-mm", "FSDP2 memory-matched"),
+        Method("fsdp-node", "FSDP2 node reshard"), Method("hsdp", "HSDP"),
         Method("ddp", "DDP"), Method("1f1b", "1F1B"),
     ]
     return {m.name: m for m in out}
@@ -102,13 +106,14 @@ def for_shape(m: Method, nodes: int, per_node: int) -> Method | None:
 
 
 def build_engine(model: Any, cfg: RunConfig, topology: Topology, device: torch.device, **options: Any) -> TawPipe:
-    """The one place the bench builds a TawPipe/WeiPipe engine, as ``tawpipe train`` does;
-    ``options`` (algo, mb_per_fetch, prefetch_depth, ...) go to the engine as they are."""
+    """The one place the bench builds a TawPipe/WeiPipe engine, as ``tawpipe train`` does, with the
+    head and loss of ``cfg.loss``; ``options`` (algo, mb_per_fetch, prefetch_depth, ...) go to the
+    engine as they are."""
     return TawPipe(
         model.blocks, model.embed, model.head, llama_loss, topology=topology,
         micro_batches=cfg.micro_batches, optimizer=functools.partial(baselines.make_optimizer, cfg),
         block_forward=block_forward, block_context=lambda t: model.block_context(t.shape[1], device),
-        device=device, **options,
+        device=device, head_loss=baselines.head_loss(cfg), **options,
     )
 
 
@@ -132,8 +137,7 @@ def engine_rank(rank: int, cfg: RunConfig, options: dict[str, Any]) -> dict[str,
 def _dims(cfg: RunConfig) -> ModelDims:
     # ModelDims counts one tied embedding (vocab x hidden) plus the final norm; the untied
     # embedding and head are exactly that with twice the vocabulary.
-    mc = cfg.model_config()
-    return ModelDims(hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads, vocab=2 * mc.vocab_size,
+    return ModelDims(hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads, vocab=2 * cfg.vocab,
                      seq=cfg.seq_len, micro_batch=cfg.batch_size, dtype_bytes=4, grad_bytes=4)
 
 
@@ -145,17 +149,25 @@ def predicted_busiest(method: str, cfg: RunConfig) -> float:
     gloo's reduce-scatter is an all-reduce plus a slice (twice the bytes), the default variant
     reduce-scatters once per step, and FSDP2 does not reshard the root (embedding and head)
     after forward, so backward re-gathers only the blocks.
+
+    With Ψ block and E root parameters, N ranks and acc micro-batches, a ring collective over all
+    N ranks sends (N−1)/N of its size over each node's link. Per micro-batch, forward gathers the
+    blocks and the root (Ψ + E) and backward the blocks again (Ψ): acc·(N−1)/N·(2Ψ + E) for
+    ``fsdp``/``fsdp-mm``. ``fsdp-node`` reshards the blocks to the node after forward, so its
+    backward gather is the node's own: acc·(N−1)/N·(Ψ + E). Gradients (Ψ + E) are all-reduced,
+    2·(N−1)/N each time: once per step, or every micro-batch for ``fsdp-mm``.
     """
     dims = _dims(cfg)
     topo, acc = cfg.topology, cfg.micro_batches
-    if method not in ("fsdp", "fsdp-mm"):
+    if method not in ("fsdp", "fsdp-mm", "fsdp-node"):
         return estimate(method, dims, topo, acc).inter_node_per_node
     n = topo.world_size
     if topo.nodes == 1:
         return 0.0
     ring = (n - 1) / n
     psi, e = dims.decoder_numel, dims.replicated_numel
-    gathers = acc * ring * (2 * psi + e) * dims.dtype_bytes
+    gathered = (1 if method == "fsdp-node" else 2) * psi + e
+    gathers = acc * ring * gathered * dims.dtype_bytes
     reduces = (acc if method == "fsdp-mm" else 1) * 2 * ring * (psi + e) * dims.grad_bytes
     return gathers + reduces
 
@@ -309,22 +321,26 @@ def markdown(result: dict[str, Any]) -> str:
     lines = []
     for shape in result["shapes"]:
         c = shape["config"]
+        by_name = {r["method"]: r for r in shape["rows"] if r.get("status") == "ok"}
+        ref = by_name.get("tawpipe-best") or by_name.get("tawpipe")
         lines += [
-            f"### {c['nodes']} nodes × {c['per_node']} ranks, {result['rate'] or 'unlimited'} links",
+            f"### {c['nodes']} nodes × {c['per_node']} ranks, S = {c['seq_len']}, {result['rate'] or 'unlimited'} "
+            f"links, {result.get('compute', 'compute shared')}",
             "",
-            f"hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, seq {c['seq_len']}, "
+            f"hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, vocabulary {c['vocab']}, "
+            f"{c['loss']} loss, seq {c['seq_len']}, "
             f"{c['micro_batches']} micro-batches × {c['batch_size']} sequence per rank, AdamW, fp32, gloo; "
             f"{result['rounds']} rounds × {c['steps']} timed steps.",
             "",
             "| method | median s/it | min–max | tok/s | inter-node MB/it, all nodes | busiest node MB/it: "
             "measured / predicted | floor s | time / floor | persistent MiB/rank | peak RSS MiB/rank | "
-            "same update |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            f"time, peak RSS / {ref['label'] if ref else 'tawpipe'}'s | same update |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in shape["rows"]:
             if row.get("status") != "ok":
                 lines.append(f"| {row['label']} | {row.get('status', '')} | | | | – / "
-                             f"{_mb(row['predicted_busiest_bytes'])} | | | | | |")
+                             f"{_mb(row['predicted_busiest_bytes'])} | | | | | | |")
                 continue
             chk = row.get("check")
             same = "–" if chk is None else (
@@ -337,26 +353,55 @@ def markdown(result: dict[str, Any]) -> str:
             if row["predicted_total_bytes"]:
                 total += f" (plan {_mb(row['predicted_total_bytes'])})"
             failed = f" ({row['failed_runs']} run(s) failed, see the JSON)" if row.get("failed_runs") else ""
+            rel = "–" if ref is None else (f"{row['time_median_s'] / ref['time_median_s']:.2f}×, "
+                                           f"{row['peak_rss_bytes_max'] / ref['peak_rss_bytes_max']:.2f}×")
             lines.append(
                 f"| {row['label']}{failed} | {row['time_median_s']:.2f} | {row['time_min_s']:.2f}–{row['time_max_s']:.2f} "
                 f"| {row['tokens_per_s']:,.0f} | {total} | {_mb(row['measured_busiest_bytes'])} / "
                 f"{_mb(row['predicted_busiest_bytes'])}{ratio} | {'–' if floor is None else f'{floor:.2f}'} | "
                 f"{over} | {row['persistent_bytes_max'] / 2**20:.1f}{staging} | "
-                f"{row['peak_rss_bytes_max'] / 2**20:.0f} | {same} |")
+                f"{row['peak_rss_bytes_max'] / 2**20:.0f} | {rel} | {same} |")
         lines.append("")
         bounds = [f"- {row['label']}: {row['time_median_s']:.2f} s = **{row['time_over_bound']:.2f}** × "
                   f"max(network floor {row['floor_s']:.2f} s, compute-only {row['compute_only_s']:.2f} s)"
                   for row in shape["rows"] if "time_over_bound" in row]
         if bounds:
             lines += bounds + [""]
+    lines += _sweep_markdown(result)
     lines += [f"- {n}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
 
 
+def _sweep_markdown(result: dict[str, Any]) -> list[str]:
+    """A sweep over S: each method's median time per S, and the crossovers."""
+    if not result.get("crossovers"):
+        return []
+    lines = []
+    for c in result["crossovers"]:
+        shapes = sorted((s for s in result["shapes"] if (s["config"]["nodes"], s["config"]["per_node"])
+                         == (c["nodes"], c["per_node"])), key=lambda s: s["config"]["seq_len"])
+        labels = {r["method"]: r["label"] for s in shapes for r in s["rows"] if not r.get("unlimited")}
+        lines += [f"### Sweep over S, {c['nodes']} × {c['per_node']}: median s/it", "",
+                  "| S | " + " | ".join(labels.values()) + f" | {c['fast']} / {c['slow']} |",
+                  "|---|" + "---|" * (len(labels) + 1)]
+        for shape in shapes:
+            rows = {r["method"]: r for r in shape["rows"]}
+            cells = [f"{rows[n]['time_median_s']:.2f}" if rows.get(n, {}).get("status") == "ok" else "–" for n in labels]
+            ratio = c["time_ratio"].get(shape["config"]["seq_len"])
+            lines.append(f"| {shape['config']['seq_len']} | " + " | ".join(cells)
+                         + f" | {'–' if ratio is None else f'{ratio:.2f}'} |")
+        measured = "not inside the sweep" if c["measured_seq"] is None else f"S = {c['measured_seq']:,.0f}"
+        predicted = "–" if c["predicted_seq"] is None else f"S = {c['predicted_seq']:,.0f}"
+        off = f" ({c['measured_over_predicted'] - 1:+.0%})" if c["measured_over_predicted"] else ""
+        lines += ["", f"- {c['fast']} becomes faster than {c['slow']} at {measured} (measured: time ratio 1, "
+                  f"interpolated in log S) against {predicted} predicted (its plan's bytes equal to 1F1B's, design "
+                  f"§7.4){off}.", ""]
+    return lines
+
+
 def crossover_seq(cfg: RunConfig, tawpipe_bytes: float) -> float:
-    """Sequence length at which 1F1B's activation traffic equals ``tawpipe_bytes`` (it is linear in S)."""
-    at = predicted_busiest("1f1b", replace(cfg, seq_len=1))
-    return tawpipe_bytes / at if at else float("inf")
+    """Sequence length at which 1F1B's activation traffic equals ``tawpipe_bytes`` (design §7.4)."""
+    return crossover_tokens(tawpipe_bytes, _dims(cfg), cfg.topology, cfg.micro_batches) / cfg.batch_size
 
 
 def plots(result: dict[str, Any], out: str) -> list[str]:
@@ -366,6 +411,7 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     paths = []
+    sweep = len({s["config"]["seq_len"] for s in result["shapes"]}) > 1
     for shape in result["shapes"]:
         c = shape["config"]
         rows = [r for r in shape["rows"] if r.get("status") == "ok" and not r.get("unlimited")]
@@ -395,19 +441,24 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
         ax2.legend()
         for ax in (ax1, ax2):
             ax.set_xticks(list(x), [r["label"] for r in rows], rotation=30, ha="right")
-        fig.suptitle(f"{c['nodes']} nodes × {c['per_node']} ranks, {result['rate'] or 'unlimited'} links")
+        fig.suptitle(f"{c['nodes']} nodes × {c['per_node']} ranks, S = {c['seq_len']}, "
+                     f"{result['rate'] or 'unlimited'} links, {result.get('compute', 'compute shared')}")
         fig.tight_layout()
-        path = os.path.join(out, f"cluster_{c['nodes']}x{c['per_node']}.png")
+        path = os.path.join(out, f"cluster_{c['nodes']}x{c['per_node']}" + (f"_s{c['seq_len']}" if sweep else "")
+                            + ".png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
 
+    if sweep:
+        paths += sweep_plots(result, out, plt)
     seqs = [2**p for p in range(7, 16)]  # 128 ... 32768
-    fig, axes = plt.subplots(1, len(result["shapes"]), figsize=(7 * len(result["shapes"]), 4.8), squeeze=False)
-    for ax, shape in zip(axes[0], result["shapes"]):
+    one_per_cluster = list({(s["config"]["nodes"], s["config"]["per_node"]): s for s in result["shapes"]}.values())
+    fig, axes = plt.subplots(1, len(one_per_cluster), figsize=(7 * len(one_per_cluster), 4.8), squeeze=False)
+    for ax, shape in zip(axes[0], one_per_cluster):
         cfg = RunConfig(**{k: v for k, v in shape["config"].items() if k != "check_dir"})
-        for name, label in (("ddp", "DDP"), ("fsdp", "FSDP2"), ("hsdp", "HSDP"), ("weipipe", "WeiPipe"),
-                            ("1f1b", "1F1B")):
+        for name, label in (("ddp", "DDP"), ("fsdp", "FSDP2"), ("fsdp-node", "FSDP2 node reshard"),
+                            ("hsdp", "HSDP"), ("weipipe", "WeiPipe"), ("1f1b", "1F1B")):
             ax.plot(seqs, [predicted_busiest(name, replace(cfg, seq_len=s)) / 1e6 for s in seqs], label=label)
         by_name = {r["method"]: r for r in shape["rows"]}
         lines = [("tawpipe (k=1)", by_name.get("tawpipe", {}).get("predicted_busiest_bytes")
@@ -437,33 +488,142 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
     return paths
 
 
+def sweep_crossovers(result: dict[str, Any], fast: str = "tawpipe-best", slow: str = "1f1b") -> list[dict[str, Any]]:
+    """Per cluster of a sweep over S: where ``fast``'s median time meets ``slow``'s, measured
+    (interpolated in log S between the two runs around it) and predicted (the bytes of ``fast``'s
+    plan against 1F1B's closed form, design §7.4)."""
+    out = []
+    for key in dict.fromkeys((s["config"]["nodes"], s["config"]["per_node"]) for s in result["shapes"]):
+        shapes = sorted((s for s in result["shapes"] if (s["config"]["nodes"], s["config"]["per_node"]) == key),
+                        key=lambda s: s["config"]["seq_len"])
+        points = []
+        for shape in shapes:
+            rows = {r["method"]: r for r in shape["rows"] if r.get("status") == "ok"}
+            if fast in rows and slow in rows:
+                points.append((shape["config"]["seq_len"], rows[fast]["time_median_s"] / rows[slow]["time_median_s"],
+                               rows[fast]["predicted_busiest_bytes"], shape["config"]))
+        if not points:
+            continue
+        measured = None
+        for (s0, r0, *_), (s1, r1, *_) in zip(points, points[1:]):
+            if (r0 - 1) * (r1 - 1) <= 0 and r0 != r1:  # the time ratio crosses 1 between s0 and s1
+                f = math.log(r0) / (math.log(r0) - math.log(r1))
+                measured = s0 * (s1 / s0) ** f
+                break
+        cfg = RunConfig(**{k: v for k, v in points[0][3].items() if k != "check_dir"})
+        predicted = crossover_seq(cfg, points[0][2]) if points[0][2] else None
+        out.append({"nodes": key[0], "per_node": key[1], "fast": fast, "slow": slow,
+                    "time_ratio": {p[0]: p[1] for p in points}, "measured_seq": measured, "predicted_seq": predicted,
+                    "measured_over_predicted": measured / predicted if measured and predicted else None})
+    return out
+
+
+def sweep_plots(result: dict[str, Any], out: str, plt: Any) -> list[str]:
+    """Time per iteration against S, one line per method, with the measured and the predicted
+    crossover of tawpipe's best with 1F1B; peak memory per rank against S beside it."""
+    paths = []
+    crossings = {(c["nodes"], c["per_node"]): c for c in result.get("crossovers", [])}
+    for key in dict.fromkeys((s["config"]["nodes"], s["config"]["per_node"]) for s in result["shapes"]):
+        shapes = sorted((s for s in result["shapes"] if (s["config"]["nodes"], s["config"]["per_node"]) == key),
+                        key=lambda s: s["config"]["seq_len"])
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        labels = {r["method"]: r["label"] for s in shapes for r in s["rows"] if not r.get("unlimited")}
+        for name, label in labels.items():
+            pts = [(s["config"]["seq_len"], r) for s in shapes for r in s["rows"]
+                   if r["method"] == name and r.get("status") == "ok"]
+            ax1.plot([p for p, _ in pts], [r["time_median_s"] for _, r in pts], "o-", label=label)
+            ax2.plot([p for p, _ in pts], [r["peak_rss_bytes_max"] / 2**20 for _, r in pts], "o-", label=label)
+        c = crossings.get(key)
+        if c and c["predicted_seq"]:
+            ax1.axvline(c["predicted_seq"], color="grey", linestyle="--",
+                        label=f"predicted crossover S = {c['predicted_seq']:,.0f} (bytes)")
+        if c and c["measured_seq"]:
+            ax1.axvline(c["measured_seq"], color="black", linestyle=":",
+                        label=f"measured crossover S = {c['measured_seq']:,.0f}")
+        for ax, what in ((ax1, "iteration time, s (median)"), (ax2, "peak RSS per rank, MiB")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length S")
+            ax.set_ylabel(what)
+            ax.legend(fontsize=8)
+        ax1.set_yscale("log")
+        cfg = shapes[0]["config"]
+        fig.suptitle(f"{key[0]} nodes × {key[1]} ranks, hidden {cfg['hidden']}, {cfg['layers']} layers, "
+                     f"{result['rate'] or 'unlimited'} links, {result.get('compute', 'compute shared')}")
+        fig.tight_layout()
+        path = os.path.join(out, f"cluster_sweep_{key[0]}x{key[1]}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 # ---------------------------------------------------------------------------------- command line
+
+
+# The long-context configuration at the paper's proportions (README, "Long context"; design §7.4):
+# one layer per rank as in the official code's runs; tokens per micro-batch 1.8x (2x2) and 2.6x
+# (3x2) TawPipe's byte crossover with 1F1B at k = 1, where the official code's 24-GPU run is at
+# 2.7x; a layer's forward (0.37 s at 0.3 core) about 0.8x the time its float32 weights take
+# on the link (0.46 s at 14 Mbit/s), as a 1024-wide layer's on an A100-class GPU against 10 GbE.
+PRESETS: dict[str, dict[str, Any]] = {
+    "long": dict(hidden=128, heads=4, layers_per_rank=1, seq_len=[4096], micro_batches=2, batch_size=1,
+                 rate="14mbit", cpus_per_rank=0.3, rounds=2, steps=2,
+                 methods=["tawpipe", "tawpipe-best", "weipipe", "fsdp", "fsdp-node", "hsdp", "ddp", "1f1b"],
+                 compute_only=["tawpipe-best"]),
+    # the same model and cluster on 2x2 over S, across the crossover of tawpipe's best with 1F1B
+    "sweep": dict(hidden=128, heads=4, layers_per_rank=1, seq_len=[256, 512, 1024, 2048, 4096], micro_batches=2,
+                  batch_size=1, rate="14mbit", cpus_per_rank=0.3, rounds=1, steps=2, nodes=[2],
+                  methods=["tawpipe-best", "1f1b", "hsdp", "fsdp"]),
+}
+
+
+class _Preset(argparse.Action):
+    """Sets every option of the preset that still has its default: options given win, wherever
+    they stand on the command line (one given with exactly its default value does not)."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        setattr(namespace, self.dest, value)
+        for key, v in PRESETS[value].items():
+            if getattr(namespace, key) == parser.get_default(key):
+                setattr(namespace, key, v)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
+    p.add_argument("--preset", choices=sorted(PRESETS), action=_Preset, default=None,
+                   help="long: the long-context comparison at the paper's proportions (2x2 and 3x2, about 30 "
+                        "minutes); sweep: the same over S on 2x2 (README, 'Long context'); other options win")
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 3], help="node counts to run, one cluster each")
     p.add_argument("--per-node", type=int, default=2, help="ranks per node")
     add_link_arguments(p)
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every method once")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (after one warm-up step)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="subset of: tawpipe tawpipe-best weipipe fsdp fsdp-mm hsdp ddp 1f1b, and with --replicas "
-                        "tawpipe-rR tawpipe-best-rR (default: all)")
+                   help="subset of: tawpipe tawpipe-best weipipe fsdp fsdp-mm fsdp-node hsdp ddp 1f1b, and with "
+                        "--replicas tawpipe-rR tawpipe-best-rR (default: all)")
     p.add_argument("--replicas", type=int, nargs="+", default=[], metavar="R",
                    help="also run tawpipe and the best k as R replicas of nodes/R nodes each (tawpipe-rR, "
                         "tawpipe-best-rR; engine option replicas=R), on the node counts R divides")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--seq-len", type=int, nargs="+", default=[d.seq_len],
+                   help="tokens per sequence; several: one run of every shape at each (a sweep)")
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size of the LLaMA model")
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
+    p.add_argument("--layers-per-rank", type=int, default=None, metavar="K",
+                   help="K layers per rank on every shape (replaces --layers)")
     p.add_argument("--heads", type=int, default=d.heads, help="attention heads")
+    p.add_argument("--vocab", type=int, default=d.vocab,
+                   help="vocabulary of the model (>= 256; the byte corpus uses the first 256 ids)")
+    p.add_argument("--loss", choices=baselines.LOSSES, default=d.loss,
+                   help="head and cross-entropy of every method: plain (the whole float32 logits) or chunked "
+                        "(tawpipe.models.llama.chunked_head_loss, never holding them)")
     p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="per rank and step")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
     p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=1,
                    help="prefetch depth (slots ahead) of tawpipe at k=1; the best k keeps every chunk resident")
-    p.add_argument("--compute-only", action="store_true",
-                   help="also run tawpipe and WeiPipe with the links unlimited, in the same rounds, and report "
-                        "each one's time over max(network floor, compute-only time)")
+    p.add_argument("--compute-only", nargs="*", default=None, metavar="METHOD",
+                   help="also run these tawpipe/WeiPipe methods (none named: all of them) with the links "
+                        "unlimited, in the same rounds, and report each one's time over max(network floor, "
+                        "compute-only time)")
     p.add_argument("--recompute", choices=("none", "chunk"), default="none",
                    help="tawpipe and WeiPipe: keep activations like the peers (none), or recompute each "
                         "chunk in its backward as the paper does (chunk)")
@@ -478,9 +638,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
-        cfgs = [RunConfig(nodes=g, per_node=args.per_node, hidden=args.hidden, layers=args.layers,
-                          heads=args.heads, seq_len=args.seq_len, micro_batches=args.micro_batches,
-                          batch_size=args.batch_size, steps=args.steps) for g in args.nodes]
+        cfgs = [RunConfig(nodes=g, per_node=args.per_node, hidden=args.hidden,
+                          layers=args.layers if args.layers_per_rank is None else args.layers_per_rank * g * args.per_node,
+                          heads=args.heads, seq_len=seq, vocab=args.vocab, loss=args.loss,
+                          micro_batches=args.micro_batches, batch_size=args.batch_size, steps=args.steps)
+                for g in args.nodes for seq in args.seq_len]
         bad_r = [r for r in args.replicas if r < 2 or not any(g % r == 0 for g in args.nodes)]
         if bad_r:
             raise ValueError(f"--replicas {bad_r}: each R must be >= 2 and divide one of the node counts "
@@ -491,25 +653,30 @@ def main(args: argparse.Namespace) -> int:
         bad = [n for n in names if n not in known]
         if bad:
             raise ValueError(f"unknown method(s) {bad}; choose from {list(known)}")
-        specs = [ClusterSpec(c.nodes, c.per_node, rate, args.queue_ms, pin_cpus=args.pin_cpus) for c in cfgs]
+        specs = [spec_from_args(args, c.nodes, c.per_node) for c in cfgs]
+        free = names if args.compute_only == [] else args.compute_only or []
+        bad = [n for n in free if n not in names or known[n].engine_options is None]
+        if bad:
+            raise ValueError(f"--compute-only {bad}: name tawpipe/WeiPipe methods that run ({names})")
     except ValueError as e:
         raise SystemExit(f"tawpipe bench cluster: {e}") from None
-    reason = unavailable_reason()
+    reason = unavailable_reason(specs[0])
     if reason:
         raise SystemExit(f"tawpipe bench cluster: {reason}")
-    chosen = [known[n] for n in names]
-    if args.compute_only:
-        chosen = [v for m in chosen for v in ((m, compute_only(m)) if m.engine_options is not None else (m,))]
+    chosen = [v for m in (known[n] for n in names)
+              for v in ((m, compute_only(m)) if m.name in free and m.engine_options is not None else (m,))]
     rate_bits = specs[0].rate_bits
     result: dict[str, Any] = {
         "benchmark": "cluster", "rate": rate, "rounds": args.rounds, "machine": provenance(),
         "engine": {"prefetch_depth": args.prefetch_depth, "recompute": args.recompute, "replicas": args.replicas},
-        "pin_cpus": args.pin_cpus, "shapes": [], "notes": [],
+        "pin_cpus": args.pin_cpus, "compute": describe_compute(specs[0]), "preset": args.preset,
+        "shapes": [], "notes": [],
     }
     for cfg, spec in zip(cfgs, specs):
         here = [f for f in (for_shape(m, cfg.nodes, cfg.per_node) for m in chosen) if f is not None]
-        print(f"tawpipe bench cluster: {cfg.nodes} nodes x {cfg.per_node} ranks, {rate or 'unlimited'} links, "
-              f"{args.rounds} rounds of {len(here)} methods", flush=True)
+        print(f"tawpipe bench cluster: {cfg.nodes} nodes x {cfg.per_node} ranks, S = {cfg.seq_len}, "
+              f"{rate or 'unlimited'} links, {describe_compute(spec)}, {args.rounds} rounds of {len(here)} methods",
+              flush=True)
         raw = run_shape(cfg, here, spec, args.rounds, args.timeout,
                         log=functools.partial(print, flush=True))
         rows = [summarize(cfg, m, raw["runs"].get(m.name, []), raw["checks"].get(m.name), rate_bits,
@@ -517,6 +684,8 @@ def main(args: argparse.Namespace) -> int:
         add_bounds(rows)
         result["shapes"].append({"config": asdict(cfg), "rows": rows, "reference_losses": raw["reference_losses"],
                                  "raw": raw["runs"]})
+    if len(args.seq_len) > 1:
+        result["crossovers"] = sweep_crossovers(result)
     result["notes"] = _notes(result)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cluster.json"), "w") as f:
@@ -542,7 +711,7 @@ def _notes(result: dict[str, Any]) -> list[str]:
         "steps); 'busiest node' is the larger direction of the busiest link, which sets the network floor.",
         "Predictions: the engine's own plan for tawpipe/WeiPipe; tawpipe.cost.traffic.estimate for DDP, HSDP, 1F1B; "
         "FSDP2 with gloo's reduce-scatter counted as the all-reduce it is, and the root (embedding, head) "
-        "gathered once per micro-batch.",
+        "gathered once per micro-batch; FSDP2 node reshard: the blocks' backward all-gather stays inside the node.",
         "Same update: losses of the first two steps (rel. tol. 1e-5) and the first update of every parameter "
         f"(rel. norm tol. {UPDATE_TOL:g}) against single-process training on the whole global batch.",
         "Memory: persistent = parameters + one gradient per parameter + optimizer state held by the rank; peak "
@@ -561,6 +730,13 @@ def _notes(result: dict[str, Any]) -> list[str]:
     if any(r.get("unlimited") for shape in result["shapes"] for r in shape["rows"]):
         notes.append("'links unlimited': the same method with the links' rate limit lifted for that run only, "
                      "in the same round as the others; its time is the compute-only side of the bound.")
+    if result.get("compute", "").startswith("compute fixed"):
+        notes.append(f"Compute: {result['compute']}: each rank runs in a cgroup of its own with that CPU quota, so "
+                     "time a rank spends waiting (a bubble, a transfer it cannot hide) is lost as on a GPU. Compute-"
+                     "only runs use the same quota.")
+    elif result.get("compute"):
+        notes.append(f"Compute: {result['compute']}: a waiting rank's core goes to the others, so waiting is "
+                     "under-priced (tawpipe cluster --compute fixed is the default).")
     if result.get("pin_cpus"):
         notes.append(f"Every rank is pinned to one of the machine's {result['machine']['cpus']} cores, "
                      "round-robin, for every method alike.")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..plan.actions import OPS, Action, Op
 from ..plan.plan import Plan
@@ -278,6 +278,27 @@ def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: in
         intra_rank = (s - 1) / s * acc * psi * (2 * wb + gb)
         return Estimate(method, intra_rank + inter_node / s + rep, inter_node + cross * rep)
     raise ValueError(f"unknown method {method!r}; expected one of {PEER_METHODS}")
+
+
+def crossover_tokens(weight_bytes: float, dims: ModelDims, topology: Topology, micro_batches: int) -> float:
+    """Tokens per micro-batch (B·S) at which 1F1B's inter-node bytes on the busiest node reach
+    ``weight_bytes``, a weight-passing method's (its plan's, or a closed form): above it, weight
+    passing moves fewer. 1F1B's bytes are linear in the tokens (design §7.4)."""
+    per_token = estimate("1f1b", replace(dims, seq=1, micro_batch=1), topology, micro_batches).inter_node_per_node
+    return weight_bytes / per_token if per_token else float("inf")
+
+
+def weight_passing_bytes(dims: ModelDims, topology: Topology, micro_batches: int, mb_per_fetch: int = 1,
+                         weight_passes: int = 2) -> float:
+    """Design §7.4's closed form of a TawPipe iteration's inter-node bytes, busiest node and
+    direction: (G−1)/G·(acc/k)·Ψ·(f_w·b_w + b_g) for the chunks, plus the replicated ring.
+    ``weight_passes`` f_w: 2 when the backward fetches a chunk again, 1 when it stays resident."""
+    G, n = topology.nodes, topology.world_size
+    if G == 1:
+        return 0.0
+    chunks = (G - 1) / G * micro_batches / mb_per_fetch * dims.decoder_numel * (
+        weight_passes * dims.dtype_bytes + dims.grad_bytes)
+    return chunks + _replicated_ring(dims, n)
 
 
 def _replicated_ring(dims: ModelDims, n: int) -> float:

@@ -300,6 +300,7 @@ def llama_parts(cfg: LlamaConfig, *, seed: int | None = None, device: torch.devi
         config=dataclasses.asdict(cfg),
         checkpoint_name=hf_name,
         save_config=lambda directory, dtype: hf_config(cfg, dtype).save_pretrained(directory),
+        head_loss=chunked_head_loss,
     )
 
 

@@ -91,6 +91,9 @@ class ModelParts:
     config: dict[str, Any] = field(default_factory=dict)
     checkpoint_name: Callable[[str], str] | None = None
     save_config: Callable[[Path], None] | None = None
+    # head_loss(head, hidden, targets) = loss_fn(head(hidden), targets) without the whole
+    # [tokens, vocabulary] logits (the engine's ``head_loss``); None where the model has none
+    head_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def engine_args(self) -> dict[str, Any]:
         """The model arguments of ``TawPipe``."""

@@ -79,6 +79,7 @@ class TrainConfig:
     reuse_weights: bool = False
     replicas: int = 1
     grad_wire_dtype: str = "float32"
+    loss: str = "plain"
     seed: int = 0
     save: str | None = None
     save_every: int | None = None
@@ -94,7 +95,8 @@ class TrainConfig:
 
 # may change on resume: they do not change what is trained
 _NOT_TRAINING = ("save", "save_every", "resume", "export", "val_every", "val_batches", "metrics", "tensorboard",
-                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "replicas", "max_skipped_in_a_row")
+                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "replicas", "max_skipped_in_a_row",
+                 "loss")
 
 
 class Refused(SystemExit):
@@ -162,6 +164,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "owners add their gradients once per step (see `tawpipe plan --replicas`)")
     p.add_argument("--grad-wire-dtype", choices=("float32", "compute"), default=d.grad_wire_dtype,
                    help="dtype gradients travel in; the owner accumulates in float32 either way")
+    p.add_argument("--loss", choices=("plain", "chunked"), default=d.loss,
+                   help="chunked: the head and cross-entropy a slice of tokens at a time, never the whole "
+                        "[tokens, vocabulary] float32 logits (equal to plain to ~1e-6; for long sequences; "
+                        "built-in models)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial model and of the batches")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="checkpoint directory: a checkpoint at the end (and every --save-every steps)")
@@ -504,6 +510,8 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
     parts = _load_model(cfg, src, device)
     if cfg.export and parts.checkpoint_name is None:
         raise ValueError(f"--export: {parts.description} has no Hugging Face format")
+    if cfg.loss == "chunked" and parts.head_loss is None:
+        raise ValueError(f"--loss chunked: {parts.description} has no chunked head loss; use --loss plain")
     val = _validation_batches(rank, cfg, src) if cfg.val_every else []
     engine = TawPipe(
         **parts.engine_args(), topology=topology, micro_batches=cfg.micro_batches,
@@ -512,6 +520,7 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
         optimizer=functools.partial(default_optimizer, lr=cfg.lr), device=device, grad_route=cfg.grad_route,
         **_schedule(cfg),
         grad_wire_dtype=torch.float32 if cfg.grad_wire_dtype == "float32" else DTYPES[cfg.dtype],
+        head_loss=parts.head_loss if cfg.loss == "chunked" else None,
     )
     losses: list[float] = []
     if cfg.resume:
