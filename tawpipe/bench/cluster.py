@@ -567,7 +567,7 @@ def sweep_plots(result: dict[str, Any], out: str, plt: Any) -> list[str]:
 # on the link (0.46 s at 14 Mbit/s), as a 1024-wide layer's on an A100-class GPU against 10 GbE.
 PRESETS: dict[str, dict[str, Any]] = {
     "long": dict(hidden=128, heads=4, layers_per_rank=1, seq_len=[4096], micro_batches=2, batch_size=1,
-                 rate="14mbit", cpus_per_rank=0.3, rounds=2, steps=2,
+                 rate="14mbit", cpus_per_rank=0.3, rounds=1, steps=3,
                  methods=["tawpipe", "tawpipe-best", "weipipe", "fsdp", "fsdp-node", "hsdp", "ddp", "1f1b"],
                  compute_only=["tawpipe-best"]),
     # the same model and cluster on 2x2 over S, across the crossover of tawpipe's best with 1F1B
@@ -591,7 +591,7 @@ class _Preset(argparse.Action):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--preset", choices=sorted(PRESETS), action=_Preset, default=None,
-                   help="long: the long-context comparison at the paper's proportions (2x2 and 3x2, about 30 "
+                   help="long: the long-context comparison at the paper's proportions (2x2 and 3x2, about 26 "
                         "minutes); sweep: the same over S on 2x2 (README, 'Long context'); other options win")
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 3], help="node counts to run, one cluster each")
     p.add_argument("--per-node", type=int, default=2, help="ranks per node")
