@@ -157,7 +157,8 @@ class ClusterSpec:
             if self.compute == "shared":
                 raise ValueError("cpus-per-rank sets the quota of fixed compute; leave it out with compute 'shared'")
             if not 0.01 <= self.cpus_per_rank <= os.cpu_count():
-                raise ValueError(f"cpus-per-rank must lie in 0.01..{os.cpu_count()} (cores), got {self.cpus_per_rank!r}")
+                raise ValueError(f"cpus-per-rank must lie in 0.01..{os.cpu_count()} (cores), "
+                                 f"got {self.cpus_per_rank!r}")
         if _NAME.match(f"{self.run_id}-br") is None:
             raise ValueError(f"run id {self.run_id!r} must look like '{PREFIX}<pid>x<n>'")
 
@@ -256,9 +257,9 @@ def cpu_controller(roots: Sequence[str] = CGROUP_ROOTS) -> tuple[str, int] | Non
 class CpuQuota:
     """One cgroup per rank, ``<root>/<run id>/r<rank>``, limited to ``spec.rank_cpus`` cores.
 
-    A rank's processes join its cgroup before they exec (``join``), so everything the rank runs,
-    gloo's threads included, shares the quota, as a GPU's compute and its copy engines share one
-    device's time."""
+    A rank's process joins its cgroup before it execs (its pid into ``procs_file``), so
+    everything the rank runs, gloo's threads included, shares the quota, as a GPU's compute
+    and its copy engines share one device's time."""
 
     def __init__(self, spec: ClusterSpec, controller: tuple[str, int]) -> None:
         self.spec = spec

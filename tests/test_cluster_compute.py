@@ -86,7 +86,6 @@ def test_stale_cgroups_are_those_of_dead_launchers(tmp_path):
 
 def test_fixed_compute_without_a_controller_names_the_shared_mode(monkeypatch):
     monkeypatch.setenv("TAWPIPE_NETNS_TESTS", "1")  # the check itself creates nothing (conftest.py)
-    monkeypatch.setattr(cl, "CGROUP_ROOTS", ())
     monkeypatch.setattr(cl, "cpu_controller", lambda roots=(): None)
     monkeypatch.setattr(cl.os, "geteuid", lambda: 0)
     monkeypatch.setattr(cl, "_effective_capabilities", lambda: -1)

@@ -638,8 +638,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+        per_rank = args.layers_per_rank
         cfgs = [RunConfig(nodes=g, per_node=args.per_node, hidden=args.hidden,
-                          layers=args.layers if args.layers_per_rank is None else args.layers_per_rank * g * args.per_node,
+                          layers=args.layers if per_rank is None else per_rank * g * args.per_node,
                           heads=args.heads, seq_len=seq, vocab=args.vocab, loss=args.loss,
                           micro_batches=args.micro_batches, batch_size=args.batch_size, steps=args.steps)
                 for g in args.nodes for seq in args.seq_len]
