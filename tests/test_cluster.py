@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -325,6 +326,28 @@ def test_the_measured_crossover_is_where_the_time_ratio_crosses_one():
     assert "| 512 | 2.00 | 1.00 | 2.00 |" in text and "S = 1,024 (measured" in text
     never = {"shapes": [_sweep_shape(256, 2.0, 1.0), _sweep_shape(512, 1.5, 1.0)]}
     assert bench.sweep_crossovers(never)[0]["measured_seq"] is None
+
+
+def test_each_shape_is_written_as_soon_as_it_is_measured(tmp_path, monkeypatch):
+    """A run stopped during its second cluster keeps the first one's results on disk."""
+    measured = []
+
+    def run_shape(cfg, here, spec, rounds, timeout, log=print):
+        if measured:
+            raise KeyboardInterrupt
+        measured.append(cfg.nodes)
+        return {"runs": {m.name: [] for m in here}, "checks": {}, "reference_losses": [1.0],
+                "failures": {m.name: ["rank 1 exited with code 1"] for m in here}}
+
+    monkeypatch.setattr(bench, "run_shape", run_shape)
+    monkeypatch.setattr(bench, "unavailable_reason", lambda spec=None: None)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(_parse("--nodes", "2", "3", "--methods", "ddp", "hsdp", "--out", str(tmp_path)))
+    saved = json.loads((tmp_path / "cluster.json").read_text())
+    assert [s["config"]["nodes"] for s in saved["shapes"]] == [2] == measured
+    assert [r["method"] for r in saved["shapes"][0]["rows"]] == ["ddp", "hsdp"]
+    assert "### 2 nodes × 2 ranks" in (tmp_path / "cluster.md").read_text()
+    assert not list(tmp_path.glob("*.part"))
 
 
 class _Runs:

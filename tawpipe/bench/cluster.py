@@ -685,15 +685,7 @@ def main(args: argparse.Namespace) -> int:
         add_bounds(rows)
         result["shapes"].append({"config": asdict(cfg), "rows": rows, "reference_losses": raw["reference_losses"],
                                  "raw": raw["runs"]})
-    if len(args.seq_len) > 1:
-        result["crossovers"] = sweep_crossovers(result)
-    result["notes"] = _notes(result)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "cluster.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    md = markdown(result)
-    with open(os.path.join(args.out, "cluster.md"), "w") as f:
-        f.write(md)
+        md = write_results(result, args.out)  # after every shape: a run stopped later keeps this one
     print(md)
     for path in plots(result, args.out):
         print(f"wrote {path}")
@@ -704,6 +696,22 @@ def main(args: argparse.Namespace) -> int:
         print(f"tawpipe bench cluster: these runs did NOT compute the reference update: {failed}")
         return 1
     return 0
+
+
+def write_results(result: dict[str, Any], out: str) -> str:
+    """cluster.json and cluster.md of the shapes measured so far, each replaced atomically; the
+    markdown returned."""
+    if len({s["config"]["seq_len"] for s in result["shapes"]}) > 1:
+        result["crossovers"] = sweep_crossovers(result)
+    result["notes"] = _notes(result)
+    md = markdown(result)
+    os.makedirs(out, exist_ok=True)
+    for name, text in (("cluster.json", json.dumps(result, indent=1)), ("cluster.md", md)):
+        part = os.path.join(out, f"{name}.part")
+        with open(part, "w") as f:
+            f.write(text)
+        os.replace(part, os.path.join(out, name))
+    return md
 
 
 def _notes(result: dict[str, Any]) -> list[str]:
