@@ -591,7 +591,7 @@ class _Preset(argparse.Action):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--preset", choices=sorted(PRESETS), action=_Preset, default=None,
-                   help="long: the long-context comparison at the paper's proportions (2x2 and 3x2, about 26 "
+                   help="long: the long-context comparison at the paper's proportions (2x2 and 3x2, 31 "
                         "minutes); sweep: the same over S on 2x2 (README, 'Long context'); other options win")
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 3], help="node counts to run, one cluster each")
     p.add_argument("--per-node", type=int, default=2, help="ranks per node")
