@@ -378,8 +378,7 @@ def _sweep_markdown(result: dict[str, Any]) -> list[str]:
         return []
     lines = []
     for c in result["crossovers"]:
-        shapes = sorted((s for s in result["shapes"] if (s["config"]["nodes"], s["config"]["per_node"])
-                         == (c["nodes"], c["per_node"])), key=lambda s: s["config"]["seq_len"])
+        shapes = by_cluster(result)[(c["nodes"], c["per_node"])]
         labels = {r["method"]: r["label"] for s in shapes for r in s["rows"] if not r.get("unlimited")}
         lines += [f"### Sweep over S, {c['nodes']} × {c['per_node']}: median s/it", "",
                   "| S | " + " | ".join(labels.values()) + f" | {c['fast']} / {c['slow']} |",
@@ -488,14 +487,20 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
     return paths
 
 
+def by_cluster(result: dict[str, Any]) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """The shapes of each cluster (nodes, per node), in the order first run, each by S."""
+    out: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for shape in result["shapes"]:
+        out.setdefault((shape["config"]["nodes"], shape["config"]["per_node"]), []).append(shape)
+    return {key: sorted(shapes, key=lambda s: s["config"]["seq_len"]) for key, shapes in out.items()}
+
+
 def sweep_crossovers(result: dict[str, Any], fast: str = "tawpipe-best", slow: str = "1f1b") -> list[dict[str, Any]]:
     """Per cluster of a sweep over S: where ``fast``'s median time meets ``slow``'s, measured
     (interpolated in log S between the two runs around it) and predicted (the bytes of ``fast``'s
     plan against 1F1B's closed form, design §7.4)."""
     out = []
-    for key in dict.fromkeys((s["config"]["nodes"], s["config"]["per_node"]) for s in result["shapes"]):
-        shapes = sorted((s for s in result["shapes"] if (s["config"]["nodes"], s["config"]["per_node"]) == key),
-                        key=lambda s: s["config"]["seq_len"])
+    for key, shapes in by_cluster(result).items():
         points = []
         for shape in shapes:
             rows = {r["method"]: r for r in shape["rows"] if r.get("status") == "ok"}
@@ -523,9 +528,7 @@ def sweep_plots(result: dict[str, Any], out: str, plt: Any) -> list[str]:
     crossover of tawpipe's best with 1F1B; peak memory per rank against S beside it."""
     paths = []
     crossings = {(c["nodes"], c["per_node"]): c for c in result.get("crossovers", [])}
-    for key in dict.fromkeys((s["config"]["nodes"], s["config"]["per_node"]) for s in result["shapes"]):
-        shapes = sorted((s for s in result["shapes"] if (s["config"]["nodes"], s["config"]["per_node"]) == key),
-                        key=lambda s: s["config"]["seq_len"])
+    for key, shapes in by_cluster(result).items():
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
         labels = {r["method"]: r["label"] for s in shapes for r in s["rows"] if not r.get("unlimited")}
         for name, label in labels.items():
