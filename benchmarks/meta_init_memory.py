@@ -92,7 +92,8 @@ def measure_rank(a: argparse.Namespace) -> dict:
     psi, rep = parts.decoder_params, parts.replicated_params
     after_model = peak_host_bytes()
     engine = TawPipe(**parts.engine_args(), topology=topo, micro_batches=1, compute_dtype=dtype,
-                     grad_wire_dtype=dtype, comm=SoloComm(a.rank, topo.world_size))
+                     grad_wire_dtype=dtype, comm=SoloComm(a.rank, topo.world_size),
+                     mb_per_fetch=1, prefetch_depth=1, reuse_weights=False)  # the staging measured: not "auto"'s
     release()
     after_engine = peak_host_bytes()
     engine.optimizer.step()  # AdamW creates its state here (the gradients are zero)

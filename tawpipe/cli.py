@@ -1,9 +1,9 @@
 """The ``tawpipe`` command line.
 
 Each subcommand is registered by one ``_add_<name>(subparsers)`` function listed in
-``_SUBCOMMANDS``. ``plan`` lives here. ``train``, ``bench`` and ``cluster`` belong to
-``tawpipe.train``, ``tawpipe.bench`` and ``tawpipe.cluster``, which are imported only when their
-subcommand runs (``tawpipe.commands``).
+``_SUBCOMMANDS``. ``plan`` lives here. ``train``, ``bench``, ``cluster`` and ``simulate`` belong to
+``tawpipe.train``, ``tawpipe.bench``, ``tawpipe.cluster`` and ``tawpipe.simulate``, which are
+imported only when their subcommand runs (``tawpipe.commands``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .commands import delegate
-from .cost.memory import Choice, MemoryEstimate, estimate_memory, fitting, memory_per_rank
+from .cost.memory import Choice, MemoryEstimate, NothingFits, auto_plan, estimate_memory, fitting, memory_per_rank
 from .cost.traffic import KINDS, PEER_METHODS, ModelDims, estimate, plan_traffic
 from .plan.plan import ALGOS, GRAD_ROUTES, Plan
 from .plan.schedule import RESIDENT, build_plan, check_replicas, compute_actions, depth_text, prefetch_depth_arg
@@ -67,7 +67,8 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient element on the wire")
     m.add_argument("--memory-budget", type=float, default=None,
                    help="GiB per rank: suggest the largest k, and the k and prefetch depth with the "
-                        "fewest inter-node bytes, whose estimated memory fits")
+                        "fewest inter-node bytes, whose estimated memory fits; and what 'auto' (the default of "
+                        "tawpipe train and the engine) chooses within it")
     p.set_defaults(run=_run_plan)
 
 
@@ -185,10 +186,24 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..
         largest, cheapest = fitting(options, args.memory_budget * 2**30)
         if cheapest is None:
             print(f"within {args.memory_budget:g} GiB per rank: nothing fits, not even k=1")
-            return
-        k, d, reuse = cheapest
-        print(f"within {args.memory_budget:g} GiB per rank: largest k {largest}; fewest inter-node bytes with "
-              f"k={k}, --prefetch-depth {d}{' --reuse-weights' if reuse else ''}")
+        else:
+            k, d, reuse = cheapest
+            print(f"within {args.memory_budget:g} GiB per rank: largest k {largest}; fewest inter-node bytes with "
+                  f"k={k}, --prefetch-depth {d}{' --reuse-weights' if reuse else ''}")
+        _print_auto(args, dims)
+
+
+def _print_auto(args: argparse.Namespace, dims: ModelDims) -> None:
+    """What "auto" (the default of ``tawpipe train`` and the engine) chooses within --memory-budget,
+    on this command's estimate of the memory (design §7.3)."""
+    try:
+        _, why = auto_plan(Topology(args.nodes, args.per_node), args.layers, args.micro_batches,
+                           memory=lambda plan: memory_per_rank(plan, dims), budget=args.memory_budget * 2**30,
+                           budget_text="--memory-budget", grad_route=args.grad_route, replicas=args.replicas,
+                           **_dims_and_sizes(args)[1])
+    except NothingFits as e:
+        why = str(e)
+    print(f"auto (tawpipe train's default): {why}")
 
 
 def _print_replicas(args: argparse.Namespace, dims: ModelDims, topo: Topology) -> None:
@@ -263,7 +278,9 @@ _add_bench = functools.partial(delegate, prog="tawpipe", name="bench", module="t
                                help="benchmark tawpipe against its peers")
 _add_cluster = functools.partial(delegate, prog="tawpipe", name="cluster", module="tawpipe.cluster",
                                  help="an emulated multi-node cluster on this machine (root)")
-_SUBCOMMANDS = (_add_plan, _add_train, _add_bench, _add_cluster)
+_add_simulate = functools.partial(delegate, prog="tawpipe", name="simulate", module="tawpipe.simulate",
+                                  help="what TawPipe and its peers would do on a cluster you describe")
+_SUBCOMMANDS = (_add_plan, _add_train, _add_bench, _add_cluster, _add_simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -212,6 +212,12 @@ class ClusterSpec:
         return rank // self.per_node
 
 
+def shaper_burst(rate_bytes: float) -> int:
+    """The shaper's bucket, bytes: it must exceed the largest GSO packet (64 KiB plus a header per
+    segment); smaller ones shape each packet late and the link runs below its rate."""
+    return max(256 * 1024, int(rate_bytes * 0.004))
+
+
 def _shaper(ns: str, dev: str, spec: ClusterSpec) -> list[list[str]]:
     """The link rate on one direction of one link: htb with two classes sharing it. Packets under
     128 bytes (TCP's bare acknowledgements) go first; the rest wait in a byte FIFO ``queue_ms`` deep.
@@ -221,9 +227,7 @@ def _shaper(ns: str, dev: str, spec: ClusterSpec) -> list[list[str]]:
     of bulk bytes, so a link busy both ways (a swap of chunks between two nodes) would run far
     below its rate. A switch port with a shallow buffer does not do that."""
     rate_bytes = spec.rate_bits / 8
-    # The buckets must exceed the largest GSO packet (64 KiB plus a header per segment): smaller
-    # ones shape each packet late and the link runs below its rate.
-    burst = str(max(256 * 1024, int(rate_bytes * 0.004)))
+    burst = str(shaper_burst(rate_bytes))
     tc = ["tc", "-n", ns]
     cls = [*tc, "class", "add", "dev", dev]
     return [

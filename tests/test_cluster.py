@@ -215,7 +215,7 @@ def test_best_k_is_the_micro_batch_count():
     assert bench.methods(4, prefetch_depth=2)["tawpipe-best"].engine_options == {
         "mb_per_fetch": 4, "reuse_weights": True, "prefetch_depth": "resident", "recompute": "none"}
     assert bench.methods(4, prefetch_depth=3, recompute="chunk")["tawpipe"].engine_options == {
-        "prefetch_depth": 3, "recompute": "chunk"}
+        "mb_per_fetch": 1, "prefetch_depth": 3, "reuse_weights": False, "recompute": "chunk"}
     assert bench.methods(4, recompute="chunk")["weipipe"].engine_options == {"algo": "weipipe", "recompute": "chunk"}
     assert "tawpipe-best" not in bench.methods(1)
 

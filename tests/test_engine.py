@@ -13,6 +13,7 @@ from tawpipe.runtime.launch import run_local
 from engine_cases import evaluation, exactness
 
 PARAM_RTOL = 1e-5
+PAPER = dict(mb_per_fetch=1, prefetch_depth=1, reuse_weights=False)  # the paper's schedule; the default is "auto"
 
 
 def _divisors(n: int) -> list[int]:
@@ -54,7 +55,8 @@ CI_CASES = {
     1: [dict(nodes=1, acc=2, layers=3)],
     2: [dict(nodes=2, acc=2, layers=3), dict(nodes=1, acc=1, layers=2)],
     4: [
-        dict(nodes=2, acc=2, layers=4),
+        dict(nodes=2, acc=2, layers=4, **PAPER),
+        dict(nodes=2, acc=2, layers=4),  # "auto": k=2, every chunk resident
         dict(nodes=2, acc=3, layers=5, grad_route="leader"),
         dict(nodes=4, acc=2, layers=6),  # s = 1
         dict(nodes=1, acc=1, layers=5),  # G = 1
@@ -87,7 +89,7 @@ def test_exact_vs_single_process(world: int) -> None:
 @pytest.mark.parametrize("world", [1, 2, 4, 6, 8])
 def test_exact_full_matrix(world: int) -> None:
     cases = [
-        dict(nodes=g, acc=acc, layers=layers)
+        dict(nodes=g, acc=acc, layers=layers, **PAPER)
         for g, acc, layers in itertools.product(_divisors(world), (1, 2, 3), (2 * world, 2 * world + 1))
     ]
     for g in _divisors(world):  # every k, deeper prefetch, and the WeiPipe baseline
@@ -117,7 +119,7 @@ def test_low_precision_loss_trajectory_follows_fp32() -> None:
 
 
 def test_memory_is_sharded() -> None:
-    results = run_local(exactness, 4, [dict(nodes=2, acc=1, layers=8, steps=1)], timeout=240)
+    results = run_local(exactness, 4, [dict(nodes=2, acc=1, layers=8, steps=1, **PAPER)], timeout=240)
     for (r,) in results:
         mem = r["memory"]
         # float32 master + AdamW moments + float32 gradient accumulator: 16 bytes per own parameter

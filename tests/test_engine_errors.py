@@ -243,16 +243,16 @@ def test_a_wrong_plan_is_refused_before_anything_is_sent(monkeypatch) -> None:
     from tawpipe.engine import engine as engine_module
     from tawpipe.plan.actions import Op, PlanError
 
-    real = engine_module.build_plan
+    real = engine_module.engine_plan
 
     def broken(*args, **kwargs):
-        plan = real(*args, **kwargs)
+        plan, why = real(*args, **kwargs)
         acts = list(plan.actions[1])
         i = next(i for i, a in enumerate(acts) if a.op is Op.F and a.chunk == 1)
         acts[i] = dataclasses.replace(acts[i], buf="w0" if acts[i].buf != "w0" else "w1")  # reads the other buffer
-        return dataclasses.replace(plan, actions=(plan.actions[0], tuple(acts), *plan.actions[2:]))
+        return dataclasses.replace(plan, actions=(plan.actions[0], tuple(acts), *plan.actions[2:])), why
 
-    monkeypatch.setattr(engine_module, "build_plan", broken)
+    monkeypatch.setattr(engine_module, "engine_plan", broken)
     m = TinyLM(4)
     with pytest.raises(PlanError, match=r"rank 1 F W1 m0 .*holding W"):
         TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=2, comm=NoComm(4))

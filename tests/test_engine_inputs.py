@@ -48,13 +48,13 @@ def _params(eng: TawPipe) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def no_plan(monkeypatch):
-    """build_plan fails the test: a huge micro_batches must be refused before any plan is built
-    (without the check the test would fail here, not run out of memory)."""
+    """Building the plan (``engine_plan``) fails the test: a huge micro_batches must be refused
+    before any plan is built (without the check the test would fail here, not run out of memory)."""
 
     def built(*args, **kwargs):
         raise AssertionError(f"build_plan ran with micro_batches={args[2]}")
 
-    monkeypatch.setattr(engine_module, "build_plan", built)
+    monkeypatch.setattr(engine_module, "engine_plan", built)
 
 
 @pytest.mark.parametrize("topo", [Topology(1, 1), Topology(2, 2)])

@@ -23,7 +23,6 @@ from tawpipe.cost.memory import rank_memory
 from tawpipe.engine.engine import TawPipe
 from tawpipe.io import checkpoint
 from tawpipe.io import safetensors as st_io
-from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.launch import JobFailed
 from tawpipe.train import job
@@ -112,8 +111,7 @@ def test_the_estimate_counts_what_the_engine_allocates():
     engine.step((x, x.roll(-1, 1)))
     report = engine.memory_report()
     blocks, embed, head, _ = models.meta_model("micro")
-    plan = build_plan(topo, len(blocks), 2)
-    est = rank_memory(plan, 0, chunk_numel=[sum(p.numel() for b in blocks for p in b.parameters())],
+    est = rank_memory(engine.plan, 0, chunk_numel=[sum(p.numel() for b in blocks for p in b.parameters())],
                       replicated_numel=sum({id(p): p.numel() for m in (embed, head) for p in m.parameters()}.values()),
                       weight_bytes=2, grad_bytes=4, scratch_bytes=2, seq=16, micro_batch=2, hidden=64, heads=4,
                       vocab=256)

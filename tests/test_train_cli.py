@@ -174,8 +174,9 @@ def _no_workers(monkeypatch) -> None:
     (["--micro-batches", "-1"], "--micro-batches must be >= 1, got -1"),
     (["--mb-per-fetch", "3"], "schedule: mb_per_fetch=3 does not divide micro_batches=2: .*pick a divisor"),
     (["--algo", "weipipe", "--prefetch-depth", "2"], "schedule: weipipe is the paper's lock-step ring"),
-    (["--prefetch-depth", "resident"], "schedule: prefetch_depth='resident' keeps fetched chunks only if they are "
-                                       r"reused: pass reuse_weights=True \(--reuse-weights\)"),
+    (["--prefetch-depth", "resident", "--no-reuse-weights"],
+     r"schedule: prefetch_depth='resident' keeps fetched chunks only if they are reused: pass reuse_weights=True "
+     r"\(--reuse-weights\)"),
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be a finite number > 0, got 0.0"),
     (["--save-every", "2"], "--save-every needs --save DIR"),

@@ -77,7 +77,8 @@ def methods(micro_batches: int, prefetch_depth: int | str = 1, recompute: str = 
     here does, so all do the same work. Each R in ``replicas`` adds tawpipe-rR and tawpipe-best-rR:
     the same two with the engine's ``replicas=R`` (see :func:`for_shape`)."""
     k = micro_batches  # the largest k dividing micro_batches; it fits this model's memory
-    taw = [Method("tawpipe", "tawpipe (k=1)", {"prefetch_depth": prefetch_depth, "recompute": recompute})]
+    paper = {"mb_per_fetch": 1, "prefetch_depth": prefetch_depth, "reuse_weights": False}  # not the engine's "auto"
+    taw = [Method("tawpipe", "tawpipe (k=1)", {**paper, "recompute": recompute})]
     if k > 1:
         best = {"mb_per_fetch": k, "reuse_weights": True, "prefetch_depth": RESIDENT, "recompute": recompute}
         taw.append(Method("tawpipe-best", f"tawpipe (k={k}, reuse, resident)", best))
@@ -687,7 +688,7 @@ def main(args: argparse.Namespace) -> int:
                           raw["failures"].get(m.name)) for m in here]
         add_bounds(rows)
         result["shapes"].append({"config": asdict(cfg), "rows": rows, "reference_losses": raw["reference_losses"],
-                                 "raw": raw["runs"]})
+                                 "compute": describe_compute(spec), "raw": raw["runs"]})
         md = write_results(result, args.out)  # after every shape: a run stopped later keeps this one
     print(md)
     for path in plots(result, args.out):

@@ -49,7 +49,7 @@ def _engine(model: Llama, topo: Topology, acc: int, comm, overlap: bool) -> TawP
     return TawPipe(
         model.blocks, model.embed, model.head, llama_loss, topology=topo, micro_batches=acc,
         block_forward=block_forward, block_context=lambda t: model.block_context(t.shape[1], "cpu"),
-        comm=comm, overlap=overlap,
+        comm=comm, overlap=overlap, mb_per_fetch=1, prefetch_depth=1, reuse_weights=False,  # the paper's, as measured
     )
 
 

@@ -4,18 +4,23 @@ depth fit a budget.
 Bytes on the wire are ``tawpipe.cost.traffic``'s; this module adds the other side of the trade-off of
 design §7.3: running a resident chunk for k micro-batches cuts weight and gradient traffic by k
 and keeps k times as many chunk-boundary activations alive; a deeper prefetch keeps more chunks
-resident (fewer bytes again) in more staging buffers.
+resident (fewer bytes again) in more staging buffers. ``choose`` and ``auto_plan`` make that
+trade for the engine's and ``tawpipe train``'s default, ``"auto"``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..plan.actions import GRAD_OPS, WEIGHT_OPS, BufKind, Op, buf_kind
 from ..plan.plan import Plan
+from ..plan.schedule import RESIDENT, build_plan, compute_actions, resident_depth
 from ..plan.topology import Topology
-from .traffic import ModelDims
+from .traffic import ModelDims, plan_traffic
 
 
 @dataclass(frozen=True)
@@ -37,11 +42,14 @@ class MemoryEstimate:
 def working_set_bytes(dims: ModelDims, layers: int) -> float:
     """Activations of ``layers`` transformer layers for one micro-batch while backward runs:
     s·b·h·(34 + 5·a·s/h) bytes per layer at 2-byte activations (Korthikanti et al. 2022,
-    attention scores materialised), scaled to ``dims.dtype_bytes``. An estimate, not a count."""
-    return _working_set(dims.seq, dims.micro_batch, dims.hidden, dims.heads, layers, dims.dtype_bytes)
+    attention scores materialised), scaled to ``dims.dtype_bytes``; without the 5·a·s/h term when
+    ``dims.scores`` is off (a fused attention kernel keeps no scores). An estimate, not a count."""
+    return _working_set(dims.seq, dims.micro_batch, dims.hidden, dims.heads if dims.scores else 0, layers,
+                        dims.dtype_bytes)
 
 
 def _working_set(s: int, b: int, h: int, a: int, layers: int, dtype_bytes: int) -> float:
+    """``a`` heads whose scores are kept (0: none)."""
     return layers * s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2
 
 
@@ -80,8 +88,8 @@ def _layout(dims: ModelDims, chunk_layers: int, chunks: int, k: int, weight_bufs
 
 
 def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated_numel: int, weight_bytes: int,
-                grad_bytes: int, scratch_bytes: int, seq: int, micro_batch: int, hidden: int, heads: int,
-                vocab: int) -> MemoryEstimate:
+                grad_bytes: int, scratch_bytes: int, seq: int = 0, micro_batch: int = 0, hidden: int = 0,
+                heads: int = 1, vocab: int = 0) -> MemoryEstimate:
     """``rank``'s memory as the engine lays it out for ``plan`` (``tawpipe.engine.storage``): its
     own chunk's float32 master, gradient accumulator and AdamW moments (16 B per parameter, counted
     from ``chunk_numel``, each chunk's parameters); one staging buffer of the largest chunk per
@@ -90,21 +98,28 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     16 B each; briefly, 16 B per own parameter more (``transient``): the float64 copy of the
     gradient accumulator and its square that the gradient norm takes (``Precision.local_stats``).
     Activations are estimated: the saved chunk inputs, one chunk's working set
-    (``working_set_bytes``) and the head's float32 logits, their log-softmax and gradient."""
+    (``working_set_bytes``) and the head's float32 logits, their log-softmax and gradient; none
+    where the batch is not known (``seq`` 0: the engine before its first batch)."""
     own = chunk_numel[plan.own_chunk(rank)]
     largest = max(chunk_numel)
     names = {b for a in plan.actions[rank] for b in (a.buf, a.grad_buf) if b}
     per_element = {BufKind.WEIGHTS: weight_bytes, BufKind.GRADS: grad_bytes, BufKind.STATE: 4}
     staging = largest * (sum(per_element[buf_kind(b)] for b in names) + scratch_bytes)
-    k = int(plan.options.get("mb_per_fetch", 1))
-    chunk_layers = max(b - a for a, b in plan.chunk_layers)
-    boundary = plan.replica_size * k * micro_batch * seq * hidden * weight_bytes
-    logits = 3 * micro_batch * seq * vocab * 4
-    return MemoryEstimate(
-        persistent=16 * own, staging=staging, replicated=16 * replicated_numel,
-        activations=boundary + _working_set(seq, micro_batch, hidden, heads, chunk_layers, weight_bytes) + logits,
-        transient=16 * own,
-    )
+    activations = 0.0
+    if seq:
+        k = int(plan.options.get("mb_per_fetch", 1))
+        chunk_layers = max(b - a for a, b in plan.chunk_layers)
+        boundary = plan.replica_size * k * micro_batch * seq * hidden * weight_bytes
+        logits = 3 * micro_batch * seq * vocab * 4
+        activations = boundary + _working_set(seq, micro_batch, hidden, heads, chunk_layers, weight_bytes) + logits
+    return MemoryEstimate(persistent=16 * own, staging=staging, replicated=16 * replicated_numel,
+                          activations=activations, transient=16 * own)
+
+
+def busiest_rank_memory(plan: Plan, **sizes: Any) -> MemoryEstimate:
+    """The largest ``rank_memory(plan, rank, **sizes)`` over one replica's ranks (the other
+    replicas repeat them): a figure every rank computes alike, so that ``auto`` can decide on it."""
+    return max((rank_memory(plan, r, **sizes) for r in range(plan.replica_size)), key=lambda m: m.total)
 
 
 Choice = tuple[int, int, bool]  # (k, prefetch depth, reuse_weights)
@@ -118,3 +133,139 @@ def fitting(options: dict[Choice, tuple[float, MemoryEstimate]], budget: float) 
     if not fits:
         return None, None
     return max(k for k, _, _ in fits), min(fits, key=lambda c: (fits[c][0], fits[c][1].total))
+
+
+AUTO = "auto"
+# auto builds every candidate's plan while their forwards and backwards add up to at most this
+# many (a few seconds of one core); past it, it builds them in the order of design §7.4's closed
+# form of their bytes and takes the first that fits.
+AUTO_BUILD_COMPUTE_ACTIONS = 300_000
+
+
+class NothingFits(ValueError):
+    """No choice fits the budget; ``least`` is the one that takes the least memory."""
+
+    def __init__(self, message: str, least: Choice) -> None:
+        super().__init__(message)
+        self.least = least
+
+
+def describe(choice: Choice, resident: int | None = None) -> str:
+    """A choice as the summaries print it: ``k=2, resident depth 3, reuse``."""
+    k, d, reuse = choice
+    return f"k={k}, {'resident ' if reuse and d == resident else ''}depth {d}, {'reuse' if reuse else 'no reuse'}"
+
+
+def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float, *, resident: int | None = None,
+           budget_text: str = "") -> tuple[Choice, str]:
+    """What ``"auto"`` takes among ``options`` (per choice: the busiest node's inter-node bytes per
+    iteration, and the busiest rank's memory): the fewest bytes among the choices whose memory fits
+    ``budget`` bytes, then the least memory, then the smaller k and depth, reuse only where it
+    saves bytes. A pure function of its arguments, so that ranks given the same numbers choose
+    alike (and the simulator can ask it too). Returns the choice and why, one line; NothingFits,
+    naming the options that fix it, where nothing fits. ``resident``: the resident depth, named
+    as such; ``budget_text``: where the budget comes from."""
+    def order(c: Choice) -> tuple:
+        return options[c][0], options[c][1].total, c
+
+    within = _within(budget, budget_text)
+    fits = sorted((c for c in options if options[c][1].total <= budget), key=order)
+    if not fits:
+        least = min(options, key=lambda c: (options[c][1].total, options[c][0], c))
+        raise NothingFits(
+            f"no schedule fits {within}: the least memory, {describe(least, resident)}, takes "
+            f"{_gib(options[least][1].total)} per rank; if the ranks have more, say how much with --memory-budget GiB "
+            "(memory_budget= bytes), or give --mb-per-fetch, --prefetch-depth and --reuse-weights (mb_per_fetch=, "
+            "prefetch_depth=, reuse_weights=) yourself", least)
+    best = fits[0]
+    inter, memory = options[best][0], f"{_gib(options[best][1].total)} per rank"
+    if len(fits) == 1:
+        why = f"the only choice that fits: {memory} {within}"
+    elif all(options[c][0] == inter for c in fits):
+        why = f"all that fit move {_bytes(inter)}/iter across nodes: the least memory, {memory} {within}"
+    else:
+        why = f"the fewest inter-node bytes ({_bytes(inter)}/iter, busiest node), {memory} {within}"
+    cheapest = min(options, key=order)
+    if options[cheapest][0] < inter:
+        why += (f"; {describe(cheapest, resident)} would move {_bytes(options[cheapest][0])} but takes "
+                f"{_gib(options[cheapest][1].total)}")
+    return best, f"{describe(best, resident)} — {why}"
+
+
+def candidates(micro_batches: int, *, mb_per_fetch: int | str = AUTO, prefetch_depth: int | str = AUTO,
+               reuse_weights: bool | str = AUTO) -> list[tuple[int, int | str, bool]]:
+    """The (k, depth, reuse) that ``auto`` weighs, the given values kept: every k that divides
+    ``micro_batches``; depth 1 without and with reuse, and the resident depth (with reuse, which
+    it needs). Given values that cannot go together stay, so that ``build_plan`` names them."""
+    ks = [k for k in range(1, micro_batches + 1) if micro_batches % k == 0] if mb_per_fetch == AUTO else [mb_per_fetch]
+    depths = [1, RESIDENT] if prefetch_depth == AUTO else [prefetch_depth]
+    reuses = [False, True] if reuse_weights == AUTO else [reuse_weights]
+    chosen = AUTO in (prefetch_depth, reuse_weights)
+    return [(k, d, r) for d in depths for r in reuses for k in ks if r or d != RESIDENT or not chosen]
+
+
+def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory: Callable[[Plan], MemoryEstimate],
+              budget: float, budget_text: str = "", strict: bool = True, mb_per_fetch: int | str = AUTO,
+              prefetch_depth: int | str = AUTO, reuse_weights: bool | str = AUTO,
+              **plan_args: Any) -> tuple[Plan, str | None]:
+    """``build_plan(topology, num_layers, micro_batches, **plan_args)`` with the options left
+    ``"auto"`` chosen by ``choose`` among ``candidates``: each candidate's plan is built, its
+    busiest node's inter-node bytes counted (``plan_traffic``) and its memory taken from
+    ``memory(plan)`` (the busiest rank's). Large plans are built in the order of their closed-form
+    bytes, (f_w·b_w + b_g)/k (design §7.4), until one fits. Returns the plan and why it was
+    chosen (None: every option was given). Where nothing fits, NothingFits if ``strict`` (a
+    budget the user gave); otherwise the least memory, for the caller's own check to judge."""
+    build = functools.partial(build_plan, topology, num_layers, micro_batches, **plan_args)
+    asked = {"mb_per_fetch": mb_per_fetch, "prefetch_depth": prefetch_depth, "reuse_weights": reuse_weights}
+    given = {name: v for name, v in asked.items() if v != AUTO}
+    if len(given) == len(asked):
+        return build(**given), None
+    shown = {"mb_per_fetch": f"k={mb_per_fetch}", "prefetch_depth": f"depth {prefetch_depth}",
+             "reuse_weights": "reuse" if reuse_weights is True else "no reuse"}
+    note = f" ({', '.join(shown[n] for n in given)} given)" if given else ""
+    algo = plan_args.get("algo", "tawpipe")
+    if algo != "tawpipe":
+        plan = build(**{"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": False, **given})
+        return plan, f"{describe((1, 1, False))} — {algo} is the paper's lock-step ring{note}"
+    todo = candidates(micro_batches, **asked)
+    computes = compute_actions(topology, micro_batches, plan_args.get("replicas", 1))
+    large = computes * len(todo) > AUTO_BUILD_COMPUTE_ACTIONS
+    if large:
+        wb, gb = plan_args.get("weight_bytes", 2), plan_args.get("grad_bytes", 4)
+        todo.sort(key=lambda c: (((1 if c[1] == RESIDENT and c[2] else 2) * wb + gb) / c[0], not c[2]))
+        note += " (a large plan: candidates built in the closed form's order of bytes, the first that fits taken)"
+    options: dict[Choice, tuple[float, MemoryEstimate]] = {}
+    plans: dict[Choice, Plan] = {}
+    for k, d, r in todo:
+        plan = build(mb_per_fetch=k, prefetch_depth=d, reuse_weights=r)
+        choice = (k, int(plan.options["prefetch_depth"]), r)
+        if choice not in options:  # the resident depth may be a depth already weighed
+            options[choice], plans[choice] = (max(plan_traffic(plan).per_node()), memory(plan)), plan
+        if large and options[choice][1].total <= budget:
+            break
+    resident = resident_depth(Topology(plan.topology.nodes // plan.replicas, plan.topology.per_node))
+    try:
+        choice, why = choose(options, budget, resident=resident, budget_text=budget_text)
+    except NothingFits as e:
+        if strict:
+            raise
+        choice = e.least
+        why = (f"{describe(choice, resident)} — the least memory, {_gib(options[choice][1].total)} per rank: by this "
+               f"estimate nothing fits {_within(budget, budget_text)}")
+    return plans[choice], why + note
+
+
+def _within(budget: float, budget_text: str) -> str:
+    shown = f"within {_gib(budget)} per rank" if math.isfinite(budget) else "with no known memory limit"
+    return f"{shown} ({budget_text})" if budget_text else shown
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def _bytes(n: float) -> str:
+    for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= scale:
+            return f"{n / scale:,.2f} {name}"
+    return f"{n:,.0f} B"

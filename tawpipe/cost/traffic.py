@@ -136,11 +136,11 @@ def plan_traffic(plan: Plan) -> Traffic:
                 ring = 2 * (k - 1) / k * a.bytes
                 if spec.scope == "job":
                     for r in range(a.rank, topo.world_size, size):
-                        hop(across, a.slot, r, a.group[(a.group.index(r) + 1) % k], spec.kind, ring)
+                        hop(across, a.slot, r, ring_next(a, r), spec.kind, ring)
                 else:
-                    hop(inside, a.slot, a.rank, a.group[(a.group.index(a.rank) + 1) % k], spec.kind, ring)
+                    hop(inside, a.slot, a.rank, ring_next(a, a.rank), spec.kind, ring)
             elif spec.transfer == "collective" and a.rank == a.root:  # a chain, counted from the root
-                for src, dst in _chain(a):
+                for src, dst in chain_hops(a):
                     hop(inside, a.slot, src, dst, spec.kind, a.bytes)
     flows, node_slots = across
     nodes = topo.nodes // replicas
@@ -152,12 +152,18 @@ def plan_traffic(plan: Plan) -> Traffic:
     return Traffic(topology=topo, flows=dict(flows), node_slots=dict(node_slots))
 
 
-def _chain(a: Action) -> list[tuple[int, int]]:
+def chain_hops(a: Action) -> list[tuple[int, int]]:
+    """The hops of a broadcast (from the root along the group) or a reduce (towards it): a chain."""
     members = a.group
     i = members.index(a.root)
     order = members[i:] + members[:i]
     links = list(zip(order, order[1:]))
     return links if a.op is Op.BCAST_W else [(d, s) for s, d in reversed(links)]
+
+
+def ring_next(a: Action, member: int) -> int:
+    """Whom ``member`` sends to in the ring of an all-reduce over ``a.group``."""
+    return a.group[(a.group.index(member) + 1) % len(a.group)]
 
 
 def _listed(values: list[float], in_bytes: bool, most: int = 16) -> str:
@@ -192,6 +198,8 @@ class ModelDims:
     micro_batch: int = 1
     dtype_bytes: int = 2  # weights and activations on the wire
     grad_bytes: int = 4  # gradients on the wire
+    ffn: int | None = None  # None: the LLaMA sizing of ``ffn_hidden``
+    scores: bool = True  # attention keeps its S x S scores for backward (False: FlashAttention)
 
     def __post_init__(self) -> None:
         kv = self.heads if self.kv_heads is None else self.kv_heads
@@ -204,7 +212,7 @@ class ModelDims:
 
     @property
     def ffn_hidden(self) -> int:
-        return 32 * -(-8 * self.hidden // 96)  # 32 * ceil((8H/3) / 32)
+        return self.ffn if self.ffn is not None else 32 * -(-8 * self.hidden // 96)  # 32 * ceil((8H/3) / 32)
 
     @property
     def layer_numel(self) -> int:

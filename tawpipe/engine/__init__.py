@@ -2,9 +2,10 @@
 
 ``storage`` (what a rank stores), ``compute`` (the math of a chunk), ``precision`` (loss scaling,
 clipping, non-finite steps), ``fingerprint`` (what ranks must agree on), ``offload`` (the own
-chunk in host memory), ``engine`` (the wiring, and every operation the engine offers: step,
-evaluate, state dicts, gather, export tables). Imports ``ops``, ``models`` (the model contract),
-``plan`` and ``runtime``.
+chunk in host memory), ``auto`` (the memory the cost model's choice of the "auto" options may
+plan for), ``engine`` (the wiring, and every operation the engine offers: step, evaluate, state
+dicts, gather, export tables). Imports ``ops``, ``models`` (the model contract), ``plan``,
+``cost`` and ``runtime``.
 """
 
 from .engine import TawPipe, default_optimizer

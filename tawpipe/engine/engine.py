@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..cost.memory import AUTO
 from ..models.parts import (
     PART_NAMES,
     Materialize,
@@ -37,13 +38,14 @@ from ..ops import SUPPORTED_DTYPES
 from ..plan.actions import OPS, QUEUES, Action, BufKind, Channel, Op, buf_kind
 from ..plan.plan import Plan
 from ..plan.programs import eval_program, gather_program, setup_program
-from ..plan.schedule import build_plan, check_replicas, compute_actions
+from ..plan.schedule import check_replicas, compute_actions
 from ..plan.topology import Topology
 from ..plan.verify import verify
 from ..runtime.comm.base import P2P, Comm
 from ..runtime.executor import Executor, Messages
 from ..runtime.timeout import default_timeout
 from . import fingerprint
+from .auto import engine_plan
 from .compute import ChunkCompute, EvalState, StepState
 from .precision import Precision
 from .storage import ChunkStorage, MemoryReport
@@ -227,7 +229,12 @@ class TawPipe:
     ``reuse_weights``) goes far enough that every fetched chunk stays (``schedule.resident_depth``).
     ``mb_per_fetch`` runs each resident chunk for that many micro-batches (one fetch and one
     gradient route per group of micro-batches); ``reuse_weights`` skips the fetch of a chunk still
-    in a staging buffer (fewer bytes than the paper's schedule, same memory); ``grad_wire_dtype``
+    in a staging buffer (fewer bytes than the paper's schedule, same memory). Each of the three
+    left ``"auto"`` (the default) is chosen by the cost model: the fewest inter-node bytes whose
+    memory fits ``memory_budget`` bytes per rank (default: the free memory, design §7.3). The
+    properties ``mb_per_fetch``, ``prefetch_depth`` and ``reuse_weights`` hold the values, and
+    ``auto_reason`` says why. The engine cannot see the activations before its first batch: where
+    they are large, give ``memory_budget`` without them, or the options. ``grad_wire_dtype``
     (float32 or the compute dtype) is the dtype gradients travel in, always accumulated in float32
     by their owner. Blocks may live on the meta device: ``materialize(block, layer_index)`` then
     gives each rank its own chunk's real blocks.
@@ -259,9 +266,10 @@ class TawPipe:
         device: torch.device | str | None = None,
         algo: str = "tawpipe",
         grad_route: str = "rail",
-        prefetch_depth: int | str = 1,
-        mb_per_fetch: int = 1,
-        reuse_weights: bool = False,
+        prefetch_depth: int | str = AUTO,
+        mb_per_fetch: int | str = AUTO,
+        reuse_weights: bool | str = AUTO,
+        memory_budget: float | None = None,
         grad_wire_dtype: torch.dtype = torch.float32,
         overlap: bool = True,
         loss_scale: float | str | None = "auto",
@@ -281,6 +289,10 @@ class TawPipe:
                          head_loss=head_loss)
         _check_options(topology, comm, offload, timeout, names, recompute, compute_dtype, grad_wire_dtype)
         _check_micro_batches(topology, micro_batches, replicas)
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                          or not memory_budget > 0):
+            raise ValueError(f"memory_budget must be None (measure the free memory) or bytes per rank > 0, "
+                             f"got {memory_budget!r}")
         if replicas > 1 and not (comm is None or comm == "torch" or isinstance(comm, Comm)):
             raise ValueError(f"replicas={replicas} needs comm='torch' (NCCL through torch.distributed on GPUs): the "
                              f"{comm!r} backend has no communicators across replicas yet")
@@ -294,10 +306,12 @@ class TawPipe:
         self.topology, self.micro_batches, self.names = topology, micro_batches, names
         self.block_context = block_context
         replicated = unique_params([(names[0], embed), (names[2], head)])
-        self.plan: Plan = build_plan(
-            topology, len(blocks), micro_batches, algo=algo, grad_route=grad_route,
-            prefetch_depth=prefetch_depth, mb_per_fetch=mb_per_fetch, reuse_weights=reuse_weights,
-            layer_numel=sum(p.numel() for p in blocks[0].parameters()),
+        self.plan: Plan
+        self.auto_reason: str | None  # why "auto" chose the options it did; None: all were given
+        self.plan, self.auto_reason = engine_plan(
+            topology, len(blocks), micro_batches, device=self.device, budget=memory_budget, algo=algo,
+            grad_route=grad_route, prefetch_depth=prefetch_depth, mb_per_fetch=mb_per_fetch,
+            reuse_weights=reuse_weights, layer_numel=sum(p.numel() for p in blocks[0].parameters()),
             weight_bytes=torch.empty((), dtype=compute_dtype).element_size(),
             grad_bytes=torch.empty((), dtype=grad_wire_dtype).element_size(),
             replicated_numel=sum(p.numel() for _, p in replicated) + 1,  # + the loss sum
@@ -375,6 +389,20 @@ class TawPipe:
     @property
     def own_chunk(self) -> int:
         return self.storage.own_chunk
+
+    @property
+    def mb_per_fetch(self) -> int:
+        """k, as given or as "auto" chose it."""
+        return int(self.plan.options["mb_per_fetch"])
+
+    @property
+    def prefetch_depth(self) -> int:
+        """The prefetch depth in slots, as given ("resident": its number) or as "auto" chose it."""
+        return int(self.plan.options["prefetch_depth"])
+
+    @property
+    def reuse_weights(self) -> bool:
+        return bool(self.plan.options["reuse_weights"])
 
     @property
     def skipped_steps(self) -> int:

@@ -5,6 +5,8 @@ rank silently reinterpret each other's weights; ranks built from different seeds
 replicated embeddings; a rank with other micro-batches or another route waits for a transfer
 that never comes. So the engine exchanges one row of numbers per rank (the plan's CHECK action)
 and every rank compares every row with rank 0's, naming the first rank and field that differ.
+The schedule options are compared as the plan holds them, after ``"auto"`` chose them on each
+rank from its own free memory: ranks that chose differently are told so.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..models.parts import param_signature
 from ..plan.plan import Plan
 
 _MASK = (1 << 63) - 1
+_CHOSEN = ("prefetch_depth", "mb_per_fetch", "reuse_weights")  # "auto" chooses them on each rank
 
 
 def _digest(*parts: object) -> int:
@@ -77,6 +80,7 @@ def fields(plan: Plan, *, compute_dtype: torch.dtype, grad_dtype: torch.dtype, b
         ("grad_route", _digest(o.get("grad_route")), str(o.get("grad_route"))),
         ("prefetch_depth", int(o["prefetch_depth"]), str(o["prefetch_depth"])),
         ("mb_per_fetch", int(o["mb_per_fetch"]), str(o["mb_per_fetch"])),
+        ("reuse_weights", int(bool(o["reuse_weights"])), str(bool(o["reuse_weights"]))),
         ("compute_dtype", _digest(str(compute_dtype)), str(compute_dtype)),
         ("grad_wire_dtype", _digest(str(grad_dtype)), str(grad_dtype)),
         ("block parameters", _digest(param_signature(block.named_parameters())), "names, shapes, dtypes"),
@@ -97,11 +101,14 @@ def compare(table: list[list[int]], mine: Sequence[tuple[str, int, str]], rank: 
     for r in range(1, len(table)):
         for j, (name, _, readable) in enumerate(mine):
             if table[r][j] != table[0][j]:
-                shown = ""
-                if name in ("num_layers", "micro_batches", "replicas", "prefetch_depth", "mb_per_fetch"):
+                shown = auto = ""
+                if name in ("num_layers", "micro_batches", "replicas", *_CHOSEN):
                     shown = f" (rank 0: {table[0][j]}, rank {r}: {table[r][j]})"
+                if name in _CHOSEN:
+                    auto = (f'; where it is left "auto" (the default), each rank chooses within its own free memory: '
+                            f"give every rank the same memory_budget (tawpipe train --memory-budget), or {name}")
                 raise ValueError(
                     f"rank {r} disagrees with rank 0 on {name}{shown}: every rank must build the "
                     f"engine with the same arguments and the same initial model (same seed); this is "
-                    f"rank {rank}, whose {name} is {readable}"
+                    f"rank {rank}, whose {name} is {readable}{auto}"
                 )

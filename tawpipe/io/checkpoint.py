@@ -5,10 +5,11 @@ Layout of a checkpoint root::
     ROOT/step-00000006/rank-00000.pt ... rank-00003.pt   one shard per rank (TawPipe.state_dict)
     ROOT/step-00000006/manifest.json                     written last: the checkpoint is complete
 
-The manifest records the step, the topology, the plan's hash, the model's signature (every
-parameter's name, shape and dtype), the dtypes, the tawpipe and torch versions, each file's
-SHA-256 and byte count, and the caller's ``meta`` (JSON). Every file is written atomically
-(temporary file, fsync, rename); temporary files a crash left behind are removed at the next save.
+The manifest records the step, the topology, the plan's hash and schedule options, the model's
+signature (every parameter's name, shape and dtype), the dtypes, the tawpipe and torch versions,
+each file's SHA-256 and byte count, and the caller's ``meta`` (JSON). Every file is written
+atomically (temporary file, fsync, rename); temporary files a crash left behind are removed at the
+next save.
 
 A single file (``save_atomic``, no manifest) vouches for itself: it holds the object together
 with the SHA-256 of its content (every tensor's bytes, every key and value), which ``load``
@@ -338,6 +339,9 @@ def _write_manifest(engine: TawPipe, d: Path, rows: list[list[int]], meta: dict[
         "replicas": plan.replicas,
         "algo": plan.algo,
         "plan_sha256": hashlib.sha256(plan.to_json().encode()).hexdigest(),
+        # what "auto" chose, so that a resume can choose it again (tawpipe train does)
+        "schedule": {"micro_batches": plan.micro_batches, "mb_per_fetch": engine.mb_per_fetch,
+                     "prefetch_depth": engine.prefetch_depth, "reuse_weights": engine.reuse_weights},
         "model": engine.model_signature(),
         "dtypes": {"master": "torch.float32", "compute": str(engine.compute_dtype),
                    "grad_wire": str(engine.grad_wire_dtype)},

@@ -10,7 +10,9 @@ flags on the command line override it.
 Everything is checked before any worker starts (``validate``): the arguments, the data, a Hugging
 Face directory's weight files (headers only), ``TAWPIPE_TIMEOUT``, that every path the job writes is
 writable, and that the estimated memory of the ranks on this host fits what it has; a problem is one
-line on stderr and exit status 2. ``--save DIR`` writes checkpoints
+line on stderr and exit status 2. There too the schedule options left "auto" (the default of
+--mb-per-fetch, --prefetch-depth, --reuse-weights) are chosen (design §7.3): the workers get them as
+given, and the start summary says what was chosen and why. ``--save DIR`` writes checkpoints
 (``tawpipe.io.checkpoint``) every ``--save-every`` steps and at the end; ``--resume DIR`` continues
 from one, bit-exactly: the engine's shard (weights, optimizer, scheduler, loss scale, counters)
 plus each rank's RNG state and the loss history; the data position is the step number, since
@@ -31,8 +33,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +42,16 @@ import torch
 import torch.distributed as dist
 
 from .. import models
-from ..cost.memory import MemoryEstimate, rank_memory
+from ..cost.memory import AUTO, MemoryEstimate, auto_plan, busiest_rank_memory, describe, rank_memory
 from ..cost.traffic import plan_traffic
+from ..engine.auto import MARGIN, memory_budget
+from ..engine.auto import host_available as _host_available
 from ..engine.engine import TawPipe, default_optimizer
 from ..io import checkpoint, safetensors
 from ..models.parts import parts_signature
 from ..ops import DTYPES
 from ..plan.plan import ALGOS, Plan
-from ..plan.schedule import build_plan, check_replicas, depth_text, prefetch_depth_arg
+from ..plan.schedule import check_replicas, depth_text, prefetch_depth_arg
 from ..plan.topology import Topology
 from ..runtime.launch import JobFailed, JobStopped, init_distributed, run_local, stop_requested
 from ..runtime.timeout import default_timeout
@@ -74,9 +78,10 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     grad_route: str = "rail"
     algo: str = "tawpipe"
-    prefetch_depth: int | str = 1
-    mb_per_fetch: int = 1
-    reuse_weights: bool = False
+    prefetch_depth: int | str = AUTO
+    mb_per_fetch: int | str = AUTO
+    reuse_weights: bool | str = AUTO
+    memory_budget: float | None = None
     replicas: int = 1
     grad_wire_dtype: str = "float32"
     loss: str = "plain"
@@ -95,8 +100,8 @@ class TrainConfig:
 
 # may change on resume: they do not change what is trained
 _NOT_TRAINING = ("save", "save_every", "resume", "export", "val_every", "val_batches", "metrics", "tensorboard",
-                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "replicas", "max_skipped_in_a_row",
-                 "loss")
+                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "memory_budget", "replicas",
+                 "max_skipped_in_a_row", "loss")
 
 
 class Refused(SystemExit):
@@ -119,6 +124,8 @@ class Preflight:
 
     memory: str  # the memory estimate of the ranks on this host, one line
     resumed_from: int | None = None  # the checkpoint's step
+    schedule: dict[str, Any] | None = None  # mb_per_fetch, prefetch_depth, reuse_weights: "auto" resolved
+    auto: str | None = None  # what "auto" chose and why; None: every option was given
 
 
 GiB = 2**30
@@ -151,14 +158,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-route", choices=("rail", "leader"), default=d.grad_route,
                    help="router of inter-node gradients")
     p.add_argument("--algo", choices=ALGOS, default=d.algo, help="the schedule (weipipe: the paper's baseline)")
-    p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=d.prefetch_depth,
+    p.add_argument("--prefetch-depth", type=_or_auto(prefetch_depth_arg), default=d.prefetch_depth,
                    help="fetch weights this many slots ahead; 'resident' (with --reuse-weights): every fetched "
-                        "chunk stays in a staging buffer, the fewest bytes for the most staging memory")
-    p.add_argument("--mb-per-fetch", type=int, default=d.mb_per_fetch,
+                        "chunk stays in a staging buffer, the fewest bytes for the most staging memory; 'auto': "
+                        "chosen with k and reuse, the fewest inter-node bytes that fit --memory-budget")
+    p.add_argument("--mb-per-fetch", type=_or_auto(int), default=d.mb_per_fetch,
                    help="k: micro-batches a resident chunk runs per fetch (divides --micro-batches); "
-                        "inter-node bytes fall by k (see `tawpipe plan --memory-budget`)")
+                        "inter-node bytes fall by k (see `tawpipe plan --memory-budget`); 'auto': chosen")
     p.add_argument("--reuse-weights", action=argparse.BooleanOptionalAction, default=d.reuse_weights,
-                   help="do not fetch again a chunk still in a staging buffer")
+                   help="do not fetch again a chunk still in a staging buffer (neither flag: auto)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GiB",
+                   help="memory per rank within which 'auto' chooses k, the depth and reuse (default: under torchrun "
+                        f"the GPU's free memory, else the host's available memory shared by its ranks; less "
+                        f"{MARGIN:.0%} and the runtime's own)")
     p.add_argument("--replicas", type=int, default=d.replicas,
                    help="R: the nodes form R replicas of nodes/R nodes, each a pipeline of its own; a chunk's R "
                         "owners add their gradients once per step (see `tawpipe plan --replicas`)")
@@ -186,6 +198,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop with an error when N steps in a row are skipped (loss or gradients not finite), "
                         "or when every step of the run was; 0: never")
     _read_config_file_first(p)
+
+
+def _or_auto(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse``, or "auto" (the cost model chooses the value)."""
+    def parse_or_auto(text: str) -> Any:
+        return AUTO if text == AUTO else parse(text)
+
+    parse_or_auto.__name__ = parse.__name__  # argparse names the type in its errors
+    return parse_or_auto
 
 
 def _read_config_file_first(p: argparse.ArgumentParser) -> None:
@@ -245,14 +266,15 @@ def _under_torchrun() -> bool:
 
 
 def _config(args: argparse.Namespace) -> tuple[TrainConfig, Preflight]:
-    """The run's configuration, checked (``validate``); Refused (exit status 2) otherwise."""
+    """The run's configuration, checked (``validate``) and its "auto" options chosen; Refused
+    (exit status 2) otherwise."""
     names = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     try:
         pre = validate(cfg, Topology.from_env() if _under_torchrun() else None)
     except (ValueError, OSError, ImportError) as e:
         raise Refused(f"tawpipe train: {_one_line(e)}") from None
-    return cfg, pre
+    return replace(cfg, **pre.schedule), pre
 
 
 def _one_line(e: BaseException) -> str:
@@ -281,7 +303,7 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     for name in ("warmup", "val_every", "max_skipped_in_a_row"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{_arg(name)} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("lr", "max_grad_norm"):
+    for name in ("lr", "max_grad_norm", "memory_budget"):
         value = getattr(cfg, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{_arg(name)} must be a finite number > 0, got {value}")
@@ -307,23 +329,100 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
         each = f" of each of the {cfg.replicas} replicas" if cfg.replicas > 1 else ""
         raise ValueError(f"{len(blocks)} layers for {world} ranks{each}: every rank needs at least one layer "
                          f"(--layers >= {world}, or more --replicas)")
+    manifest = _check_resume(cfg, parts_signature(blocks, embed, head)) if cfg.resume is not None else None
+    ran = _as_it_ran(cfg, topology, manifest)
+    shape = models.shape(cfg.model, **overrides)
     try:
-        plan = build_plan(topology, len(blocks), cfg.micro_batches, grad_route=cfg.grad_route, **_schedule(cfg))
+        plan, auto = _plan(replace(cfg, **ran), topology, blocks, embed, head, shape)
     except ValueError as e:
         raise ValueError(f"schedule: {e}") from None
+    if ran:
+        options = (plan.options["mb_per_fetch"], plan.options["prefetch_depth"], plan.options["reuse_weights"])
+        auto = (f"{describe(options)} — as the checkpoint ran (a bit-exact resume; give --mb-per-fetch, "
+                "--prefetch-depth, --reuse-weights to choose otherwise)")
     if vocab > model_vocab:
         raise ValueError(f"--data {cfg.data}: tokens go up to {vocab - 1}, past the model's vocabulary ({model_vocab}): "
                          "use data tokenised for this model")
     if cfg.save_every is not None and cfg.save is None:
         raise ValueError("--save-every needs --save DIR")
     _check_export(cfg)
-    resumed_from = None
-    if cfg.resume is not None:
-        resumed_from = _check_resume(cfg, parts_signature(blocks, embed, head))
-    memory = _check_memory(cfg, topology, plan, blocks, embed, head, models.shape(cfg.model, **overrides))
+    memory = _check_memory(cfg, topology, plan, blocks, embed, head, shape)
     params = sum({id(p): p.numel() for m in (*blocks, embed, head) for p in m.parameters()}.values())
     _check_writable(cfg, params)
-    return Preflight(memory=memory, resumed_from=resumed_from)
+    schedule = {name: plan.options[name] for name in ("mb_per_fetch", "prefetch_depth", "reuse_weights")}
+    if cfg.prefetch_depth == "resident":
+        schedule["prefetch_depth"] = cfg.prefetch_depth  # as asked: the summary names it
+    return Preflight(memory=memory, resumed_from=manifest["step"] if manifest else None, schedule=schedule, auto=auto)
+
+
+def _as_it_ran(cfg: TrainConfig, topology: Topology, manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """The schedule options left "auto" as the checkpoint to resume ran them, where it ran the same
+    shape of plan (topology, replicas, micro-batches, algorithm): "auto" then chooses what it chose
+    although this host's free memory moved, and the resume stays bit-exact. Nothing where there is
+    no such checkpoint (or it predates the manifest's "schedule"), or where --memory-budget is
+    given: within a given budget "auto" chooses the same again by itself."""
+    ran = (manifest or {}).get("schedule")
+    if not ran or cfg.memory_budget is not None:
+        return {}
+    shape = ({"nodes": topology.nodes, "per_node": topology.per_node}, cfg.replicas, cfg.algo, cfg.micro_batches)
+    if (manifest["topology"], manifest["replicas"], manifest["algo"], ran["micro_batches"]) != shape:
+        return {}
+    return {name: ran[name] for name in ("mb_per_fetch", "prefetch_depth", "reuse_weights")
+            if getattr(cfg, name) == AUTO}
+
+
+def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], embed: torch.nn.Module,
+          head: torch.nn.Module, shape: models.Shape) -> tuple[Plan, str | None]:
+    """The run's plan, as the engine builds it, with the "auto" options chosen (design §7.3) on the
+    busiest rank's estimate (the same on every rank) within --memory-budget, or within what a rank
+    of this host has less the runtime's own. Where nothing fits that measure, the least memory:
+    ``_check_memory`` then says what the run needs."""
+    weight_bytes, grad_bytes = _wire_bytes(cfg)
+    sizes = _rank_sizes(cfg, blocks, embed, head, shape)
+    if cfg.memory_budget is not None:
+        budget, where = cfg.memory_budget * GiB, "--memory-budget"
+    elif AUTO in (cfg.mb_per_fetch, cfg.prefetch_depth, cfg.reuse_weights):
+        gpu = _under_torchrun() and torch.cuda.is_available()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+        budget, where = memory_budget(device, 1 if gpu else len(_local(topology)), None if gpu else _host_available())
+        budget, where = budget - RUNTIME_BYTES, f"{where}, less {_gib(RUNTIME_BYTES)} of runtime"
+    else:
+        budget, where = math.inf, ""
+
+    def memory(plan: Plan) -> MemoryEstimate:
+        return busiest_rank_memory(plan, chunk_numel=_chunk_numel(plan, blocks), **sizes)
+
+    return auto_plan(topology, len(blocks), cfg.micro_batches, memory=memory, budget=budget, budget_text=where,
+                     strict=cfg.memory_budget is not None, grad_route=cfg.grad_route, **_schedule(cfg),
+                     layer_numel=sum(p.numel() for p in blocks[0].parameters()), weight_bytes=weight_bytes,
+                     grad_bytes=grad_bytes, replicated_numel=sizes["replicated_numel"] + 1)  # + the loss sum
+
+
+def _wire_bytes(cfg: TrainConfig) -> tuple[int, int]:
+    """Bytes of a weight and of a gradient element on the wire and in the staging buffers."""
+    weight_bytes = DTYPES[cfg.dtype].itemsize
+    return weight_bytes, 4 if cfg.grad_wire_dtype == "float32" else weight_bytes
+
+
+def _rank_sizes(cfg: TrainConfig, blocks: list[torch.nn.Module], embed: torch.nn.Module, head: torch.nn.Module,
+                shape: models.Shape) -> dict[str, int]:
+    """``rank_memory``'s sizes but the chunks' (``_chunk_numel``, which depend on the plan)."""
+    weight_bytes, grad_bytes = _wire_bytes(cfg)
+    return dict(replicated_numel=sum({id(p): p.numel() for m in (embed, head) for p in m.parameters()}.values()),
+                weight_bytes=weight_bytes, grad_bytes=grad_bytes,
+                scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0, seq=cfg.seq_len,
+                micro_batch=cfg.batch_size, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab)
+
+
+def _chunk_numel(plan: Plan, blocks: list[torch.nn.Module]) -> list[int]:
+    return [sum(p.numel() for b in blocks[a:z] for p in b.parameters()) for a, z in plan.chunk_layers]
+
+
+def _local(topology: Topology) -> list[int]:
+    """The ranks on this host: under torchrun its node's, else all of them."""
+    if _under_torchrun():
+        return topology.group_ranks(topology.group_of(int(os.environ["RANK"])))
+    return list(range(topology.world_size))
 
 
 def _check_export(cfg: TrainConfig) -> None:
@@ -385,16 +484,9 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
                   embed: torch.nn.Module, head: torch.nn.Module, shape: models.Shape) -> str:
     """The estimated memory of this host's ranks against what it has: ValueError with the
     estimate and the fixes where it does not fit; else the estimate, one line."""
-    weight_bytes = DTYPES[cfg.dtype].itemsize
-    grad_bytes = 4 if cfg.grad_wire_dtype == "float32" else weight_bytes
-    chunk_numel = [sum(p.numel() for b in blocks[a:z] for p in b.parameters()) for a, z in plan.chunk_layers]
-    replicated = sum({id(p): p.numel() for m in (embed, head) for p in m.parameters()}.values())
+    sizes, chunk_numel = _rank_sizes(cfg, blocks, embed, head, shape), _chunk_numel(plan, blocks)
     torchrun = _under_torchrun()
-    local = topology.group_ranks(topology.group_of(int(os.environ["RANK"]))) if torchrun else range(topology.world_size)
-    per_rank = [rank_memory(plan, r, chunk_numel=chunk_numel, replicated_numel=replicated, weight_bytes=weight_bytes,
-                            grad_bytes=grad_bytes, scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0,
-                            seq=cfg.seq_len, micro_batch=cfg.batch_size, hidden=shape.hidden, heads=shape.heads,
-                            vocab=shape.vocab) for r in local]
+    per_rank = [rank_memory(plan, r, chunk_numel=chunk_numel, **sizes) for r in _local(topology)]
     busiest = max(per_rank, key=lambda m: m.total)
     if torchrun and torch.cuda.is_available():  # each rank has a device of its own
         free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))
@@ -427,33 +519,6 @@ def _gib(n: float) -> str:
     return f"{n / GiB:,.2f} GiB" if n < 1000 * GiB else f"{n / 2**40:,.1f} TiB"
 
 
-def _host_available() -> tuple[int, str] | None:
-    """Bytes this host can still give the job, and where the figure comes from: MemAvailable,
-    or less where a cgroup (a container's limit) allows less; None where neither is readable."""
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-    best = (kib * 1024, "MemAvailable in /proc/meminfo")
-    # cgroup v2, then v1: the limit less the usage, page cache that can be dropped not counted
-    for d, limit_file, usage_file, inactive in ((Path("/sys/fs/cgroup"), "memory.max", "memory.current",
-                                                 "inactive_file"),
-                                                (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes",
-                                                 "memory.usage_in_bytes", "total_inactive_file")):
-        try:
-            limit = (d / limit_file).read_text().strip()
-            if limit == "max" or int(limit) >= 2**60:
-                continue
-            stat = dict(line.split()[:2] for line in (d / "memory.stat").read_text().splitlines() if " " in line)
-            free = int(limit) - int((d / usage_file).read_text()) + int(stat.get(inactive, 0))
-        except (OSError, ValueError):
-            continue
-        if free < best[0]:
-            best = (max(free, 0), f"under this cgroup's memory limit of {_gib(int(limit))}")
-    return best
-
-
 def _vocab(cfg: TrainConfig) -> int:
     """The data's vocabulary: bytes, or a .bin file's tokens (the file is checked on the way)."""
     if cfg.data is None or cfg.data == "stdlib":
@@ -471,8 +536,8 @@ def _builtin_overrides(cfg: TrainConfig, vocab: int) -> dict[str, int | None]:
     return {"layers": cfg.layers, "vocab_size": max(vocab, 256), "max_seq_len": max(cfg.seq_len, 16)}
 
 
-def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> int:
-    """The checkpoint's step, once it is found fit to resume this run."""
+def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's manifest, once it is found fit to resume this run."""
     manifest = checkpoint.read_manifest(cfg.resume)
     checkpoint.check_model(manifest, signature, cfg.resume)
     if manifest["step"] >= cfg.steps:
@@ -483,7 +548,7 @@ def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> int:
     if changed:
         print(f"tawpipe train: note: resuming with other settings than the checkpoint's ({', '.join(changed)}); "
               "the run will differ from an uninterrupted one", file=sys.stderr)
-    return int(manifest["step"])
+    return manifest
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -501,8 +566,10 @@ def _load_model(cfg: TrainConfig, src: TokenSource, device: torch.device) -> mod
                        **_builtin_overrides(cfg, src.vocab_size))
 
 
-def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.device) -> dict:
-    """One rank's training loop; returns the loss curves and traffic figures. A SIGTERM (a
+def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.device,
+               auto: str | None = None) -> dict:
+    """One rank's training loop; returns the loss curves and traffic figures. ``cfg``'s schedule
+    options are given (``validate`` chose the "auto" ones; ``auto`` says what and why). A SIGTERM (a
     scheduler's preemption) or a first Ctrl-C ends it at the next step boundary, every rank at the
     same one, after saving a checkpoint when --save is set (``stopped_at`` in the result)."""
     stop_requested()  # arms the handlers: from now on a stop signal waits for a step boundary
@@ -534,7 +601,7 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
     per_rank_bytes = {"intra_node": [traffic.node_bytes(r)[0] for r in range(topology.world_size)],
                       "inter_node": [traffic.node_bytes(r)[1] for r in range(topology.world_size)]}
     if rank == 0:
-        print(_summary(cfg, src, parts, engine), flush=True)
+        print(_summary(cfg, src, parts, engine, auto), flush=True)
     tokens_per_step = topology.world_size * cfg.micro_batches * cfg.batch_size * cfg.seq_len
     writer = None
     metrics_flag = ("--metrics", cfg.metrics) if cfg.metrics else ("--tensorboard", cfg.tensorboard)
@@ -634,8 +701,9 @@ def _validation_batches(rank: int, cfg: TrainConfig, src: TokenSource) -> list[t
             for i in range(cfg.val_batches)]
 
 
-def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engine: TawPipe) -> str:
-    """What this run trains, on what and where."""
+def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engine: TawPipe,
+             auto: str | None = None) -> str:
+    """What this run trains, on what and where; what "auto" chose and why."""
     topo, plan = engine.topology, engine.plan
     psi, rep = parts.decoder_params, parts.replicated_params
     layers = [stop - start for start, stop in (plan.chunk_layers[k] for k in plan.model_order)]
@@ -649,8 +717,10 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
         f"{f' in {plan.replicas} replicas of {plan.replica_size}' if plan.replicas > 1 else ''}, chunks of {layers} "
         f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.batch_size} x {cfg.seq_len} tokens",
         f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {depth_text(plan, cfg.prefetch_depth)}, "
-        f"{cfg.mb_per_fetch} micro-batch(es) per fetch, resident chunks {'reused' if cfg.reuse_weights else 'refetched'}, "
+        f"{engine.mb_per_fetch} micro-batch(es) per fetch, resident chunks "
+        f"{'reused' if engine.reuse_weights else 'refetched'}, "
         f"gradients travel in {cfg.grad_wire_dtype if cfg.grad_wire_dtype == 'float32' else cfg.dtype}",
+        *([f"auto: {auto}"] if auto else []),
     ])  # memory: the estimate before the workers start, what was allocated at the end
 
 
@@ -706,8 +776,8 @@ def _progress(total: int, initial: int):
     return tqdm(total=total, initial=initial, desc="tawpipe train", unit="step", dynamic_ncols=True)
 
 
-def _local_rank(rank: int, cfg: TrainConfig) -> dict:
-    return train_rank(rank, cfg, Topology(nodes=cfg.nodes, per_node=cfg.per_node), torch.device("cpu"))
+def _local_rank(rank: int, cfg: TrainConfig, auto: str | None) -> dict:
+    return train_rank(rank, cfg, Topology(nodes=cfg.nodes, per_node=cfg.per_node), torch.device("cpu"), auto)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -724,7 +794,7 @@ def main(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"tawpipe train: {pre.memory}", flush=True)
         try:
-            result = train_rank(rank, cfg, Topology.from_env(), device)
+            result = train_rank(rank, cfg, Topology.from_env(), device, pre.auto)
         except TrainError as e:
             print(f"tawpipe train: rank {rank}: {e}", file=sys.stderr)
             return 1
@@ -737,7 +807,7 @@ def main(args: argparse.Namespace) -> int:
               f"model {cfg.model}, {cfg.steps} steps{resumed}")
         print(f"tawpipe train: {pre.memory}", flush=True)
         try:
-            result = run_local(_local_rank, world, cfg)[0]
+            result = run_local(_local_rank, world, cfg, pre.auto)[0]
         except JobStopped as e:
             if not e.complete or e.results[0] is None:
                 print(f"tawpipe train: {e}; nothing was saved after the last checkpoint", file=sys.stderr)

@@ -1,0 +1,83 @@
+"""Measure the current device's achieved rates at a model's shapes (design §9.2).
+
+Three timings, each the median of a few repeats after a warm-up: a linear layer's forward and
+backward ([T, H] x [H, F], 6·T·H·F FLOPs), causal attention's forward and backward
+(``scaled_dot_product_attention``, 2·B·S²·H·(1 + 2.5) FLOPs as ``Workload`` counts them) and an
+AdamW step (32 bytes per parameter). On a CPU rank of the emulated cluster, which runs
+``threads`` threads under a quota of ``quota`` cores, the rates are measured with that many
+threads and scaled by quota / threads.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..cost.traffic import ModelDims
+from .hardware import Device
+from .workload import ADAMW_BYTES
+
+
+def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = None, quota: float | None = None,
+              memory: float | None = None, repeats: int = 5) -> Device:
+    """The achieved rates of ``device`` (``cpu`` or ``cuda``) at ``dims``' shapes, in ``dims``'
+    compute dtype (2 bytes: bfloat16, 4: float32)."""
+    dev = torch.device(device)
+    dtype = torch.float32 if dims.dtype_bytes == 4 else torch.bfloat16
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        t, h, f = dims.seq * dims.micro_batch, dims.hidden, dims.ffn_hidden
+        x = torch.randn(t, h, device=dev, dtype=dtype, requires_grad=True)
+        w = torch.randn(f, h, device=dev, dtype=dtype, requires_grad=True)
+        linear = _seconds(lambda: F.linear(x, w).sum().backward(), dev, repeats)
+        heads = dims.heads
+        q, k, v = (torch.randn(dims.micro_batch, heads, dims.seq, h // heads, device=dev, dtype=dtype,
+                               requires_grad=True) for _ in range(3))
+        attention = _seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), dev,
+                             repeats)
+        n = 1 << 22
+        p = torch.nn.Parameter(torch.randn(n, device=dev))
+        p.grad = torch.randn(n, device=dev)
+        opt = torch.optim.AdamW([p], lr=1e-3)
+        step = _seconds(opt.step, dev, repeats)
+    finally:
+        torch.set_num_threads(old_threads)
+    scale = (quota / (threads or old_threads)) if quota else 1.0
+    if memory is None:
+        memory = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _host_memory()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu x {quota or threads or old_threads:g}"
+    return Device(
+        name=name,
+        matmul_flops=scale * 6 * t * h * f / linear,
+        attention_flops=scale * 3.5 * 2 * dims.micro_batch * dims.seq ** 2 * h / attention,
+        memory_bandwidth=scale * ADAMW_BYTES * n / step,
+        memory=memory,
+    )
+
+
+def _seconds(fn: Callable[[], object], dev: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _host_memory() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")

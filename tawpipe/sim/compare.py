@@ -1,0 +1,138 @@
+"""Every method on one cluster: what ``tawpipe simulate`` prints per row (design §9.4).
+
+A row plays one iteration of a method (TawPipe or WeiPipe from the engine's own plan, the peers
+from ``peers``) and reads off its time, bytes and memory. ``advise`` searches TawPipe's
+settings (k, prefetch depth and reuse, replicas) for the fastest that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cost.memory import MemoryEstimate, memory_per_rank
+from ..cost.traffic import ModelDims
+from ..plan.schedule import RESIDENT, compute_actions
+from ..plan.topology import Topology
+from .hardware import Cluster
+from .network import Result, simulate
+from .peers import PEERS, peer_graph, peer_memory
+from .play import engine_plan, plan_graph
+from .workload import Workload
+
+BEST = {"mb_per_fetch": "acc", "prefetch_depth": RESIDENT, "reuse_weights": True}
+PAPER: dict[str, Any] = {}  # the paper's schedule: k = 1, depth 1, no reuse
+METHODS = ("tawpipe", "tawpipe-paper", "weipipe", *PEERS)
+MOST_COMPUTE_ACTIONS = 600_000  # a replica's forwards and backwards the player takes (about a minute)
+
+
+@dataclass
+class Row:
+    """One method's simulated iteration."""
+
+    method: str
+    settings: dict[str, Any]
+    time_s: float
+    compute_s: float  # the busiest device's compute
+    inter_bytes: float  # busiest node port, one direction
+    intra_bytes: float  # busiest device port, one direction
+    memory: MemoryEstimate | None
+    fits: bool
+    tokens_per_s_per_device: float = 0.0
+    mfu: float = 0.0
+    bottleneck: str = ""
+    result: Result | None = field(default=None, repr=False)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return max(self.time_s - self.compute_s, 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("result", "memory")}
+        d["exposed_comm_s"] = self.exposed_comm_s
+        d["memory"] = None if self.memory is None else {**self.memory.__dict__, "total": self.memory.total}
+        return d
+
+
+def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool = False,
+        settings: dict[str, Any] | None = None) -> Row:
+    """Simulate ``method`` (one of ``METHODS``) for one iteration of ``acc`` micro-batches per
+    device. ``settings``: TawPipe's (``mb_per_fetch``, ``prefetch_depth``, ``reuse_weights``,
+    ``replicas``), BEST's by default for "tawpipe"."""
+    dims = work.dims
+    if method in ("tawpipe", "tawpipe-paper", "weipipe"):
+        opts = dict(BEST if method == "tawpipe" else PAPER) if settings is None else dict(settings)
+        if opts.get("mb_per_fetch") == "acc":
+            opts["mb_per_fetch"] = acc
+        if method == "weipipe":
+            opts["algo"] = "weipipe"
+        replicas = int(opts.get("replicas", 1))
+        _check_size(cluster, dims, acc, replicas)
+        plan = engine_plan(cluster, work, acc, **opts)
+        graph, fabric = plan_graph(plan, cluster, work, host=host)
+        memory = memory_per_rank(plan, dims)
+        ranks = range(plan.replica_size)
+        opts = {k: v for k, v in opts.items() if k != "algo"}
+        opts["prefetch_depth"] = plan.options["prefetch_depth"]
+    else:
+        graph, fabric = peer_graph(method, cluster, work, acc, host=host)
+        memory = peer_memory(method, dims, cluster, acc, work.recompute)
+        ranks = sorted({t.rank for t in graph.tasks if t.rank is not None})
+        opts = {}
+    result = simulate(graph, fabric)
+    compute = max(result.busy(r) for r in ranks)
+    inter = max((v for port, v in result.port_bytes.items() if port[0].startswith("node")), default=0.0)
+    intra = max((v for port, v in result.port_bytes.items() if port[0] in ("out", "in")), default=0.0)
+    row = Row(method, opts, result.makespan, compute, inter, intra, memory,
+              memory is None or memory.total <= cluster.device.memory, result=result)
+    tokens = acc * dims.seq * dims.micro_batch
+    row.tokens_per_s_per_device = tokens / row.time_s if row.time_s else 0.0
+    row.mfu = model_flops(dims) * tokens / row.time_s / cluster.device.peak_flops if row.time_s else 0.0
+    row.bottleneck = bottleneck(row, cluster)
+    return row
+
+
+def model_flops(dims: ModelDims) -> float:
+    """Training FLOPs per token, forward and backward, without recompute: 6 per decoder and head
+    parameter plus causal attention's 6·S·H per layer (the usual MFU count)."""
+    return 6 * (dims.decoder_numel + dims.vocab * dims.hidden) + 6 * dims.layers * dims.seq * dims.hidden
+
+
+def bottleneck(row: Row, cluster: Cluster) -> str:
+    """What sets the time: the device's compute, a link's bytes, or neither (waiting on
+    dependencies: pipeline fill and drain, bubbles, latency)."""
+    inter = row.inter_bytes / cluster.inter.bandwidth
+    intra = row.intra_bytes / cluster.intra.bandwidth
+    name, busiest = max((("compute", row.compute_s), ("inter-node link", inter), ("intra-node link", intra)),
+                        key=lambda x: x[1])
+    return name if busiest >= 0.8 * row.time_s else f"dependencies ({name} {busiest / row.time_s:.0%} busy)"
+
+
+def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False) -> list[Row]:
+    """TawPipe's settings tried for this cluster, fastest first among those that fit: k over the
+    divisors of acc, depth 1 or every chunk resident (with reuse), replicas over the divisors of
+    the nodes whose pipelines have no more ranks than layers."""
+    rows = []
+    for replicas in (r for r in range(1, cluster.nodes + 1) if cluster.nodes % r == 0):
+        size = cluster.world_size // replicas
+        if size > work.dims.layers or compute_actions(Topology(cluster.nodes, cluster.per_node), acc,
+                                                     replicas) > MOST_COMPUTE_ACTIONS:
+            continue
+        for k in (k for k in range(1, acc + 1) if acc % k == 0):
+            for depth, reuse in ((1, False), (RESIDENT, True)):
+                s = {"mb_per_fetch": k, "prefetch_depth": depth, "reuse_weights": reuse, "replicas": replicas}
+                rows.append(run("tawpipe", cluster, work, acc, host=host, settings=s))
+    rows.sort(key=lambda r: (not r.fits, r.time_s))
+    return rows
+
+
+def _check_size(cluster: Cluster, dims: ModelDims, acc: int, replicas: int) -> None:
+    size = cluster.world_size // replicas
+    if size > dims.layers:
+        raise ValueError(f"a pipeline of {size} ranks needs at least {size} layers, the model has {dims.layers}: "
+                         f"use replicas (each pipeline over fewer nodes)")
+    n = compute_actions(Topology(cluster.nodes, cluster.per_node), acc, replicas)
+    if n > MOST_COMPUTE_ACTIONS:
+        raise ValueError(f"a pipeline of {size} ranks at {acc} micro-batches holds {n:,} forwards and backwards, more "
+                         f"than the {MOST_COMPUTE_ACTIONS:,} the simulator plays; use more replicas or fewer "
+                         f"micro-batches")

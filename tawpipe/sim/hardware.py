@@ -1,0 +1,143 @@
+"""What the simulator runs on: devices, links and the cluster they form (design §9.2).
+
+Rates are *achieved* rates, not datasheet peaks: a device's dense-matmul and attention FLOP/s
+as a training step reaches them, a link's bytes per second per direction times an efficiency
+that TCP or NCCL reaches on it. The presets state their basis; ``tawpipe simulate --calibrate``
+measures the current device instead.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from .network import Fabric
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or one emulated rank: a CPU quota)."""
+
+    name: str
+    matmul_flops: float  # achieved FLOP/s of the linear layers, in the compute dtype
+    attention_flops: float  # achieved FLOP/s of the attention score and value products
+    memory_bandwidth: float  # bytes/s: optimizer steps, casts, the embedding
+    memory: float  # bytes a rank may use
+    peak: float | None = None  # datasheet FLOP/s in the compute dtype, for MFU (None: the matmul rate)
+
+    def __post_init__(self) -> None:
+        if min(self.matmul_flops, self.attention_flops, self.memory_bandwidth, self.memory) <= 0:
+            raise ValueError(f"device {self.name!r}: every rate and the memory must be positive")
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak or self.matmul_flops
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of a full-duplex link: ``rate`` bytes/s nominal, ``efficiency`` of it reached
+    by bulk transfers, ``latency`` seconds per hop (a message or a step of a collective). A shaped
+    link (the emulated cluster's) also has a ``burst``."""
+
+    name: str
+    rate: float
+    latency: float
+    efficiency: float = 1.0
+    burst: float = 0.0  # bytes a shaper lets through at once after an idle spell (tc htb's burst)
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or self.latency < 0 or not 0 < self.efficiency <= 1:
+            raise ValueError(f"link {self.name!r}: needs rate > 0, latency >= 0, 0 < efficiency <= 1")
+
+    @property
+    def bandwidth(self) -> float:
+        """What bulk transfers reach, bytes/s."""
+        return self.rate * self.efficiency
+
+
+# Basis: H100 SXM 989 TFLOP/s dense bf16 at 45% achieved in training (MFU of well-tuned LLaMA
+# runs); attention kernels (FlashAttention-2/3) reach about 40% of peak forward+backward; HBM3
+# 3.35 TB/s at 80%. A100 SXM: 312 TFLOP/s at 50%, 2.0 TB/s at 80%. Memory: 80 GB each.
+DEVICES: dict[str, Device] = {
+    "h100": Device("h100", 0.45 * 989e12, 0.40 * 989e12, 0.8 * 3.35e12, 80e9, 989e12),
+    "a100": Device("a100", 0.50 * 312e12, 0.40 * 312e12, 0.8 * 2.0e12, 80e9, 312e12),
+}
+
+# Basis: NVLink 4 (H100 SXM) 450 GB/s per direction, NCCL bus bandwidth about 80% of it; PCIe 4
+# x16 32 GB/s at 80%; TCP over Ethernet about 90% of line rate with 50 us per message; RDMA
+# (InfiniBand / RoCE NICs) 95% with 5 us.
+LINKS: dict[str, Link] = {
+    "nvlink": Link("nvlink", 450e9, 3e-6, 0.8),
+    "pcie": Link("pcie", 32e9, 5e-6, 0.8),
+    "10gbe": Link("10gbe", 10e9 / 8, 50e-6, 0.9),
+    "25gbe": Link("25gbe", 25e9 / 8, 50e-6, 0.9),
+    "100gb": Link("100gb", 100e9 / 8, 5e-6, 0.95),
+    "400gb": Link("400gb", 400e9 / 8, 5e-6, 0.95),
+}
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def link(spec: str | Link) -> Link:
+    """A preset name, or a rate such as ``10gbit``, ``14mbit`` or ``25gbps`` (bits per second),
+    optionally with ``@latency_us`` and ``*efficiency``: ``14mbit@300*0.97``."""
+    if isinstance(spec, Link):
+        return spec
+    key = spec.lower().strip()
+    if key in LINKS:
+        return LINKS[key]
+    m = re.fullmatch(r"([0-9.]+)\s*([kmgt]?)(?:bit|bps|b)(?:@([0-9.]+))?(?:\*([0-9.]+))?", key)
+    if not m:
+        raise ValueError(f"link {spec!r}: expected one of {', '.join(LINKS)} or a rate like 10gbit, "
+                         f"14mbit@300 (latency in us), 25gbit*0.9 (efficiency)")
+    rate = float(m.group(1)) * _UNITS[m.group(2)] / 8
+    latency = float(m.group(3)) * 1e-6 if m.group(3) else 50e-6
+    return Link(key, rate, latency, float(m.group(4)) if m.group(4) else 1.0)
+
+
+def device(spec: str | Device) -> Device:
+    """A preset name (``h100``, ``a100``), optionally with ``:memory=GiB``."""
+    if isinstance(spec, Device):
+        return spec
+    name, _, opts = spec.lower().partition(":")
+    if name not in DEVICES:
+        raise ValueError(f"device {spec!r}: expected one of {', '.join(DEVICES)} (or calibrate this machine's "
+                         f"with `tawpipe simulate --calibrate`)")
+    dev = DEVICES[name]
+    for opt in filter(None, opts.split(",")):
+        key, _, value = opt.partition("=")
+        if key != "memory":
+            raise ValueError(f"device option {key!r}: only memory=GiB is known")
+        dev = replace(dev, memory=float(value) * GiB)
+    return dev
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` nodes of ``per_node`` devices; ``intra`` links the devices of a node (each its own
+    port), ``inter`` links nodes (one port per node, or per device with ``rails``)."""
+
+    nodes: int
+    per_node: int
+    device: Device
+    intra: Link
+    inter: Link
+    rails: bool = False
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.per_node < 1:
+            raise ValueError(f"a cluster needs nodes >= 1 and per_node >= 1, got {self.nodes} x {self.per_node}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    def fabric(self, fold: int | None = None) -> Fabric:
+        return Fabric(self.per_node, self.intra.bandwidth, self.inter.bandwidth, self.rails, fold,
+                      burst=self.inter.burst)
+
+    def hop_latency(self, crosses_nodes: bool) -> float:
+        return self.inter.latency if crosses_nodes else self.intra.latency

@@ -1,0 +1,272 @@
+"""A discrete-event simulation of a task graph on a cluster's links (design §9.1).
+
+A ``Graph`` is what one iteration does, as tasks with dependencies: a task waits for every task
+it depends on, then takes ``seconds`` (compute, a copy) or moves its ``flows`` (transfers) and
+then waits ``latency``. Whoever builds the graph encodes the order a device runs things in (a
+compute stream, a channel's queue) as dependencies; the simulation adds only what the links do.
+A ``Fabric`` says which links a flow crosses: every device has its own intra-node port, every
+node (or every rail of a node) its own inter-node port, each full duplex. Flows that share a
+port share it fairly (max-min: each gets an equal share of its tightest port, and what a flow
+cannot use goes to the others), and the rates are recomputed whenever a flow starts or ends.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    """``bytes`` from rank ``src`` to rank ``dst``. ``half_duplex``: the two ranks' messages in both
+    directions share one connection, whose payloads often take turns (gloo over one TCP
+    connection): together they get ``HALF_DUPLEX_SHARE`` times one direction's rate."""
+
+    src: int
+    dst: int
+    bytes: float
+    half_duplex: bool = False
+
+
+@dataclass(slots=True)
+class Task:
+    label: str
+    deps: list[int]
+    seconds: float = 0.0
+    flows: tuple[Flow, ...] = ()
+    latency: float = 0.0
+    rank: int | None = None  # whose timeline row shows it
+    lane: str = "compute"
+
+
+class Graph:
+    """Tasks in the order they were added; ``add`` returns a task's id."""
+
+    def __init__(self) -> None:
+        self.tasks: list[Task] = []
+
+    def add(self, label: str = "", deps: Iterable[int] = (), *, seconds: float = 0.0, flows: Sequence[Flow] = (),
+            latency: float = 0.0, rank: int | None = None, lane: str = "compute") -> int:
+        if seconds < 0 or latency < 0 or any(f.bytes < 0 for f in flows):
+            raise ValueError(f"task {label!r}: negative time or bytes")
+        self.tasks.append(Task(label, list(deps), seconds, tuple(flows), latency, rank, lane))
+        return len(self.tasks) - 1
+
+    def add_deps(self, task: int, deps: Iterable[int]) -> None:
+        """More dependencies for a task added before they existed (the other side of a message)."""
+        self.tasks[task].deps.extend(deps)
+
+
+Port = tuple  # ("out" | "in" | "node out" | "node in", index) or ("connection", rank, rank)
+SHAPED = ("node out", "node in", "connection")  # ports with a token bucket where the fabric has a burst
+# What both directions of one gloo connection carry together, in units of one direction's rate:
+# a swap of 6.4 MB chunks over one connection took 0.52 s or 1.03 s at random on the emulated
+# cluster (design §5.2): the receiver's notice queues behind the other direction's payload or not.
+# Two such chunks move in 0.775 s on average, where full duplex takes 0.52 s: 2 x 0.52 / 0.775.
+HALF_DUPLEX_SHARE = 2 * 0.52 / 0.775
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The links of ``nodes`` nodes of ``per_node`` devices, in bytes per second per direction.
+
+    ``rails``: every local index has its own inter-node port of ``inter`` (one NIC per device);
+    otherwise a node's devices share one port of ``inter``. ``burst``: each inter-node port is a
+    token bucket, as a shaper (tc htb) or a policer is: idle, it saves up to ``burst`` bytes of
+    credit at ``inter``, and while credit lasts it passes bytes at ``peak``. ``fold``: the simulated nodes stand for
+    a larger job whose other nodes behave alike (replicas, data parallelism), so node g's ports
+    are node (g mod fold)'s: a flow to a node outside the simulated ones arrives, by symmetry, at
+    the matching simulated node from its mirror image.
+    """
+
+    per_node: int
+    intra: float
+    inter: float
+    rails: bool = False
+    fold: int | None = None
+    burst: float = 0.0  # bytes an idle inter-node port saves up and then sends at ``peak`` (a token bucket)
+    peak: float | None = None  # the rate of a burst (None: ``intra``)
+
+    def __post_init__(self) -> None:
+        if self.per_node < 1 or self.intra <= 0 or self.inter <= 0:
+            raise ValueError(f"a fabric needs per_node >= 1 and positive rates: {self}")
+
+    def node(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def ports(self, f: Flow) -> tuple[tuple[Port, float], ...]:
+        """The ports ``f`` crosses, each with its capacity."""
+        s = self.per_node
+        gs, gd = f.src // s, f.dst // s
+        if gs == gd:
+            ports: tuple[tuple[Port, float], ...] = ((("out", f.src), self.intra), (("in", f.dst), self.intra))
+        else:
+            if self.fold:
+                gs, gd = gs % self.fold, gd % self.fold
+            if self.rails:
+                gs, gd = gs * s + f.src % s, gd * s + f.dst % s
+            ports = ((("node out", gs), self.inter), (("node in", gd), self.inter))
+        if f.half_duplex:
+            ports += ((("connection", min(f.src, f.dst), max(f.src, f.dst)), HALF_DUPLEX_SHARE * ports[0][1]),)
+        return ports
+
+
+@dataclass
+class Result:
+    """When each task started and ended, in seconds from the start of the iteration."""
+
+    graph: Graph
+    start: list[float]
+    end: list[float]
+    port_bytes: dict[Port, float] = field(default_factory=dict)
+
+    @property
+    def makespan(self) -> float:
+        return max(self.end, default=0.0)
+
+    def busy(self, rank: int, lane: str = "compute") -> float:
+        """Seconds ``rank`` spent running tasks of ``lane``."""
+        return sum(e - s for t, s, e in zip(self.graph.tasks, self.start, self.end) if t.rank == rank and t.lane == lane)
+
+    def chrome_trace(self) -> str:
+        """One iteration as a Chrome trace (chrome://tracing, Perfetto), one row per rank and lane,
+        like the engine's ``TAWPIPE_TRACE``."""
+        events = [{"name": t.label, "ph": "X", "pid": t.rank, "tid": t.lane, "ts": s * 1e6, "dur": (e - s) * 1e6}
+                  for t, s, e in zip(self.graph.tasks, self.start, self.end)
+                  if t.rank is not None and t.label and (e > s or t.seconds or t.flows)]
+        return json.dumps({"traceEvents": events})
+
+
+class _Active:
+    __slots__ = ("task", "left", "ports", "rate")
+
+    def __init__(self, task: int, left: float, ports: tuple[Port, ...]) -> None:
+        self.task, self.left, self.ports, self.rate = task, left, ports, 0.0
+
+
+def simulate(graph: Graph, fabric: Fabric) -> Result:
+    """Play ``graph`` on ``fabric`` from time 0 until every task has ended.
+
+    Raises ``ValueError`` naming a task that can never start (a dependency cycle)."""
+    tasks = graph.tasks
+    n = len(tasks)
+    waiting = [len(t.deps) for t in tasks]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for i, t in enumerate(tasks):
+        for d in t.deps:
+            if not 0 <= d < n:
+                raise ValueError(f"task {t.label!r} depends on task {d}, which does not exist")
+            dependents[d].append(i)
+    start, end = [math.nan] * n, [math.nan] * n
+    timers: list[tuple[float, int, int]] = []  # (time, order, task): a compute or latency ending
+    flows: list[_Active] = []
+    open_flows = [0] * n
+    cap: dict[Port, float] = {}
+    tokens: dict[Port, float] = {}  # inter-node ports' burst credit, bytes
+    peak = fabric.peak or fabric.intra
+    port_bytes: dict[Port, float] = {}
+    now, order, done = 0.0, 0, 0
+
+    def begin(i: int) -> None:
+        nonlocal order
+        t = tasks[i]
+        start[i] = now
+        moving = [f for f in t.flows if f.bytes > 0]
+        for f in moving:
+            ports = fabric.ports(f)
+            for p, c in ports:
+                cap[p] = c
+                if fabric.burst and p[0] in SHAPED and p not in tokens:
+                    tokens[p] = fabric.burst
+                port_bytes[p] = port_bytes.get(p, 0.0) + f.bytes
+            flows.append(_Active(i, f.bytes, tuple(p for p, _ in ports)))
+        open_flows[i] = len(moving)
+        if not moving:
+            heapq.heappush(timers, (now + t.seconds + t.latency, order, i))
+            order += 1
+
+    def finish(i: int) -> None:
+        nonlocal done
+        end[i] = now
+        done += 1
+        for j in dependents[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                begin(j)
+
+    for i in range(n):
+        if waiting[i] == 0:
+            begin(i)
+    while timers or flows:
+        usable = {p: peak if tokens.get(p, 0.0) > 1e-9 * fabric.burst else c for p, c in cap.items()} if tokens else cap
+        _share(flows, usable)
+        t_flow = min((f.left / f.rate for f in flows), default=math.inf)
+        t_timer = timers[0][0] - now if timers else math.inf
+        dt = min(t_flow, t_timer)
+        if tokens:
+            used = _usage(flows, tokens)
+            dt = min((dt, *(b / (used[p] - cap[p]) for p, b in tokens.items()
+                            if b > 1e-9 * fabric.burst and used[p] > cap[p])))
+            for p in tokens:
+                tokens[p] = min(fabric.burst, max(0.0, tokens[p] + (cap[p] - used[p]) * dt))
+        now += dt
+        ended: list[int] = []
+        if flows:
+            still = []
+            for f in flows:
+                if f.left / f.rate <= dt * (1 + 1e-12) + 1e-15:  # this one ends now
+                    open_flows[f.task] -= 1
+                    if open_flows[f.task] == 0:
+                        ended.append(f.task)
+                else:
+                    f.left -= f.rate * dt
+                    still.append(f)
+            flows[:] = still
+        for i in ended:  # the payload is in; the latency remains
+            heapq.heappush(timers, (now + tasks[i].latency, order, i))
+            order += 1
+        while timers and timers[0][0] <= now + 1e-12:
+            finish(heapq.heappop(timers)[2])
+    if done < n:
+        stuck = next(i for i in range(n) if math.isnan(end[i]))
+        raise ValueError(f"task {tasks[stuck].label!r} (#{stuck}) never starts: its dependencies form a cycle")
+    return Result(graph, start, end, port_bytes)
+
+
+def _usage(flows: list[_Active], ports: dict[Port, float]) -> dict[Port, float]:
+    """Bytes per second through each of ``ports`` at the flows' current rates."""
+    used = dict.fromkeys(ports, 0.0)
+    for f in flows:
+        for p in f.ports:
+            if p in used:
+                used[p] += f.rate
+    return used
+
+
+def _share(flows: list[_Active], cap: dict[Port, float]) -> None:
+    """Max-min fair rates (progressive filling): the port with the smallest equal share fixes the
+    rate of every flow through it; their use is taken off their other ports; repeat."""
+    if not flows:
+        return
+    users: dict[Port, list[_Active]] = {}
+    for f in flows:
+        f.rate = -1.0
+        for p in f.ports:
+            users.setdefault(p, []).append(f)
+    left = {p: cap[p] for p in users}
+    count = {p: len(u) for p, u in users.items()}
+    while count:
+        p = min(count, key=lambda q: left[q] / count[q])
+        share = max(left[p] / count[p], 1e-9 * cap[p])  # rounding must not stall a flow
+        for f in users[p]:
+            if f.rate < 0:
+                f.rate = share
+                for q in f.ports:
+                    left[q] -= share
+                    count[q] -= 1
+                    if count[q] == 0 and q != p:
+                        del count[q]
+        del count[p]

@@ -1,0 +1,156 @@
+"""A TawPipe or WeiPipe plan as the engine runs it, as a task graph (design §9.3).
+
+The graph follows the executor (design §5.1–5.2) unit by unit: the same ``batches``, the same
+dataflow dependencies (``Hazards`` on the names each op reads and writes), compute in list
+order, each channel an in-order queue. ``host=True`` is the CPU executor: the calling thread
+reaches a unit only once every compute unit before it has run, point-to-point units and local
+channel work float (they wait for their dependencies, not their queue), and a send is done once
+gloo has handed its payload to the kernel's socket buffer. ``host=False`` is
+a GPU: the host runs ahead, so only streams and dependencies order the work. A message moves once
+both of its sides are posted; a collective once all its members are. A plan of replicas is played
+on replica 0, whose nodes stand for every replica's (``Fabric.fold``): the collectives that span
+replicas send their hops to the mirror images of replica 0's ranks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..cost.traffic import chain_hops, ring_next
+from ..plan.actions import OPS, Action, Channel, Hazards, Op, batches, describe
+from ..plan.plan import Plan
+from ..plan.schedule import build_plan
+from ..plan.topology import Topology
+from .hardware import Cluster
+from .network import Fabric, Flow, Graph
+from .workload import Workload
+
+
+SOCKET_BUFFER = 4 * 2**20  # Linux's largest TCP send buffer (net.ipv4.tcp_wmem), bytes
+
+
+@dataclass
+class _Message:
+    posts: list[int]
+    dones: list[tuple[int, bool]]  # (the unit's done, whether it is the sending side of a message)
+    action: Action | None = None  # the send's, or the root's / first member's of a collective
+
+
+def plan_graph(plan: Plan, cluster: Cluster, work: Workload, *, host: bool) -> tuple[Graph, Fabric]:
+    """The graph of one iteration of ``plan`` (built with real byte sizes) and the fabric to play
+    it on: replica 0's ranks on ``cluster``'s links."""
+    topo = plan.topology
+    if (topo.nodes, topo.per_node) != (cluster.nodes, cluster.per_node):
+        raise ValueError(f"the plan is for {topo.nodes} x {topo.per_node}, the cluster is "
+                         f"{cluster.nodes} x {cluster.per_node}")
+    g = Graph()
+    messages: dict[tuple, _Message] = {}
+    for r in range(plan.replica_size):
+        _rank(g, plan, r, work, host, messages)
+    for key, m in messages.items():
+        if m.action is None or len(m.posts) < (2 if key[0] == "p2p" else 1):
+            raise ValueError(f"{key}: a message without both sides in the plan")
+        flows, hops = _flows(plan, m.action)
+        crosses = any(topo.group_of(f.src) != topo.group_of(f.dst) for f in flows)
+        latency = hops * cluster.hop_latency(crosses)
+        t = g.add(describe(m.action), m.posts, flows=flows, latency=latency, rank=m.action.rank,
+                  lane=str(OPS[m.action.op].channel))
+        # gloo's send is done once its payload is in the kernel's socket buffer: the sender goes
+        # on while the bytes cross the link (the receiver has posted: gloo sends only then)
+        handed_off = g.add("", m.posts, latency=latency) if host and key[0] == "p2p" and \
+            m.action.bytes <= SOCKET_BUFFER else t
+        for done, sending in m.dones:
+            g.add_deps(done, [handed_off if sending else t])
+    fold = topo.nodes // plan.replicas if plan.replicas > 1 else None
+    return g, cluster.fabric(fold)
+
+
+def compute_seconds(plan: Plan, a: Action, work: Workload) -> float:
+    """What ``a`` costs its rank's device (0 for a transfer)."""
+    d = work.dims
+    if a.op in (Op.F, Op.B):
+        start, stop = plan.chunk_layers[a.chunk]
+        t = (stop - start) * (work.layer_forward() if a.op is Op.F else work.layer_backward())
+        if a.op is Op.F and a.chunk == plan.model_order[-1]:
+            t += work.head()  # the head's forward and backward run with the last chunk's forward
+        if a.op is Op.B and a.chunk == plan.model_order[0]:
+            t += work.embed()
+        return t
+    if a.op is Op.LOAD_W:  # a cast of the float32 master into the compute dtype
+        return work.copy(plan.chunk_numel(a.chunk) * (4 + d.dtype_bytes))
+    if a.op is Op.ACC_G:  # float32 += a received gradient
+        return work.copy(plan.chunk_numel(a.chunk) * (8 + d.grad_bytes))
+    if a.op is Op.STEP:
+        return work.step(plan.chunk_numel(plan.own_chunk(a.rank)) + d.replicated_numel)
+    return 0.0
+
+
+def _rank(g: Graph, plan: Plan, r: int, work: Workload, host: bool, messages: dict[tuple, _Message]) -> None:
+    hazards: Hazards[int] = Hazards()
+    last_compute: int | None = None
+    queue_last: dict[Channel, int] = {}
+    collectives: Counter = Counter()
+    for unit in batches(plan.actions[r]):
+        rw = [(plan.reads(a), plan.writes(a)) for a in unit]
+        deps = [d for reads, writes in rw for d in hazards.deps(reads, writes)]
+        spec = OPS[unit[0].op]
+        channel = spec.channel
+        if channel is Channel.COMPUTE:
+            deps += [last_compute] if last_compute is not None else []
+            done = last_compute = g.add(describe(unit[0]), deps, seconds=compute_seconds(plan, unit[0], work),
+                                        rank=r)
+        else:
+            if host and last_compute is not None:
+                deps.append(last_compute)  # the calling thread gets here after the compute before it
+            floating = host and not spec.ordered
+            if not floating and channel in queue_last:
+                deps.append(queue_last[channel])
+            if spec.transfer is None:
+                done = g.add(describe(unit[0]), deps, seconds=compute_seconds(plan, unit[0], work), rank=r,
+                             lane=str(channel))
+            else:
+                post = g.add("", deps)
+                done = g.add("", [])
+                for a in unit:
+                    if spec.is_p2p:
+                        src, dst = (r, a.peer) if OPS[a.op].transfer == "send" else (a.peer, r)
+                        key: tuple = ("p2p", channel, src, dst, a.tag)
+                    else:
+                        collectives[(channel, a.group)] += 1
+                        key = ("collective", channel, a.group, collectives[(channel, a.group)])
+                    m = messages.setdefault(key, _Message([], []))
+                    m.posts.append(post)
+                    m.dones.append((done, OPS[a.op].transfer == "send"))
+                    if OPS[a.op].transfer == "send" or (not spec.is_p2p and (m.action is None or a.rank == a.root)):
+                        m.action = a
+            queue_last[channel] = done
+        for reads, writes in rw:
+            hazards.record(done, reads, writes)
+
+
+def _flows(plan: Plan, a: Action) -> tuple[list[Flow], int]:
+    """The hops of ``a``'s transfer as the backends run it, and how many hop latencies it waits:
+    a message is one hop; a broadcast or reduce a pipelined chain (every hop carries the whole
+    buffer, all at once); an all-reduce a ring (each member sends 2(k−1)/k of the buffer to the
+    next, 2(k−1) steps). Only replica 0's members send; the others are their mirror images."""
+    spec = OPS[a.op]
+    if spec.is_p2p:
+        return [Flow(a.rank, a.peer, a.bytes)], 1
+    k = len(a.group)
+    if k < 2:
+        return [], 0
+    if a.root is not None:
+        return [Flow(s, d, a.bytes) for s, d in chain_hops(a)], k - 1
+    size = plan.replica_size
+    share = 2 * (k - 1) / k * a.bytes
+    return [Flow(m, ring_next(a, m), share) for m in a.group if m < size], 2 * (k - 1)
+
+
+def engine_plan(cluster: Cluster, work: Workload, micro_batches: int, **options: object) -> Plan:
+    """The plan the engine would run for ``work.dims`` on ``cluster``, with real byte sizes;
+    ``options`` are ``build_plan``'s (algo, mb_per_fetch, prefetch_depth, reuse_weights, replicas)."""
+    d = work.dims
+    return build_plan(Topology(cluster.nodes, cluster.per_node), d.layers, micro_batches,
+                      layer_numel=d.layer_numel, weight_bytes=d.dtype_bytes, grad_bytes=d.grad_bytes,
+                      replicated_numel=d.replicated_numel + 1, **options)

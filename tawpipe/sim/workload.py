@@ -1,0 +1,112 @@
+"""How long a device computes: a LLaMA layer, the head, the embedding and a step (design §9.2).
+
+Time is FLOPs over an achieved rate plus bytes over memory bandwidth, per micro-batch of T = B·S
+tokens, on a model of ``ModelDims``:
+
+- a layer's linear parts: 2·T·P_lin FLOPs forward (P_lin its matmul parameters), twice that
+  backward; elementwise work (norms, rotary, SwiGLU, residuals) moves about 34·T·H activation
+  elements forward and twice that backward (Korthikanti et al.'s count);
+- causal attention: Q·Kᵀ and the weighted sum of V, 2·2·B·S²·H FLOPs halved by the mask, 2.5 times
+  that backward (FlashAttention's backward recomputes the scores);
+- with recompute, a backward runs its forward again first;
+- the head: 2·T·H·V FLOPs forward, twice that backward, plus the float32 logits' softmax;
+- AdamW: 32 bytes of memory traffic per float32 parameter (read weight, gradient and two moments,
+  write three of them); a cast or an accumulation: the bytes it reads and writes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..cost.traffic import ModelDims
+from .hardware import Device
+
+ADAMW_BYTES = 32  # memory traffic of one AdamW update of one float32 parameter
+ELEMENTWISE = 34  # activation elements a layer's elementwise work reads and writes, per token and hidden unit
+
+# LLaMA shapes (Touvron et al. 2023; Llama 3.2 1B); "paper": the TawPipe code's script.py model.
+MODELS: dict[str, ModelDims] = {
+    "paper": ModelDims(hidden=1024, layers=24, heads=32, vocab=32000),
+    "1b": ModelDims(hidden=2048, layers=16, heads=32, kv_heads=8, vocab=128256, ffn=8192),
+    "7b": ModelDims(hidden=4096, layers=32, heads=32, vocab=32000, ffn=11008),
+    "13b": ModelDims(hidden=5120, layers=40, heads=40, vocab=32000, ffn=13824),
+    "70b": ModelDims(hidden=8192, layers=80, heads=64, kv_heads=8, vocab=32000, ffn=28672),
+}
+
+
+def model(spec: str, *, seq: int, micro_batch: int, dtype_bytes: int = 2, grad_bytes: int = 2) -> ModelDims:
+    """A preset of ``MODELS`` or a Hugging Face ``config.json`` (LLaMA-like: hidden_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size),
+    trained with a fused attention kernel (FlashAttention: no S x S scores kept)."""
+    if spec in MODELS:
+        base = MODELS[spec]
+    elif Path(spec).is_file() or Path(spec, "config.json").is_file():
+        path = Path(spec, "config.json") if Path(spec).is_dir() else Path(spec)
+        cfg = json.loads(path.read_text())
+        try:
+            base = ModelDims(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"],
+                             heads=cfg["num_attention_heads"], kv_heads=cfg.get("num_key_value_heads"),
+                             vocab=cfg["vocab_size"], ffn=cfg.get("intermediate_size"))
+        except KeyError as e:
+            raise ValueError(f"{path}: a LLaMA-like config needs {e.args[0]!r}") from None
+    else:
+        raise ValueError(f"model {spec!r}: expected one of {', '.join(MODELS)} or a Hugging Face config.json")
+    return replace(base, seq=seq, micro_batch=micro_batch, dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
+                   scores=False)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Seconds of compute for ``dims`` on ``device``. ``recompute``: a backward runs its forward
+    again (the engine's ``recompute="chunk"``, activation checkpointing in the peers)."""
+
+    dims: ModelDims
+    device: Device
+    recompute: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return self.dims.seq * self.dims.micro_batch
+
+    def linear_flops(self) -> float:
+        """Forward FLOPs of one layer's matmuls for one micro-batch."""
+        return 2 * self.tokens * (self.dims.layer_numel - 2 * self.dims.hidden)
+
+    def attention_flops(self) -> float:
+        """Forward FLOPs of one layer's causal attention products for one micro-batch."""
+        d = self.dims
+        return 2 * d.micro_batch * d.seq * d.seq * d.hidden
+
+    def layer_forward(self, micro_batches: int = 1) -> float:
+        dev, d = self.device, self.dims
+        elementwise = ELEMENTWISE * self.tokens * d.hidden * d.dtype_bytes / dev.memory_bandwidth
+        return micro_batches * (self.linear_flops() / dev.matmul_flops
+                                + self.attention_flops() / dev.attention_flops + elementwise)
+
+    def layer_backward(self, micro_batches: int = 1) -> float:
+        """The backward of one layer, with its forward again when ``recompute``."""
+        dev, d = self.device, self.dims
+        elementwise = 2 * ELEMENTWISE * self.tokens * d.hidden * d.dtype_bytes / dev.memory_bandwidth
+        back = micro_batches * (2 * self.linear_flops() / dev.matmul_flops
+                                + 2.5 * self.attention_flops() / dev.attention_flops + elementwise)
+        return back + (self.layer_forward(micro_batches) if self.recompute else 0.0)
+
+    def head(self, micro_batches: int = 1) -> float:
+        """The head and loss, forward and backward (float32 logits, softmax, their gradient)."""
+        d, dev = self.dims, self.device
+        flops = 6 * self.tokens * d.hidden * d.vocab
+        return micro_batches * (flops / dev.matmul_flops + 3 * self.tokens * d.vocab * 4 / dev.memory_bandwidth)
+
+    def embed(self, micro_batches: int = 1) -> float:
+        """The embedding's lookup and its gradient's scatter-add."""
+        return micro_batches * 3 * self.tokens * self.dims.hidden * 4 / self.device.memory_bandwidth
+
+    def step(self, params: float) -> float:
+        """AdamW on ``params`` float32 parameters."""
+        return params * ADAMW_BYTES / self.device.memory_bandwidth
+
+    def copy(self, nbytes: float) -> float:
+        """A local cast, copy or accumulation that reads and writes ``nbytes`` in all."""
+        return nbytes / self.device.memory_bandwidth

@@ -1,0 +1,288 @@
+"""The default "auto" schedule options (design §7.3): the pure chooser on hand-made options, on real
+plans, in the engine (still exact against single-process training), in the fingerprint, in
+checkpoints and in ``tawpipe train``'s summary."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_cases import MB_ROWS, TinyLM, _engine, adamw, global_batch, lm_loss, reference_run, rel_err
+from tawpipe import cli
+from tawpipe.cost import memory as cost_memory
+from tawpipe.cost.memory import (MemoryEstimate, NothingFits, auto_plan, busiest_rank_memory, candidates,
+                                 choose, memory_per_rank)
+from tawpipe.cost.traffic import ModelDims
+from tawpipe.engine import fingerprint
+from tawpipe.engine.auto import memory_budget
+from tawpipe.engine.engine import TawPipe
+from tawpipe.io import checkpoint
+from tawpipe.plan.schedule import RESIDENT
+from tawpipe.plan.topology import Topology
+from tawpipe.runtime.launch import run_local
+from tawpipe.train import job
+from test_engine_errors import NoComm
+
+ROOT = Path(__file__).resolve().parent.parent
+GiB = 2**30
+
+
+def _gib(n: float) -> MemoryEstimate:
+    return MemoryEstimate(persistent=n * GiB, staging=0, replicated=0, activations=0)
+
+
+# the busiest node's inter-node bytes and the busiest rank's memory, made up
+OPTIONS = {(1, 1, False): (9e6, _gib(1)), (1, 1, True): (9e6, _gib(1)), (2, 1, False): (5e6, _gib(2)),
+           (2, 1, True): (5e6, _gib(2)), (2, 3, True): (3e6, _gib(4))}
+
+
+def test_a_budget_that_fits_everything_takes_the_fewest_bytes():
+    choice, why = choose(OPTIONS, 8 * GiB, resident=3, budget_text="--memory-budget")
+    assert choice == (2, 3, True)
+    assert why == ("k=2, resident depth 3, reuse — the fewest inter-node bytes (3.00 MB/iter, busiest node), "
+                   "4.00 GiB per rank within 8.00 GiB per rank (--memory-budget)")
+
+
+def test_a_tight_budget_falls_back_to_a_smaller_k_or_depth():
+    choice, why = choose(OPTIONS, 3 * GiB, resident=3)
+    assert choice == (2, 1, False)  # reuse saves nothing here: the paper's fetches
+    assert why.startswith("k=2, depth 1, no reuse — the fewest inter-node bytes (5.00 MB/iter")
+    assert why.endswith("; k=2, resident depth 3, reuse would move 3.00 MB but takes 4.00 GiB")
+    choice, why = choose(OPTIONS, 1.5 * GiB, resident=3)
+    assert choice == (1, 1, False) and "all that fit move 9.00 MB/iter across nodes: the least memory" in why
+
+
+def test_nothing_fits_is_an_error_naming_the_flags():
+    with pytest.raises(NothingFits, match=r"no schedule fits within 512\.0 MiB per rank: the least memory, k=1, "
+                                          r"depth 1, no reuse, takes 1\.00 GiB per rank; .*--memory-budget GiB "
+                                          r".*--mb-per-fetch, --prefetch-depth and --reuse-weights") as e:
+        choose(OPTIONS, 0.5 * GiB)
+    assert e.value.least == (1, 1, False)
+
+
+def test_where_no_bytes_cross_nodes_the_least_memory():
+    options = {(1, 1, False): (0.0, _gib(1)), (2, 1, False): (0.0, _gib(2))}
+    assert choose(options, 8 * GiB) == ((1, 1, False), "k=1, depth 1, no reuse — all that fit move 0 B/iter across "
+                                                       "nodes: the least memory, 1.00 GiB per rank within 8.00 GiB "
+                                                       "per rank")
+
+
+def test_candidates_keep_the_given_values():
+    assert candidates(4) == [(k, d, r) for d, r in ((1, False), (1, True), (RESIDENT, True)) for k in (1, 2, 4)]
+    assert candidates(4, mb_per_fetch=2) == [(2, 1, False), (2, 1, True), (2, RESIDENT, True)]
+    assert candidates(2, prefetch_depth=RESIDENT) == [(1, RESIDENT, True), (2, RESIDENT, True)]  # resident: reuse
+    assert candidates(2, reuse_weights=False) == [(1, 1, False), (2, 1, False)]
+    assert candidates(2, prefetch_depth=RESIDENT, reuse_weights=False) == [(1, RESIDENT, False), (2, RESIDENT, False)]
+
+
+DIMS = ModelDims(hidden=256, layers=8, heads=8, vocab=512, seq=512, dtype_bytes=4, grad_bytes=4)
+SIZES = dict(layer_numel=DIMS.layer_numel, weight_bytes=4, grad_bytes=4, replicated_numel=DIMS.replicated_numel)
+
+
+def _auto(budget: float = math.inf, **kw):
+    return auto_plan(Topology(2, 2), 8, 2, memory=lambda p: memory_per_rank(p, DIMS), budget=budget, **SIZES, **kw)
+
+
+def test_auto_plan_on_real_plans():
+    """2 x 2 with 2 micro-batches: k = 2 with every chunk resident moves the fewest bytes; a budget
+    below its memory takes depth 1; given values are kept; WeiPipe is the paper's ring."""
+    plan, why = _auto()
+    assert (plan.options["mb_per_fetch"], plan.options["prefetch_depth"], plan.options["reuse_weights"]) == (2, 3, True)
+    assert why.startswith("k=2, resident depth 3, reuse — the fewest inter-node bytes")
+    resident = memory_per_rank(plan, DIMS).total
+    depth1 = memory_per_rank(_auto(mb_per_fetch=2, prefetch_depth=1, reuse_weights=True)[0], DIMS).total
+    assert depth1 < resident
+    plan, why = _auto((depth1 + resident) / 2)
+    assert (plan.options["mb_per_fetch"], plan.options["prefetch_depth"]) == (2, 1) and "would move" in why
+    plan, why = _auto(mb_per_fetch=1)  # explicit values win
+    assert plan.options["mb_per_fetch"] == 1 and why.endswith("(k=1 given)")
+    assert _auto(mb_per_fetch=1, prefetch_depth=1, reuse_weights=False)[1] is None  # nothing left to choose
+    plan, why = _auto(algo="weipipe")
+    assert [plan.options[n] for n in ("mb_per_fetch", "prefetch_depth", "reuse_weights")] == [1, 1, False]
+    with pytest.raises(ValueError, match="reuse_weights=True"):
+        _auto(prefetch_depth=RESIDENT, reuse_weights=False)  # the constraint stays
+    with pytest.raises(ValueError, match="does not divide"):
+        _auto(mb_per_fetch=3)
+    with pytest.raises(NothingFits):
+        _auto(1.0)
+    plan, why = _auto(1.0, budget_text="measured", strict=False)  # a measured budget: the least memory
+    assert why.startswith("k=1, depth 1, reuse — the least memory") and "nothing fits within" in why
+
+
+def test_large_plans_are_built_in_the_closed_form_order_until_one_fits(monkeypatch):
+    monkeypatch.setattr(cost_memory, "AUTO_BUILD_COMPUTE_ACTIONS", 0)
+    built = []
+    memory = lambda p: built.append(p.options) or memory_per_rank(p, DIMS)  # noqa: E731
+    plan, why = auto_plan(Topology(2, 2), 8, 2, memory=memory, budget=math.inf, **SIZES)
+    assert (plan.options["mb_per_fetch"], plan.options["prefetch_depth"]) == (2, 3) and len(built) == 1
+    assert why.endswith("(a large plan: candidates built in the closed form's order of bytes, the first that fits "
+                        "taken)")
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+def _engine_memory(plan, model: TinyLM) -> MemoryEstimate:
+    """What the engine counts for a plan of ``model`` (float32): its state and staging, no batch."""
+    return busiest_rank_memory(plan, chunk_numel=[(b - a) * _layer(model) for a, b in plan.chunk_layers],
+                               replicated_numel=_replicated(model), weight_bytes=4, grad_bytes=4, scratch_bytes=0)
+
+
+def _layer(model: TinyLM) -> int:
+    return sum(p.numel() for p in model.blocks[0].parameters())
+
+
+def _replicated(model: TinyLM) -> int:
+    return sum(p.numel() for m in (model.embed, model.head) for p in m.parameters()) + 1  # + the loss sum
+
+
+def _plan_of(model: TinyLM, budget: float, **given):
+    """The plan the engine builds for ``model`` on 2 x 2 with 2 micro-batches, as the chooser says."""
+    return auto_plan(Topology(2, 2), len(model.blocks), 2, memory=lambda p: _engine_memory(p, model), budget=budget,
+                     layer_numel=_layer(model), weight_bytes=4, grad_bytes=4, replicated_numel=_replicated(model),
+                     **given)[0]
+
+
+def _choice(model: TinyLM, budget: float, **given) -> tuple[int, int, bool]:
+    o = _plan_of(model, budget, **given).options
+    return o["mb_per_fetch"], o["prefetch_depth"], o["reuse_weights"]
+
+
+def auto_rank(rank: int, cases: list[dict]) -> list[dict]:
+    """Each case: an engine with "auto" options against single-process training."""
+    world, out = torch.distributed.get_world_size(), []
+    for options in cases:
+        torch.manual_seed(0)
+        model = TinyLM(4)
+        acc, rows, steps = 2, 2 * MB_ROWS, 2
+        ref, ref_losses = reference_run(model, world * rows, steps, None)
+        engine = _engine(copy.deepcopy(model), Topology(2, 2), acc, **options)
+        losses = []
+        for step in range(steps):
+            x, y = global_batch(step, world * rows)
+            losses.append(engine.step((x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])))
+        want = dict(ref.named_parameters())
+        out.append({"choice": (engine.mb_per_fetch, engine.prefetch_depth, engine.reuse_weights),
+                    "why": engine.auto_reason, "losses": losses, "ref_losses": ref_losses,
+                    "err": max(rel_err(p.detach(), want[n].detach()) for n, p in engine.named_parameters())})
+        engine.close()
+    return out
+
+
+def test_the_engine_takes_the_choosers_pick_and_stays_exact():
+    """Defaults on 2 x 2 (every option fits: the fewest bytes), a memory_budget that leaves out the
+    resident depth, and a given k: each engine builds what the chooser says, and trains exactly
+    like one process."""
+    torch.manual_seed(0)
+    model = TinyLM(4)
+    fits_all = _choice(model, math.inf)
+    resident = _engine_memory(_plan_of(model, math.inf), model).total
+    depth1 = _engine_memory(_plan_of(model, math.inf, prefetch_depth=1), model).total
+    budget = (depth1 + resident) / 2
+    tight = _choice(model, budget)
+    assert fits_all == (2, 3, True) and tight[:2] == (2, 1)
+    cases = [{}, {"memory_budget": budget}, {"mb_per_fetch": 1}]
+    results = run_local(auto_rank, 4, cases, timeout=240)
+    for rank_results in results:
+        default, budgeted, given = rank_results
+        assert default["choice"] == fits_all
+        assert default["why"].startswith("k=2, resident depth 3, reuse — the fewest")
+        assert budgeted["choice"] == tight and "(memory_budget)" in budgeted["why"]
+        assert given["choice"] == _choice(model, math.inf, mb_per_fetch=1) and given["choice"][0] == 1
+        assert given["why"].endswith("(k=1 given)")
+        for r in rank_results:
+            assert r["err"] <= 1e-5, r
+            assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+
+
+def test_the_measured_budget(monkeypatch):
+    """CUDA: the free memory less 10% of the device's; elsewhere the host's share less 10%."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * GiB, 80 * GiB))
+    assert memory_budget(torch.device("cuda", 0), 1, None) == (52 * GiB, "free on cuda:0 less 10% of its 80 GiB")
+    host = (40 * GiB, "MemAvailable in /proc/meminfo")
+    assert memory_budget(torch.device("cpu"), 4, host) == (9 * GiB, "MemAvailable in /proc/meminfo, shared by 4 "
+                                                                    "rank(s), less 10%")
+    assert memory_budget(torch.device("cpu"), 4, None)[0] == math.inf
+
+
+def test_an_explicit_memory_budget_that_nothing_fits_is_refused_before_anything_is_sent():
+    torch.manual_seed(0)
+    m = TinyLM(4)
+    with pytest.raises(NothingFits, match="no schedule fits within 0.0 MiB per rank \\(memory_budget\\)"):
+        TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                memory_budget=1)
+    with pytest.raises(ValueError, match="memory_budget must be None .* or bytes per rank > 0"):
+        TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                memory_budget=0)
+
+
+def test_ranks_that_chose_differently_are_told_why():
+    """The fingerprint holds the resolved options: ranks whose "auto" chose another depth get a
+    ValueError naming the field and memory_budget, from the same CHECK as every disagreement."""
+    torch.manual_seed(0)
+    m = TinyLM(4)
+    rows = []
+    for depth in (3, 1):
+        plan = _plan_of(m, math.inf, mb_per_fetch=2, prefetch_depth=depth, reuse_weights=True)
+        rows.append(fingerprint.fields(plan, compute_dtype=torch.float32, grad_dtype=torch.float32,
+                                       block=m.blocks[0], replicated=list(m.embed.named_parameters()),
+                                       optimizer=adamw(list(m.parameters())), precision={}, recompute="chunk"))
+    assert "reuse_weights" in [name for name, _, _ in rows[0]]
+    table = [[v for _, v, _ in row] for row in rows]
+    with pytest.raises(ValueError, match=r"rank 1 disagrees with rank 0 on prefetch_depth \(rank 0: 3, rank 1: 1\).*"
+                                         r"\"auto\" .* memory_budget \(tawpipe train --memory-budget\)"):
+        fingerprint.compare(table, rows[0], 0)
+
+
+def test_a_checkpoint_records_the_choice_and_a_resume_makes_it_again(tmp_path):
+    torch.manual_seed(0)
+    m = TinyLM(4)
+    engine = TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                     block_context=m.context)
+    engine.step(global_batch(0, 4))
+    checkpoint.save(engine, tmp_path)
+    manifest = checkpoint.read_manifest(tmp_path)
+    assert manifest["schedule"] == {"micro_batches": 2, "mb_per_fetch": engine.mb_per_fetch,
+                                    "prefetch_depth": engine.prefetch_depth, "reuse_weights": engine.reuse_weights}
+    engine.close()
+    cfg = job.TrainConfig(nodes=1, per_node=1)
+    ran = {"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": True}
+    manifest["schedule"] = {"micro_batches": 2, **ran}
+    assert job._as_it_ran(cfg, Topology(1, 1), manifest) == ran
+    assert job._as_it_ran(job.TrainConfig(nodes=1, per_node=1, mb_per_fetch=2), Topology(1, 1), manifest) == {
+        "prefetch_depth": 1, "reuse_weights": True}  # a given value stays
+    assert job._as_it_ran(job.TrainConfig(nodes=1, per_node=1, micro_batches=4), Topology(1, 1), manifest) == {}
+    assert job._as_it_ran(cfg, Topology(1, 2), manifest) == {}  # another plan: "auto" chooses afresh
+    assert job._as_it_ran(job.TrainConfig(nodes=1, per_node=1, memory_budget=1.0), Topology(1, 1), manifest) == {}
+
+
+# ------------------------------------------------------------------------------------ tawpipe train
+
+def test_train_defaults_choose_and_the_budget_is_a_flag(monkeypatch):
+    pre = job.validate(job.TrainConfig())
+    assert pre.schedule == {"mb_per_fetch": 2, "prefetch_depth": 3, "reuse_weights": True}
+    assert pre.auto.startswith("k=2, resident depth 3, reuse — the fewest inter-node bytes (")
+    assert "shared by 4 rank(s), less 10%, less 384.0 MiB of runtime" in pre.auto
+    pre = job.validate(job.TrainConfig(memory_budget=0.036))  # the own memory estimate of k=1, depth 1, reuse: 36.2 MiB
+    assert pre.schedule["prefetch_depth"] == 1 and "(--memory-budget)" in pre.auto and "would move" in pre.auto
+    monkeypatch.setattr(job, "run_local", lambda *a, **k: pytest.fail("a worker was started"))
+    with pytest.raises(SystemExit, match=r"^tawpipe train: schedule: no schedule fits within 1\.0 MiB per rank "
+                                         r"\(--memory-budget\): .*--memory-budget GiB"):
+        cli.main(["train", "--memory-budget", "0.001"])
+
+
+def test_train_prints_what_auto_chose_and_why():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-m", "tawpipe", "train", "--model", "micro", "--steps", "1", "--seq-len",
+                          "16", "--batch-size", "1", "--val-every", "0"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("schedule: tawpipe, gradient route rail, prefetch depth 3, 2 micro-batch(es) per fetch, resident chunks "
+            "reused") in out.stdout
+    assert "\nauto: k=2, resident depth 3, reuse — the fewest inter-node bytes (" in out.stdout

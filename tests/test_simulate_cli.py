@@ -1,0 +1,100 @@
+"""`tawpipe simulate`: the table, JSON, the timeline, the advice and the validation path, on
+clusters small enough to check by other means."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from tawpipe.cli import main
+from tawpipe.sim import compare
+from tawpipe.sim.hardware import Cluster, Device, link
+from tawpipe.sim.workload import Workload, model
+
+DEV = Device("test", matmul_flops=5e13, attention_flops=4e13, memory_bandwidth=1e12, memory=80e9, peak=1e14)
+
+
+def _run(argv: list[str], capsys) -> str:
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_json_rows_for_every_method(capsys, tmp_path):
+    dev = tmp_path / "dev.json"
+    dev.write_text(json.dumps(dataclasses.asdict(DEV)))
+    trace = tmp_path / "trace.json"
+    out = _run(["simulate", "--nodes", "2", "--per-node", "2", "--device", str(dev), "--model", "paper",
+                "--seq", "1024", "--micro-batch", "1", "--acc", "2", "--json", "--timeline", str(trace)], capsys)
+    doc = json.loads(out)
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert set(rows) == set(compare.METHODS)
+    for r in rows.values():
+        assert r["time_s"] > 0 and r["time_s"] >= r["compute_s"] - 1e-12
+        assert r["tokens_per_s_per_device"] == pytest.approx(2 * 1024 / r["time_s"])
+    # DDP all-reduces every gradient across nodes; HSDP only its node's shard of them
+    assert rows["ddp"]["inter_bytes"] > rows["hsdp"]["inter_bytes"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1, 2, 3}
+    assert max(e["ts"] + e["dur"] for e in events) == pytest.approx(rows["tawpipe"]["time_s"] * 1e6, rel=1e-6)
+
+
+def test_the_row_matches_a_direct_run_and_the_table_prints_it(capsys, tmp_path):
+    dev = tmp_path / "dev.json"
+    dev.write_text(json.dumps(dataclasses.asdict(DEV)))
+    out = _run(["simulate", "--nodes", "2", "--per-node", "2", "--device", str(dev), "--model", "paper",
+                "--seq", "2048", "--micro-batch", "1", "--acc", "2", "--methods", "tawpipe", "hsdp"], capsys)
+    cluster = Cluster(2, 2, DEV, link("nvlink"), link("10gbe"))
+    work = Workload(model("paper", seq=2048, micro_batch=1), DEV)
+    want = compare.run("tawpipe", cluster, work, 2)
+    line = next(ln for ln in out.splitlines() if ln.startswith("tawpipe "))
+    assert f"{want.time_s:.3f}s" in line and "k=2" in line
+
+
+def test_advice_is_the_fastest_setting_that_fits(capsys, tmp_path):
+    dev = tmp_path / "dev.json"
+    dev.write_text(json.dumps(dataclasses.asdict(DEV)))
+    cluster = Cluster(2, 2, DEV, link("nvlink"), link("10gbe"))
+    work = Workload(model("paper", seq=1024, micro_batch=1), DEV)
+    rows = compare.advise(cluster, work, 2)
+    fitting = [r for r in rows if r.fits]
+    assert rows[0] is fitting[0] and rows[0].time_s == min(r.time_s for r in fitting)
+    assert {r.settings["replicas"] for r in rows} == {1, 2}
+    out = _run(["simulate", "--nodes", "2", "--per-node", "2", "--device", str(dev), "--model", "paper",
+                "--seq", "1024", "--micro-batch", "1", "--acc", "2", "--methods", "tawpipe", "--advise"], capsys)
+    assert f"({rows[0].time_s:.3f} s/iteration" in out
+
+
+def test_a_pipeline_longer_than_the_model_is_refused_with_the_way_out():
+    cluster = Cluster(4, 8, DEV, link("nvlink"), link("10gbe"))
+    work = Workload(model("paper", seq=1024, micro_batch=1), DEV)  # 24 layers < 32 ranks
+    with pytest.raises(ValueError, match="use replicas"):
+        compare.run("tawpipe", cluster, work, 2)
+    assert compare.run("tawpipe", cluster, work, 2, settings={"replicas": 2}).time_s > 0
+
+
+def test_validation_compares_each_measured_row_with_its_simulation(capsys, tmp_path):
+    # a results file as `tawpipe bench cluster` writes it, and a calibration cached in the output
+    # directory (the validation then measures nothing on this machine)
+    cfg = {"nodes": 2, "per_node": 2, "hidden": 64, "layers": 4, "heads": 4, "seq_len": 256, "vocab": 128,
+           "micro_batches": 2, "batch_size": 1}
+    cpu = Device("cpu x 0.5", matmul_flops=1e10, attention_flops=5e9, memory_bandwidth=2e9, memory=8e9)
+    out = tmp_path / "val"
+    out.mkdir()
+    (out / "cpu_H64_S256_B1_q0.500.json").write_text(json.dumps(dataclasses.asdict(cpu)))
+    rows = [{"method": "tawpipe-best", "label": "tawpipe best", "status": "ok", "time_median_s": 2.0,
+             "measured_busiest_bytes": 1e6},
+            {"method": "ddp", "label": "DDP", "status": "ok", "time_median_s": 3.0, "measured_busiest_bytes": 2e6}]
+    results = tmp_path / "cluster.json"
+    results.write_text(json.dumps({"rate": "100mbit", "machine": {"cpus": 2}, "engine": {"recompute": "none"},
+                                   "compute": "compute fixed at 0.50 core(s) per rank (1 thread(s) each)",
+                                   "shapes": [{"config": cfg, "rows": rows}]}))
+    _run(["simulate", "--validate", str(results), "--out", str(out)], capsys)
+    got = json.loads((out / "validation.json").read_text())["rows"]
+    assert [r["method"] for r in got] == ["tawpipe-best", "ddp"]
+    for r, measured in zip(got, rows):
+        assert r["time_ratio"] == pytest.approx(r["predicted_s"] / measured["time_median_s"])
+        assert r["bytes_ratio"] == pytest.approx(r["predicted_bytes"] / measured["measured_busiest_bytes"])
+    within = sum(abs(r["time_ratio"] - 1) <= 0.2 for r in got)
+    assert f"{within} of 2 rows within ±20% in time" in (out / "validation.md").read_text()
