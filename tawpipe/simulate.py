@@ -35,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--nodes", type=int, default=3, help="nodes (default: 3, the paper's)")
     c.add_argument("--per-node", type=int, default=8, help="devices per node (default: 8)")
     c.add_argument("--device", default="h100",
-                   help=f"a preset ({', '.join(DEVICES)}), optionally name:memory=GiB, or a JSON file written by "
-                        f"--calibrate (default: h100)")
+                   help=f"a preset ({', '.join(DEVICES)}), optionally name:memory=GiB; cpu[:quota=CORES], this "
+                        f"machine's CPU measured now (one thread under that quota, an emulated rank); or a JSON "
+                        f"file written by --calibrate (default: h100)")
     c.add_argument("--intra", default="nvlink", help=f"intra-node link: {', '.join(LINKS)} or a rate like 100gbit")
     c.add_argument("--inter", default="10gbe", help=f"inter-node link per node: {', '.join(LINKS)} or a rate like "
                                                      f"25gbit, 14mbit@300 (latency us), 10gbit*0.9 (efficiency)")
@@ -99,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
         return _validate(args)
     if args.calibrate:
         return _calibrate(args, dims)
-    dev = load_device(args.device)
+    dev = load_device(args.device, dims)
     cluster = Cluster(args.nodes, args.per_node, dev, link(args.intra), link(args.inter), args.rails)
     work = Workload(dims, dev, recompute=args.recompute)
     settings = _settings(args)
@@ -149,8 +150,17 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def load_device(spec: str) -> Device:
-    """A preset, or a device JSON written by ``--calibrate``."""
+def load_device(spec: str, dims: ModelDims) -> Device:
+    """A preset, a device JSON written by ``--calibrate``, or ``cpu[:quota=CORES]``: this
+    machine's CPU measured now at ``dims``' shapes, one thread under that quota (an emulated rank)."""
+    if spec == "cpu" or spec.startswith("cpu:"):
+        from .sim.calibrate import calibrate  # needs torch; the rest of the simulator does not
+
+        _, _, opt = spec.partition(":")
+        key, _, value = opt.partition("=")
+        if opt and key != "quota":
+            raise SystemExit(f"--device {spec}: only cpu:quota=CORES is known")
+        return calibrate(dims, threads=1, quota=float(value) if opt else None)
     path = Path(spec)
     if path.suffix == ".json":
         if not path.is_file():
@@ -304,7 +314,7 @@ def _paper(args: argparse.Namespace) -> int:
     """The official code's 24-GPU run on the simulator: TawPipe's throughput over WeiPipe, 1F1B
     and FSDP at each S, beside the margins the paper reports (S = 16384). The device is
     ``--device`` (the paper names none; design §9.5 gives the A100-class estimate)."""
-    dev = load_device(args.device)
+    dev = load_device(args.device, model("paper", seq=16384, micro_batch=2))
     cluster = Cluster(3, 8, dev, link(args.intra), link(args.inter), args.rails)
     methods = ("tawpipe-paper", "tawpipe", "weipipe", "1f1b", "fsdp", "fsdp-node", "hsdp", "ddp")
     doc: dict = {"cluster": _describe(cluster), "model": "paper", "micro_batch": 2, "acc": 2, "dtype_bytes": 2,

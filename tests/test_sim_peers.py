@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +15,7 @@ from tawpipe.cost.memory import working_set_bytes
 from tawpipe.cost.traffic import ModelDims, estimate
 from tawpipe.plan.topology import Topology
 from tawpipe.sim.hardware import DEVICES, LINKS, Cluster, Device, Link
-from tawpipe.sim.network import Graph, Result, simulate
+from tawpipe.sim.network import HALF_DUPLEX_SHARE, Graph, Result, simulate
 from tawpipe.sim.peers import PEERS, Ring, peer_graph, peer_memory, ring_collective
 from tawpipe.sim.workload import Workload, model
 
@@ -120,7 +121,7 @@ def test_two_stage_1f1b(acc, latency, host):
     msg = dims.activation_numel * dims.dtype_bytes / bw + latency
     m = 2 * acc
     step = work.step(half * dims.layer_numel + dims.replicated_numel)
-    both = 2 * dims.activation_numel * dims.dtype_bytes / bw + latency if host else msg
+    both = 2 * dims.activation_numel * dims.dtype_bytes / (HALF_DUPLEX_SHARE * bw) + latency if host else msg
     result = simulate(*peer_graph("1f1b", c, work, acc, host=host))
     assert result.makespan == pytest.approx(f0 + msg + m * (f1 + b1) + (m - 1) * both + msg + b0 + step, rel=1e-9)
     assert result.busy(0) == pytest.approx(m * (f0 + b0) + step, rel=1e-9)
@@ -157,10 +158,10 @@ SHAPES = [(2, 2), (3, 2), (4, 1), (2, 3)]
 @pytest.mark.parametrize("method", ["ddp", "hsdp", "1f1b"])
 @pytest.mark.parametrize("host", [False, True])
 def test_inter_node_bytes_match_estimate(nodes, per_node, method, host):
-    acc = 2
-    result = play(method, cluster(nodes, per_node), TINY, acc, host=host)
+    acc, dims = 2, replace(TINY, layers=nodes * per_node)  # 1F1B: a layer per stage at least
+    result = play(method, cluster(nodes, per_node), dims, acc, host=host)
     assert busiest_node_port(result) == pytest.approx(
-        estimate(method, TINY, Topology(nodes, per_node), acc).inter_node_per_node, rel=1e-9)
+        estimate(method, dims, Topology(nodes, per_node), acc).inter_node_per_node, rel=1e-9)
 
 
 @pytest.mark.parametrize("nodes, per_node", SHAPES)
@@ -246,7 +247,9 @@ def test_refuses_what_it_cannot_model():
     with pytest.raises(ValueError, match="1f1b only"):
         peer_graph("ddp", c, work, 1, host=True, stages=2)
     with pytest.raises(ValueError, match="tile nodes"):
-        peer_graph("1f1b", cluster(2, 4), work, 1, host=True, stages=8 // 4 * 3)
+        peer_graph("1f1b", cluster(2, 4), Workload(replace(TINY, layers=8), DEVICE), 1, host=True, stages=3)
+    with pytest.raises(ValueError, match="at least 8 layers"):
+        peer_graph("1f1b", cluster(2, 4), work, 1, host=True)
     big = Cluster(128, 8, DEVICES["h100"], LINKS["nvlink"], LINKS["400gb"])
     with pytest.raises(ValueError, match="fewer stages"):
-        peer_graph("1f1b", big, Workload(TINY, big.device), 64, host=False)
+        peer_graph("1f1b", big, Workload(replace(TINY, layers=1024), big.device), 64, host=False)

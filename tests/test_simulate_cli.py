@@ -98,3 +98,29 @@ def test_validation_compares_each_measured_row_with_its_simulation(capsys, tmp_p
         assert r["bytes_ratio"] == pytest.approx(r["predicted_bytes"] / measured["measured_busiest_bytes"])
     within = sum(abs(r["time_ratio"] - 1) <= 0.2 for r in got)
     assert f"{within} of 2 rows within ±20% in time" in (out / "validation.md").read_text()
+
+
+def test_a_hugging_face_config_gives_the_models_shapes(tmp_path):
+    cfg = {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "intermediate_size": 1536, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    dims = model(str(tmp_path), seq=128, micro_batch=2)
+    # q and o are H x H, k and v H x (H / heads * kv_heads), three H x F projections, two norms
+    assert dims.layer_numel == 2 * 512 * 512 + 2 * 512 * 128 + 3 * 512 * 1536 + 2 * 512
+    assert (dims.layers, dims.vocab, dims.seq, dims.micro_batch) == (6, 1000, 128, 2)
+    del cfg["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(str(tmp_path), seq=128, micro_batch=2)
+
+
+def test_calibration_measures_positive_rates_and_scales_with_the_quota():
+    from tawpipe.sim.calibrate import calibrate
+
+    dims = model("paper", seq=64, micro_batch=1, dtype_bytes=4)
+    dims = dataclasses.replace(dims, hidden=64, heads=4, ffn=128)
+    full = calibrate(dims, threads=1, repeats=3)
+    assert min(full.matmul_flops, full.attention_flops, full.memory_bandwidth) > 0
+    quarter = calibrate(dims, threads=1, quota=0.25, repeats=3)
+    # a quarter core is a quarter of the measured rate (up to the noise of two measurements)
+    assert 0.1 < quarter.matmul_flops / full.matmul_flops < 0.6

@@ -7,11 +7,14 @@ settings (k, prefetch depth and reuse, replicas) for the fastest that fits.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..cost.memory import MemoryEstimate, memory_per_rank
 from ..cost.traffic import ModelDims
+from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT, compute_actions
 from ..plan.topology import Topology
 from .hardware import Cluster
@@ -58,7 +61,8 @@ def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool =
         settings: dict[str, Any] | None = None) -> Row:
     """Simulate ``method`` (one of ``METHODS``) for one iteration of ``acc`` micro-batches per
     device. ``settings``: TawPipe's (``mb_per_fetch``, ``prefetch_depth``, ``reuse_weights``,
-    ``replicas``), BEST's by default for "tawpipe"."""
+    ``replicas``), BEST's by default for "tawpipe"; 1F1B's ``stages`` per pipeline (default: every
+    rank, as the bench runs it)."""
     dims = work.dims
     if method in ("tawpipe", "tawpipe-paper", "weipipe"):
         opts = dict(BEST if method == "tawpipe" else PAPER) if settings is None else dict(settings)
@@ -66,30 +70,52 @@ def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool =
             opts["mb_per_fetch"] = acc
         if method == "weipipe":
             opts["algo"] = "weipipe"
-        replicas = int(opts.get("replicas", 1))
-        _check_size(cluster, dims, acc, replicas)
+        _check_size(cluster, dims, acc, int(opts.get("replicas", 1)))
         plan = engine_plan(cluster, work, acc, **opts)
-        graph, fabric = plan_graph(plan, cluster, work, host=host)
-        memory = memory_per_rank(plan, dims)
-        ranks = range(plan.replica_size)
         opts = {k: v for k, v in opts.items() if k != "algo"}
         opts["prefetch_depth"] = plan.options["prefetch_depth"]
-    else:
-        graph, fabric = peer_graph(method, cluster, work, acc, host=host)
-        memory = peer_memory(method, dims, cluster, acc, work.recompute)
-        ranks = sorted({t.rank for t in graph.tasks if t.rank is not None})
-        opts = {}
-    result = simulate(graph, fabric)
-    compute = max(result.busy(r) for r in ranks)
+        return play(method, plan, cluster, work, acc, opts, host=host)
+    stages = (settings or {}).get("stages")
+    graph, fabric = peer_graph(method, cluster, work, acc, host=host, stages=stages)
+    memory = peer_memory(method, dims, cluster, acc, work.recompute, stages=stages)
+    ranks = sorted({t.rank for t in graph.tasks if t.rank is not None})
+    return read_off(method, {"stages": stages} if stages else {}, simulate(graph, fabric), ranks, memory, cluster,
+                    dims, acc)
+
+
+def play(method: str, plan: Plan, cluster: Cluster, work: Workload, acc: int, settings: dict[str, Any], *,
+         host: bool = False, memory: MemoryEstimate | None = None) -> Row:
+    """The row of a TawPipe or WeiPipe ``plan`` built already (real byte sizes); ``memory``
+    defaults to the plan's with the head's logits (``with_logits``)."""
+    graph, fabric = plan_graph(plan, cluster, work, host=host)
+    memory = memory or with_logits(memory_per_rank(plan, work.dims), work.dims)
+    return read_off(method, settings, simulate(graph, fabric), range(plan.replica_size), memory, cluster,
+                    work.dims, acc)
+
+
+def read_off(method: str, settings: dict[str, Any], result: Result, ranks: Iterable[int], memory: MemoryEstimate,
+             cluster: Cluster, dims: ModelDims, acc: int) -> Row:
+    """A played iteration's row: its time, the busiest of ``ranks``' compute, the busiest ports'
+    bytes, tokens/s per device, MFU and the bottleneck."""
     inter = max((v for port, v in result.port_bytes.items() if port[0].startswith("node")), default=0.0)
     intra = max((v for port, v in result.port_bytes.items() if port[0] in ("out", "in")), default=0.0)
-    row = Row(method, opts, result.makespan, compute, inter, intra, memory,
-              memory is None or memory.total <= cluster.device.memory, result=result)
+    row = Row(method, settings, result.makespan, result.busiest(ranks), inter, intra, memory,
+              memory.total <= cluster.device.memory, result=result)
     tokens = acc * dims.seq * dims.micro_batch
     row.tokens_per_s_per_device = tokens / row.time_s if row.time_s else 0.0
     row.mfu = model_flops(dims) * tokens / row.time_s / cluster.device.peak_flops if row.time_s else 0.0
     row.bottleneck = bottleneck(row, cluster)
     return row
+
+
+def logits_bytes(dims: ModelDims) -> float:
+    """The head's float32 logits, log-softmax and gradient for one micro-batch (what
+    ``peer_memory`` and the engine's ``rank_memory`` count, and ``memory_per_rank`` does not)."""
+    return 3 * dims.micro_batch * dims.seq * dims.vocab * 4
+
+
+def with_logits(m: MemoryEstimate, dims: ModelDims) -> MemoryEstimate:
+    return dataclasses.replace(m, activations=m.activations + logits_bytes(dims))
 
 
 def model_flops(dims: ModelDims) -> float:

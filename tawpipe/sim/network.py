@@ -131,6 +131,14 @@ class Result:
         """Seconds ``rank`` spent running tasks of ``lane``."""
         return sum(e - s for t, s, e in zip(self.graph.tasks, self.start, self.end) if t.rank == rank and t.lane == lane)
 
+    def busiest(self, ranks: Iterable[int], lane: str = "compute") -> float:
+        """The most seconds any of ``ranks`` spent on ``lane``, in one pass over the tasks."""
+        busy = dict.fromkeys(ranks, 0.0)
+        for t, s, e in zip(self.graph.tasks, self.start, self.end):
+            if t.lane == lane and t.rank in busy:
+                busy[t.rank] += e - s
+        return max(busy.values(), default=0.0)
+
     def chrome_trace(self) -> str:
         """One iteration as a Chrome trace (chrome://tracing, Perfetto), one row per rank and lane,
         like the engine's ``TAWPIPE_TRACE``."""

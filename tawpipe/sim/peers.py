@@ -255,15 +255,18 @@ def _stage_layers(layers: int, stages: int, stage: int) -> int:
     return base + (stage < extra)
 
 
-def _pipeline_shape(cluster: Cluster, stages: int) -> None:
+def _pipeline_shape(cluster: Cluster, stages: int, layers: int) -> None:
     n, s = cluster.world_size, cluster.per_node
+    if stages > layers:
+        raise ValueError(f"1F1B with {stages} stages needs at least {stages} layers, the model has {layers}: "
+                         f"use fewer stages per pipeline (settings={{'stages': P}})")
     if stages < 2 or n % stages or (stages % s and s % stages):
         raise ValueError(f"1F1B with {stages} stages on {cluster.nodes} x {s}: needs 2 <= stages, stages dividing "
                          f"the {n} ranks, and pipelines that tile nodes (stages a multiple or a divisor of {s})")
 
 
 def _one_f_one_b(cluster: Cluster, work: Workload, acc: int, stages: int, host: bool) -> tuple[Graph, Fabric]:
-    _pipeline_shape(cluster, stages)
+    _pipeline_shape(cluster, stages, work.dims.layers)
     d, s = work.dims, cluster.per_node
     copies, micro = cluster.world_size // stages, stages * acc
     if 4 * stages * micro > MAX_PIPELINE_TASKS:
@@ -374,7 +377,7 @@ def peer_memory(method: str, dims: ModelDims, cluster: Cluster, acc: int, recomp
 
     if method == "1f1b":
         p_count = cluster.world_size if stages is None else stages
-        _pipeline_shape(cluster, p_count)
+        _pipeline_shape(cluster, p_count, dims.layers)
         copies, micro = n // p_count, p_count * acc
         out = []
         for p in range(p_count):

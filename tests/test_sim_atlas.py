@@ -1,0 +1,143 @@
+"""The map (``tawpipe.sim.atlas``, issue #24 item 4): its rows are consistent with the simulator
+and with themselves, its search finds TawPipe's best setting, and it writes what it promises."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tawpipe.cost.memory import memory_per_rank
+from tawpipe.sim import atlas, compare
+from tawpipe.sim.atlas import Grid
+from tawpipe.sim.hardware import Cluster, device, link
+from tawpipe.sim.play import engine_plan
+from tawpipe.sim.workload import Workload, model
+
+# 2 nodes x 4 H100s, LLaMA 1B at S = 2k: every method applies and each cell plays in well under a
+# second; 20 GiB devices so that some methods (DDP: ~27 GiB) do not fit.
+TINY = Grid(nodes=(2,), per_node=4, links=("10gbe", "400gb"), models=("1b",), seqs=(2048,), device="h100:memory=20")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return atlas.map_rows(TINY)
+
+
+def _fitting(row):
+    return {m: e for m, e in row["methods"].items() if e.get("fits") and e.get("time_s") is not None}
+
+
+def test_every_cell_has_a_row_with_every_method(tiny):
+    rows, stats = tiny
+    assert [(r["nodes"], r["link"], r["model"], r["seq"]) for r in rows] == [
+        (2, "10gbe", "1b", 2048), (2, "400gb", "1b", 2048)]
+    for r in rows:
+        assert set(r["methods"]) == set(atlas.METHODS)
+        assert r["gpus"] == 8 and r["acc"] == TINY.acc
+    assert stats["played"] >= 2 and not stats["bound_violations"]
+
+
+def test_the_winner_is_the_fastest_method_that_fits(tiny):
+    rows, _ = tiny
+    assert any(not e.get("fits") for r in rows for e in r["methods"].values())  # the test bites
+    for r in rows:
+        ok = _fitting(r)
+        assert r["winner"] in ok
+        assert ok[r["winner"]]["time_s"] == min(e["time_s"] for e in ok.values())
+        others = {m: e for m, e in ok.items() if m != "tawpipe"}
+        assert r["best_other"] == min(others, key=lambda m: others[m]["time_s"])
+
+
+def test_tawpipes_margin_is_the_ratio_of_the_two_times(tiny):
+    rows, _ = tiny
+    for r in rows:
+        m = r["methods"]
+        assert r["tawpipe_margin"] == pytest.approx(m[r["best_other"]]["time_s"] / m["tawpipe"]["time_s"], rel=1e-12)
+        assert (r["winner"] == "tawpipe") == (r["tawpipe_margin"] > 1)
+
+
+def test_a_method_that_does_not_fit_never_wins():
+    fast = {"time_s": 1.0, "fits": False}
+    row = atlas.decide({"methods": {"tawpipe": {"time_s": 3.0, "fits": True}, "ddp": fast,
+                                    "hsdp": {"time_s": 2.0, "fits": True}, "1f1b": {"error": "n/a", "fits": False,
+                                                                                  "time_s": None}}})
+    assert (row["winner"], row["best_other"]) == ("hsdp", "hsdp")
+    assert row["tawpipe_margin"] == pytest.approx(2 / 3)
+    none = atlas.decide({"methods": {"tawpipe": {"time_s": 3.0, "fits": False}, "ddp": fast}})
+    assert none["winner"] is None and none["tawpipe_margin"] is None
+
+
+def test_the_search_finds_tawpipes_best_setting_that_fits(tiny):
+    rows, _ = tiny
+    dev = device(TINY.device)
+    for r in rows:
+        cluster = Cluster(2, 4, dev, link("nvlink"), link(r["link"]))
+        work = Workload(model("1b", seq=2048, micro_batch=1), dev)
+        times = []
+        for s in atlas.taw_settings(2, 4, work.dims.layers, TINY.acc):
+            row = compare.run("tawpipe", cluster, work, TINY.acc, settings=s)
+            if row.memory.total <= dev.memory:  # compare counts the head's logits too
+                times.append(row.time_s)
+        assert r["methods"]["tawpipe"]["time_s"] <= min(times) * (1 + atlas.PRUNE) + 1e-12
+
+
+def test_a_plan_built_once_plays_as_compare_runs_it():
+    dev = device("h100")
+    cluster = Cluster(2, 4, dev, link("nvlink"), link("100gb"))
+    work = Workload(model("1b", seq=2048, micro_batch=1), dev)
+    s = {"replicas": 2, "mb_per_fetch": 2, "prefetch_depth": 1, "reuse_weights": False}
+    ref = compare.run("tawpipe", cluster, work, 4, settings=s)
+    plan = engine_plan(cluster, work, 4, **s)
+    mine = compare.play("tawpipe", plan, cluster, work, 4, s)
+    for key in ("time_s", "compute_s", "inter_bytes", "intra_bytes", "mfu", "bottleneck"):
+        assert getattr(mine, key) == pytest.approx(getattr(ref, key), rel=1e-12), key
+    assert mine.memory.total == pytest.approx(memory_per_rank(plan, work.dims).total + compare.logits_bytes(work.dims))
+    assert atlas.compute_floor(plan, work) <= mine.time_s
+    ref = compare.run("1f1b", cluster, work, 4)  # P = N, compare's default
+    mine = atlas.pipeline_row(cluster, work, 4, stages=8)
+    assert (mine.time_s, mine.memory.total) == (pytest.approx(ref.time_s, rel=1e-12), ref.memory.total)
+
+
+def test_settings_and_stages_follow_the_rules():
+    # 16 nodes x 8, L = 32: pipelines of at most 32 ranks, R over the divisors of 16
+    rs = {s["replicas"] for s in atlas.taw_settings(16, 8, 32, 8)}
+    assert rs == {4, 8, 16}
+    ks = {s["mb_per_fetch"] for s in atlas.taw_settings(16, 8, 32, 8)}
+    assert ks == {1, 2, 4, 8}
+    assert atlas.pipeline_stages(3, 8, 32) == [24, 8]  # P | 24, P <= 32, tiling nodes
+    assert atlas.pipeline_stages(128, 8, 80) == [64, 32, 16]  # and 16: the largest dividing L
+    assert atlas.pipeline_stages(3, 8, 16) == [8, 4]
+
+
+def test_a_cell_the_simulator_refuses_records_why(monkeypatch):
+    # 5 nodes x 4 = 20 ranks > 16 layers: WeiPipe's one pipeline cannot exist, TawPipe needs R = 5
+    grid = Grid(nodes=(5,), per_node=4, links=("100gb",), models=("1b",), seqs=(2048,))
+    real = compare.run
+
+    def refuse(method, *args, **kwargs):
+        if method == "ddp":
+            raise ValueError("too large a plan")
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(atlas.compare, "run", refuse)
+    (row,), _ = atlas.map_rows(grid)
+    assert "n/a" in row["methods"]["weipipe"]["error"] and row["methods"]["weipipe"]["fits"] is False
+    assert row["methods"]["ddp"]["error"] == "too large a plan"
+    assert {t["settings"]["replicas"] for t in row["tawpipe_tried"]} == {5}
+    assert row["winner"] not in ("weipipe", "ddp")
+
+
+def test_main_map_writes_json_markdown_and_png(tmp_path, monkeypatch, capsys, tiny):
+    rows, stats = tiny
+    monkeypatch.setattr(atlas, "QUICK", TINY)
+    monkeypatch.setattr(atlas, "map_rows", lambda grid, progress=None: (rows, stats))
+    assert atlas.main_map(tmp_path, quick=True) == 0
+    doc = json.loads((tmp_path / "map.json").read_text())
+    assert doc["rows"] == json.loads(json.dumps(rows)) and doc["grid"]["acc"] == TINY.acc
+    md = (tmp_path / "map.md").read_text()
+    assert "## 1B" in md and "| 8 | 10gbe |" in md and md.strip() in capsys.readouterr().out
+    assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for r in rows:
+        assert f"×{r['tawpipe_margin']:.2f}" in md and not math.isnan(r["tawpipe_margin"])
