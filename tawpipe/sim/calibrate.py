@@ -23,9 +23,11 @@ from .workload import ADAMW_BYTES
 
 
 def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = None, quota: float | None = None,
-              memory: float | None = None, repeats: int = 15) -> Device:
+              memory: float | None = None, repeats: int = 10, rounds: int = 3) -> Device:
     """The achieved rates of ``device`` (``cpu`` or ``cuda``) at ``dims``' shapes, in ``dims``'
-    compute dtype (2 bytes: bfloat16, 4: float32)."""
+    compute dtype (2 bytes: bfloat16, 4: float32). Each of ``rounds`` rounds times every kernel
+    ``repeats`` times and keeps the fastest (contention only slows a run down); the rate is the
+    median over the rounds, which were taken in turns so that they see the same conditions."""
     dev = torch.device(device)
     dtype = torch.float32 if dims.dtype_bytes == 4 else torch.bfloat16
     old_threads = torch.get_num_threads()
@@ -35,17 +37,18 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
         t, h, f = dims.seq * dims.micro_batch, dims.hidden, dims.ffn_hidden
         x = torch.randn(t, h, device=dev, dtype=dtype, requires_grad=True)
         w = torch.randn(f, h, device=dev, dtype=dtype, requires_grad=True)
-        linear = _seconds(lambda: F.linear(x, w).sum().backward(), dev, repeats)
         heads = dims.heads
         q, k, v = (torch.randn(dims.micro_batch, heads, dims.seq, h // heads, device=dev, dtype=dtype,
                                requires_grad=True) for _ in range(3))
-        attention = _seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), dev,
-                             repeats)
-        n = 1 << 22
+        n = 1 << 24  # 64 MB per tensor: well beyond the caches
         p = torch.nn.Parameter(torch.randn(n, device=dev))
         p.grad = torch.randn(n, device=dev)
         opt = torch.optim.AdamW([p], lr=1e-3)
-        step = _seconds(opt.step, dev, repeats)
+        kernels = (lambda: F.linear(x, w).sum().backward(),
+                   lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(),
+                   opt.step)
+        times = [[_seconds(fn, dev, repeats) for fn in kernels] for _ in range(rounds)]
+        linear, attention, step = (statistics.median(col) for col in zip(*times))
     finally:
         torch.set_num_threads(old_threads)
     scale = (quota / (threads or old_threads)) if quota else 1.0
