@@ -146,7 +146,8 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
 
 
 # One pipeline's plan holds 2 x ranks^2 x micro-batches forwards and backwards (and about twice
-# as many transfers); 16 x 8 ranks at 64 micro-batches (2.1 M) takes about 2 minutes and 3.4 GB.
+# as many transfers); 16 x 8 ranks at 64 micro-batches (2.1 M, 6.1 M actions in all) is built,
+# proven and summed up in about 22 s of one core and 1.2 GB, so the limit takes about 45 s and 2.3 GB.
 MOST_COMPUTE_ACTIONS = 4_000_000
 
 

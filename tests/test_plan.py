@@ -1,12 +1,15 @@
-"""The Plan data type: JSON round trip, message sizes and the Plan's methods (design §4)."""
+"""The Plan data type: JSON round trip, message sizes, the Plan's methods and how actions are made
+(design §4)."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 
 import pytest
 
-from tawpipe.plan.actions import OPS, Op
+from tawpipe.plan.actions import OPS, Action, Op, new_action
 from tawpipe.plan.plan import STATS_BYTES, Plan
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
@@ -49,3 +52,55 @@ def test_plan_methods_agree_with_the_built_plan(algo):
     assert plan.message_bytes(Op.ALLREDUCE_STATS, None) == STATS_BYTES
     comm = [a for acts in plan.actions for a in acts if OPS[a.op].is_comm]
     assert comm and all(a.bytes == plan.message_bytes(a.op, a.chunk) for a in comm)
+
+
+# ------------------------------------------------------------------------------- making actions
+
+
+def test_new_action_makes_the_same_action():
+    """The schedules make millions of actions with ``new_action`` (and ``_make``, its inlined copy):
+    each is an Action in every respect, frozen, equal and hashed like one made by ``Action(...)``."""
+    plan = build_plan(Topology(2, 2), 4, 4, mb_per_fetch=2, prefetch_depth=2, layer_numel=3)
+    fields = [f.name for f in dataclasses.fields(Action)]
+    for a in (a for acts in plan.actions for a in acts):
+        twin = Action(**{name: getattr(a, name) for name in fields})
+        assert type(a) is Action and a == twin and hash(a) == hash(twin) and repr(a) == repr(twin)
+    a = new_action(3, 1, Op.F, chunk=2, mb=0, buf="w0")
+    assert a == Action(3, 1, Op.F, chunk=2, mb=0, buf="w0")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.slot = 4  # type: ignore[misc]
+    assert dataclasses.replace(a, tag=1) == Action(3, 1, Op.F, chunk=2, mb=0, buf="w0", tag=1)
+    assert Action.from_json(a.to_json()) == a
+
+
+def test_building_and_proving_leave_the_collector_as_they_found_it():
+    from tawpipe.plan.verify import verify
+
+    enabled = gc.isenabled()
+    try:
+        for state in (True, False):
+            (gc.enable if state else gc.disable)()
+            plan = build_plan(Topology(2, 2), 4, 2)
+            verify(plan)
+            assert gc.isenabled() is state
+    finally:
+        (gc.enable if enabled else gc.disable)()
+
+
+def test_a_large_plan_goes_straight_to_the_oldest_generation(monkeypatch):
+    """No collection after the build walks a plan of millions of actions (``settle``): its actions
+    are in the oldest generation at once; and where the caller froze objects, they stay frozen."""
+    import tawpipe.plan.schedule as schedule
+
+    monkeypatch.setattr(schedule, "SETTLE_ACTIONS", 0)  # settle even a small plan
+    gc.unfreeze()  # what an earlier test froze (``tawpipe plan`` freezes its plan) would stop settle
+    plan = build_plan(Topology(2, 2), 4, 2)
+    young = {id(o) for g in (0, 1) for o in gc.get_objects(generation=g)}
+    assert not any(id(a) in young for acts in plan.actions for a in acts)
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        build_plan(Topology(2, 2), 4, 2)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -92,9 +92,9 @@ def _mutations(plan: Plan, rng: random.Random, count: int, everywhere: bool):
         yield (r, kind, i), dataclasses.replace(plan, actions=actions)
 
 
-def _outcome(plan: Plan, exhaustive: bool) -> str:
+def _outcome(plan: Plan, exhaustive: bool, simulate_channels: bool = True) -> str:
     try:
-        verify(plan, exhaustive=exhaustive)
+        verify(plan, exhaustive=exhaustive, simulate_channels=simulate_channels)
     except PlanError:
         return "refused"
     return "passed"
@@ -111,6 +111,9 @@ def test_the_fast_proof_agrees_with_the_exhaustive_one(shape) -> None:
     for where, bad in _mutations(plan, rng, 40, everywhere=True):
         full, fast = _outcome(bad, True), _outcome(bad, False)
         assert full == fast, (shape, where, full, fast)
+        # and the channel model derived from the serial run (design §5.3) agrees with its simulation
+        assert _outcome(bad, True, simulate_channels=False) == full, (shape, where)
+        assert _outcome(bad, False, simulate_channels=False) == fast, (shape, where)
         refused += full == "refused"
     assert refused >= 10  # many edits are real faults: the comparison is not vacuous
     for where, bad in _mutations(plan, rng, 20, everywhere=False):
@@ -118,6 +121,8 @@ def test_the_fast_proof_agrees_with_the_exhaustive_one(shape) -> None:
             assert _outcome(bad, False) == "refused", where
         if _outcome(bad, False) == "passed":
             assert _outcome(bad, True) == "passed", where
+        for exhaustive in (True, False):
+            assert _outcome(bad, exhaustive, simulate_channels=False) == _outcome(bad, exhaustive), where
 
 
 def test_json_round_trips_replica_zero_only() -> None:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tawpipe.plan.actions import Op, PlanError
+from tawpipe.plan.actions import OPS, Op, PlanError
 from tawpipe.plan.plan import Plan
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
-from tawpipe.plan.verify import verify
+from tawpipe.plan.verify import _check_rank, _Screen, verify
 
 
 # -------------------------------------------------------------------------------- property matrix
@@ -175,3 +176,95 @@ def test_verify_catches_swapped_message_tags(n4):
     bad = _edit(n4, 2, swap)
     with pytest.raises(PlanError, match="needs tag"):
         verify(bad)
+
+
+# ------------------------------------------------------------------------- the one-pass static checks
+
+
+def _edits(plan: Plan, rng: random.Random, count: int):
+    """Random single edits of one rank's list: every field an action has, and its place."""
+    n = plan.topology.world_size
+    for _ in range(count):
+        r = rng.randrange(n)
+        acts = list(plan.actions[r])
+        i = rng.randrange(len(acts))
+        a = acts[i]
+        kind = rng.choice(["drop", "swap", "move", "slot", "rank", "chunk", "mb", "peer", "root", "group", "buf",
+                           "grad_buf", "bytes", "tag", "none"])
+        if kind == "drop":
+            acts.pop(i)
+        elif kind == "swap" and i + 1 < len(acts):
+            acts[i], acts[i + 1] = acts[i + 1], acts[i]
+        elif kind == "move":
+            acts.insert(rng.randrange(len(acts)), acts.pop(i))
+        elif kind == "slot":
+            acts[i] = dataclasses.replace(a, slot=a.slot + rng.choice([-2, -1, 1, plan.num_slots]))
+        elif kind == "rank":
+            acts[i] = dataclasses.replace(a, rank=(a.rank + 1) % n)
+        elif kind == "chunk":
+            acts[i] = dataclasses.replace(a, chunk=rng.choice([None, -1, 0, 1, plan.replica_size]))
+        elif kind == "mb":
+            acts[i] = dataclasses.replace(a, mb=rng.choice([None, -1, 0, plan.micro_batches]))
+        elif kind == "peer":
+            acts[i] = dataclasses.replace(a, peer=rng.choice([None, r, rng.randrange(n), n]))
+        elif kind == "root":
+            acts[i] = dataclasses.replace(a, root=rng.choice([None, rng.randrange(n)]))
+        elif kind == "group":
+            acts[i] = dataclasses.replace(a, group=rng.choice([None, (r,), tuple(range(n))]))
+        elif kind in ("buf", "grad_buf"):
+            acts[i] = dataclasses.replace(a, **{kind: rng.choice([None, "w0", "g1"])})
+        elif kind == "bytes":
+            acts[i] = dataclasses.replace(a, bytes=a.bytes + 1)
+        elif kind == "tag":
+            acts[i] = dataclasses.replace(a, tag=rng.choice([None, 0, 1, 5]))
+        yield r, tuple(acts)
+
+
+@pytest.mark.parametrize("shape", [((2, 2), {}), ((3, 2), {"grad_route": "leader", "prefetch_depth": 2}),
+                                   ((1, 4), {"algo": "weipipe"}), ((4, 1), {"mb_per_fetch": 2}),
+                                   ((2, 2), {"replicas": 2})])
+def test_the_one_pass_screen_passes_exactly_what_the_checks_pass(shape):
+    """``_check_static`` reads each list once (``_Screen``) and goes back to ``_check_rank`` only to
+    name a fault: the screen must pass exactly the lists that ``_check_rank`` passes."""
+    topo, options = shape
+    plan = build_plan(Topology(*topo), 6, 2, layer_numel=3, **options)
+    screen, rng, refused = _Screen(plan), random.Random(repr(shape)), 0
+    for r, acts in _edits(plan, rng, 300):
+        try:
+            _check_rank(plan, r, acts)
+            passed = True
+        except PlanError:
+            passed = False
+        except (TypeError, IndexError):  # a field of the wrong type: both trip over it
+            continue
+        try:
+            screened = screen(r, acts) is not None
+        except (TypeError, IndexError):
+            screened = False
+        assert screened == passed, (r, acts)
+        refused += not passed
+    assert refused >= 100  # the edits find faults: the comparison is not vacuous
+
+
+def test_names_asked_once_per_key_are_the_names_of_every_action():
+    """verify asks ``plan.reads``/``plan.writes`` once per ``_names_key`` (``OpSpec``): on every op
+    of the table, in iterations, replicas and the small programs, the key decides the names."""
+    from tawpipe.plan.programs import eval_program, gather_program, setup_program
+    from tawpipe.plan.verify import Verifier, _names_key
+
+    asked = set()
+    for plan in (build_plan(Topology(2, 2), 5, 2, layer_numel=3, replicated_numel=2),
+                 build_plan(Topology(1, 3), 3, 2, algo="weipipe"),
+                 build_plan(Topology(2, 2), 4, 4, replicas=2, mb_per_fetch=2, prefetch_depth=2)):
+        programs = [plan.actions, setup_program(plan, 8), gather_program(plan), eval_program(plan, "w0")]
+        names: dict = {}
+        for acts in (a for program in programs for rank in program for a in rank):
+            got = names.setdefault(_names_key(acts), (plan.reads(acts), plan.writes(acts)))
+            assert got == (plan.reads(acts), plan.writes(acts)), acts
+        asked |= {op for op, *_ in names}
+        v = Verifier(plan)
+        for acts in (a for program in programs for rank in program for a in rank):
+            reads, writes = v.masks(acts)
+            assert {b for b, bit in v._bits.items() if bit & reads} == set(plan.reads(acts))
+            assert {b for b, bit in v._bits.items() if bit & writes} == set(plan.writes(acts))
+    assert asked == set(OPS)  # every op of the table was asked

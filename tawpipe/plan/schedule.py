@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-from collections import Counter
 from typing import Any
 
 from .actions import (
@@ -22,14 +21,21 @@ from .actions import (
     WEIPIPE_B_BUFS,
     WEIPIPE_F_BUFS,
     Action,
+    Channel,
     Op,
     grad_buf,
+    _new,
+    _Unfrozen,
+    new_action,
+    no_gc,
+    settle,
     weight_buf,
 )
 from .plan import ALGOS, GRAD_ROUTES, STATS_BYTES, Plan, Programs
 from .topology import Topology
 
 RESIDENT = "resident"
+SETTLE_ACTIONS = 1_000_000  # from this many actions, a new plan goes straight to the oldest generation (settle)
 
 
 def resident_depth(topology: Topology) -> int:
@@ -56,6 +62,7 @@ def depth_text(plan: Plan, asked: int | str) -> str:
     return f"{plan.options['prefetch_depth']}{' (resident)' if asked == RESIDENT else ''}"
 
 
+@no_gc()
 def build_plan(
     topology: Topology,
     num_layers: int,
@@ -124,6 +131,8 @@ def build_plan(
     else:
         events, num_slots = _weipipe(n, micro_batches, nbytes, rbytes)
     programs = events.project(n)
+    if sum(map(len, programs)) >= SETTLE_ACTIONS:  # a plan this large lives on: no collection need walk it
+        settle()
     if replicas > 1:
         programs = _join_replicas(programs, replicas, owner, nbytes["replica"])
     return Plan(
@@ -221,55 +230,138 @@ def _check_args(topology: Topology, num_layers: int, micro_batches: int, algo: s
             )
 
 
+_READY, _COLLECTIVE, _COMPUTES, _SEND, _RECV = range(5)  # what an event holds (see _Events)
+
+
 class _Events:
     """Events per (slot, phase); ``project`` turns them into per-rank action lists.
 
     ``phases`` is the algorithm's phase enum (the order of work inside a slot); ``p2p`` names the
-    phases made of point-to-point pairs, which are ordered in rounds (see ``_in_rounds``).
+    phases made of point-to-point pairs, which are ordered in rounds (see ``_in_rounds``). An
+    event is kept as its fields (a collective, a group's computes, a pair) or as ready actions;
+    ``project`` makes each rank's actions one rank after the other, so that a rank's list lies
+    together in memory: every pass over a plan of millions of actions reads it rank by rank.
     """
 
     def __init__(self, phases: type[enum.IntEnum], p2p: frozenset[enum.IntEnum]) -> None:
         self._phases, self._p2p, self._width = phases, p2p, len(phases)
-        self._events: dict[tuple[int, int], list[list[tuple[Action, ...]]]] = {}
+        self._events: dict[tuple[int, int], list[list[tuple]]] = {}
 
-    def add(self, phase: enum.IntEnum, *actions: Action, order: int = 0) -> None:
-        """Add one event; a slot's events run in (``order``, phase) order."""
-        key = (actions[0].slot, order)
+    def _phase(self, slot: int, order: int, phase: enum.IntEnum) -> list[tuple]:
+        key = (slot, order)
         phases = self._events.get(key)
         if phases is None:
             phases = self._events[key] = [[] for _ in range(self._width)]
-        phases[phase].append(actions)
+        return phases[phase]
+
+    def add(self, phase: enum.IntEnum, *actions: Action, order: int = 0) -> None:
+        """Add one event of ready actions (a local action, say); a slot's events run in
+        (``order``, phase) order."""
+        self._phase(actions[0].slot, order, phase).append((_READY, actions))
+
+    def collective(self, phase: enum.IntEnum, slot: int, op: Op, members: tuple[int, ...], root: int | None,
+                   chunk: int | None, buf: str | None, nbytes: int, order: int = 0) -> None:
+        """Add one collective: an action of ``op`` for every member."""
+        self._phase(slot, order, phase).append((_COLLECTIVE, slot, op, members, root, chunk, buf, nbytes))
+
+    def computes(self, phase: enum.IntEnum, slot: int, members: tuple[int, ...], op: Op, chunk: int, first: int,
+                 k: int, wbuf: str, gbuf: str | None) -> None:
+        """Add the F or B of ``chunk`` that every member runs for micro-batches first .. first + k - 1,
+        in that order (a B adds into ``gbuf`` from the second on)."""
+        self._phase(slot, 0, phase).append((_COMPUTES, slot, members, op, chunk, first, k, wbuf, gbuf))
+
+    def pair(self, phase: enum.IntEnum, slot: int, src: int, dst: int, send: Op, recv: Op, chunk: int, sbuf: str,
+             rbuf: str, nbytes: int, order: int = 0) -> None:
+        """Add one point-to-point pair: ``src`` sends ``chunk`` from ``sbuf`` into ``dst``'s ``rbuf``."""
+        self._phase(slot, order, phase).append((slot, src, dst, send, recv, chunk, sbuf, rbuf, nbytes))
 
     def project(self, n: int) -> tuple[tuple[Action, ...], ...]:
         """Each rank's actions in the global order; point-to-point pairs get their tags here: the
-        k-th message from src to dst on a channel, counted in that same order."""
-        lists: list[list[Action]] = [[] for _ in range(n)]
-        sent: Counter[tuple[str, int, int]] = Counter()
+        k-th message from src to dst on a channel, counted in that same order.
+
+        First every rank's share of each event is listed, in the global order (the events are
+        dropped as they are listed); then each rank's actions are made from its list."""
+        shares: list[list] = [[] for _ in range(n)]
+        add = [share.append for share in shares]
+        sent: dict[tuple[Channel, int, int], int] = {}
+        channel = {op: spec.channel for op, spec in OPS.items()}
         for key in sorted(self._events):
-            for phase, events in zip(self._phases, self._events[key]):
+            for phase, events in zip(self._phases, self._events.pop(key)):
+                if not events:
+                    continue
                 if phase in self._p2p:
-                    events = _in_rounds(events)
-                for ev in events:
-                    if phase in self._p2p:
-                        s, d = ev
-                        key = (OPS[s.op].channel, s.rank, d.rank)
-                        ev = (dataclasses.replace(s, tag=sent[key]), dataclasses.replace(d, tag=sent[key]))
-                        sent[key] += 1
-                    for a in ev:
-                        lists[a.rank].append(a)
-        return tuple(tuple(acts) for acts in lists)
+                    for pair in _in_rounds(events):
+                        src, dst = pair[1], pair[2]
+                        route = (channel[pair[3]], src, dst)
+                        tag = sent.get(route, 0)
+                        sent[route] = tag + 1
+                        add[src]((_SEND, pair, tag))
+                        add[dst]((_RECV, pair, tag))
+                else:
+                    for ev in events:
+                        kind = ev[0]
+                        if kind == _READY:
+                            for a in ev[1]:
+                                add[a.rank](a)
+                        else:
+                            for r in ev[3] if kind == _COLLECTIVE else ev[2]:
+                                add[r](ev)
+        lists = []
+        for r in range(n):
+            lists.append(_make(shares[r], r))
+            shares[r] = []  # type: ignore[call-overload]
+        return tuple(lists)
 
 
-def _in_rounds(pairs: list[tuple[Action, ...]]) -> list[tuple[Action, ...]]:
+def _make(share: list, r: int) -> tuple[Action, ...]:
+    """Rank r's actions, from its share of the events (see ``_Events.project``). Each is made as
+    ``new_action`` makes it, inlined: millions of calls would cost a second."""
+    out: list[Action] = []
+    add, blank, cls, b_op = out.append, _Unfrozen, Action, Op.B
+    for e in share:
+        if e.__class__ is cls:
+            add(e)
+            continue
+        kind = e[0]
+        a = _new(blank)
+        if kind == _COLLECTIVE:
+            _, a.slot, a.op, a.group, a.root, a.chunk, a.buf, a.bytes = e
+            a.rank, a.mb, a.peer, a.grad_buf, a.accumulate, a.tag = r, None, None, None, False, None
+        elif kind == _COMPUTES:
+            _, slot, _, op, chunk, first, k, wbuf, gbuf = e
+            a.slot, a.rank, a.op, a.chunk, a.mb, a.peer, a.root, a.group = slot, r, op, chunk, first, None, None, None
+            a.buf, a.grad_buf, a.accumulate, a.bytes, a.tag = wbuf, gbuf, False, 0, None
+            for m in range(first + 1, first + k):  # k > 1: the next micro-batches add into grad_buf
+                a.__class__ = cls
+                add(a)
+                a = _new(blank)
+                a.slot, a.rank, a.op, a.chunk, a.mb, a.peer, a.root, a.group = slot, r, op, chunk, m, None, None, None
+                a.buf, a.grad_buf, a.accumulate, a.bytes, a.tag = wbuf, gbuf, op is b_op, 0, None
+        else:
+            slot, src, dst, send, recv, chunk, sbuf, rbuf, nbytes = e[1]
+            a.slot, a.chunk, a.mb, a.root, a.group, a.grad_buf, a.accumulate, a.bytes, a.tag = (
+                slot, chunk, None, None, None, None, False, nbytes, e[2])
+            if kind == _SEND:
+                a.rank, a.op, a.peer, a.buf = src, send, dst, sbuf
+            else:
+                a.rank, a.op, a.peer, a.buf = dst, recv, src, rbuf
+        a.__class__ = cls
+        add(a)
+    return tuple(out)
+
+
+def _in_rounds(pairs: list[tuple]) -> list[tuple]:
     """Order P2P pairs in rounds in which every rank appears at most once (greedy edge colouring).
 
     Under blocking semantics a round's pairs proceed in parallel: a ring becomes two or three
     rounds instead of a chain of N dependent transfers.
     """
+    if len(pairs) == 1:
+        return pairs
     used: dict[int, set[int]] = {}
     keyed = []
     for idx, pair in enumerate(pairs):
-        a, b = pair[0].rank, pair[1].rank
+        a, b = pair[1], pair[2]
         ua, ub = used.setdefault(a, set()), used.setdefault(b, set())
         r = 0
         while r in ua or r in ub:
@@ -281,24 +373,12 @@ def _in_rounds(pairs: list[tuple[Action, ...]]) -> list[tuple[Action, ...]]:
     return [pair for _, _, pair in keyed]
 
 
-def _p2p(slot: int, src: int, dst: int, send: Op, recv: Op, chunk: int, sbuf: str, rbuf: str,
-         nbytes: int) -> tuple[Action, Action]:
-    return (Action(slot, src, send, chunk=chunk, peer=dst, buf=sbuf, bytes=nbytes),
-            Action(slot, dst, recv, chunk=chunk, peer=src, buf=rbuf, bytes=nbytes))
-
-
-def _collective(slot: int, op: Op, members: tuple[int, ...], root: int | None, chunk: int | None,
-                buf: str | None, nbytes: int) -> tuple[Action, ...]:
-    return tuple(Action(slot, r, op, chunk=chunk, root=root, group=members, buf=buf, bytes=nbytes)
-                 for r in members)
-
-
 def _finish(events: _Events, phase: enum.IntEnum, stats_phase: enum.IntEnum, n: int, slot: int) -> None:
     """The step's statistics (one collective) and the optimizer step, closing every plan."""
     everyone = tuple(range(n))
-    events.add(stats_phase, *_collective(slot, Op.ALLREDUCE_STATS, everyone, None, None, None, STATS_BYTES))
+    events.collective(stats_phase, slot, Op.ALLREDUCE_STATS, everyone, None, None, None, STATS_BYTES)
     for r in everyone:
-        events.add(phase, Action(slot, r, Op.STEP))
+        events.add(phase, new_action(slot, r, Op.STEP))
 
 
 # ---------------------------------------------------------------------------------- TawPipe
@@ -326,9 +406,10 @@ def _tawpipe(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str,
     span = 2 * (acc // k) * n  # compute slots of one group
     step_slot = span + G  # after the last group's last gradient route (slot span + G - 1)
     everyone = tuple(range(n))
+    groups = [topo.group_ranks(g) for g in range(G)]  # one tuple per group, shared by its collectives
     out = _Events(TawPhase, frozenset({TawPhase.FETCH, TawPhase.ROUTE}))
     for r in everyone:
-        out.add(TawPhase.LOAD, Action(-1, r, Op.LOAD_W, chunk=owner.index(r), buf=W_OWN))
+        out.add(TawPhase.LOAD, new_action(-1, r, Op.LOAD_W, chunk=owner.index(r), buf=W_OWN))
 
     def fetch(need: int, g: int, chunk: int, buf: str) -> None:
         """Stage ``chunk`` for slot ``need``, issued ``depth`` slots earlier. Fetches for the first
@@ -336,53 +417,50 @@ def _tawpipe(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str,
         never holds up the broadcast of a chunk needed before it."""
         slot = max(need - depth, -1)
         order = need if slot == -1 else 0
-        members, o, nb = topo.group_ranks(g), owner[chunk], nbytes["w"][chunk]
+        members, o, nb = groups[g], owner[chunk], nbytes["w"][chunk]
         if topo.group_of(o) == g:  # local chunk: the owner stages its own copy
-            out.add(TawPhase.LOAD, Action(slot, o, Op.LOAD_W, chunk=chunk, buf=buf), order=order)
+            out.add(TawPhase.LOAD, new_action(slot, o, Op.LOAD_W, chunk=chunk, buf=buf), order=order)
             src = o
         else:  # remote chunk: rail-aligned P2P to the staging device with the owner's local index
             src = topo.rank_of(g, topo.local_index(o))
-            out.add(TawPhase.FETCH, *_p2p(slot, o, src, Op.SEND_W, Op.RECV_W, chunk, W_OWN, buf, nb),
-                    order=order)
+            out.pair(TawPhase.FETCH, slot, o, src, Op.SEND_W, Op.RECV_W, chunk, W_OWN, buf, nb, order=order)
         if s > 1:
-            out.add(TawPhase.BCAST, *_collective(slot, Op.BCAST_W, members, src, chunk, buf, nb), order=order)
+            out.collective(TawPhase.BCAST, slot, Op.BCAST_W, members, src, chunk, buf, nb, order=order)
 
     def route(slot: int, g: int, chunk: int, buf: str) -> None:
-        members, o, nb = topo.group_ranks(g), owner[chunk], nbytes["g"][chunk]
+        members, o, nb = groups[g], owner[chunk], nbytes["g"][chunk]
         if topo.group_of(o) == g:
             root = o
         else:  # the owner's rail peer in this group, or its first device
             root = topo.rank_of(g, topo.local_index(o) if grad_route == "rail" else 0)
         if s > 1:
-            out.add(TawPhase.REDUCE, *_collective(slot, Op.REDUCE_G, members, root, chunk, buf, nb))
+            out.collective(TawPhase.REDUCE, slot, Op.REDUCE_G, members, root, chunk, buf, nb)
         if root == o:
-            out.add(TawPhase.ACC, Action(slot, o, Op.ACC_G, chunk=chunk, buf=buf))
+            out.add(TawPhase.ACC, new_action(slot, o, Op.ACC_G, chunk=chunk, buf=buf))
         else:
-            out.add(TawPhase.ROUTE, *_p2p(slot, root, o, Op.SEND_G, Op.RECV_G, chunk, buf, G_RECV, nb))
-            out.add(TawPhase.ACC, Action(slot, o, Op.ACC_G, chunk=chunk, buf=G_RECV))
+            out.pair(TawPhase.ROUTE, slot, root, o, Op.SEND_G, Op.RECV_G, chunk, buf, G_RECV, nb)
+            out.add(TawPhase.ACC, new_action(slot, o, Op.ACC_G, chunk=chunk, buf=G_RECV))
 
     uses = [(Op.F, v) if v < n else (Op.B, 2 * n - 1 - v) for v in range(2 * n)] * (acc // k)
     placement = _place_weights([c for _, c in uses], depth, reuse)
+    gbufs, b_op, computes = [grad_buf(j) for j in range(depth + 1)], Op.B, TawPhase.COMPUTE
     for g in range(G):
-        members = topo.group_ranks(g)
+        members = groups[g]
         backwards = 0
         for u, ((op, chunk), (wbuf, fetched)) in enumerate(zip(uses, placement)):
             slot = g + u
-            rnd = u // (2 * n)
+            first = u // (2 * n) * k  # the round's first micro-batch
             if fetched:
                 fetch(slot, g, chunk, wbuf)
             gbuf = None
-            if op is Op.B:
-                gbuf = grad_buf(backwards % (depth + 1))
+            if op is b_op:
+                gbuf = gbufs[backwards % (depth + 1)]
                 backwards += 1
                 route(slot + 1, g, chunk, gbuf)
-            for r in members:
-                for i, m in enumerate(range(rnd * k, rnd * k + k)):
-                    out.add(TawPhase.COMPUTE, Action(slot, r, op, chunk=chunk, mb=m, buf=wbuf,
-                                                     grad_buf=gbuf, accumulate=op is Op.B and i > 0))
+            out.computes(computes, slot, members, op, chunk, first, k, wbuf, gbuf)
         for r in members:  # right after the group's last B (of chunk 0)
             out.add(TawPhase.REPLICATED,
-                    Action(g + span, r, Op.ALLREDUCE_REPLICATED, group=everyone, bytes=rbytes))
+                    new_action(g + span, r, Op.ALLREDUCE_REPLICATED, group=everyone, bytes=rbytes))
     _finish(out, TawPhase.STEP, TawPhase.STATS, n, step_slot)
     return out, step_slot + 1
 
@@ -487,14 +565,14 @@ def _weipipe(n: int, acc: int, nbytes: dict[str, list[int]], rbytes: int) -> tup
     need_f, need_b = _ring_needs(n, acc, last)
 
     for r in everyone:
-        out.add(WeiPhase.LOAD, Action(-1, r, Op.LOAD_W, chunk=r, buf=W_OWN))
+        out.add(WeiPhase.LOAD, new_action(-1, r, Op.LOAD_W, chunk=r, buf=W_OWN))
     for w in range(n):  # B-ring seed: w <-> (N+1-w) mod N, for use at step N
         if need_b[n][w]:
             c = (1 - w) % n
             if c == w:
-                out.add(WeiPhase.LOAD, Action(n - 1, w, Op.LOAD_W, chunk=c, buf=bbuf(n)))
+                out.add(WeiPhase.LOAD, new_action(n - 1, w, Op.LOAD_W, chunk=c, buf=bbuf(n)))
             else:
-                out.add(WeiPhase.RINGS, *_p2p(n - 1, c, w, Op.SEND_W, Op.RECV_W, c, W_OWN, bbuf(n), wb[c]))
+                out.pair(WeiPhase.RINGS, n - 1, c, w, Op.SEND_W, Op.RECV_W, c, W_OWN, bbuf(n), wb[c])
 
     tokens: list[int | None] = [None] * n  # chunk of the partial sum each worker holds
     for t in range(last + 1):
@@ -503,40 +581,37 @@ def _weipipe(n: int, acc: int, nbytes: dict[str, list[int]], rbytes: int) -> tup
             nxt = (w + 1) % n
             if t < last and (t + 1) % n != 0 and need_f[t + 1][nxt]:
                 c = (w - t) % n
-                out.add(WeiPhase.RINGS, *_p2p(t, w, nxt, Op.SEND_W, Op.RECV_W, c, fbuf(t), fbuf(t + 1),
-                                              wb[c]))
+                out.pair(WeiPhase.RINGS, t, w, nxt, Op.SEND_W, Op.RECV_W, c, fbuf(t), fbuf(t + 1), wb[c])
             if t >= n and t < last and need_b[t + 1][nxt]:
                 c = (t - w + 1) % n
-                out.add(WeiPhase.RINGS, *_p2p(t, w, nxt, Op.SEND_W, Op.RECV_W, c, bbuf(t), bbuf(t + 1),
-                                              wb[c]))
+                out.pair(WeiPhase.RINGS, t, w, nxt, Op.SEND_W, Op.RECV_W, c, bbuf(t), bbuf(t + 1), wb[c])
             inc = arriving[w]
             if inc is not None:  # the partial sum from w-1's step t-1 arrives for this step
                 prev = (w - 1) % n
-                out.add(WeiPhase.GRAD_RING, *_p2p(t, prev, w, Op.SEND_G, Op.RECV_G, inc, grad_buf((t - 1) % 2),
-                                                  grad_buf(t % 2), gb[inc]))
+                out.pair(WeiPhase.GRAD_RING, t, prev, w, Op.SEND_G, Op.RECV_G, inc, grad_buf((t - 1) % 2),
+                         grad_buf(t % 2), gb[inc])
             if b_active(w, t):
                 c = (t - w + 1) % n
                 if inc is not None and inc != c:
                     raise AssertionError(f"gradient ring out of step at worker {w}, step {t}")
-                out.add(WeiPhase.COMPUTE, Action(t, w, Op.B, chunk=c, mb=(t - w - n) // n, buf=bbuf(t),
+                out.add(WeiPhase.COMPUTE, new_action(t, w, Op.B, chunk=c, mb=(t - w - n) // n, buf=bbuf(t),
                                                  grad_buf=grad_buf(t % 2), accumulate=inc is not None))
                 tokens[w] = c
             else:
                 tokens[w] = inc
             if f_active(w, t):
-                out.add(WeiPhase.COMPUTE, Action(t, w, Op.F, chunk=(w - t) % n, mb=(t - w) // n, buf=fbuf(t)))
+                out.add(WeiPhase.COMPUTE, new_action(t, w, Op.F, chunk=(w - t) % n, mb=(t - w) // n, buf=fbuf(t)))
     final = last + 1  # each worker u holds the complete sum of chunk (-1-u) mod N
     for u, c in enumerate(tokens):
         if c is None:
             raise AssertionError(f"worker {u} holds no gradient at the end of the ring")
         if c == u:
-            out.add(WeiPhase.ACC, Action(final, u, Op.ACC_G, chunk=c, buf=grad_buf(last % 2)))
+            out.add(WeiPhase.ACC, new_action(final, u, Op.ACC_G, chunk=c, buf=grad_buf(last % 2)))
         else:
-            out.add(WeiPhase.GRAD_RING, *_p2p(final, u, c, Op.SEND_G, Op.RECV_G, c, grad_buf(last % 2), G_RECV,
-                                              gb[c]))
-            out.add(WeiPhase.ACC, Action(final, c, Op.ACC_G, chunk=c, buf=G_RECV))
+            out.pair(WeiPhase.GRAD_RING, final, u, c, Op.SEND_G, Op.RECV_G, c, grad_buf(last % 2), G_RECV, gb[c])
+            out.add(WeiPhase.ACC, new_action(final, c, Op.ACC_G, chunk=c, buf=G_RECV))
     for w in range(n):  # right after the worker's last B (of chunk 0)
         out.add(WeiPhase.REPLICATED,
-                Action(w + n + acc * n, w, Op.ALLREDUCE_REPLICATED, group=everyone, bytes=rbytes))
+                new_action(w + n + acc * n, w, Op.ALLREDUCE_REPLICATED, group=everyone, bytes=rbytes))
     _finish(out, WeiPhase.STEP, WeiPhase.STATS, n, step_slot)
     return out, step_slot + 1
