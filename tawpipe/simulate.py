@@ -88,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except ValueError as e:  # a bad cluster, model, device or link: named, without a traceback
+        raise SystemExit(f"tawpipe simulate: {e}") from None
+
+
+def _main(args: argparse.Namespace) -> int:
     dims = model(args.model, seq=args.seq, micro_batch=args.micro_batch, dtype_bytes=args.dtype_bytes,
                  grad_bytes=args.grad_bytes)
     if args.paper:

@@ -124,3 +124,14 @@ def test_calibration_measures_positive_rates_and_scales_with_the_quota():
     quarter = calibrate(dims, threads=1, quota=0.25, repeats=3)
     # a quarter core is a quarter of the measured rate (up to the noise of two measurements)
     assert 0.1 < quarter.matmul_flops / full.matmul_flops < 0.6
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--nodes", "0"], "nodes >= 1"),
+    (["--inter", "fast"], "link 'fast'"),
+    (["--model", "9b"], "model '9b'"),
+])
+def test_bad_input_is_named_without_a_traceback(argv, says):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", *argv])
+    assert str(e.value).startswith("tawpipe simulate: ") and says in str(e.value)
