@@ -12,7 +12,7 @@ import pytest
 from tawpipe.bench.baselines import RunConfig
 from tawpipe.bench.cluster import predicted_busiest
 from tawpipe.cost.memory import working_set_bytes
-from tawpipe.cost.traffic import ModelDims, estimate
+from tawpipe.cost.traffic import ModelDims, estimate, fsdp_numel
 from tawpipe.plan.topology import Topology
 from tawpipe.sim.hardware import DEVICES, LINKS, Cluster, Device, Link
 from tawpipe.sim.network import HALF_DUPLEX_SHARE, Graph, Result, simulate
@@ -160,8 +160,11 @@ SHAPES = [(2, 2), (3, 2), (4, 1), (2, 3)]
 def test_inter_node_bytes_match_estimate(nodes, per_node, method, host):
     acc, dims = 2, replace(TINY, layers=nodes * per_node)  # 1F1B: a layer per stage at least
     result = play(method, cluster(nodes, per_node), dims, acc, host=host)
-    assert busiest_node_port(result) == pytest.approx(
-        estimate(method, dims, Topology(nodes, per_node), acc).inter_node_per_node, rel=1e-9)
+    expected = estimate(method, dims, Topology(nodes, per_node), acc).inter_node_per_node
+    if method == "hsdp":  # the node's shards all-reduced across nodes, as FSDP2 pads them
+        block, root = fsdp_numel(dims, per_node)
+        expected = 2 * (nodes - 1) / nodes * (dims.layers * block + root) * dims.grad_bytes
+    assert busiest_node_port(result) == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.parametrize("nodes, per_node", SHAPES)
@@ -181,18 +184,30 @@ def test_fsdp_gpu_bytes(nodes, per_node, method):
     """On NCCL the reduce-scatter is a ring: (N−1)/N of the gradients per sync. Per micro-batch
     the forward gathers the root and every block, the backward the blocks again (inside the
     node for fsdp-node). ``estimate('fsdp')`` also gathers the root again in the backward,
-    which FSDP2 does not (it keeps the root unsharded after forward)."""
+    which FSDP2 does not (it keeps the root unsharded after forward). Sizes are FSDP2's padded
+    ones (every dim 0 up to a multiple of N), which on shapes that need no padding are
+    ``estimate``'s."""
     acc, d = 3, TINY
     n = nodes * per_node
-    ring, psi, e = (n - 1) / n, d.decoder_numel, d.replicated_numel
+    block, e = fsdp_numel(d, n)
+    ring, psi = (n - 1) / n, d.layers * block
     gathered = (1 if method == "fsdp-node" else 2) * psi + e
     syncs = acc if method == "fsdp-mm" else 1
     expected = acc * ring * gathered * d.dtype_bytes + syncs * ring * (psi + e) * d.grad_bytes
     result = play(method, cluster(nodes, per_node), d, acc, host=False)
     assert busiest_node_port(result) == pytest.approx(expected, rel=1e-9)
-    if method == "fsdp-mm":
+    if method == "fsdp-mm" and (block, e) == (d.layer_numel, d.replicated_numel):
         paper = estimate("fsdp", d, Topology(nodes, per_node), acc).inter_node_per_node
         assert paper - expected == pytest.approx(acc * ring * e * d.dtype_bytes, rel=1e-9)
+
+
+def test_fsdp_pads_every_parameter_to_equal_shards():
+    # hidden 64 and ffn 192 split evenly over 4 ranks; over 6 ranks every dim 0 is padded
+    assert fsdp_numel(TINY, 4) == (TINY.layer_numel, TINY.replicated_numel)
+    block, root = fsdp_numel(TINY, 6)
+    h, f = 64, TINY.ffn_hidden
+    assert block == 4 * 66 * h + 2 * (-(-f // 6) * 6) * h + 66 * f + 2 * 66
+    assert root == 258 * h + 66
 
 
 def test_pipelines_inside_nodes_send_only_their_gradient_rings():

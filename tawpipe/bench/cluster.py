@@ -38,7 +38,7 @@ import torch
 
 from ..cluster import (Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, describe_compute,
                        spec_from_args, unavailable_reason)
-from ..cost.traffic import ModelDims, crossover_tokens, estimate, plan_traffic
+from ..cost.traffic import ModelDims, crossover_tokens, estimate, fsdp_numel, plan_traffic
 from ..engine.engine import TawPipe
 from ..models.llama import block_forward, llama_loss
 from ..plan.schedule import RESIDENT, prefetch_depth_arg
@@ -156,7 +156,8 @@ def predicted_busiest(method: str, cfg: RunConfig) -> float:
     blocks and the root (Ψ + E) and backward the blocks again (Ψ): acc·(N−1)/N·(2Ψ + E) for
     ``fsdp``/``fsdp-mm``. ``fsdp-node`` reshards the blocks to the node after forward, so its
     backward gather is the node's own: acc·(N−1)/N·(Ψ + E). Gradients (Ψ + E) are all-reduced,
-    2·(N−1)/N each time: once per step, or every micro-batch for ``fsdp-mm``.
+    2·(N−1)/N each time: once per step, or every micro-batch for ``fsdp-mm``. Ψ and E are
+    counted as FSDP2 pads them (``tawpipe.cost.traffic.fsdp_numel``).
     """
     dims = _dims(cfg)
     topo, acc = cfg.topology, cfg.micro_batches
@@ -166,7 +167,8 @@ def predicted_busiest(method: str, cfg: RunConfig) -> float:
     if topo.nodes == 1:
         return 0.0
     ring = (n - 1) / n
-    psi, e = dims.decoder_numel, dims.replicated_numel
+    block, e = fsdp_numel(dims, n)  # FSDP2 pads every parameter's dim 0 to a multiple of n
+    psi = dims.layers * block
     gathered = (1 if method == "fsdp-node" else 2) * psi + e
     gathers = acc * ring * gathered * dims.dtype_bytes
     reduces = (acc if method == "fsdp-mm" else 1) * 2 * ring * (psi + e) * dims.grad_bytes

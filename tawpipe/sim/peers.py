@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..cost.memory import MemoryEstimate, working_set_bytes
-from ..cost.traffic import ModelDims
+from ..cost.traffic import ModelDims, fsdp_numel
 from .hardware import Cluster
 from .network import Fabric, Flow, Graph
 from .workload import Workload
@@ -209,7 +209,7 @@ def _fsdp(lanes: _Lanes, method: str, work: Workload, acc: int, host: bool) -> N
     back = Ring(s) if method == "fsdp-node" else shard
     across = Ring(c.nodes, s) if hsdp else None
     reduce_op = "all-reduce" if host else "reduce-scatter"
-    layer, root = d.layer_numel, d.replicated_numel
+    layer, root = fsdp_numel(d, s if hsdp else n)  # as FSDP2 pads them
     start: list[int] = []
 
     def reduce(name: str, numel: int, deps: list[int]) -> tuple[list[int], list[int]]:
@@ -243,7 +243,7 @@ def _fsdp(lanes: _Lanes, method: str, work: Workload, acc: int, host: bool) -> N
                 scattered = reduce(f"B{i} m{m}", layer, [task])[0]
         task = lanes.add("compute", f"embed grad m{m}", [*before, *waited], seconds=2 * work.embed() / 3)
         start = [task, *(reduce(f"root m{m}", root, [task])[1] if sync else [])]  # each lane ends with the root's
-    lanes.add("compute", "step", start, seconds=work.step((d.decoder_numel + root) / (s if hsdp else n)))
+    lanes.add("compute", "step", start, seconds=work.step((d.decoder_numel + d.replicated_numel) / (s if hsdp else n)))
 
 
 # ------------------------------------------------------------------------------------------ 1F1B
