@@ -150,7 +150,7 @@ def table(rows: list) -> str:
         if not isinstance(r, compare.Row):
             lines.append(f"{'':<14} not simulated: {r}")
             continue
-        mem = f"{r.memory.total / GiB:.2f} GiB" if r.memory else "?"
+        mem = f"{r.memory.total / GiB:.2f} GiB"
         lines.append(f"{r.method:<14} {_flags(r.settings):<28} {r.time_s:>9.3f}s {r.tokens_per_s_per_device:>10,.0f} "
                      f"{r.mfu:>6.1%} {r.exposed_comm_s:>8.3f}s {r.inter_bytes / 1e9:>8.3f} GB {r.intra_bytes / 1e9:>7.3f} GB "
                      f"{mem:>10} {'yes' if r.fits else 'no':>4}  {r.bottleneck}")

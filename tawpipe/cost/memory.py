@@ -39,6 +39,16 @@ class MemoryEstimate:
         return self.persistent + self.staging + self.replicated + self.activations + self.transient
 
 
+def logits_bytes(dims: ModelDims) -> float:
+    """The head's float32 logits, their log-softmax and gradient for one micro-batch (without a
+    chunked loss)."""
+    return _logits(dims.micro_batch, dims.seq, dims.vocab)
+
+
+def _logits(micro_batch: int, seq: int, vocab: int) -> float:
+    return 3 * micro_batch * seq * vocab * 4
+
+
 def working_set_bytes(dims: ModelDims, layers: int) -> float:
     """Activations of ``layers`` transformer layers for one micro-batch while backward runs:
     s·b·h·(34 + 5·a·s/h) bytes per layer at 2-byte activations (Korthikanti et al. 2022,
@@ -110,7 +120,7 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
         k = int(plan.options.get("mb_per_fetch", 1))
         chunk_layers = max(b - a for a, b in plan.chunk_layers)
         boundary = plan.replica_size * k * micro_batch * seq * hidden * weight_bytes
-        logits = 3 * micro_batch * seq * vocab * 4
+        logits = _logits(micro_batch, seq, vocab)
         activations = boundary + _working_set(seq, micro_batch, hidden, heads, chunk_layers, weight_bytes) + logits
     return MemoryEstimate(persistent=16 * own, staging=staging, replicated=16 * replicated_numel,
                           activations=activations, transient=16 * own)
@@ -243,7 +253,7 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
             options[choice], plans[choice] = (max(plan_traffic(plan).per_node()), memory(plan)), plan
         if large and options[choice][1].total <= budget:
             break
-    resident = resident_depth(Topology(plan.topology.nodes // plan.replicas, plan.topology.per_node))
+    resident = resident_depth(Topology(topology.nodes // plan_args.get("replicas", 1), topology.per_node))
     try:
         choice, why = choose(options, budget, resident=resident, budget_text=budget_text)
     except NothingFits as e:

@@ -343,18 +343,24 @@ def batches(actions: Sequence[Action]) -> Iterator[list[Action]]:
     channel form one batch, posted together (design §5.2); every other action is a unit alone.
     A batch's messages carry tags: the k-th message from one rank to another on a channel has
     tag k, so a backend may also post each one as soon as it is ready (design §5.2)."""
-    batch: list[Action] = []
-    for a in actions:
-        spec = OPS[a.op]
-        if batch and not (spec.is_p2p and a.slot == batch[0].slot and spec.channel == OPS[batch[0].op].channel):
-            yield batch
-            batch = []
-        if spec.is_p2p:
-            batch.append(a)
-        else:
-            yield [a]
-    if batch:
-        yield batch
+    start = 0
+    while start < len(actions):
+        end = batch_end(actions, start)
+        yield list(actions[start:end])
+        start = end
+
+
+def batch_end(actions: Sequence[Action], start: int) -> int:
+    """Where the unit that begins at ``start`` ends (``batches``' rule, for those who walk a list
+    by index)."""
+    spec = OPS[actions[start].op]
+    end = start + 1
+    if spec.is_p2p:
+        slot, channel = actions[start].slot, spec.channel
+        while end < len(actions) and OPS[actions[end].op].is_p2p and actions[end].slot == slot and \
+                OPS[actions[end].op].channel == channel:
+            end += 1
+    return end
 
 
 H = TypeVar("H")
@@ -363,7 +369,7 @@ H = TypeVar("H")
 class Hazards(Generic[H]):
     """Dataflow order on named state (design §5.1): an action that reads a name waits for its last
     writer; one that writes it waits for the last writer and every reader since. ``H`` is whatever
-    marks completion: engine handles, or action indices in ``verify``'s simulation."""
+    marks completion: engine handles, or unit indices in the tests' plain reference model."""
 
     def __init__(self) -> None:
         self.writer: dict[str, H] = {}

@@ -131,10 +131,11 @@ def build_plan(
     else:
         events, num_slots = _weipipe(n, micro_batches, nbytes, rbytes)
     programs = events.project(n)
-    if sum(map(len, programs)) >= SETTLE_ACTIONS:  # a plan this large lives on: no collection need walk it
-        settle()
+    large = sum(map(len, programs)) >= SETTLE_ACTIONS  # a plan this large lives on: no collection need walk it
     if replicas > 1:
         programs = _join_replicas(programs, replicas, owner, nbytes["replica"])
+    if large:
+        settle()
     return Plan(
         algo=algo, topology=job, num_layers=num_layers, micro_batches=micro_batches,
         chunk_layers=chunk_layers, owner=owner, num_slots=num_slots,

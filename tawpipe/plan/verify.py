@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from .actions import GRAD_OPS, OPS, WEIGHT_OPS, Action, Channel, Names, Op, PlanError, describe, no_gc
+from .actions import GRAD_OPS, OPS, WEIGHT_OPS, Action, Channel, Names, Op, PlanError, batch_end, describe, no_gc
 from .plan import Plan, Programs, shift
 
 EXHAUSTIVE_ACTIONS = 200_000  # above this many actions in all, a plan of replicas is proven on replica 0
@@ -458,12 +458,7 @@ class _Simulation:
         """The unit at the driver's ``pc``: its actions, and what it waits for."""
         acts, pc = rk.acts, rk.pc
         op = acts[pc].op
-        end = pc + 1
-        if self.batched and _HOW[op] == _MESSAGE:  # a batch: consecutive messages of one slot and channel
-            slot, channel = acts[pc].slot, _CHANNEL[op]
-            while end < len(acts) and _HOW[acts[end].op] == _MESSAGE and acts[end].slot == slot and \
-                    _CHANNEL[acts[end].op] == channel:
-                end += 1
+        end = batch_end(acts, pc) if self.batched and _HOW[op] == _MESSAGE else pc + 1
         lane = self.lane[op]
         reads = writes = 0
         waits = None
@@ -684,7 +679,7 @@ def _check_static(plan: Plan, ranks: int) -> list[_Seen]:
         got = screen(r, acts)
         if got is None:
             _check_rank(plan, r, acts)  # raises on the first fault
-            got = _uses(acts)  # the screen doubted a right list: what it uses, read plainly
+            raise AssertionError(f"the one-pass checks refused rank {r}'s list, which the checks one by one pass")
         seen.append(got)
     return seen
 
@@ -714,23 +709,6 @@ _CATEGORY = {op: (_FRAMING if op in _FRAMES else _EXCHANGE if op is Op.ALLREDUCE
 _OVERLAPS = frozenset(op for op, s in OPS.items() if s.always_overlaps)
 
 
-def _uses(acts: tuple[Action, ...]) -> _Seen:
-    seen = _Seen(set(), set(), {}, {})
-    for a in acts:
-        op = a.op
-        if op in WEIGHT_OPS:
-            seen.weight_buffers.add(a.buf)
-        if op is _B:
-            seen.grad_buffers.add(a.grad_buf)
-        elif op in GRAD_OPS:
-            seen.grad_buffers.add(a.buf)
-        if _CATEGORY[op] == _MSG:
-            seen.messages.setdefault(_names_key(a), a)
-        if op in _OVERLAPS:
-            seen.overlapping.setdefault(_names_key(a), a)
-    return seen
-
-
 class _Screen:
     """Every check of ``_check_rank`` in one pass over a list, and what the list uses: a plan of
     millions of actions is read once (each pass costs more in memory traffic than in checks)."""
@@ -744,16 +722,13 @@ class _Screen:
                       for op, s in OPS.items()}
         self.sized = sized
         self.everyone = tuple(range(plan.topology.world_size))
-        self.route = {op: (s.channel, s.transfer) for op, s in OPS.items() if s.is_p2p}
-        self.weights = {op: op in WEIGHT_OPS for op in OPS}
-        self.grads = {op: op in GRAD_OPS for op in OPS}
 
     def __call__(self, r: int, acts: tuple[Action, ...]) -> _Seen | None:  # noqa: C901 (one pass, by design)
         plan, topo = self.plan, self.plan.topology
         size, acc, num_slots = plan.replica_size, plan.micro_batches, plan.num_slots
         home = range(plan.replica_of(r) * size, (plan.replica_of(r) + 1) * size)
         node = topo.group_ranks(topo.group_of(r))
-        category, nbytes, weights, grads, route = _CATEGORY, self.bytes, self.weights, self.grads, self.route
+        category, nbytes, weights, grads, route = _CATEGORY, self.bytes, WEIGHT_OPS, GRAD_OPS, _ROUTE
         sized = self.sized
         wbufs: set = set()
         gbufs: set = set()
@@ -833,9 +808,9 @@ class _Screen:
                     return None
             elif op is _ACC_G:
                 last_acc = i
-            if weights[op]:
+            if op in weights:
                 wbufs.add(buf)
-            elif grads[op]:
+            elif op in grads:
                 gbufs.add(buf)
             if op in _OVERLAPS:
                 overlapping.setdefault(_names_key(a), a)

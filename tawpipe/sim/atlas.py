@@ -40,22 +40,21 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..cost.memory import MemoryEstimate, memory_per_rank
-from ..cost.traffic import ModelDims, plan_traffic
+from ..cost.traffic import plan_traffic
 from ..plan.actions import OPS, Channel, batches
 from ..plan.plan import Plan
-from ..plan.schedule import RESIDENT, compute_actions
-from ..plan.topology import Topology
+from ..plan.schedule import RESIDENT
 from . import compare
+from .compare import taw_settings
 from .hardware import Cluster, device, link
-from .network import Result, simulate
-from .peers import peer_graph, peer_memory
-from .play import compute_seconds, engine_plan, plan_graph
+from .peers import peer_memory
+from .play import compute_seconds, engine_plan
 from .workload import Workload, model
 
 GiB = 2**30
@@ -102,19 +101,6 @@ QUICK = Grid(nodes=(3,), links=("10gbe", "400gb"), models=("7b",), seqs=(4096,))
 
 
 # ------------------------------------------------------------------------------------ one cell
-
-
-def taw_settings(nodes: int, per_node: int, layers: int, acc: int) -> list[dict[str, Any]]:
-    """TawPipe's settings tried in a cell (see the module's docstring)."""
-    out = []
-    for r in range(1, nodes + 1):
-        if nodes % r or nodes * per_node // r > layers or \
-                compute_actions(Topology(nodes, per_node), acc, r) > compare.MOST_COMPUTE_ACTIONS:
-            continue
-        for k in sorted((k for k in range(1, acc + 1) if acc % k == 0), reverse=True):
-            for depth, reuse in ((RESIDENT, True), (1, False)):
-                out.append({"replicas": r, "mb_per_fetch": k, "prefetch_depth": depth, "reuse_weights": reuse})
-    return out
 
 
 def pipeline_stages(nodes: int, per_node: int, layers: int, tries: int = 2) -> list[int]:

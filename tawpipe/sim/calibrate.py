@@ -10,6 +10,7 @@ threads and scaled by quota / threads.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -53,7 +54,8 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
         torch.set_num_threads(old_threads)
     scale = (quota / (threads or old_threads)) if quota else 1.0
     if memory is None:
-        memory = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _host_memory()
+        memory = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else \
+            os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # a device's whole memory, as CUDA's
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu x {quota or threads or old_threads:g}"
     return Device(
         name=name,
@@ -76,11 +78,3 @@ def _seconds(fn: Callable[[], object], dev: torch.device, repeats: int) -> float
             torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - start)
     return min(times)  # contention only slows a run down: the fastest is the device's own rate
-
-
-def _host_memory() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")

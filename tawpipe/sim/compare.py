@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cost.memory import MemoryEstimate, memory_per_rank
+from ..cost.memory import MemoryEstimate, logits_bytes, memory_per_rank
 from ..cost.traffic import ModelDims
 from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT, compute_actions
@@ -39,7 +39,7 @@ class Row:
     compute_s: float  # the busiest device's compute
     inter_bytes: float  # busiest node port, one direction
     intra_bytes: float  # busiest device port, one direction
-    memory: MemoryEstimate | None
+    memory: MemoryEstimate
     fits: bool
     tokens_per_s_per_device: float = 0.0
     mfu: float = 0.0
@@ -53,7 +53,7 @@ class Row:
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k not in ("result", "memory")}
         d["exposed_comm_s"] = self.exposed_comm_s
-        d["memory"] = None if self.memory is None else {**self.memory.__dict__, "total": self.memory.total}
+        d["memory"] = {**self.memory.__dict__, "total": self.memory.total}
         return d
 
 
@@ -108,13 +108,9 @@ def read_off(method: str, settings: dict[str, Any], result: Result, ranks: Itera
     return row
 
 
-def logits_bytes(dims: ModelDims) -> float:
-    """The head's float32 logits, log-softmax and gradient for one micro-batch (what
-    ``peer_memory`` and the engine's ``rank_memory`` count, and ``memory_per_rank`` does not)."""
-    return 3 * dims.micro_batch * dims.seq * dims.vocab * 4
-
-
 def with_logits(m: MemoryEstimate, dims: ModelDims) -> MemoryEstimate:
+    """``memory_per_rank``'s estimate with the head's logits, which it leaves out and
+    ``peer_memory`` and the engine's ``rank_memory`` count."""
     return dataclasses.replace(m, activations=m.activations + logits_bytes(dims))
 
 
@@ -134,20 +130,25 @@ def bottleneck(row: Row, cluster: Cluster) -> str:
     return name if busiest >= 0.8 * row.time_s else f"dependencies ({name} {busiest / row.time_s:.0%} busy)"
 
 
-def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False) -> list[Row]:
-    """TawPipe's settings tried for this cluster, fastest first among those that fit: k over the
-    divisors of acc, depth 1 or every chunk resident (with reuse), replicas over the divisors of
-    the nodes whose pipelines have no more ranks than layers."""
-    rows = []
-    for replicas in (r for r in range(1, cluster.nodes + 1) if cluster.nodes % r == 0):
-        size = cluster.world_size // replicas
-        if size > work.dims.layers or compute_actions(Topology(cluster.nodes, cluster.per_node), acc,
-                                                     replicas) > MOST_COMPUTE_ACTIONS:
+def taw_settings(nodes: int, per_node: int, layers: int, acc: int) -> list[dict[str, Any]]:
+    """TawPipe's settings worth trying: replicas over the divisors of the nodes whose pipelines
+    have no more ranks than layers (and a plan the player takes), k over the divisors of acc,
+    every chunk resident (with reuse) or depth 1."""
+    out = []
+    for r in range(1, nodes + 1):
+        if nodes % r or nodes * per_node // r > layers or \
+                compute_actions(Topology(nodes, per_node), acc, r) > MOST_COMPUTE_ACTIONS:
             continue
-        for k in (k for k in range(1, acc + 1) if acc % k == 0):
-            for depth, reuse in ((1, False), (RESIDENT, True)):
-                s = {"mb_per_fetch": k, "prefetch_depth": depth, "reuse_weights": reuse, "replicas": replicas}
-                rows.append(run("tawpipe", cluster, work, acc, host=host, settings=s))
+        for k in sorted((k for k in range(1, acc + 1) if acc % k == 0), reverse=True):
+            for depth, reuse in ((RESIDENT, True), (1, False)):
+                out.append({"replicas": r, "mb_per_fetch": k, "prefetch_depth": depth, "reuse_weights": reuse})
+    return out
+
+
+def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False) -> list[Row]:
+    """Every one of ``taw_settings`` played, fastest first among those that fit."""
+    rows = [run("tawpipe", cluster, work, acc, host=host, settings=s)
+            for s in taw_settings(cluster.nodes, cluster.per_node, work.dims.layers, acc)]
     rows.sort(key=lambda r: (not r.fits, r.time_s))
     return rows
 

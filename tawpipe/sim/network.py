@@ -129,7 +129,7 @@ class Result:
 
     def busy(self, rank: int, lane: str = "compute") -> float:
         """Seconds ``rank`` spent running tasks of ``lane``."""
-        return sum(e - s for t, s, e in zip(self.graph.tasks, self.start, self.end) if t.rank == rank and t.lane == lane)
+        return self.busiest([rank], lane)
 
     def busiest(self, ranks: Iterable[int], lane: str = "compute") -> float:
         """The most seconds any of ``ranks`` spent on ``lane``, in one pass over the tasks."""

@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cost.memory import MemoryEstimate, working_set_bytes
+from ..cost.memory import MemoryEstimate, logits_bytes, working_set_bytes
 from ..cost.traffic import ModelDims, fsdp_numel
 from .hardware import Cluster
 from .network import Fabric, Flow, Graph
@@ -368,7 +368,7 @@ def peer_memory(method: str, dims: ModelDims, cluster: Cluster, acc: int, recomp
     n, s, g = cluster.world_size, cluster.per_node, cluster.nodes
     psi, e, layer = dims.decoder_numel, dims.replicated_numel, dims.layer_numel
     act = dims.activation_numel * dims.dtype_bytes
-    logits = 3 * dims.micro_batch * dims.seq * dims.vocab * 4
+    logits = logits_bytes(dims)
 
     def held(layers: int, micro_batches: int) -> float:
         if recompute:
