@@ -9,11 +9,13 @@
 #      comm bench (world-size-1 NCCL exactness, timeouts, the prefetcher);
 #   3. runs benchmarks/ops_bench.py on the GPU (pack/unpack vs D2D copy and _foreach_copy_);
 #   4. runs `tawpipe bench prefetch` (targets: >= 90% of pinned-copy bandwidth, overlap <= 1.1);
-#   5. runs `tawpipe bench comm` at world size 1 with the nccl and nccl-native backends.
+#   5. runs `tawpipe bench comm` at world size 1 with the nccl and nccl-native backends;
+#   6. calibrates the simulator on the GPU (`tawpipe simulate --calibrate --calibrate-on cuda`) at
+#      the paper's model (S = 4096 and 16384) and LLaMA-7B's (S = 4096): device_cuda_*.json.
 #
 # Everything lands in $OUT if set, else benchmarks/results/: gpu_check.json (summary with the GPU
 # name), gpu_env.txt, build.log, tests.xml/tests.log, prefetch_cuda.json, comm_nccl_1x1.{json,png},
-# comm_nccl-native_1x1.{json,png} and their logs. Each step has a time limit; a failing step does
+# comm_nccl-native_1x1.{json,png}, device_cuda_*.json and their logs. Each step has a time limit; a failing step does
 # not stop the others; the exit code is non-zero if any failed. About 4-8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +23,7 @@ PY=${PYTHON:-python3}
 # The system compiler, where there is one: on the image this was first run on, the g++ first on the
 # PATH (/opt/gcc) produced extensions in which every C++ exception crashed the process (with
 # /usr/bin/g++ every test passed). Set CXX/CC to override.
-if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ] && [ -z "${GPU_CHECK_KEEP_CXX:-}" ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 DEST=${OUT:-benchmarks/results}
 mkdir -p "$DEST"
 export TAWPIPE_TIMEOUT=${TAWPIPE_TIMEOUT:-120}
@@ -29,12 +31,12 @@ declare -A STATUS
 
 # GPU_CHECK_STEPS picks steps (default: all), so that the check fits commands of limited length:
 # e.g. GPU_CHECK_STEPS="build tests", then GPU_CHECK_STEPS="ops_bench prefetch comm".
-STEPS=" ${GPU_CHECK_STEPS:-build tests ops_bench prefetch comm} "
+STEPS=" ${GPU_CHECK_STEPS:-build tests ops_bench prefetch comm calibrate} "
 
 step() {  # step NAME SECONDS LOG COMMAND...: run with a time limit, record the exit code
   local name=$1 limit=$2 log=$3
   shift 3
-  [[ "$STEPS" == *" ${name%%_nccl*} "* ]] || return 0
+  [[ "$STEPS" == *" $name "* || "$STEPS" == *" ${name%%_*} "* ]] || return 0  # comm_nccl: "comm"
   echo "== $name (limit ${limit}s, log $log)"
   local t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
@@ -56,7 +58,9 @@ cat "$DEST/gpu_env.txt"
 step build 420 "$DEST/build.log" env TAWPIPE_BUILD_CUDA=1 TAWPIPE_BUILD_NCCL=1 MAX_JOBS="${MAX_JOBS:-16}" \
   "$PY" setup.py build_ext --inplace
 
-step tests 360 "$DEST/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$DEST/tests.xml" \
+# The op tests (hundreds of independent cases) run on 8 workers where pytest-xdist is installed.
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+step tests 360 "$DEST/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider $XDIST --junitxml="$DEST/tests.xml" \
   tests/test_engine_cuda.py tests/test_nccl_native.py tests/test_offload.py tests/test_comm_bench.py \
   tests/test_ops.py tests/test_triton_ops.py tests/test_kernels_build.py
 
@@ -68,6 +72,12 @@ step prefetch 180 "$DEST/prefetch.log" "$PY" -m tawpipe bench prefetch --out "$D
 for backend in nccl nccl-native; do
   step "comm_$backend" 150 "$DEST/comm_$backend.log" "$PY" -m tawpipe bench comm --backend "$backend" \
     --nodes 1 --per-node 1 -b 1K -e 256M -f 4 -n 20 -w 5 --json "$DEST/comm_${backend}_1x1.json"
+done
+
+for shape in "paper 4096" "paper 16384" "7b 4096"; do
+  set -- $shape
+  step "calibrate_$1_$2" 90 "$DEST/calibrate_$1_$2.log" "$PY" -m tawpipe simulate --model "$1" --seq "$2" \
+    --calibrate "$DEST/device_cuda_$1_S$2.json" --calibrate-on cuda
 done
 
 STATUS_TEXT=""
@@ -97,6 +107,17 @@ try:
                            "targets_met": p.get("targets", {}).get("met")}
 except Exception as e:  # noqa: BLE001
     summary["prefetch_error"] = repr(e)
+try:
+    rows = json.load(open(os.path.join(dest, "ops_bench_cuda.json")))["results"]
+    base = {(r["workload"], r["op"], r["case"]): r["median_ms"] for r in rows if r["impl"] == "contiguous"}
+    summary["ops_of_d2d_copy"] = {f'{r["workload"]} {r["op"]} {r["case"]} {r["impl"]}':
+                                  round(base[(r["workload"], r["op"], r["case"])] / r["median_ms"], 3)
+                                  for r in rows if r["impl"] in ("tawpipe", "bound", "foreach")}
+except Exception as e:  # noqa: BLE001
+    summary["ops_bench_error"] = repr(e)
+for name in sorted(os.listdir(dest)):
+    if name.startswith("device_cuda_") and name.endswith(".json"):
+        summary[name[:-5]] = json.load(open(os.path.join(dest, name)))
 for backend in ("nccl", "nccl-native"):
     try:
         c = json.load(open(os.path.join(dest, f"comm_{backend}_1x1.json")))

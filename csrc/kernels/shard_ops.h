@@ -67,16 +67,27 @@ struct CUstream_st;
  */
 int tawpipe_shard_cuda_check_stream(struct CUstream_st* stream);
 
-/* Bytes of device workspace (and of optional host staging) needed for num_segments segments. */
+/*
+ * Tables of at most this many segments travel in the kernel's launch parameters: they need no
+ * workspace and no host-to-device copy (a layer chunk has tens of tensors).
+ */
+#define TAWPIPE_SHARD_CUDA_INLINE_SEGMENTS 64
+
+/*
+ * Bytes of device workspace (and of optional host staging) needed for num_segments segments:
+ * 0 up to TAWPIPE_SHARD_CUDA_INLINE_SEGMENTS.
+ */
 size_t tawpipe_shard_cuda_workspace_bytes(int64_t num_segments);
 
 /*
- * Device memory of the current device. Enqueues exactly one kernel (plus one host-to-device
- * copy of the segment table into device_workspace) on stream; returns without synchronising.
- * Checks the stream as tawpipe_shard_cuda_check_stream does.
+ * Device memory of the current device. Enqueues exactly one kernel (plus, for a table of more
+ * than TAWPIPE_SHARD_CUDA_INLINE_SEGMENTS non-empty segments, one host-to-device copy of the
+ * table into device_workspace) on stream; returns without synchronising. Checks the stream as
+ * tawpipe_shard_cuda_check_stream does.
  *
  * device_workspace: device memory of at least workspace_bytes(num_segments) bytes that stays
- *   allocated until the kernel has run (stream-ordered allocators give this for free).
+ *   allocated until the kernel has run (stream-ordered allocators give this for free); may be
+ *   NULL when that is 0.
  * host_staging: NULL, or host memory of the same size in which the table is built and from
  *   which it is copied. Pass pinned memory for a fully asynchronous copy; the caller must then
  *   keep it unmodified until the copy has run on stream. With NULL, an internal pageable

@@ -4,7 +4,11 @@
 // kTile elements, numbered consecutively across segments, and a device-side table records each
 // segment's first tile. Every block takes an equal, contiguous run of tiles (so work is balanced
 // by element count, not by tensor count), finds its first segment by binary search once, then
-// walks forward. A tile of a segment whose pointers are aligned uses 16-byte vector accesses.
+// walks forward. A tile of a segment whose pointers are aligned uses 16-byte vector accesses;
+// a whole such tile issues all its loads before its first store, so each thread keeps
+// kTile / kThreads elements in flight. A table of up to kInlineSegments rows travels in the
+// kernel's parameters, so the common call (one layer chunk: tens of tensors) needs neither a
+// device workspace nor a host-to-device copy before the kernel.
 #include "shard_ops.h"
 
 #include <cuda_runtime.h>
@@ -26,6 +30,8 @@ using tawpipe::kernels::valid_dtype;
 
 constexpr int kThreads = 256;
 constexpr int64_t kTile = 4096;  // elements per work item; a multiple of kThreads * 8
+// Rows that fit in a launch's parameters: 64 x 48 bytes, within the 4 KiB every GPU accepts.
+constexpr int64_t kInlineSegments = TAWPIPE_SHARD_CUDA_INLINE_SEGMENTS;
 
 // One row of the device table. Only segments with numel > 0 are stored, so first_tile is
 // strictly increasing.
@@ -53,6 +59,56 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
+// The table's rows when they fit in the launch's parameters.
+struct InlineTable {
+  DeviceSegment rows[kInlineSegments];
+};
+static_assert(sizeof(InlineTable) + 3 * sizeof(int64_t) <= 4096, "launch parameters are limited to 4 KiB");
+
+// The integer vector an access of Size bytes moves.
+template <int Size>
+struct Bits;
+template <>
+struct Bits<16> {
+  using T = int4;
+};
+template <>
+struct Bits<8> {
+  using T = int2;
+};
+
+// Vector accesses with cache hints: the source is read once (evict-first), a plain copy's
+// destination is written once (streaming store); an accumulated destination is read and
+// written back, so it keeps the default policy.
+template <class V>
+__device__ __forceinline__ V load_once(const V* p) {
+  using B = typename Bits<sizeof(V)>::T;
+  const B bits = __ldcs(reinterpret_cast<const B*>(p));
+  V v;
+  memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+template <class V>
+__device__ __forceinline__ void store_once(V* p, const V& v) {
+  using B = typename Bits<sizeof(V)>::T;
+  B bits;
+  memcpy(&bits, &v, sizeof bits);
+  __stcs(reinterpret_cast<B*>(p), bits);
+}
+
+template <class SV, class DV, int S, int D, bool Accumulate>
+__device__ __forceinline__ DV convert(const SV& in, const DV& acc, float alpha) {
+  DV out;
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(in.v) / sizeof(in.v[0])); ++k) {
+    float x = Elem<S>::load(in.v[k]);
+    if constexpr (Accumulate) x = add_scaled(Elem<D>::load(acc.v[k]), alpha, x);
+    out.v[k] = Elem<D>::store(x);
+  }
+  return out;
+}
+
 // Elements [begin, end) of one segment, end - begin <= kTile; begin is a multiple of kTile.
 template <int S, int D, bool Accumulate>
 __device__ __forceinline__ void run_tile(const DeviceSegment& seg, int64_t begin, int64_t end,
@@ -75,22 +131,33 @@ __device__ __forceinline__ void run_tile(const DeviceSegment& seg, int64_t begin
     // Per-thread base pointers: every access below is base + a compile-time offset.
     const SV* __restrict__ src_v = reinterpret_cast<const SV*>(src) + lane;
     DV* __restrict__ dst_v = reinterpret_cast<DV*>(dst) + lane;
-    // Loads are not batched into arrays: across nine inlined dtype pairs that tripled register
-    // use (and cut occupancy); segments never overlap, so __restrict__ leaves ptxas free to
-    // overlap the unrolled iterations itself.
+    if (n == kTile) {
+      // A whole tile: every load first (kIters vector loads in flight per thread), then every
+      // store. Segments never overlap, so the loads need not wait for any store.
+      SV in[kIters];
+      DV acc[kIters] = {};
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        in[it] = load_once(src_v + it * kThreads);
+        if constexpr (Accumulate) acc[it] = dst_v[it * kThreads];
+      }
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const DV out = convert<SV, DV, S, D, Accumulate>(in[it], acc[it], alpha);
+        if constexpr (Accumulate) {
+          dst_v[it * kThreads] = out;
+        } else {
+          store_once(dst_v + it * kThreads, out);
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       if (it * kThreads + lane < full) {
-        const SV in = src_v[it * kThreads];
-        DV out;
-        if constexpr (Accumulate) out = dst_v[it * kThreads];
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          float x = Elem<S>::load(in.v[k]);
-          if constexpr (Accumulate) x = add_scaled(Elem<D>::load(out.v[k]), alpha, x);
-          out.v[k] = Elem<D>::store(x);
-        }
-        dst_v[it * kThreads] = out;
+        DV acc{};
+        if constexpr (Accumulate) acc = dst_v[it * kThreads];
+        dst_v[it * kThreads] = convert<SV, DV, S, D, Accumulate>(src_v[it * kThreads], acc, alpha);
       }
     }
     scalar_begin = full * V;
@@ -120,10 +187,10 @@ struct TilesOp {
   }
 };
 
+// The block's equal share of the tiles, segment after segment.
 template <bool Accumulate>
-__global__ void __launch_bounds__(kThreads)
-    shard_kernel(const DeviceSegment* __restrict__ table, int64_t num_segments, int64_t total_tiles,
-                 float alpha) {
+__device__ __forceinline__ void run_blocks_share(const DeviceSegment* table, int64_t num_segments,
+                                                 int64_t total_tiles, float alpha) {
   const int64_t block = blockIdx.x;
   const int64_t per_block = total_tiles / gridDim.x;
   const int64_t extra = total_tiles % gridDim.x;
@@ -151,6 +218,22 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The table in device memory (more rows than a launch's parameters hold).
+template <bool Accumulate>
+__global__ void __launch_bounds__(kThreads)
+    shard_kernel(const DeviceSegment* __restrict__ table, int64_t num_segments, int64_t total_tiles,
+                 float alpha) {
+  run_blocks_share<Accumulate>(table, num_segments, total_tiles, alpha);
+}
+
+// The table in the launch's parameters, read in place (__grid_constant__: no per-thread copy).
+template <bool Accumulate>
+__global__ void __launch_bounds__(kThreads)
+    shard_kernel_inline(const __grid_constant__ InlineTable table, int64_t num_segments,
+                        int64_t total_tiles, float alpha) {
+  run_blocks_share<Accumulate>(table.rows, num_segments, total_tiles, alpha);
+}
+
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 int cuda_failed(cudaError_t err) {
@@ -168,10 +251,54 @@ extern "C" int tawpipe_shard_cuda_check_stream(struct CUstream_st* stream) {
 }
 
 extern "C" size_t tawpipe_shard_cuda_workspace_bytes(int64_t num_segments) {
-  return num_segments > 0 ? static_cast<size_t>(num_segments) * sizeof(DeviceSegment) : 0;
+  return num_segments > kInlineSegments ? static_cast<size_t>(num_segments) * sizeof(DeviceSegment) : 0;
 }
 
 extern "C" const char* tawpipe_cuda_last_error(void) { return g_last_cuda_error; }
+
+namespace {
+
+// Blocks resident at once on the current device for each of the four kernels, asked once per
+// thread and device: the queries cost microseconds, a launch of a layer chunk tens.
+struct Residency {
+  int device = -1;
+  int64_t blocks[4] = {0, 0, 0, 0};  // [inline * 2 + accumulate]
+};
+
+template <class Kernel>
+cudaError_t resident_blocks(Kernel kernel, int slot, int64_t* out) {
+  thread_local Residency cache;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (cache.device != device) cache = Residency{device, {0, 0, 0, 0}};
+  if (cache.blocks[slot] == 0) {
+    int sms = 0;
+    int per_sm = 0;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+    if (err != cudaSuccess) return err;
+    cache.blocks[slot] = static_cast<int64_t>(sms) * std::max(per_sm, 1);
+  }
+  *out = cache.blocks[slot];
+  return cudaSuccess;
+}
+
+// One wave: as many blocks as can be resident at once, each with an equal share of tiles.
+template <class Kernel, class Table>
+int launch(Kernel kernel, int slot, const Table& table, int64_t rows, int64_t tiles, float alpha,
+           cudaStream_t stream) {
+  int64_t resident = 0;
+  cudaError_t err = resident_blocks(kernel, slot, &resident);
+  if (err != cudaSuccess) return cuda_failed(err);
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>({tiles, resident, INT_MAX}));
+  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(table, rows, tiles, alpha);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return cuda_failed(err);
+  return TAWPIPE_OK;
+}
+
+}  // namespace
 
 extern "C" int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int64_t num_segments,
                                            int accumulate, float alpha, void* device_workspace,
@@ -188,10 +315,12 @@ extern "C" int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int6
     active += seg.numel > 0 ? 1 : 0;
   }
   if (active == 0) return TAWPIPE_OK;
+  const bool in_parameters = active <= kInlineSegments;
   const size_t needed = tawpipe_shard_cuda_workspace_bytes(active);
-  if (device_workspace == nullptr || workspace_bytes < needed ||
-      !aligned(device_workspace, alignof(DeviceSegment)) ||
-      (host_staging != nullptr && !aligned(host_staging, alignof(DeviceSegment)))) {
+  if (!in_parameters &&
+      (device_workspace == nullptr || workspace_bytes < needed ||
+       !aligned(device_workspace, alignof(DeviceSegment)) ||
+       (host_staging != nullptr && !aligned(host_staging, alignof(DeviceSegment))))) {
     return TAWPIPE_ERR_INVALID_ARGUMENT;
   }
 
@@ -199,7 +328,8 @@ extern "C" int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int6
   if (stream_status != TAWPIPE_OK) return stream_status;
 
   thread_local std::vector<DeviceSegment> pageable;
-  DeviceSegment* table = static_cast<DeviceSegment*>(host_staging);
+  thread_local InlineTable inline_table;
+  DeviceSegment* table = in_parameters ? inline_table.rows : static_cast<DeviceSegment*>(host_staging);
   if (table == nullptr) {
     try {
       pageable.resize(static_cast<size_t>(active));
@@ -228,25 +358,13 @@ extern "C" int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int6
     tiles += (seg.numel + kTile - 1) / kTile;
   }
 
-  cudaError_t err = cudaMemcpyAsync(device_workspace, table, needed, cudaMemcpyHostToDevice, stream);
+  if (in_parameters) {
+    return accumulate != 0 ? launch(shard_kernel_inline<true>, 3, inline_table, active, tiles, alpha, stream)
+                           : launch(shard_kernel_inline<false>, 2, inline_table, active, tiles, alpha, stream);
+  }
+  const cudaError_t err = cudaMemcpyAsync(device_workspace, table, needed, cudaMemcpyHostToDevice, stream);
   if (err != cudaSuccess) return cuda_failed(err);
-
-  // One wave: as many blocks as can be resident at once, each with an equal share of tiles.
-  const auto kernel = accumulate != 0 ? shard_kernel<true> : shard_kernel<false>;
-  int device = 0;
-  int sms = 0;
-  int per_sm = 0;
-  err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess)
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
-  if (err != cudaSuccess) return cuda_failed(err);
-  const int64_t resident = static_cast<int64_t>(sms) * std::max(per_sm, 1);
-  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>({tiles, resident, INT_MAX}));
-
-  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-      static_cast<const DeviceSegment*>(device_workspace), active, tiles, alpha);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return cuda_failed(err);
-  return TAWPIPE_OK;
+  const auto* device_table = static_cast<const DeviceSegment*>(device_workspace);
+  return accumulate != 0 ? launch(shard_kernel<true>, 1, device_table, active, tiles, alpha, stream)
+                         : launch(shard_kernel<false>, 0, device_table, active, tiles, alpha, stream);
 }

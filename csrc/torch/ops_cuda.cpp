@@ -26,6 +26,12 @@ void launch_cuda(const char* op, c10::Device device, const std::vector<tawpipe_s
   check_cuda_status(op, tawpipe_shard_cuda_check_stream(cuda_stream));  // before allocating
   const auto count = static_cast<int64_t>(segments.size());
   const size_t bytes = tawpipe_shard_cuda_workspace_bytes(count);
+  if (bytes == 0) {  // a small table travels in the kernel's parameters
+    check_cuda_status(op, tawpipe_shard_segments_cuda(segments.data(), count, accumulate ? 1 : 0,
+                                                      static_cast<float>(alpha), nullptr, nullptr, 0,
+                                                      cuda_stream));
+    return;
+  }
   // The table travels pinned host -> device on the stream; the device copy comes from the
   // stream-ordered caching allocator, so freeing it when this function returns is safe.
   const at::Tensor staging =

@@ -21,6 +21,17 @@ inline thread_local dim3 emulated_grid_dim;
 #define blockIdx emulated_block_idx
 #define gridDim emulated_grid_dim
 #define __launch_bounds__(...)
+#define __grid_constant__
+
+// Cache-hinted accesses are plain accesses on the host.
+template <class T>
+T __ldcs(const T* p) {
+  return *p;
+}
+template <class T>
+void __stcs(T* p, T v) {
+  *p = v;
+}
 
 // Few "SMs" and resident blocks, so grids are small and each block walks many tiles and segments.
 constexpr int kEmulatedMultiprocessors = 3;

@@ -357,9 +357,14 @@ void check_invalid_arguments() {
   expect(tawpipe_shard_segments_cpu(&empty, 1, 1, 2.f, 0) == TAWPIPE_OK,
          "zero-element segment is a no-op");
 #ifdef TAWPIPE_KERNELS_CUDA
-  const tawpipe_segment one{src, dst, 4, TAWPIPE_DTYPE_F32, TAWPIPE_DTYPE_F32};
-  expect(tawpipe_shard_segments_cuda(&one, 1, 0, 1.f, nullptr, nullptr, 0, nullptr) ==
-             TAWPIPE_ERR_INVALID_ARGUMENT,
+  // One row more than the launch parameters hold: the table must go through a workspace.
+  const std::vector<tawpipe_segment> many(TAWPIPE_SHARD_CUDA_INLINE_SEGMENTS + 1,
+                                          tawpipe_segment{src, dst, 4, TAWPIPE_DTYPE_F32, TAWPIPE_DTYPE_F32});
+  expect(tawpipe_shard_cuda_workspace_bytes(TAWPIPE_SHARD_CUDA_INLINE_SEGMENTS) == 0 &&
+             tawpipe_shard_cuda_workspace_bytes(static_cast<int64_t>(many.size())) > 0,
+         "cuda: workspace only beyond the inline rows");
+  expect(tawpipe_shard_segments_cuda(many.data(), static_cast<int64_t>(many.size()), 0, 1.f, nullptr,
+                                     nullptr, 0, nullptr) == TAWPIPE_ERR_INVALID_ARGUMENT,
          "cuda: missing workspace");
 #endif
 }
