@@ -147,6 +147,29 @@ def counts(rank: int, directory: str) -> dict:
     return {"iterations": n, "pid": os.getpid()}
 
 
+def late_stop(rank: int) -> list[bool]:
+    """Rank 0's stop signal lands while its agreeing all-reduce is under way, after it sent its
+    flag (the launcher's SIGTERM reaches each rank wherever it is): both calls must still give
+    every rank the same answer."""
+    from tawpipe.runtime import launch
+
+    real = dist.all_reduce
+
+    def signalled_during(*args, **kwargs):
+        work = real(*args, **kwargs)
+        if rank == 0:
+            signal.raise_signal(signal.SIGTERM)  # its handler has run when this returns
+        return work
+
+    launch.stop_requested()  # arms the handlers
+    dist.all_reduce = signalled_during
+    try:
+        first = launch.stop_requested(agree=True)
+    finally:
+        dist.all_reduce = real
+    return [first, launch.stop_requested(agree=True)]
+
+
 def stubborn(rank: int, directory: str) -> int:
     """Rank 0 stops when asked; rank 1 asks once (arming the handlers), then never again."""
     from tawpipe.runtime.launch import stop_requested

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch_cases import ends_at_start, freezes, long_job, raises, random_tensors, train_then
+from launch_cases import ends_at_start, freezes, late_stop, long_job, raises, random_tensors, train_then
 from tawpipe.runtime import progress
 from tawpipe.io.checkpoint import PeerCheckpointError
 from tawpipe.runtime.comm.base import CommTimeout
@@ -251,7 +251,16 @@ def test_sigterm_stops_every_rank_at_an_iteration_boundary(tmp_path) -> None:
     assert (partial["how"], partial["complete"], partial["missing"]) == ("stopped", False, [1]), partial
     assert partial["results"][0] > 3 and partial["results"][1] is None
     assert "did not return within the 1 s grace" in partial["message"]
+    assert "tawpipe: SIGTERM: rank 1 stuck in code outside tawpipe's executor for " in errs[1], errs[1]
+    assert "rank 0 stuck" not in errs[1], errs[1]
     assert elapsed < 30, elapsed  # the stubborn rank: 1 s grace, then SIGTERM (ignored now), then SIGKILL
+
+
+def test_a_stop_signal_during_the_agreement_gives_every_rank_the_same_answer() -> None:
+    """The agreed answer is the all-reduced flag alone: a signal that lands on one rank after it
+    sent its flag counts at the next call, on every rank (CI once saw the ranks of `tawpipe
+    train` part there: one saved and stopped, the other ran on, and both waited until killed)."""
+    assert run_local(late_stop, 2) == [[False, True], [False, True]]
 
 
 def test_stop_requested_arms_on_first_use_and_a_second_ctrl_c_stops_at_once() -> None:

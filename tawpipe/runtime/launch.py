@@ -186,7 +186,9 @@ def stop_requested(agree: bool = False) -> bool:
     process as ever, so ranks that never ask are not waited for. A second SIGINT raises
     KeyboardInterrupt at once. ``agree=True`` is a collective (every rank calls it at the same
     point): every rank gets True if any rank was asked, so all stop at the same iteration (with
-    the local flag alone a rank may stop one iteration early and leave its peers waiting)."""
+    the local flag alone a rank may stop one iteration early and leave its peers waiting). The
+    answer is the all-reduced flag alone: a signal that lands after this rank sent its flag
+    counts at the next call, on every rank."""
     global _stop_asked
     _arm_stop_handlers()
     if agree and dist.is_available() and dist.is_initialized():
@@ -194,7 +196,9 @@ def stop_requested(agree: bool = False) -> bool:
         flag = torch.tensor([int(_stop_asked)], dtype=torch.int32,
                             device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        _stop_asked = _stop_asked or bool(flag.item())
+        agreed = bool(flag.item())
+        _stop_asked = _stop_asked or agreed
+        return agreed
     return _stop_asked
 
 
@@ -427,6 +431,10 @@ class _LocalJob:
                      "stops them now)")
                 told = True
             self._collect(0.2)
+        doing = {e.rank: e for e in self.board.entries()}
+        for rank, p in enumerate(self.procs):  # what a rank still running was at: the likeliest hang
+            if rank not in self.reports and p.exitcode is None and rank in doing:
+                _say(f"{name}: {progress.stuck(doing[rank])} when stopped")
         self.stop()
         self._collect(0.0)  # a report sent at the last moment
         returned = [r for r in range(self.world) if r in self.reports and self.reports[r].ok]
