@@ -347,6 +347,10 @@ def test_each_shape_is_written_as_soon_as_it_is_measured(tmp_path, monkeypatch):
     assert [s["config"]["nodes"] for s in saved["shapes"]] == [2] == measured
     assert [r["method"] for r in saved["shapes"][0]["rows"]] == ["ddp", "hsdp"]
     assert "### 2 nodes × 2 ranks" in (tmp_path / "cluster.md").read_text()
+    # fixed compute: the CPU's rates at the shape, measured after its runs, for `simulate --validate`
+    cal = saved["shapes"][0]["calibration"]
+    quota = saved["compute"].split("fixed at ")[1].split(" ")[0]
+    assert cal["name"] == f"cpu x {float(quota):g}" and min(cal[k] for k in ("matmul_flops", "memory_bandwidth")) > 0
     assert not list(tmp_path.glob("*.part"))
 
 

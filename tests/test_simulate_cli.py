@@ -98,6 +98,22 @@ def test_validation_compares_each_measured_row_with_its_simulation(capsys, tmp_p
         assert r["bytes_ratio"] == pytest.approx(r["predicted_bytes"] / measured["measured_busiest_bytes"])
     within = sum(abs(r["time_ratio"] - 1) <= 0.2 for r in got)
     assert f"{within} of 2 rows within ±20% in time" in (out / "validation.md").read_text()
+    assert {r["calibrated"] for r in got} == {"at validation"}
+
+    # a calibration recorded with the run is used instead: here a CPU half as fast, which no
+    # cached file describes (nothing is measured now), predicts a slower DDP
+    slow = dataclasses.replace(cpu, matmul_flops=5e9, attention_flops=2.5e9, memory_bandwidth=1e9)
+    (out / "cpu_H64_S256_B1_q0.500.json").unlink()
+    results.write_text(json.dumps({"rate": "100mbit", "machine": {"cpus": 2}, "engine": {"recompute": "none"},
+                                   "compute": "compute fixed at 0.50 core(s) per rank (1 thread(s) each)",
+                                   "shapes": [{"config": cfg, "rows": rows[1:],
+                                               "calibration": dataclasses.asdict(slow)}]}))
+    _run(["simulate", "--validate", str(results), "--out", str(out)], capsys)
+    again = json.loads((out / "validation.json").read_text())["rows"]
+    assert [(r["method"], r["calibrated"]) for r in again] == [("ddp", "with the run")]
+    assert again[0]["predicted_s"] > got[1]["predicted_s"]
+    assert not (out / "cpu_H64_S256_B1_q0.500.json").exists()
+    assert "1 of 1 rows from the calibration `bench cluster` recorded with the run" in (out / "validation.md").read_text()
 
 
 def test_a_hugging_face_config_gives_the_models_shapes(tmp_path):

@@ -43,6 +43,8 @@ from ..engine.engine import TawPipe
 from ..models.llama import block_forward, llama_loss
 from ..plan.schedule import RESIDENT, prefetch_depth_arg
 from ..plan.topology import Topology
+from ..sim.calibrate import calibrate
+from ..simulate import shape_dims
 from . import DEFAULT_OUT, baselines, provenance
 from .baselines import RunConfig
 
@@ -689,8 +691,12 @@ def main(args: argparse.Namespace) -> int:
         rows = [summarize(cfg, m, raw["runs"].get(m.name, []), raw["checks"].get(m.name), rate_bits,
                           raw["failures"].get(m.name)) for m in here]
         add_bounds(rows)
-        result["shapes"].append({"config": asdict(cfg), "rows": rows, "reference_losses": raw["reference_losses"],
-                                 "compute": describe_compute(spec), "raw": raw["runs"]})
+        shape = {"config": asdict(cfg), "rows": rows, "reference_losses": raw["reference_losses"],
+                 "compute": describe_compute(spec), "raw": raw["runs"]}
+        if spec.compute == "fixed":  # the CPU's rates now, beside the times they explain (design §9.2)
+            shape["calibration"] = asdict(calibrate(shape_dims(shape["config"]), threads=spec.threads,
+                                                    quota=spec.rank_cpus))
+        result["shapes"].append(shape)
         md = write_results(result, args.out)  # after every shape: a run stopped later keeps this one
     print(md)
     for path in plots(result, args.out):
