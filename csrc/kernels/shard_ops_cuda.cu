@@ -315,8 +315,8 @@ extern "C" int tawpipe_shard_segments_cuda(const tawpipe_segment* segments, int6
     active += seg.numel > 0 ? 1 : 0;
   }
   if (active == 0) return TAWPIPE_OK;
-  const bool in_parameters = active <= kInlineSegments;
   const size_t needed = tawpipe_shard_cuda_workspace_bytes(active);
+  const bool in_parameters = needed == 0;
   if (!in_parameters &&
       (device_workspace == nullptr || workspace_bytes < needed ||
        !aligned(device_workspace, alignof(DeviceSegment)) ||

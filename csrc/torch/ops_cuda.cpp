@@ -26,25 +26,22 @@ void launch_cuda(const char* op, c10::Device device, const std::vector<tawpipe_s
   check_cuda_status(op, tawpipe_shard_cuda_check_stream(cuda_stream));  // before allocating
   const auto count = static_cast<int64_t>(segments.size());
   const size_t bytes = tawpipe_shard_cuda_workspace_bytes(count);
-  if (bytes == 0) {  // a small table travels in the kernel's parameters
-    check_cuda_status(op, tawpipe_shard_segments_cuda(segments.data(), count, accumulate ? 1 : 0,
-                                                      static_cast<float>(alpha), nullptr, nullptr, 0,
-                                                      cuda_stream));
-    return;
+  // A small table travels in the kernel's parameters (bytes == 0). A larger one travels pinned
+  // host -> device on the stream; the device copy comes from the stream-ordered caching
+  // allocator, so freeing it when this function returns is safe.
+  at::Tensor staging, table;
+  if (bytes > 0) {
+    staging = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    table = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().device(device).dtype(at::kByte));
   }
-  // The table travels pinned host -> device on the stream; the device copy comes from the
-  // stream-ordered caching allocator, so freeing it when this function returns is safe.
-  const at::Tensor staging =
-      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  const at::Tensor table =
-      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().device(device).dtype(at::kByte));
-  const int status = tawpipe_shard_segments_cuda(segments.data(), count, accumulate ? 1 : 0,
-                                                 static_cast<float>(alpha), table.mutable_data_ptr(),
-                                                 staging.mutable_data_ptr(), bytes, cuda_stream);
-  // The copy out of the pinned block runs later on the stream: keep the block from being reused
-  // before it has.
-  at::getHostAllocator(at::kCUDA)->record_event(staging.mutable_data_ptr(),
-                                                staging.storage().data_ptr().get_context(), stream);
+  const int status = tawpipe_shard_segments_cuda(
+      segments.data(), count, accumulate ? 1 : 0, static_cast<float>(alpha),
+      bytes > 0 ? table.mutable_data_ptr() : nullptr, bytes > 0 ? staging.mutable_data_ptr() : nullptr, bytes,
+      cuda_stream);
+  if (bytes > 0) {  // the copy out of the pinned block runs later on the stream: keep the block till then
+    at::getHostAllocator(at::kCUDA)->record_event(staging.mutable_data_ptr(),
+                                                  staging.storage().data_ptr().get_context(), stream);
+  }
   check_cuda_status(op, status);
 }
 
