@@ -44,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                      f"25gbit, 14mbit@300 (latency us), 10gbit*0.9 (efficiency)")
     c.add_argument("--rails", action="store_true", help="one inter-node link per device (rail) instead of per node")
     c.add_argument("--host", action="store_true",
-                   help="play the CPU executor (gloo, one thread per rank), as on the emulated cluster")
+                   help="play the CPU executor (gloo, one thread per rank), as on the emulated cluster; with a "
+                        "device that has a transfer rate (a `bench cluster` calibration), transfers take the ranks' "
+                        "compute")
     m = p.add_argument_group("model and batch")
     m.add_argument("--model", default="paper", help=f"a preset ({', '.join(MODELS)}) or a Hugging Face config.json")
     m.add_argument("--seq", type=int, default=4096, help="sequence length S")
@@ -80,8 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--quota", type=float, help="CPU cores of quota per rank (the emulated cluster's)")
     v = p.add_argument_group("validation against the emulated cluster")
     v.add_argument("--validate", type=Path, nargs="+", metavar="CLUSTER_JSON",
-                   help="predict every row of these `tawpipe bench cluster` results (cluster.json), calibrating "
-                        "this machine's CPU at each shape and quota, and compare")
+                   help="predict every row of these `tawpipe bench cluster` results (cluster.json) with the rates "
+                        "their ranks measured (else calibrating this machine's CPU at each shape and quota now), "
+                        "and compare")
     v.add_argument("--link-efficiency", type=float, default=EMULATED_EFFICIENCY,
                    help="with --validate: the share of the shaped rate that gloo's payload reaches "
                         f"(default {EMULATED_EFFICIENCY}: the veth counters' headers over payload, 0.4-0.8%%)")
@@ -232,7 +235,8 @@ def shape_dims(config: dict[str, Any]) -> ModelDims:
 def _validate(args: argparse.Namespace) -> int:
     """Every measured row of the given results against its simulation on the emulated cluster's
     model: ranks play the CPU executor (``host``), each with the measured rates of this machine's
-    CPU at the row's shape under the run's quota, the shaped link at ``--link-efficiency``."""
+    CPU at the row's shape under the run's quota (and, where the ranks measured it, what their
+    transfers cost them), the shaped link at ``--link-efficiency``."""
     out = []
     for path in args.validate:
         doc = json.loads(path.read_text())
@@ -267,7 +271,8 @@ def _validate(args: argparse.Namespace) -> int:
                     continue
                 out.append({"results": str(path), "cluster": f"{c['nodes']}x{c['per_node']}", "seq": c["seq_len"],
                             "rate": doc["rate"], "method": row["method"], "label": row["label"],
-                            "calibrated": "with the run" if recorded else "at validation",
+                            "calibrated": ("by the ranks with the run" if recorded.get("transfer_rate") else
+                                           "with the run") if recorded else "at validation",
                             "measured_s": row["time_median_s"], "predicted_s": sim.time_s,
                             "time_ratio": sim.time_s / row["time_median_s"],
                             "measured_bytes": row.get("measured_busiest_bytes"), "predicted_bytes": sim.inter_bytes,
@@ -319,11 +324,14 @@ def _validation_markdown(rows: list[dict], args: argparse.Namespace) -> str:
             "|---|---|---|---|---|---|---|---|"]
     within = [r for r in rows if abs(r["time_ratio"] - 1) <= 0.2]
     bytes_ok = [r for r in rows if r["bytes_ratio"] is None or abs(r["bytes_ratio"] - 1) <= 0.02]
+    by_ranks = sum(r["calibrated"] == "by the ranks with the run" for r in rows)
     with_run = sum(r["calibrated"] == "with the run" for r in rows)
     summary = (f"{len(within)} of {len(rows)} rows within ±20% in time, {len(bytes_ok)} of {len(rows)} within ±2% in "
                f"inter-node bytes (link efficiency {args.link_efficiency:.3f}, intra-node {LOOPBACK}). CPU rates: "
-               f"{with_run} of {len(rows)} rows from the calibration `bench cluster` recorded with the run, the "
-               f"others measured at validation.")
+               f"{by_ranks} of {len(rows)} rows from the ranks' own calibration `bench cluster` recorded with the run "
+               f"(under their quotas, with what their transfers cost them), {with_run} from one measured outside the "
+               f"cluster with the run, {len(rows) - by_ranks - with_run} measured at validation (outside, no transfer "
+               f"cost).")
     return "\n".join(head + [_validation_line(r) for r in rows] + ["", summary])
 
 

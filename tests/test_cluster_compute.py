@@ -8,7 +8,9 @@ also while the other rank sleeps, and nothing is left behind.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import statistics
 import time
 
 import pytest
@@ -141,3 +143,25 @@ def test_a_rank_gets_its_quota_and_not_the_idle_ranks_time():
     with cl.Cluster(ClusterSpec(1, 2, None, compute="shared")) as c:
         shared = c.run(_spin_or_sleep, timeout=120)[1]["cpu_s"] / SPIN_S
     assert shared > 0.6, f"without a quota a spinning rank got only {shared:.2f} core"
+
+
+@needs_netns
+def test_a_rank_measures_itself_under_its_quota_and_what_its_transfers_cost_it():
+    """`bench cluster`'s calibration, taken by the ranks themselves (``on_rank``): the quota shows in
+    the rates, and sending and receiving take compute from the rank."""
+    from tawpipe.cost.traffic import ModelDims
+    from tawpipe.sim.calibrate import calibrate, median_device, on_rank
+
+    dims = ModelDims(hidden=128, layers=2, heads=4, vocab=256, seq=512, micro_batch=1, dtype_bytes=4, grad_bytes=4)
+    with cl.Cluster(ClusterSpec(2, 1, None, cpus_per_rank=0.25)) as c:
+        ranks = c.run(on_rank, dataclasses.asdict(dims), "a quarter core", 5, timeout=300)
+    dev = median_device(ranks)
+    assert dev.name == "a quarter core"
+    assert dev.matmul_flops == pytest.approx(statistics.median(r["matmul_flops"] for r in ranks))
+    # measured from outside, one thread scaled to a quarter core: the rank sees about as much (its
+    # throttling costs some), where an unenforced quota would show four times that
+    outside = calibrate(dims, threads=1, quota=0.25, repeats=5, rounds=1)
+    for rate in ("matmul_flops", "attention_flops"):
+        assert 0.4 < getattr(dev, rate) / getattr(outside, rate) < 1.5, rate
+    # gloo's copies run in the rank's cgroup: every byte sent or received costs it compute
+    assert all(r["transfer_rate"] is not None and 1e6 < r["transfer_rate"] < 1e11 for r in ranks)

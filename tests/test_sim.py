@@ -171,3 +171,64 @@ def test_a_token_bucket_sends_its_burst_at_the_peak_rate_then_the_rate():
     g2.add("b", [wait], flows=[Flow(0, 1, size)])
     one = t_burst + (size - sent) / rate
     assert simulate(g2, fab).makespan == pytest.approx(2 * one + burst / rate, rel=1e-9)
+
+
+def test_a_host_ranks_transfers_take_the_compute_they_share_its_cpu_with():
+    # a CPU rank moves `cpu` bytes/s through gloo when it does nothing else; a flow crosses its
+    # sender's and its receiver's CPU, a task of s seconds is s * cpu through its rank's alone.
+    # Compute s on rank 0 beside a flow of b bytes 0 -> 1 on a fast link: each gets cpu / 2 until
+    # the flow ends at 2b / cpu, having cost the compute b / cpu: the compute ends at s + b / cpu.
+    rng = random.Random(7)
+    cpu, s = rng.uniform(1e8, 1e9), rng.uniform(0.5, 2.0)
+    b = rng.uniform(0.1, 0.4) * s * cpu
+    fab = Fabric(per_node=1, intra=1e12, inter=1e12, cpu=cpu)
+    g = Graph()
+    work = g.add("compute", seconds=s, rank=0)
+    move = g.add("send", flows=[Flow(0, 1, b)], rank=0, lane="send")
+    r = simulate(g, fab)
+    assert r.end[move] == pytest.approx(2 * b / cpu, rel=1e-9)
+    assert r.end[work] == pytest.approx(s + b / cpu, rel=1e-9)
+    assert r.port_bytes[("node out", 0)] == pytest.approx(b)  # the compute is not a link's bytes
+    # the receiver pays too: compute on rank 1 instead is slowed the same way
+    g2 = Graph()
+    work2 = g2.add("compute", seconds=s, rank=1)
+    g2.add("send", flows=[Flow(0, 1, b)], rank=0, lane="send")
+    assert simulate(g2, fab).end[work2] == pytest.approx(s + b / cpu, rel=1e-9)
+    # a transfer held to cpu / 10 by its link leaves the compute the rest: 0.9 cpu while it lasts
+    slow = Fabric(per_node=1, intra=1e12, inter=cpu / 10, cpu=cpu)
+    g3 = Graph()
+    work3 = g3.add("compute", seconds=s, rank=0)
+    g3.add("send", flows=[Flow(0, 1, s * cpu)], rank=0, lane="send")  # 10 s: it outlasts the compute
+    assert simulate(g3, slow).end[work3] == pytest.approx(s / 0.9, rel=1e-9)
+    # without a CPU model (a GPU), compute and transfers do not meet
+    assert simulate(g, Fabric(per_node=1, intra=1e12, inter=1e12)).end[work] == pytest.approx(s, rel=1e-12)
+
+
+def test_a_folded_fabric_puts_a_mirror_ranks_cpu_on_the_simulated_rank():
+    fab = Fabric(per_node=2, intra=1e9, inter=1e6, fold=2, cpu=1e9)
+    ports = dict(fab.ports(Flow(3, 5, 1.0)))
+    assert ("cpu", 3) in ports and ("cpu", 1) in ports  # rank 5 (node 2) is rank 1's mirror image
+
+
+def test_a_stream_sends_its_messages_one_at_a_time_in_the_order_they_became_ready():
+    # one TCP connection: a then b, each at the whole rate; a second connection shares the port
+    rng = random.Random(3)
+    rate, a, b, c = 1e6, rng.uniform(1e5, 5e5), rng.uniform(1e5, 5e5), rng.uniform(2e6, 3e6)
+    g = Graph()
+    ta = g.add("a", flows=[Flow(0, 1, a, stream=("weights", 0, 1))])
+    tb = g.add("b", flows=[Flow(0, 1, b, stream=("weights", 0, 1))])
+    r = simulate(g, _fabric(inter=rate, per_node=1))
+    assert r.end[ta] == pytest.approx(a / rate, rel=1e-12) and r.end[tb] == pytest.approx((a + b) / rate, rel=1e-12)
+    # beside another connection's message c (longer than both), the stream gets half the port
+    tc = g.add("c", flows=[Flow(0, 1, c, stream=("grads", 0, 1))])
+    r = simulate(g, _fabric(inter=rate, per_node=1))
+    assert r.end[ta] == pytest.approx(2 * a / rate, rel=1e-12)
+    assert r.end[tb] == pytest.approx(2 * (a + b) / rate, rel=1e-12)
+    assert r.end[tc] == pytest.approx((a + b + c) / rate, rel=1e-12)
+    # a message that becomes ready later queues behind the one on the wire
+    g2 = Graph()
+    first = g2.add("first", flows=[Flow(0, 1, a, stream=("w", 0, 1))])
+    later = g2.add("later", [g2.add("wait", seconds=a / rate / 2)], flows=[Flow(0, 1, b, stream=("w", 0, 1))])
+    r2 = simulate(g2, _fabric(inter=rate, per_node=1))
+    assert r2.end[first] == pytest.approx(a / rate, rel=1e-12)
+    assert r2.end[later] == pytest.approx((a + b) / rate, rel=1e-12)

@@ -113,7 +113,22 @@ def test_validation_compares_each_measured_row_with_its_simulation(capsys, tmp_p
     assert [(r["method"], r["calibrated"]) for r in again] == [("ddp", "with the run")]
     assert again[0]["predicted_s"] > got[1]["predicted_s"]
     assert not (out / "cpu_H64_S256_B1_q0.500.json").exists()
-    assert "1 of 1 rows from the calibration `bench cluster` recorded with the run" in (out / "validation.md").read_text()
+    assert "1 from one measured outside the cluster with the run" in (out / "validation.md").read_text()
+
+    # the ranks' own calibration also says what their transfers cost them: the same rates with a
+    # transfer rate predict TawPipe slower, since each byte it moves takes compute at both ends
+    def validate(calibration: dict) -> dict:
+        results.write_text(json.dumps({"rate": "100mbit", "machine": {"cpus": 2}, "engine": {"recompute": "none"},
+                                       "compute": "compute fixed at 0.50 core(s) per rank (1 thread(s) each)",
+                                       "shapes": [{"config": cfg, "rows": rows[:1], "calibration": calibration}]}))
+        _run(["simulate", "--validate", str(results), "--out", str(out)], capsys)
+        return json.loads((out / "validation.json").read_text())["rows"][0]
+
+    free = validate(dataclasses.asdict(slow))
+    paid = validate(dataclasses.asdict(dataclasses.replace(slow, transfer_rate=2e7)))
+    assert paid["calibrated"] == "by the ranks with the run" and free["calibrated"] == "with the run"
+    assert paid["predicted_s"] > free["predicted_s"] and paid["predicted_bytes"] == free["predicted_bytes"]
+    assert "1 of 1 rows from the ranks' own calibration" in (out / "validation.md").read_text()
 
 
 def test_a_hugging_face_config_gives_the_models_shapes(tmp_path):

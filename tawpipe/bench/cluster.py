@@ -43,7 +43,7 @@ from ..engine.engine import TawPipe
 from ..models.llama import block_forward, llama_loss
 from ..plan.schedule import RESIDENT, prefetch_depth_arg
 from ..plan.topology import Topology
-from ..sim.calibrate import calibrate
+from ..sim.calibrate import median_device, on_rank
 from ..simulate import shape_dims
 from . import DEFAULT_OUT, baselines, provenance
 from .baselines import RunConfig
@@ -214,7 +214,14 @@ def run_shape(cfg: RunConfig, chosen: list[Method], spec: ClusterSpec, rounds: i
                     f"median step {statistics.median(_step_times(records)):.2f} s")
                 if check_dir:
                     checks[m.name] = _check(cfg, records, check_dir, ref_losses, ref_init, ref_after, m.replicas)
-    return {"runs": runs, "checks": checks, "failures": failures, "reference_losses": ref_losses}
+        calibration = None
+        if spec.compute == "fixed":  # the ranks' rates now, beside the times they explain (design §9.2)
+            with c.unlimited():
+                devices = c.run(on_rank, asdict(shape_dims(asdict(cfg))),
+                                f"cpu rank x {spec.rank_cpus:g}, in the cluster", timeout=timeout)
+            calibration = asdict(median_device(devices))
+    return {"runs": runs, "checks": checks, "failures": failures, "reference_losses": ref_losses,
+            "calibration": calibration}
 
 
 def _step_times(records: list[dict]) -> list[float]:
@@ -693,9 +700,8 @@ def main(args: argparse.Namespace) -> int:
         add_bounds(rows)
         shape = {"config": asdict(cfg), "rows": rows, "reference_losses": raw["reference_losses"],
                  "compute": describe_compute(spec), "raw": raw["runs"]}
-        if spec.compute == "fixed":  # the CPU's rates now, beside the times they explain (design §9.2)
-            shape["calibration"] = asdict(calibrate(shape_dims(shape["config"]), threads=spec.threads,
-                                                    quota=spec.rank_cpus))
+        if raw.get("calibration"):
+            shape["calibration"] = raw["calibration"]
         result["shapes"].append(shape)
         md = write_results(result, args.out)  # after every shape: a run stopped later keeps this one
     print(md)

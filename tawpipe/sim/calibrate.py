@@ -3,19 +3,25 @@
 Three timings, each the median of a few repeats after a warm-up: a linear layer's forward and
 backward ([T, H] x [H, F], 6·T·H·F FLOPs), causal attention's forward and backward
 (``scaled_dot_product_attention``, 2·B·S²·H·(1 + 2.5) FLOPs as ``Workload`` counts them) and an
-AdamW step (32 bytes per parameter). On a CPU rank of the emulated cluster, which runs
-``threads`` threads under a quota of ``quota`` cores, the rates are measured with that many
-threads and scaled by quota / threads.
+AdamW step (32 bytes per parameter). ``calibrate`` measures a CPU rank of the emulated cluster,
+``threads`` threads under a quota of ``quota`` cores, from outside: with that many threads,
+scaled by quota / threads. ``on_rank`` measures it from inside, as a run uses it: every rank of
+the cluster at once, each under its own quota (the scheduler's throttling included), and also
+what its transfers cost it (``transfer_rate``), which a GPU does not pay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..cost.traffic import ModelDims
@@ -24,11 +30,12 @@ from .workload import ADAMW_BYTES
 
 
 def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = None, quota: float | None = None,
-              memory: float | None = None, repeats: int = 10, rounds: int = 3) -> Device:
+              memory: float | None = None, repeats: int = 10, rounds: int = 3, fastest: bool = True) -> Device:
     """The achieved rates of ``device`` (``cpu`` or ``cuda``) at ``dims``' shapes, in ``dims``'
     compute dtype (2 bytes: bfloat16, 4: float32). Each of ``rounds`` rounds times every kernel
-    ``repeats`` times and keeps the fastest (contention only slows a run down); the rate is the
-    median over the rounds, which were taken in turns so that they see the same conditions."""
+    ``repeats`` times and keeps the fastest (contention only slows a run down; ``fastest=False``:
+    the median, where slowing down is part of the device, as a quota's throttling is); the rate is
+    the median over the rounds, which were taken in turns so that they see the same conditions."""
     dev = torch.device(device)
     dtype = torch.float32 if dims.dtype_bytes == 4 else torch.bfloat16
     old_threads = torch.get_num_threads()
@@ -48,7 +55,7 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
         kernels = (lambda: F.linear(x, w).sum().backward(),
                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(),
                    opt.step)
-        times = [[_seconds(fn, dev, repeats) for fn in kernels] for _ in range(rounds)]
+        times = [[_seconds(fn, dev, repeats, fastest) for fn in kernels] for _ in range(rounds)]
         linear, attention, step = (statistics.median(col) for col in zip(*times))
     finally:
         torch.set_num_threads(old_threads)
@@ -66,7 +73,70 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
     )
 
 
-def _seconds(fn: Callable[[], object], dev: torch.device, repeats: int) -> float:
+def on_rank(rank: int, dims: dict[str, Any], name: str = "cpu rank, in the cluster", repeats: int = 10) -> dict[str, Any]:
+    """This rank of the emulated cluster (``tawpipe.cluster.Cluster.run``), measured as a run uses
+    it: its kernels' median times under its quota while every rank does the same, and its
+    ``transfer_rate``. Every rank must call it at once; returns the ``Device`` (``name``) as a dict."""
+    d = ModelDims(**dims)
+    dev = calibrate(d, repeats=repeats, fastest=False)
+    return dataclasses.asdict(dataclasses.replace(dev, name=name, transfer_rate=transfer_rate(_linear(d))))
+
+
+def transfer_rate(kernel: Callable[[], object], *, messages: int = 20, nbytes: int = 6 * 2**20,
+                  alone_s: float = 1.0) -> float | None:
+    """Bytes/s of transfers (sent plus received) that cost this rank one second of its compute:
+    ``kernel``'s rate alone, then while a thread exchanges ``messages`` of ``nbytes`` with the
+    rank's ring neighbours. gloo's copies run on the rank's CPU, and on a machine whose cores the
+    ranks fill, so does the kernel's network stack. Every rank must call it at once; None when the
+    group has one rank or the transfers cost nothing measurable."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if n < 2:
+        return None
+    kernel()
+    dist.barrier()
+    start, done = time.perf_counter(), 0
+    while time.perf_counter() - start < alone_s:
+        kernel()
+        done += 1
+    rate = done / (time.perf_counter() - start)
+    numel = nbytes // 4
+    sends = [torch.randn(numel) for _ in range(messages)]
+    recvs = [torch.empty(numel) for _ in range(messages)]
+
+    def exchange() -> None:
+        for out, into in zip(sends, recvs):
+            for work in (dist.isend(out, (rank + 1) % n), dist.irecv(into, (rank - 1) % n)):
+                work.wait()
+
+    dist.barrier()
+    mover = threading.Thread(target=exchange, daemon=True)
+    start, done = time.perf_counter(), 0
+    mover.start()
+    while mover.is_alive():
+        kernel()
+        done += 1
+    spent = time.perf_counter() - start
+    mover.join()
+    lost = spent - done / rate
+    dist.barrier()
+    return 2 * messages * numel * 4 / lost if lost > 0 else None
+
+
+def median_device(devices: list[dict[str, Any]]) -> Device:
+    """One device from the ranks' own measurements (``on_rank``): each rate's median over them."""
+    rates = ("matmul_flops", "attention_flops", "memory_bandwidth", "transfer_rate")
+    return Device(**{**devices[0], **{k: statistics.median(d[k] for d in devices) if all(d[k] for d in devices)
+                                        else None for k in rates}})
+
+
+def _linear(dims: ModelDims) -> Callable[[], object]:
+    """A linear layer's forward and backward at ``dims``' shape, in float32."""
+    x = torch.randn(dims.seq * dims.micro_batch, dims.hidden, requires_grad=True)
+    w = torch.randn(dims.ffn_hidden, dims.hidden, requires_grad=True)
+    return lambda: F.linear(x, w).sum().backward()
+
+
+def _seconds(fn: Callable[[], object], dev: torch.device, repeats: int, fastest: bool = True) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -77,4 +147,4 @@ def _seconds(fn: Callable[[], object], dev: torch.device, repeats: int) -> float
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - start)
-    return min(times)  # contention only slows a run down: the fastest is the device's own rate
+    return min(times) if fastest else statistics.median(times)

@@ -26,9 +26,13 @@ class Device:
     memory_bandwidth: float  # bytes/s: optimizer steps, casts, the embedding
     memory: float  # bytes a rank may use
     peak: float | None = None  # datasheet FLOP/s in the compute dtype, for MFU (None: the matmul rate)
+    # an emulated rank's: bytes/s its CPU moves through gloo (sends plus receives) with nothing else
+    # to do, which its compute then lacks; None: transfers cost the device no compute (DMA, NICs)
+    transfer_rate: float | None = None
 
     def __post_init__(self) -> None:
-        if min(self.matmul_flops, self.attention_flops, self.memory_bandwidth, self.memory) <= 0:
+        if min(self.matmul_flops, self.attention_flops, self.memory_bandwidth, self.memory,
+               self.transfer_rate or 1.0) <= 0:
             raise ValueError(f"device {self.name!r}: every rate and the memory must be positive")
 
     @property
@@ -135,9 +139,10 @@ class Cluster:
     def world_size(self) -> int:
         return self.nodes * self.per_node
 
-    def fabric(self, fold: int | None = None) -> Fabric:
+    def fabric(self, fold: int | None = None, *, host: bool = False) -> Fabric:
+        """The links; ``host``: the ranks are CPU processes whose transfers take their compute."""
         return Fabric(self.per_node, self.intra.bandwidth, self.inter.bandwidth, self.rails, fold,
-                      burst=self.inter.burst)
+                      burst=self.inter.burst, cpu=self.device.transfer_rate if host else None)
 
     def hop_latency(self, crosses_nodes: bool) -> float:
         return self.inter.latency if crosses_nodes else self.intra.latency

@@ -8,6 +8,14 @@ A ``Fabric`` says which links a flow crosses: every device has its own intra-nod
 node (or every rail of a node) its own inter-node port, each full duplex. Flows that share a
 port share it fairly (max-min: each gets an equal share of its tightest port, and what a flow
 cannot use goes to the others), and the rates are recomputed whenever a flow starts or ends.
+
+A host executor (CPU ranks, gloo over TCP) also pays for its transfers with the compute it has:
+with ``Fabric.cpu`` set, every rank has a CPU port of that many bytes per second (what its CPU
+moves through the transport, sends plus receives, doing nothing else); each flow crosses its
+sender's and its receiver's, and a task of ``seconds`` on a rank is a flow of ``seconds · cpu``
+through its CPU port alone, so compute and transfers share the rank's CPU fairly. A flow on a
+``stream`` (one TCP connection, which gloo fills with one message at a time) waits until the
+stream's earlier messages are through.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ class Flow:
     dst: int
     bytes: float
     half_duplex: bool = False
+    # the connection it travels on, if it is one that carries one message at a time, in the order
+    # they became ready (a TCP stream: gloo sends a pair's messages in one group on one socket)
+    stream: tuple | None = None
 
 
 @dataclass(slots=True)
@@ -89,13 +100,20 @@ class Fabric:
     fold: int | None = None
     burst: float = 0.0  # bytes an idle inter-node port saves up and then sends at ``peak`` (a token bucket)
     peak: float | None = None  # the rate of a burst (None: ``intra``)
+    cpu: float | None = None  # a host rank's CPU, in bytes/s of transfers (None: transfers cost no compute)
 
     def __post_init__(self) -> None:
-        if self.per_node < 1 or self.intra <= 0 or self.inter <= 0:
+        if self.per_node < 1 or self.intra <= 0 or self.inter <= 0 or (self.cpu is not None and self.cpu <= 0):
             raise ValueError(f"a fabric needs per_node >= 1 and positive rates: {self}")
 
     def node(self, rank: int) -> int:
         return rank // self.per_node
+
+    def cpu_port(self, rank: int) -> Port:
+        """``rank``'s CPU (a rank outside the simulated nodes: its mirror image's)."""
+        if self.fold:
+            rank = (rank // self.per_node) % self.fold * self.per_node + rank % self.per_node
+        return ("cpu", rank)
 
     def ports(self, f: Flow) -> tuple[tuple[Port, float], ...]:
         """The ports ``f`` crosses, each with its capacity."""
@@ -111,6 +129,8 @@ class Fabric:
             ports = ((("node out", gs), self.inter), (("node in", gd), self.inter))
         if f.half_duplex:
             ports += ((("connection", min(f.src, f.dst), max(f.src, f.dst)), HALF_DUPLEX_SHARE * ports[0][1]),)
+        if self.cpu:
+            ports += ((self.cpu_port(f.src), self.cpu), (self.cpu_port(f.dst), self.cpu))
         return ports
 
 
@@ -149,10 +169,10 @@ class Result:
 
 
 class _Active:
-    __slots__ = ("task", "left", "ports", "rate")
+    __slots__ = ("task", "left", "ports", "rate", "stream")
 
-    def __init__(self, task: int, left: float, ports: tuple[Port, ...]) -> None:
-        self.task, self.left, self.ports, self.rate = task, left, ports, 0.0
+    def __init__(self, task: int, left: float, ports: tuple[Port, ...], stream: tuple | None = None) -> None:
+        self.task, self.left, self.ports, self.rate, self.stream = task, left, ports, 0.0, stream
 
 
 def simulate(graph: Graph, fabric: Fabric) -> Result:
@@ -171,6 +191,7 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
     start, end = [math.nan] * n, [math.nan] * n
     timers: list[tuple[float, int, int]] = []  # (time, order, task): a compute or latency ending
     flows: list[_Active] = []
+    queued: dict[tuple, list[_Active]] = {}  # a busy stream's waiting messages, first ready first
     open_flows = [0] * n
     cap: dict[Port, float] = {}
     tokens: dict[Port, float] = {}  # inter-node ports' burst credit, bytes
@@ -190,7 +211,19 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
                 if fabric.burst and p[0] in SHAPED and p not in tokens:
                     tokens[p] = fabric.burst
                 port_bytes[p] = port_bytes.get(p, 0.0) + f.bytes
-            flows.append(_Active(i, f.bytes, tuple(p for p, _ in ports)))
+            active = _Active(i, f.bytes, tuple(p for p, _ in ports), f.stream)
+            if f.stream is None:
+                flows.append(active)
+            elif f.stream in queued:
+                queued[f.stream].append(active)
+            else:
+                queued[f.stream] = []
+                flows.append(active)
+        if fabric.cpu and t.seconds > 0 and t.rank is not None:  # compute on a host rank's CPU
+            p = fabric.cpu_port(t.rank)
+            cap[p] = fabric.cpu
+            flows.append(_Active(i, t.seconds * fabric.cpu, (p,)))
+            moving.append(Flow(t.rank, t.rank, t.seconds))
         open_flows[i] = len(moving)
         if not moving:
             heapq.heappush(timers, (now + t.seconds + t.latency, order, i))
@@ -229,6 +262,12 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
                     open_flows[f.task] -= 1
                     if open_flows[f.task] == 0:
                         ended.append(f.task)
+                    if f.stream is not None:  # the stream's next message goes
+                        waiting_here = queued[f.stream]
+                        if waiting_here:
+                            still.append(waiting_here.pop(0))
+                        else:
+                            del queued[f.stream]
                 else:
                     f.left -= f.rate * dt
                     still.append(f)

@@ -144,7 +144,7 @@ def peer_graph(method: str, cluster: Cluster, work: Workload, acc: int, *, host:
         _ddp(_Lanes(graph, cluster, range(cluster.per_node), serial=False), work, acc)
     else:
         _fsdp(_Lanes(graph, cluster, range(cluster.per_node), serial=host), method, work, acc, host)
-    return graph, cluster.fabric(fold)
+    return graph, cluster.fabric(fold, host=host)
 
 
 # ------------------------------------------------------------------------------------ data parallel
@@ -285,7 +285,7 @@ def _one_f_one_b(cluster: Cluster, work: Workload, acc: int, stages: int, host: 
         lanes = _Lanes(graph, cluster, range(p, sim_nodes * s, stages), serial=False, rank=p)
         done = end + lanes.collective("all-reduce", Ring(copies, stages), numel * d.grad_bytes, end, f"grads {p}")
         graph.add(f"step {p}", done, seconds=work.step(numel), rank=p)
-    return graph, cluster.fabric(sim_nodes if cluster.nodes > sim_nodes else None)
+    return graph, cluster.fabric(sim_nodes if cluster.nodes > sim_nodes else None, host=host)
 
 
 def _stage_program(graph: Graph, work: Workload, p: int, stages: int, micro: int,

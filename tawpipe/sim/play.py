@@ -51,7 +51,7 @@ def plan_graph(plan: Plan, cluster: Cluster, work: Workload, *, host: bool) -> t
     for key, m in messages.items():
         if m.action is None or len(m.posts) < (2 if key[0] == "p2p" else 1):
             raise ValueError(f"{key}: a message without both sides in the plan")
-        flows, hops = _flows(plan, m.action)
+        flows, hops = _flows(plan, m.action, host)
         crosses = any(topo.group_of(f.src) != topo.group_of(f.dst) for f in flows)
         latency = hops * cluster.hop_latency(crosses)
         t = g.add(describe(m.action), m.posts, flows=flows, latency=latency, rank=m.action.rank,
@@ -63,7 +63,7 @@ def plan_graph(plan: Plan, cluster: Cluster, work: Workload, *, host: bool) -> t
         for done, sending in m.dones:
             g.add_deps(done, [handed_off if sending else t])
     fold = topo.nodes // plan.replicas if plan.replicas > 1 else None
-    return g, cluster.fabric(fold)
+    return g, cluster.fabric(fold, host=host)
 
 
 def compute_seconds(plan: Plan, a: Action, work: Workload) -> float:
@@ -129,14 +129,16 @@ def _rank(g: Graph, plan: Plan, r: int, work: Workload, host: bool, messages: di
             hazards.record(done, reads, writes)
 
 
-def _flows(plan: Plan, a: Action) -> tuple[list[Flow], int]:
+def _flows(plan: Plan, a: Action, host: bool = False) -> tuple[list[Flow], int]:
     """The hops of ``a``'s transfer as the backends run it, and how many hop latencies it waits:
     a message is one hop; a broadcast or reduce a pipelined chain (every hop carries the whole
     buffer, all at once); an all-reduce a ring (each member sends 2(k−1)/k of the buffer to the
-    next, 2(k−1) steps). Only replica 0's members send; the others are their mirror images."""
+    next, 2(k−1) steps). Only replica 0's members send; the others are their mirror images. On a
+    host a channel's messages from one rank to another share one gloo connection (a process group
+    per channel and direction, ``TorchDistComm``), which sends them one at a time."""
     spec = OPS[a.op]
     if spec.is_p2p:
-        return [Flow(a.rank, a.peer, a.bytes)], 1
+        return [Flow(a.rank, a.peer, a.bytes, stream=(spec.channel, a.rank, a.peer) if host else None)], 1
     k = len(a.group)
     if k < 2:
         return [], 0
