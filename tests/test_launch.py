@@ -281,10 +281,19 @@ def test_stop_requested_arms_on_first_use_and_a_second_ctrl_c_stops_at_once() ->
             "print('asked', flush=True)\n"
             "os.kill(os.getpid(), signal.SIGINT)\n"
             "print('not stopped at once')\n")
-    unarmed = subprocess.run([sys.executable, "-c", code, "unarmed"], env=env, capture_output=True, text=True, timeout=120)
+
+    def run(mode: str, sigint=signal.SIG_DFL) -> subprocess.CompletedProcess:
+        # SIGINT as a shell hands it on: default in the foreground, ignored in a background job
+        return subprocess.run([sys.executable, "-c", code, mode], env=env, capture_output=True, text=True, timeout=120,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+
+    unarmed = run("unarmed")
     assert unarmed.returncode == -signal.SIGTERM and "survived" not in unarmed.stdout, unarmed
-    armed = subprocess.run([sys.executable, "-c", code, "armed"], env=env, capture_output=True, text=True, timeout=120)
+    armed = run("armed")
     assert armed.stdout == "asked\n" and "KeyboardInterrupt" in armed.stderr, armed
+    # a process started with SIGINT ignored (nohup, a background job) keeps it ignored: only SIGTERM asks
+    ignored = run("armed", signal.SIG_IGN)
+    assert ignored.returncode == 0 and ignored.stdout == "asked\nnot stopped at once\n", ignored
 
 
 def test_the_grace_period_comes_from_the_argument_or_the_environment(monkeypatch) -> None:
