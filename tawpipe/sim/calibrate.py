@@ -18,6 +18,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,8 +35,9 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
     """The achieved rates of ``device`` (``cpu`` or ``cuda``) at ``dims``' shapes, in ``dims``'
     compute dtype (2 bytes: bfloat16, 4: float32). Each of ``rounds`` rounds times every kernel
     ``repeats`` times and keeps the fastest (contention only slows a run down; ``fastest=False``:
-    the median, where slowing down is part of the device, as a quota's throttling is); the rate is
-    the median over the rounds, which were taken in turns so that they see the same conditions."""
+    their sustained time, where slowing down is part of the device, as a quota's throttling is);
+    the rate is the median over the rounds, which were taken in turns so that they see the same
+    conditions."""
     dev = torch.device(device)
     dtype = torch.float32 if dims.dtype_bytes == 4 else torch.bfloat16
     old_threads = torch.get_num_threads()
@@ -75,7 +77,7 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
 
 def on_rank(rank: int, dims: dict[str, Any], name: str = "cpu rank, in the cluster", repeats: int = 10) -> dict[str, Any]:
     """This rank of the emulated cluster (``tawpipe.cluster.Cluster.run``), measured as a run uses
-    it: its kernels' median times under its quota while every rank does the same, and its
+    it: its kernels' sustained times under its quota while every rank does the same, and its
     ``transfer_rate``. Every rank must call it at once; returns the ``Device`` (``name``) as a dict."""
     d = ModelDims(**dims)
     dev = calibrate(d, repeats=repeats, fastest=False)
@@ -83,12 +85,13 @@ def on_rank(rank: int, dims: dict[str, Any], name: str = "cpu rank, in the clust
 
 
 def transfer_rate(kernel: Callable[[], object], *, messages: int = 20, nbytes: int = 6 * 2**20,
-                  alone_s: float = 1.0) -> float | None:
+                  alone_s: float = 1.0, timeout_s: float = 300.0) -> float | None:
     """Bytes/s of transfers (sent plus received) that cost this rank one second of its compute:
     ``kernel``'s rate alone, then while a thread exchanges ``messages`` of ``nbytes`` with the
     rank's ring neighbours. gloo's copies run on the rank's CPU, and on a machine whose cores the
     ranks fill, so does the kernel's network stack. Every rank must call it at once; None when the
-    group has one rank or the transfers cost nothing measurable."""
+    group has one rank or the transfers cost nothing measurable. A transfer not done within
+    ``timeout_s`` raises ``TimeoutError``."""
     n, rank = dist.get_world_size(), dist.get_rank()
     if n < 2:
         return None
@@ -103,20 +106,30 @@ def transfer_rate(kernel: Callable[[], object], *, messages: int = 20, nbytes: i
     sends = [torch.randn(numel) for _ in range(messages)]
     recvs = [torch.empty(numel) for _ in range(messages)]
 
+    failed: list[BaseException] = []
+
     def exchange() -> None:
-        for out, into in zip(sends, recvs):
-            for work in (dist.isend(out, (rank + 1) % n), dist.irecv(into, (rank - 1) % n)):
-                work.wait()
+        try:
+            for out, into in zip(sends, recvs):
+                for work in (dist.isend(out, (rank + 1) % n), dist.irecv(into, (rank - 1) % n)):
+                    work.wait(timedelta(seconds=timeout_s))
+        except BaseException as e:  # raised again on the calling thread
+            failed.append(e)
 
     dist.barrier()
     mover = threading.Thread(target=exchange, daemon=True)
     start, done = time.perf_counter(), 0
     mover.start()
     while mover.is_alive():
+        if time.perf_counter() - start > timeout_s:
+            raise TimeoutError(f"rank {rank}: {messages} transfers of {nbytes} bytes to its ring neighbours took "
+                               f"over {timeout_s:g} s")
         kernel()
         done += 1
     spent = time.perf_counter() - start
     mover.join()
+    if failed:
+        raise failed[0]
     lost = spent - done / rate
     dist.barrier()
     return 2 * messages * numel * 4 / lost if lost > 0 else None
@@ -137,14 +150,23 @@ def _linear(dims: ModelDims) -> Callable[[], object]:
 
 
 def _seconds(fn: Callable[[], object], dev: torch.device, repeats: int, fastest: bool = True) -> float:
+    """Seconds of one call: the fastest of ``repeats``, or (``fastest=False``) the ``repeats``
+    calls back to back over their number, which a quota's throttling cannot miss (a call shorter
+    than the quota's share of a period runs at a whole core)."""
     fn()  # warm-up
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    if not fastest:
+        sync()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / repeats
     times = []
     for _ in range(repeats):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync()
         start = time.perf_counter()
         fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync()
         times.append(time.perf_counter() - start)
-    return min(times) if fastest else statistics.median(times)
+    return min(times)
