@@ -45,8 +45,6 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
         torch.set_num_threads(threads)
     try:
         t, h, f = dims.seq * dims.micro_batch, dims.hidden, dims.ffn_hidden
-        x = torch.randn(t, h, device=dev, dtype=dtype, requires_grad=True)
-        w = torch.randn(f, h, device=dev, dtype=dtype, requires_grad=True)
         heads = dims.heads
         q, k, v = (torch.randn(dims.micro_batch, heads, dims.seq, h // heads, device=dev, dtype=dtype,
                                requires_grad=True) for _ in range(3))
@@ -54,7 +52,7 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
         p = torch.nn.Parameter(torch.randn(n, device=dev))
         p.grad = torch.randn(n, device=dev)
         opt = torch.optim.AdamW([p], lr=1e-3)
-        kernels = (lambda: F.linear(x, w).sum().backward(),
+        kernels = (_linear(dims, dev, dtype),
                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(),
                    opt.step)
         times = [[_seconds(fn, dev, repeats, fastest) for fn in kernels] for _ in range(rounds)]
@@ -81,7 +79,8 @@ def on_rank(rank: int, dims: dict[str, Any], name: str = "cpu rank, in the clust
     ``transfer_rate``. Every rank must call it at once; returns the ``Device`` (``name``) as a dict."""
     d = ModelDims(**dims)
     dev = calibrate(d, repeats=repeats, fastest=False)
-    return dataclasses.asdict(dataclasses.replace(dev, name=name, transfer_rate=transfer_rate(_linear(d))))
+    dtype = torch.float32 if d.dtype_bytes == 4 else torch.bfloat16
+    return dataclasses.asdict(dataclasses.replace(dev, name=name, transfer_rate=transfer_rate(_linear(d, dtype=dtype))))
 
 
 def transfer_rate(kernel: Callable[[], object], *, messages: int = 20, nbytes: int = 6 * 2**20,
@@ -142,10 +141,11 @@ def median_device(devices: list[dict[str, Any]]) -> Device:
                                         else None for k in rates}})
 
 
-def _linear(dims: ModelDims) -> Callable[[], object]:
-    """A linear layer's forward and backward at ``dims``' shape, in float32."""
-    x = torch.randn(dims.seq * dims.micro_batch, dims.hidden, requires_grad=True)
-    w = torch.randn(dims.ffn_hidden, dims.hidden, requires_grad=True)
+def _linear(dims: ModelDims, dev: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+            ) -> Callable[[], object]:
+    """A linear layer's forward and backward at ``dims``' shape ([T, H] x [H, F])."""
+    x = torch.randn(dims.seq * dims.micro_batch, dims.hidden, device=dev, dtype=dtype, requires_grad=True)
+    w = torch.randn(dims.ffn_hidden, dims.hidden, device=dev, dtype=dtype, requires_grad=True)
     return lambda: F.linear(x, w).sum().backward()
 
 

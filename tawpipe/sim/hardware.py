@@ -32,7 +32,7 @@ class Device:
 
     def __post_init__(self) -> None:
         if min(self.matmul_flops, self.attention_flops, self.memory_bandwidth, self.memory,
-               self.transfer_rate or 1.0) <= 0:
+               1.0 if self.transfer_rate is None else self.transfer_rate) <= 0:
             raise ValueError(f"device {self.name!r}: every rate and the memory must be positive")
 
     @property

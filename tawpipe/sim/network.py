@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -191,7 +192,7 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
     start, end = [math.nan] * n, [math.nan] * n
     timers: list[tuple[float, int, int]] = []  # (time, order, task): a compute or latency ending
     flows: list[_Active] = []
-    queued: dict[tuple, list[_Active]] = {}  # a busy stream's waiting messages, first ready first
+    queued: dict[tuple, deque[_Active]] = {}  # a busy stream's waiting messages, first ready first
     open_flows = [0] * n
     cap: dict[Port, float] = {}
     tokens: dict[Port, float] = {}  # inter-node ports' burst credit, bytes
@@ -217,15 +218,15 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
             elif f.stream in queued:
                 queued[f.stream].append(active)
             else:
-                queued[f.stream] = []
+                queued[f.stream] = deque()
                 flows.append(active)
+        open_flows[i] = len(moving)
         if fabric.cpu and t.seconds > 0 and t.rank is not None:  # compute on a host rank's CPU
             p = fabric.cpu_port(t.rank)
             cap[p] = fabric.cpu
             flows.append(_Active(i, t.seconds * fabric.cpu, (p,)))
-            moving.append(Flow(t.rank, t.rank, t.seconds))
-        open_flows[i] = len(moving)
-        if not moving:
+            open_flows[i] += 1
+        if not open_flows[i]:
             heapq.heappush(timers, (now + t.seconds + t.latency, order, i))
             order += 1
 
@@ -265,7 +266,7 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
                     if f.stream is not None:  # the stream's next message goes
                         waiting_here = queued[f.stream]
                         if waiting_here:
-                            still.append(waiting_here.pop(0))
+                            still.append(waiting_here.popleft())
                         else:
                             del queued[f.stream]
                 else:
