@@ -25,6 +25,8 @@ PY=${PYTHON:-python3}
 # /usr/bin/g++ every test passed). Set CXX/CC to override.
 if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ] && [ -z "${GPU_CHECK_KEEP_CXX:-}" ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 DEST=${OUT:-benchmarks/results}
+# The build is in place, not installed: scripts run by path (benchmarks/ops_bench.py) import it from here.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$DEST"
 export TAWPIPE_TIMEOUT=${TAWPIPE_TIMEOUT:-120}
 declare -A STATUS
