@@ -148,13 +148,14 @@ def test_a_rank_gets_its_quota_and_not_the_idle_ranks_time():
 @needs_netns
 def test_a_rank_measures_itself_under_its_quota_and_what_its_transfers_cost_it():
     """`bench cluster`'s calibration, taken by the ranks themselves (``on_rank``): the quota shows in
-    the rates, and sending and receiving take compute from the rank."""
+    the rates, sending and receiving take compute from the rank, and a rank that idled gets part of
+    the wait back."""
     from tawpipe.cost.traffic import ModelDims
     from tawpipe.sim.calibrate import calibrate, median_device, on_rank
 
     dims = ModelDims(hidden=128, layers=2, heads=4, vocab=256, seq=512, micro_batch=1, dtype_bytes=4, grad_bytes=4)
     with cl.Cluster(ClusterSpec(2, 1, None, cpus_per_rank=0.25)) as c:
-        ranks = c.run(on_rank, dataclasses.asdict(dims), "a quarter core", 5, timeout=300)
+        ranks = c.run(on_rank, dataclasses.asdict(dims), "a quarter core", 5, 0.25, 1, 2, timeout=300)
     dev = median_device(ranks)
     assert dev.name == "a quarter core"
     assert dev.matmul_flops == pytest.approx(statistics.median(r["matmul_flops"] for r in ranks))
@@ -165,3 +166,7 @@ def test_a_rank_measures_itself_under_its_quota_and_what_its_transfers_cost_it()
         assert 0.4 < getattr(dev, rate) / getattr(outside, rate) < 1.5, rate
     # gloo's copies run in the rank's cgroup: every byte sent or received costs it compute
     assert all(r["transfer_rate"] is not None and 1e6 < r["transfer_rate"] < 1e11 for r in ranks)
+    # after an idle spell a rank runs at its thread's whole core until the quota's leftover is
+    # spent: it gets back some of the 60 ms it slept, never more (no quota: nothing comes back)
+    assert all(r["idle_credit"] is not None and 0.001 < r["idle_credit"] < 0.06 for r in ranks)
+    assert dev.burst == 4.0 and dev.host_ranks == 8.0  # one thread over a quarter core; 2 cores over it

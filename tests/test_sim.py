@@ -204,6 +204,55 @@ def test_a_host_ranks_transfers_take_the_compute_they_share_its_cpu_with():
     assert simulate(g, Fabric(per_node=1, intra=1e12, inter=1e12)).end[work] == pytest.approx(s, rel=1e-12)
 
 
+def test_a_rank_under_a_quota_gets_part_of_a_wait_back_and_ranks_that_burst_at_once_share_the_cores():
+    # a CPU port with credit C seconds (C * cpu bytes) runs at burst x its rate while credit lasts:
+    # after an idle spell a long task of s seconds takes s - C, a short one s / burst
+    rng = random.Random(11)
+    cpu, burst, credit = rng.uniform(1e8, 1e9), rng.uniform(1.5, 4.0), rng.uniform(0.005, 0.02)
+    fab = Fabric(per_node=1, intra=1e12, inter=1e12, cpu=cpu, cpu_credit=credit * cpu, cpu_peak=burst * cpu)
+    longest = credit * burst / (burst - 1)  # sustained seconds of work the credit speeds up
+    s = rng.uniform(2, 5) * longest
+    g = Graph()
+    g.add("long", seconds=s, rank=0)
+    assert simulate(g, fab).makespan == pytest.approx(s - credit, rel=1e-9)
+    g = Graph()
+    g.add("short", seconds=0.5 * longest, rank=0)
+    assert simulate(g, fab).makespan == pytest.approx(0.5 * longest / burst, rel=1e-9)
+    # the credit refills second for second while the rank waits: a wait w < C after a long task
+    # gives the next one w back
+    w = rng.uniform(0.2, 0.8) * credit
+    g = Graph()
+    first = g.add("first", seconds=s, rank=0)
+    wait = g.add("wait", [first], seconds=w)  # no rank: a timer, the CPU idles
+    second = g.add("second", [wait], seconds=s, rank=0)
+    r = simulate(g, fab)
+    assert r.end[second] - r.start[second] == pytest.approx(s - w, rel=1e-9)
+    # two ranks bursting at once on a machine whose cores hold one rank's rate each (cores = cpu per
+    # rank): the cores port keeps both at their sustained rate
+    full = dataclasses.replace(fab, cores=cpu)
+    g = Graph()
+    g.add("a", seconds=s, rank=0)
+    g.add("b", seconds=s, rank=1)
+    assert simulate(g, full).makespan == pytest.approx(s, rel=1e-9)
+    # with twice the cores both burst, as alone
+    assert simulate(g, dataclasses.replace(fab, cores=burst * cpu)).makespan == pytest.approx(s - credit, rel=1e-9)
+    # a fabric whose credit has no faster rate to spend it at is refused
+    with pytest.raises(ValueError, match="cpu_peak"):
+        Fabric(per_node=1, intra=1e12, inter=1e12, cpu=cpu, cpu_credit=credit * cpu)
+
+
+def test_a_cluster_of_quota_ranks_gives_the_fabric_their_credit_and_the_machines_cores():
+    dev = dataclasses.replace(DEV, transfer_rate=5e8, idle_credit=0.01, burst=2.0, host_ranks=4.0)
+    cluster = Cluster(2, 2, dev, link("pcie"), link("10gbe"))
+    fab = cluster.fabric(host=True)
+    assert fab.cpu == 5e8 and fab.cpu_credit == pytest.approx(0.01 * 5e8) and fab.cpu_peak == pytest.approx(1e9)
+    assert fab.cores == pytest.approx(5e8)  # 4 ranks' worth of cores over 4 ranks
+    # a GPU (no host) pays nothing of this; a device without a credit only has its CPU port
+    assert cluster.fabric().cpu is None and cluster.fabric().cpu_credit == 0
+    plain = Cluster(2, 2, dataclasses.replace(DEV, transfer_rate=5e8), link("pcie"), link("10gbe")).fabric(host=True)
+    assert plain.cpu_credit == 0 and plain.cores is None
+
+
 def test_a_folded_fabric_puts_a_mirror_ranks_cpu_on_the_simulated_rank():
     fab = Fabric(per_node=2, intra=1e9, inter=1e6, fold=2, cpu=1e9)
     ports = dict(fab.ports(Flow(3, 5, 1.0)))

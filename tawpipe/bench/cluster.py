@@ -218,7 +218,8 @@ def run_shape(cfg: RunConfig, chosen: list[Method], spec: ClusterSpec, rounds: i
         if spec.compute == "fixed":  # the ranks' rates now, beside the times they explain (design §9.2)
             with c.unlimited():
                 devices = c.run(on_rank, asdict(shape_dims(asdict(cfg))),
-                                f"cpu rank x {spec.rank_cpus:g}, in the cluster", timeout=timeout)
+                                f"cpu rank x {spec.rank_cpus:g}, in the cluster", 10, spec.rank_cpus,
+                                spec.threads, os.cpu_count(), timeout=timeout)
             calibration = asdict(median_device(devices))
     return {"runs": runs, "checks": checks, "failures": failures, "reference_losses": ref_losses,
             "calibration": calibration}

@@ -73,14 +73,52 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
     )
 
 
-def on_rank(rank: int, dims: dict[str, Any], name: str = "cpu rank, in the cluster", repeats: int = 10) -> dict[str, Any]:
+def on_rank(rank: int, dims: dict[str, Any], name: str = "cpu rank, in the cluster", repeats: int = 10,
+            quota: float | None = None, threads: int = 1, cpus: float | None = None) -> dict[str, Any]:
     """This rank of the emulated cluster (``tawpipe.cluster.Cluster.run``), measured as a run uses
-    it: its kernels' sustained times under its quota while every rank does the same, and its
-    ``transfer_rate``. Every rank must call it at once; returns the ``Device`` (``name``) as a dict."""
+    it: its kernels' sustained times under its quota while every rank does the same, its
+    ``transfer_rate``, and (given the ``quota`` in cores, its ``threads`` and the machine's
+    ``cpus``) the wait it gets back (``idle_credit``). Every rank must call it at once; returns the
+    ``Device`` (``name``) as a dict."""
     d = ModelDims(**dims)
     dev = calibrate(d, repeats=repeats, fastest=False)
     dtype = torch.float32 if d.dtype_bytes == 4 else torch.bfloat16
-    return dataclasses.asdict(dataclasses.replace(dev, name=name, transfer_rate=transfer_rate(_linear(d, dtype=dtype))))
+    dev = dataclasses.replace(dev, name=name, transfer_rate=transfer_rate(_linear(d, dtype=dtype)))
+    if quota is not None and threads > quota:
+        dev = dataclasses.replace(dev, idle_credit=idle_credit(), burst=threads / quota,
+                                  host_ranks=(cpus or os.cpu_count() or 1) / quota)
+    return dataclasses.asdict(dev)
+
+
+def idle_credit(*, spells: int = 20, idle_s: float = 0.06, work_s: float = 0.06) -> float | None:
+    """Seconds of an idle spell that this rank, under a CPU quota, gets back when it computes again:
+    a block of work's sustained time less its time right after ``idle_s`` of sleep (the mean over
+    ``spells``; the quota's period phase differs from spell to spell). The ranks take turns, the
+    others waiting in a barrier, so a rank's burst meets no other rank's (``Fabric.cores`` models
+    that). Every rank must call it at once; None when nothing comes back."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def block(calls: int) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            a @ b
+        return time.perf_counter() - start
+
+    mine = None
+    for turn in range(dist.get_world_size()):
+        dist.barrier()
+        if turn == dist.get_rank():
+            calls = 1
+            while block(calls) < work_s:  # a block of work_s to 2·work_s at the sustained rate
+                calls *= 2
+            sustained = statistics.mean(block(calls) for _ in range(spells))
+            after = []
+            for _ in range(spells):
+                time.sleep(idle_s)
+                after.append(block(calls))
+            mine = sustained - statistics.mean(after)
+    dist.barrier()
+    return mine if mine and mine > 0 else None
 
 
 def transfer_rate(kernel: Callable[[], object], *, messages: int = 20, nbytes: int = 6 * 2**20,
@@ -137,8 +175,9 @@ def transfer_rate(kernel: Callable[[], object], *, messages: int = 20, nbytes: i
 def median_device(devices: list[dict[str, Any]]) -> Device:
     """One device from the ranks' own measurements (``on_rank``): each rate's median over them."""
     rates = ("matmul_flops", "attention_flops", "memory_bandwidth", "transfer_rate")
+    credit = statistics.median(d.get("idle_credit") or 0.0 for d in devices)  # a rank's None: nothing back
     return Device(**{**devices[0], **{k: statistics.median(d[k] for d in devices) if all(d[k] for d in devices)
-                                        else None for k in rates}})
+                                        else None for k in rates}, "idle_credit": credit or None})
 
 
 def _linear(dims: ModelDims, dev: torch.device | str = "cpu", dtype: torch.dtype = torch.float32

@@ -29,10 +29,17 @@ class Device:
     # an emulated rank's: bytes/s its CPU moves through gloo (sends plus receives) with nothing else
     # to do, which its compute then lacks; None: transfers cost the device no compute (DMA, NICs)
     transfer_rate: float | None = None
+    # an emulated rank under a CPU quota (design §9.2): seconds of a wait it gets back at most, by
+    # computing at ``burst`` times its sustained speed once it runs again; and the machine's cores
+    # in ranks' sustained compute (cores / quota), which ranks that burst at once share
+    idle_credit: float | None = None
+    burst: float | None = None
+    host_ranks: float | None = None
 
     def __post_init__(self) -> None:
+        optional = (self.transfer_rate, self.idle_credit, self.burst, self.host_ranks)
         if min(self.matmul_flops, self.attention_flops, self.memory_bandwidth, self.memory,
-               1.0 if self.transfer_rate is None else self.transfer_rate) <= 0:
+               *(1.0 if v is None else v for v in optional)) <= 0:
             raise ValueError(f"device {self.name!r}: every rate and the memory must be positive")
 
     @property
@@ -140,9 +147,16 @@ class Cluster:
         return self.nodes * self.per_node
 
     def fabric(self, fold: int | None = None, *, host: bool = False) -> Fabric:
-        """The links; ``host``: the ranks are CPU processes whose transfers take their compute."""
+        """The links; ``host``: the ranks are CPU processes whose transfers take their compute, and
+        which get part of a wait back (``Device.idle_credit``)."""
+        d = self.device
+        cpu = d.transfer_rate if host else None
+        credit = bool(cpu and d.idle_credit and d.burst and d.burst > 1)
         return Fabric(self.per_node, self.intra.bandwidth, self.inter.bandwidth, self.rails, fold,
-                      burst=self.inter.burst, cpu=self.device.transfer_rate if host else None)
+                      burst=self.inter.burst, cpu=cpu,
+                      cpu_credit=d.idle_credit * cpu if credit else 0.0,  # type: ignore[operator]
+                      cpu_peak=d.burst * cpu if credit else None,  # type: ignore[operator]
+                      cores=d.host_ranks / self.world_size * cpu if cpu and d.host_ranks else None)
 
     def hop_latency(self, crosses_nodes: bool) -> float:
         return self.inter.latency if crosses_nodes else self.intra.latency

@@ -16,6 +16,13 @@ sender's and its receiver's, and a task of ``seconds`` on a rank is a flow of ``
 through its CPU port alone, so compute and transfers share the rank's CPU fairly. A flow on a
 ``stream`` (one TCP connection, which gloo fills with one message at a time) waits until the
 stream's earlier messages are through.
+
+A rank under a CPU quota gets part of a wait back: the kernel hands out the quota per period, so
+a rank that idled computes at its threads' whole speed until the period's share (and the slice its
+CPU still holds) is spent. ``Fabric.cpu_credit`` makes each CPU port a token bucket like a shaped
+link's: idle, it saves up to that many bytes of credit, and while credit lasts it runs at
+``cpu_peak``; all the compute the graph holds also crosses one ``cores`` port, the machine's
+cores, which ranks that burst at once share (transfers' CPU does not cross it).
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ class Graph:
 
 Port = tuple  # ("out" | "in" | "node out" | "node in", index) or ("connection", rank, rank)
 SHAPED = ("node out", "node in", "connection")  # ports with a token bucket where the fabric has a burst
+CORES: Port = ("cores",)  # the machine's CPU, which every host rank's compute crosses where ``Fabric.cores`` is set
 # What both directions of one gloo connection carry together, in units of one direction's rate:
 # a swap of 6.4 MB chunks over one connection took 0.52 s or 1.03 s at random on the emulated
 # cluster (design §5.2): the receiver's notice queues behind the other direction's payload or not.
@@ -102,10 +110,26 @@ class Fabric:
     burst: float = 0.0  # bytes an idle inter-node port saves up and then sends at ``peak`` (a token bucket)
     peak: float | None = None  # the rate of a burst (None: ``intra``)
     cpu: float | None = None  # a host rank's CPU, in bytes/s of transfers (None: transfers cost no compute)
+    cpu_credit: float = 0.0  # bytes of CPU an idle host rank saves up (a quota's leftover), spent at ``cpu_peak``
+    cpu_peak: float | None = None  # a host rank's CPU while it has credit (its threads' whole speed)
+    # the machine's CPU per rank of the job, bytes/s: the compute of the ranks a graph holds shares
+    # that many times their number (a graph folded to one rank gets one rank's share; None: no limit)
+    cores: float | None = None
 
     def __post_init__(self) -> None:
-        if self.per_node < 1 or self.intra <= 0 or self.inter <= 0 or (self.cpu is not None and self.cpu <= 0):
+        rates = (self.cpu, self.cpu_peak, self.cores)
+        if self.per_node < 1 or self.intra <= 0 or self.inter <= 0 or any(r is not None and r <= 0 for r in rates):
             raise ValueError(f"a fabric needs per_node >= 1 and positive rates: {self}")
+        if self.cpu_credit and not (self.cpu and self.cpu_peak and self.cpu_peak > self.cpu):
+            raise ValueError(f"a CPU credit needs a CPU rate and a faster cpu_peak: {self}")
+
+    def bucket(self, port: Port) -> tuple[float, float] | None:
+        """(credit in bytes, rate while it lasts) of a port that is a token bucket, else None."""
+        if port[0] == "cpu":
+            return (self.cpu_credit, self.cpu_peak) if self.cpu_credit else None  # type: ignore[return-value]
+        if self.burst and port[0] in SHAPED:
+            return self.burst, self.peak or self.intra
+        return None
 
     def node(self, rank: int) -> int:
         return rank // self.per_node
@@ -195,10 +219,18 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
     queued: dict[tuple, deque[_Active]] = {}  # a busy stream's waiting messages, first ready first
     open_flows = [0] * n
     cap: dict[Port, float] = {}
-    tokens: dict[Port, float] = {}  # inter-node ports' burst credit, bytes
-    peak = fabric.peak or fabric.intra
+    tokens: dict[Port, float] = {}  # token buckets' credit (shaped links, host CPUs), bytes
+    buckets: dict[Port, tuple[float, float]] = {}  # their (most credit, rate while credit lasts)
     port_bytes: dict[Port, float] = {}
     now, order, done = 0.0, 0, 0
+
+    computing = len({fabric.cpu_port(t.rank) for t in tasks if t.seconds > 0 and t.rank is not None})
+
+    def open_port(p: Port, capacity: float) -> None:
+        cap[p] = capacity
+        if p not in buckets and (b := fabric.bucket(p)):
+            buckets[p] = b
+            tokens[p] = b[0]  # idle before the iteration: full
 
     def begin(i: int) -> None:
         nonlocal order
@@ -208,9 +240,7 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
         for f in moving:
             ports = fabric.ports(f)
             for p, c in ports:
-                cap[p] = c
-                if fabric.burst and p[0] in SHAPED and p not in tokens:
-                    tokens[p] = fabric.burst
+                open_port(p, c)
                 port_bytes[p] = port_bytes.get(p, 0.0) + f.bytes
             active = _Active(i, f.bytes, tuple(p for p, _ in ports), f.stream)
             if f.stream is None:
@@ -223,8 +253,12 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
         open_flows[i] = len(moving)
         if fabric.cpu and t.seconds > 0 and t.rank is not None:  # compute on a host rank's CPU
             p = fabric.cpu_port(t.rank)
-            cap[p] = fabric.cpu
-            flows.append(_Active(i, t.seconds * fabric.cpu, (p,)))
+            open_port(p, fabric.cpu)
+            on = (p,)
+            if fabric.cores:
+                open_port(CORES, fabric.cores * computing)
+                on += (CORES,)
+            flows.append(_Active(i, t.seconds * fabric.cpu, on))
             open_flows[i] += 1
         if not open_flows[i]:
             heapq.heappush(timers, (now + t.seconds + t.latency, order, i))
@@ -243,7 +277,8 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
         if waiting[i] == 0:
             begin(i)
     while timers or flows:
-        usable = {p: peak if tokens.get(p, 0.0) > 1e-9 * fabric.burst else c for p, c in cap.items()} if tokens else cap
+        usable = {p: buckets[p][1] if p in tokens and tokens[p] > 1e-9 * buckets[p][0] else c
+                  for p, c in cap.items()} if tokens else cap
         _share(flows, usable)
         t_flow = min((f.left / f.rate for f in flows), default=math.inf)
         t_timer = timers[0][0] - now if timers else math.inf
@@ -251,9 +286,9 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
         if tokens:
             used = _usage(flows, tokens)
             dt = min((dt, *(b / (used[p] - cap[p]) for p, b in tokens.items()
-                            if b > 1e-9 * fabric.burst and used[p] > cap[p])))
+                            if b > 1e-9 * buckets[p][0] and used[p] > cap[p])))
             for p in tokens:
-                tokens[p] = min(fabric.burst, max(0.0, tokens[p] + (cap[p] - used[p]) * dt))
+                tokens[p] = min(buckets[p][0], max(0.0, tokens[p] + (cap[p] - used[p]) * dt))
         now += dt
         ended: list[int] = []
         if flows:
