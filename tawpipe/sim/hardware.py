@@ -151,12 +151,13 @@ class Cluster:
         which get part of a wait back (``Device.idle_credit``)."""
         d = self.device
         cpu = d.transfer_rate if host else None
-        credit = bool(cpu and d.idle_credit and d.burst and d.burst > 1)
+        credit, peak, cores = 0.0, None, None
+        if cpu and d.idle_credit and d.burst and d.burst > 1:
+            credit, peak = d.idle_credit * cpu, d.burst * cpu
+        if cpu and d.host_ranks:
+            cores = d.host_ranks / self.world_size * cpu
         return Fabric(self.per_node, self.intra.bandwidth, self.inter.bandwidth, self.rails, fold,
-                      burst=self.inter.burst, cpu=cpu,
-                      cpu_credit=d.idle_credit * cpu if credit else 0.0,  # type: ignore[operator]
-                      cpu_peak=d.burst * cpu if credit else None,  # type: ignore[operator]
-                      cores=d.host_ranks / self.world_size * cpu if cpu and d.host_ranks else None)
+                      burst=self.inter.burst, cpu=cpu, cpu_credit=credit, cpu_peak=peak, cores=cores)
 
     def hop_latency(self, crosses_nodes: bool) -> float:
         return self.inter.latency if crosses_nodes else self.intra.latency

@@ -126,7 +126,7 @@ class Fabric:
     def bucket(self, port: Port) -> tuple[float, float] | None:
         """(credit in bytes, rate while it lasts) of a port that is a token bucket, else None."""
         if port[0] == "cpu":
-            return (self.cpu_credit, self.cpu_peak) if self.cpu_credit else None  # type: ignore[return-value]
+            return (self.cpu_credit, self.cpu_peak) if self.cpu_credit and self.cpu_peak else None
         if self.burst and port[0] in SHAPED:
             return self.burst, self.peak or self.intra
         return None
