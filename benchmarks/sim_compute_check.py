@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from tawpipe.cost.traffic import ModelDims
 from tawpipe.models.llama import Llama, LlamaConfig, block_forward
 from tawpipe.sim import compare
 from tawpipe.sim.calibrate import calibrate
@@ -29,7 +30,7 @@ from tawpipe.sim.hardware import Cluster, link
 from tawpipe.sim.workload import Workload, model
 
 
-def measure(dims, device: torch.device, acc: int, recompute: bool, iters: int, warmup: int) -> float:
+def measure(dims: ModelDims, device: torch.device, acc: int, recompute: bool, iters: int, warmup: int) -> float:
     """Median seconds of one training iteration (acc micro-batches, then AdamW) at ``dims``."""
     cfg = LlamaConfig(vocab_size=dims.vocab, hidden=dims.hidden, n_layers=dims.layers, n_heads=dims.heads,
                       n_kv_heads=dims.kv_heads or dims.heads, ffn_hidden=dims.ffn_hidden, max_seq_len=dims.seq)
