@@ -39,7 +39,7 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
     the rate is the median over the rounds, which were taken in turns so that they see the same
     conditions."""
     dev = torch.device(device)
-    dtype = torch.float32 if dims.dtype_bytes == 4 else torch.bfloat16
+    dtype = _dtype(dims)
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -82,8 +82,7 @@ def on_rank(rank: int, dims: dict[str, Any], name: str = "cpu rank, in the clust
     ``Device`` (``name``) as a dict."""
     d = ModelDims(**dims)
     dev = calibrate(d, repeats=repeats, fastest=False)
-    dtype = torch.float32 if d.dtype_bytes == 4 else torch.bfloat16
-    dev = dataclasses.replace(dev, name=name, transfer_rate=transfer_rate(_linear(d, dtype=dtype)))
+    dev = dataclasses.replace(dev, name=name, transfer_rate=transfer_rate(_linear(d, dtype=_dtype(d))))
     if quota is not None and threads > quota:
         dev = dataclasses.replace(dev, idle_credit=idle_credit(), burst=threads / quota,
                                   host_ranks=(cpus or os.cpu_count() or 1) / quota)
@@ -178,6 +177,11 @@ def median_device(devices: list[dict[str, Any]]) -> Device:
     credit = statistics.median(d.get("idle_credit") or 0.0 for d in devices)  # a rank's None: nothing back
     return Device(**{**devices[0], **{k: statistics.median(d[k] for d in devices) if all(d[k] for d in devices)
                                         else None for k in rates}, "idle_credit": credit or None})
+
+
+def _dtype(dims: ModelDims) -> torch.dtype:
+    """``dims``' compute dtype: 4 bytes float32, 2 bfloat16."""
+    return torch.float32 if dims.dtype_bytes == 4 else torch.bfloat16
 
 
 def _linear(dims: ModelDims, dev: torch.device | str = "cpu", dtype: torch.dtype = torch.float32

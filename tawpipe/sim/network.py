@@ -224,7 +224,9 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
     port_bytes: dict[Port, float] = {}
     now, order, done = 0.0, 0, 0
 
-    computing = len({fabric.cpu_port(t.rank) for t in tasks if t.seconds > 0 and t.rank is not None})
+    # the host ranks whose compute the graph holds, which share the machine's cores
+    computing = len({fabric.cpu_port(t.rank) for t in tasks if t.seconds > 0 and t.rank is not None}
+                    ) if fabric.cpu and fabric.cores else 0
 
     def open_port(p: Port, capacity: float) -> None:
         cap[p] = capacity
