@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from .commands import delegate
+from .commands import Parser, UsageError, delegate, refuse
 from .cost.memory import Choice, MemoryEstimate, NothingFits, auto_plan, estimate_memory, fitting, memory_per_rank
 from .cost.traffic import KINDS, PEER_METHODS, ModelDims, estimate, plan_traffic
 from .plan.plan import ALGOS, GRAD_ROUTES, Plan
@@ -69,7 +69,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                    help="GiB per rank: suggest the largest k, and the k and prefetch depth with the "
                         "fewest inter-node bytes, whose estimated memory fits; and what 'auto' (the default of "
                         "tawpipe train and the engine) chooses within it")
-    p.set_defaults(run=_run_plan)
+    p.set_defaults(run=functools.partial(_run_plan, p))
 
 
 def _dims_and_sizes(args: argparse.Namespace) -> tuple[ModelDims | None, dict]:
@@ -84,9 +84,8 @@ def _dims_and_sizes(args: argparse.Namespace) -> tuple[ModelDims | None, dict]:
                       grad_bytes=dims.grad_bytes, replicated_numel=dims.replicated_numel)
 
 
-def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    if rest:
-        raise SystemExit(f"tawpipe plan: unrecognized arguments: {' '.join(rest)}")
+def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> int:
+    parser.refuse_unknown(rest)
     try:
         topo = Topology(args.nodes, args.per_node)
         _check_plan_size(topo, args.micro_batches, args.replicas)
@@ -100,7 +99,7 @@ def _run_plan(args: argparse.Namespace, rest: Sequence[str]) -> int:
         if args.actions and not args.json:
             raise ValueError("--actions lists the plan's actions in its JSON: add --json")
     except ValueError as e:
-        raise SystemExit(f"tawpipe plan: {e}") from None
+        raise UsageError(str(e)) from None
     gc.freeze()  # the plan lives to the end: the collector need not walk its millions of objects again
     report = verify(plan)
     if args.json:
@@ -285,7 +284,7 @@ _SUBCOMMANDS = (_add_plan, _add_train, _add_bench, _add_cluster, _add_simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tawpipe", description="Topology-aware weight pipeline parallelism.")
+    parser = Parser(prog="tawpipe", description="Topology-aware weight pipeline parallelism.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(subparsers)
@@ -293,9 +292,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser()
+    try:
+        args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    except UsageError as e:
+        return refuse(parser.prog, e)
     try:
         return args.run(args, rest)
+    except UsageError as e:  # tawpipe plan's (the delegated commands print their own)
+        return refuse(f"{parser.prog} {args.command}", e)
     except BrokenPipeError:  # `tawpipe plan ... | head`: the reader has all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

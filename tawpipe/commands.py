@@ -1,16 +1,106 @@
-"""What the ``tawpipe`` subcommands share: a subcommand whose module is imported only when it runs.
+"""What the ``tawpipe`` subcommands share: one parser class, one error style, one vocabulary, and
+subcommands whose module is imported only when they run.
 
-``tawpipe train``, ``bench`` and ``cluster``, and each ``tawpipe bench WHAT``, live in modules of
-their own that may need optional dependencies. Such a module defines ``add_arguments(parser)``
-and ``main(args) -> int``, or registers further delegated subcommands in ``add_arguments``.
+``tawpipe train``, ``bench``, ``cluster`` and ``simulate``, and each ``tawpipe bench WHAT``, live in
+modules of their own that may need optional dependencies (torch among them). Such a module defines
+``DESCRIPTION`` (one paragraph for its ``--help``), ``add_arguments(parser)`` and
+``main(args) -> int``, or registers further delegated subcommands in ``add_arguments``.
+
+Every bad input ends the same way, whatever the command: ``PROG: MESSAGE`` on one line of stderr
+and exit status 2, before anything is measured or started. A module raises ``UsageError`` for it;
+argparse's own errors take the same road, with the closest flag suggested for a mistyped one and
+the new name given for a flag that was renamed.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
-from collections.abc import Sequence
+import re
+import sys
+from collections.abc import Iterable, Sequence
 from types import ModuleType
+from typing import NoReturn
+
+# One name per concept across train, plan, simulate and bench (torchtitan's seq_len, Megatron's
+# micro-batch size); a spelling used before is refused with the one to use now.
+RENAMED = {
+    "--seq": "--seq-len",
+    "--acc": "--micro-batches",
+    "--micro-batch": "--micro-batch-size",
+    "--batch-size": "--micro-batch-size",
+    "--preset": "--model",
+    "--link-gbps": "--inter",
+    "--no-recompute": "--recompute none",
+}
+
+
+class UsageError(ValueError):
+    """A bad input found before anything runs: the command prints ``PROG: MESSAGE`` on one line
+    and exits with status 2. The message names the flag or file and what to do instead; ``prog``:
+    the (sub)command that found it, where that is not the one that prints it."""
+
+    def __init__(self, message: str, prog: str | None = None) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown where there is one worth showing (not None, False or a list of them)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or "default" in text or action.default in (None, False, argparse.SUPPRESS, []):
+            return text
+        if action.option_strings and action.nargs != 0:
+            return text + " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with tawpipe's error style: no prefix abbreviations (a prefix of
+    a renamed flag must not slip through), and every error a ``UsageError``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = re.findall(r"'([^']*)'", choice[2])
+            message += _did_you_mean(choice[1], options, quote=True)
+        raise UsageError(message, prog=self.prog)
+
+    def refuse_unknown(self, rest: Sequence[str]) -> None:
+        """UsageError for arguments ``parse_known_args`` left over, naming the first: its new name
+        where it was renamed, else the closest flag of this parser."""
+        if not rest:
+            return
+        first = rest[0]
+        flag = first.split("=", 1)[0]
+        if flag in RENAMED:
+            raise UsageError(f"{flag} is now {RENAMED[flag]}; see {self.prog} --help")
+        if flag.startswith("-"):
+            raise UsageError(f"unrecognized argument {first}{_did_you_mean(flag, self.flags())}; "
+                             f"see {self.prog} --help")
+        raise UsageError(f"unrecognized argument {first!r}; see {self.prog} --help")
+
+    def flags(self) -> list[str]:
+        """Every long option string of this parser."""
+        return [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+
+
+def _did_you_mean(word: str, options: Iterable[str], quote: bool = False) -> str:
+    """`` (did you mean X?)`` for the option closest to ``word``, compared without leading dashes;
+    nothing where none is close."""
+    names = {o.lstrip("-"): o for o in options}
+    close = difflib.get_close_matches(word.lstrip("-"), list(names), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {names[close[0]]!r}?)" if quote else f" (did you mean {names[close[0]]}?)"
 
 
 def delegate(subparsers: argparse._SubParsersAction, prog: str, name: str, module: str, help: str) -> None:
@@ -21,17 +111,27 @@ def delegate(subparsers: argparse._SubParsersAction, prog: str, name: str, modul
 
 
 def run(prog: str, module: str, argv: Sequence[str]) -> int:
-    """Import ``module``, parse ``argv`` with its arguments and run it (or its chosen subcommand)."""
-    mod = load(prog, module)
-    parser = argparse.ArgumentParser(prog=prog, description=mod.__doc__)
-    if hasattr(mod, "add_arguments"):
-        mod.add_arguments(parser)
-    args, rest = parser.parse_known_args(list(argv))
-    if hasattr(args, "run"):  # a further delegated subcommand was chosen
-        return args.run(args, rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return int(mod.main(args) or 0)
+    """Import ``module``, parse ``argv`` with its arguments and run it (or its chosen subcommand).
+    A ``UsageError`` on the way is printed as one line; the exit status is then 2."""
+    try:
+        mod = load(prog, module)
+        parser = Parser(prog=prog, description=getattr(mod, "DESCRIPTION", None))
+        if hasattr(mod, "add_arguments"):
+            mod.add_arguments(parser)
+        args, rest = parser.parse_known_args(list(argv))
+        if hasattr(args, "run"):  # a further delegated subcommand was chosen
+            return args.run(args, rest)
+        parser.refuse_unknown(rest)
+        return int(mod.main(args) or 0)
+    except UsageError as e:
+        return refuse(prog, e)
+
+
+def refuse(prog: str, error: BaseException) -> int:
+    """Print ``error`` as ``PROG: MESSAGE`` on one line of stderr (the prog of the subcommand that
+    found it, where it says); the exit status of a bad input."""
+    print(f"{getattr(error, 'prog', None) or prog}: {' '.join(str(error).split())}", file=sys.stderr)
+    return 2
 
 
 def load(prog: str, module: str) -> ModuleType:
