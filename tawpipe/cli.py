@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from .commands import Parser, UsageError, delegate, refuse
+from .commands import Parser, UsageError, as_flags, delegate, refuse
 from .cost.memory import Choice, MemoryEstimate, NothingFits, auto_plan, estimate_memory, fitting, memory_per_rank
 from .cost.traffic import KINDS, PEER_METHODS, ModelDims, estimate, plan_traffic
 from .plan.plan import ALGOS, GRAD_ROUTES, Plan
@@ -99,7 +99,7 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
         if args.actions and not args.json:
             raise ValueError("--actions lists the plan's actions in its JSON: add --json")
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(as_flags(str(e))) from None
     gc.freeze()  # the plan lives to the end: the collector need not walk its millions of objects again
     report = verify(plan)
     if args.json:

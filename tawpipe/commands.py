@@ -36,6 +36,36 @@ RENAMED = {
 }
 
 
+# The library's keywords (in its messages) as the commands' flags.
+FLAGS = {
+    "num_layers": "--layers",
+    "micro_batches": "--micro-batches",
+    "mb_per_fetch": "--mb-per-fetch",
+    "prefetch_depth": "--prefetch-depth",
+    "reuse_weights": "--reuse-weights",
+    "memory_budget": "--memory-budget",
+    "grad_route": "--grad-route",
+    "replicas": "--replicas",
+    "algo": "--algo",
+}
+
+
+def as_flags(message: str, flags: dict[str, str] = FLAGS) -> str:
+    """``message`` of the library with its keywords as the command's flags: ``mb_per_fetch=3`` as
+    ``--mb-per-fetch 3``, ``reuse_weights=True`` as ``--reuse-weights``, a bare ``prefetch_depth``
+    as ``--prefetch-depth``."""
+    def value(m: re.Match) -> str:
+        flag, text = flags[m[1]], m[2].strip("'\"")
+        if text in ("True", "False"):
+            return flag if text == "True" else "--no-" + flag[2:]
+        return f"{flag} {text}"
+
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    message = re.sub(rf"\b({names})=('[^']*'|\"[^\"]*\"|[^\s,;:)]+)", value, message)
+    bare = "|".join(re.escape(n) for n in flags if "_" in n)
+    return re.sub(rf"(?<![-\w])({bare})\b", lambda m: flags[m[1]], message)
+
+
 class UsageError(ValueError):
     """A bad input found before anything runs: the command prints ``PROG: MESSAGE`` on one line
     and exits with status 2. The message names the flag or file and what to do instead; ``prog``:

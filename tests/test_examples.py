@@ -53,7 +53,7 @@ def test_hf_custom_family():
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
 def test_torchrun_two_nodes_on_loopback():
     out = run("bash", str(EXAMPLES / "torchrun_two_nodes.sh"), "--model", "micro", "--steps", "2", "--seq-len", "32",
-              "--batch-size", "2", "--val-every", "1", "--val-batches", "1")
+              "--micro-batch-size", "2", "--val-every", "1", "--val-batches", "1")
     assert "topology: 2 node(s) x 2 rank(s) = 4 ranks" in out
     assert "validation loss: step 1" in out
     assert re.search(r"loss at start \d+\.\d+", out)
@@ -66,6 +66,6 @@ def test_emulated_cluster():
     if reason:
         pytest.skip(reason)
     out = run("bash", str(EXAMPLES / "emulated_cluster.sh"), "--model", "micro", "--steps", "2", "--seq-len", "32",
-              "--batch-size", "2", "--val-every", "0")
+              "--micro-batch-size", "2", "--val-every", "0")
     assert "topology: 2 node(s) x 2 rank(s) = 4 ranks" in out
     assert re.search(r"node 0: \d+\.\d+ MB / \d+\.\d+ MB", out)

@@ -26,6 +26,8 @@ from tawpipe.io import safetensors as st_io
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.launch import JobFailed
 from tawpipe.train import job
+
+from cli_cases import refused as cli_refused
 from test_engine_errors import NoComm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,14 +47,7 @@ def refused(monkeypatch, capsys, *args: str) -> str:
     """Run `tawpipe train ARGS` in-process; it must refuse, before any worker, with exit status 2
     and exactly one line on stderr, which is returned."""
     _no_workers(monkeypatch)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        cli.main(["train", *args])
-    assert e.value.code == 2
-    out = capsys.readouterr()
-    assert out.err.count("\n") == 1 and out.err.startswith("tawpipe train: "), out.err
-    assert out.err.rstrip("\n") == str(e.value)
-    return out.err.rstrip("\n")
+    return cli_refused(capsys, "train", *args)
 
 
 def _tawpipe(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -308,7 +303,7 @@ def test_exported_files_follow_the_umask_like_checkpoint_shards(tmp_path, umask)
 
 def test_skipped_steps_are_reported_and_a_run_of_them_stops(tmp_path):
     """--lr 1e8 in float16: the first step trains, every later one has a NaN loss and is skipped."""
-    args = ["train", "--model", "micro", *FEW, "--seq-len", "32", "--batch-size", "2", "--lr", "1e8", "--dtype",
+    args = ["train", "--model", "micro", *FEW, "--seq-len", "32", "--micro-batch-size", "2", "--lr", "1e8", "--dtype",
             "float16", "--val-every", "0"]
     out = _tawpipe(*args, "--steps", "4", "--max-skipped-in-a-row", "0", "--metrics", str(tmp_path / "m.jsonl"))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -327,7 +322,7 @@ def test_skipped_steps_are_reported_and_a_run_of_them_stops(tmp_path):
 
 def test_a_model_with_nan_weights_does_not_train_with_exit_0(hf_dirs):
     out = _tawpipe("train", "--model", str(hf_dirs / "nan"), "--nodes", "1", "--per-node", "1", "--steps", "3",
-                   "--seq-len", "16", "--batch-size", "2", "--val-every", "0")
+                   "--seq-len", "16", "--micro-batch-size", "2", "--val-every", "0")
     assert out.returncode == 1, out.stderr[-2000:]
     assert re.fullmatch(r"tawpipe train: rank 0: step 3: all 3 steps of this run were skipped, their loss "
                         r"\(last: nan\) or gradients not finite, so nothing is being trained: .*",

@@ -18,16 +18,18 @@ import torch
 
 from tawpipe.io import checkpoint
 from tawpipe import cli, models
-from tawpipe.train import job
+from tawpipe.commands import Parser, UsageError
+from tawpipe.train import add_arguments, job
 from tawpipe.train.data import batch, load_tokens
 from tawpipe.engine.engine import TawPipe, default_optimizer
 from tawpipe.train.metrics import MetricsWriter, _flatten, check_tensorboard
 from tawpipe.models.llama import Llama, LlamaConfig, block_forward, llama_loss
 from tawpipe.plan.topology import Topology
+from cli_cases import refused
 from test_engine_errors import NoComm
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["--preset", "micro", "--nodes", "1", "--per-node", "2", "--seq-len", "32", "--batch-size", "2",
+SMALL = ["--model", "micro", "--nodes", "1", "--per-node", "2", "--seq-len", "32", "--micro-batch-size", "2",
          "--steps", "6", "--warmup", "2"]
 
 
@@ -145,11 +147,10 @@ def test_a_cli_checkpoint_reshards_onto_one_rank(runs) -> None:
     assert all(len(s["params"]) < len(full) for s in shards)  # each shard held a part
 
 
-def test_resume_of_another_model_is_refused_before_start(runs, monkeypatch) -> None:
+def test_resume_of_another_model_is_refused_before_start(runs, monkeypatch, capsys) -> None:
     _no_workers(monkeypatch)
-    with pytest.raises(SystemExit, match=r"tawpipe train: checkpoint .* is of a different model: it has 4 layers, "
-                                         r"this model 6"):
-        cli.main(["train", *SMALL, "--layers", "6", "--resume", str(runs["straight"])])
+    assert re.match(r"tawpipe train: checkpoint .* is of a different model: it has 4 layers, this model 6",
+                    refused(capsys, "train", *SMALL, "--layers", "6", "--resume", str(runs["straight"])))
 
 
 def _no_workers(monkeypatch) -> None:
@@ -161,7 +162,7 @@ def _no_workers(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--preset", "nope"], "unknown --model 'nope'; choose one of micro, paper-1024"),
+    (["--model", "nope"], "unknown --model 'nope'; choose one of micro, tiny, paper, paper-1024, .*, 70b, a directory"),
     (["--model", "/no/such/dir"], "unknown --model '/no/such/dir'; choose one of .*save_pretrained"),
     (["--val-every", "-1"], "--val-every must be >= 0, got -1"),
     (["--val-batches", "0"], "--val-batches must be >= 1, got 0"),
@@ -172,11 +173,11 @@ def _no_workers(monkeypatch) -> None:
     (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--micro-batches", "-1"], "--micro-batches must be >= 1, got -1"),
-    (["--mb-per-fetch", "3"], "schedule: mb_per_fetch=3 does not divide micro_batches=2: .*pick a divisor"),
+    (["--mb-per-fetch", "3"], "schedule: --mb-per-fetch 3 does not divide --micro-batches 2: .*pick a divisor"),
     (["--algo", "weipipe", "--prefetch-depth", "2"], "schedule: weipipe is the paper's lock-step ring"),
     (["--prefetch-depth", "resident", "--no-reuse-weights"],
-     r"schedule: prefetch_depth='resident' keeps fetched chunks only if they are reused: pass reuse_weights=True "
-     r"\(--reuse-weights\)"),
+     r"schedule: --prefetch-depth resident keeps fetched chunks only if they are reused: pass --reuse-weights, "
+     r"or give the depth as a number"),
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be a finite number > 0, got 0.0"),
     (["--save-every", "2"], "--save-every needs --save DIR"),
@@ -185,15 +186,14 @@ def _no_workers(monkeypatch) -> None:
     (["--resume", "{file}"], "no checkpoint at .*: not a directory"),
     (["--data", "{tiny}"], "--data .*: 3 training tokens are too few for --seq-len 128"),
 ])
-def test_bad_arguments_fail_before_any_worker(tmp_path, monkeypatch, args, message) -> None:
+def test_bad_arguments_fail_before_any_worker(tmp_path, monkeypatch, capsys, args, message) -> None:
     _no_workers(monkeypatch)
     (tmp_path / "file").write_text("x")
     (tmp_path / "tiny").write_bytes(b"abc")
     (tmp_path / "empty").mkdir()
     args = [a.format(file=tmp_path / "file", tiny=tmp_path / "tiny", empty=tmp_path / "empty") for a in args]
     t0 = time.monotonic()
-    with pytest.raises(SystemExit, match=f"^tawpipe train: {message}"):
-        cli.main(["train", *args])
+    assert re.match(f"tawpipe train: {message}", refused(capsys, "train", *args))
     assert time.monotonic() - t0 < 2
 
 
@@ -204,8 +204,8 @@ def test_a_bad_argument_is_one_line_on_stderr() -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tawpipe train")
-    job.add_arguments(p)
+    p = Parser(prog="tawpipe train")
+    add_arguments(p)
     return p
 
 
@@ -240,12 +240,12 @@ def test_config_file_keys_mirror_the_flags_and_flags_win(tmp_path, suffix, text)
     ("steps = \n", "--config .*run.toml: "),
     ("config = 'other.toml'\n", "unknown key 'config'"),
 ])
-def test_config_file_errors_name_the_key(tmp_path, capsys, text, match):
+def test_config_file_errors_name_the_key(tmp_path, text, match):
     file = tmp_path / "run.toml"
     file.write_text(text)
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError) as e:
         parser().parse_args(["--config", str(file)])
-    assert re.search(match, capsys.readouterr().err)
+    assert re.search(match, str(e.value))
 
 
 def test_model_specs(tmp_path):
@@ -289,7 +289,7 @@ def test_train_end_to_end_with_config_validation_metrics_and_export(tmp_path):
     every rank's peak memory, validation losses equal to an independent evaluation of the
     checkpointed model, and an export that transformers loads and that computes its logits."""
     config = tmp_path / "run.toml"
-    config.write_text('model = "micro"\nsteps = 3\nseq-len = 24\nbatch-size = 2\nval-every = 2\nval-batches = 2\n'
+    config.write_text('model = "micro"\nsteps = 3\nseq-len = 24\nmicro-batch-size = 2\nval-every = 2\nval-batches = 2\n'
                       'prefetch-depth = "resident"\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "tawpipe", "train", "--config", str(config), "--layers", "5", "--seed", "3",

@@ -20,7 +20,8 @@ from ..plan.actions import GRAD_OPS, WEIGHT_OPS, BufKind, Op, buf_kind
 from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT, build_plan, compute_actions, resident_depth
 from ..plan.topology import Topology
-from .traffic import ModelDims, plan_traffic
+from ..models.shape import ModelDims
+from .traffic import plan_traffic
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,9 @@ def fitting(options: dict[Choice, tuple[float, MemoryEstimate]], budget: float) 
 
 
 AUTO = "auto"
+# Left out of the budget "auto" chooses within: the allocator's slack and, in the engine (which
+# sees no batch before its first step), the activations.
+MARGIN = 0.1
 # auto builds every candidate's plan while their forwards and backwards add up to at most this
 # many (a few seconds of one core); past it, it builds them in the order of design §7.4's closed
 # form of their bytes and takes the first that fits.
@@ -184,9 +188,8 @@ def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float
         least = min(options, key=lambda c: (options[c][1].total, options[c][0], c))
         raise NothingFits(
             f"no schedule fits {within}: the least memory, {describe(least, resident)}, takes "
-            f"{_gib(options[least][1].total)} per rank; if the ranks have more, say how much with --memory-budget GiB "
-            "(memory_budget= bytes), or give --mb-per-fetch, --prefetch-depth and --reuse-weights (mb_per_fetch=, "
-            "prefetch_depth=, reuse_weights=) yourself", least)
+            f"{_gib(options[least][1].total)} per rank; if the ranks have more, say how much with memory_budget, "
+            "or give mb_per_fetch, prefetch_depth and reuse_weights yourself", least)
     best = fits[0]
     inter, memory = options[best][0], f"{_gib(options[best][1].total)} per rank"
     if len(fits) == 1:

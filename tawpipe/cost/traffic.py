@@ -18,6 +18,7 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
+from ..models.shape import ModelDims
 from ..plan.actions import OPS, Action, Op
 from ..plan.plan import Plan
 from ..plan.topology import Topology
@@ -183,54 +184,6 @@ def _fmt(v: float, in_bytes: bool) -> str:
 
 
 # ---------------------------------------------------------------------------------- closed forms
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """A LLaMA-like decoder (RMSNorm, SwiGLU, no biases, head tied to the embedding)."""
-
-    hidden: int
-    layers: int
-    heads: int = 32
-    kv_heads: int | None = None  # None: multi-head attention (kv_heads = heads)
-    vocab: int = 32000
-    seq: int = 4096
-    micro_batch: int = 1
-    dtype_bytes: int = 2  # weights and activations on the wire
-    grad_bytes: int = 4  # gradients on the wire
-    ffn: int | None = None  # None: the LLaMA sizing of ``ffn_hidden``
-    scores: bool = True  # attention keeps its S x S scores for backward (False: FlashAttention)
-
-    def __post_init__(self) -> None:
-        kv = self.heads if self.kv_heads is None else self.kv_heads
-        if min(self.hidden, self.layers, self.heads, kv, self.vocab, self.seq, self.micro_batch,
-               self.dtype_bytes, self.grad_bytes) < 1:
-            raise ValueError(f"every dimension must be >= 1: {self}")
-        if self.hidden % self.heads or self.heads % kv:
-            raise ValueError(f"hidden={self.hidden} must divide into heads={self.heads}, which must "
-                             f"divide into kv_heads={kv} groups")
-
-    @property
-    def ffn_hidden(self) -> int:
-        return self.ffn if self.ffn is not None else 32 * -(-8 * self.hidden // 96)  # 32 * ceil((8H/3) / 32)
-
-    @property
-    def layer_numel(self) -> int:
-        h = self.hidden
-        kv_dim = h // self.heads * (self.heads if self.kv_heads is None else self.kv_heads)
-        return 2 * h * h + 2 * h * kv_dim + 3 * h * self.ffn_hidden + 2 * h
-
-    @property
-    def decoder_numel(self) -> int:
-        return self.layers * self.layer_numel
-
-    @property
-    def replicated_numel(self) -> int:
-        return self.vocab * self.hidden + self.hidden  # tied embedding/head + final norm
-
-    @property
-    def activation_numel(self) -> int:
-        return self.micro_batch * self.seq * self.hidden
 
 
 @dataclass(frozen=True)

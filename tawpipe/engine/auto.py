@@ -15,13 +15,9 @@ from typing import Any
 
 import torch
 
-from ..cost.memory import AUTO, MemoryEstimate, auto_plan, busiest_rank_memory
+from ..cost.memory import AUTO, MARGIN, MemoryEstimate, auto_plan, busiest_rank_memory
 from ..plan.plan import Plan
 from ..plan.topology import Topology
-
-# Left out of the budget: the allocator's slack and, in the engine (which sees no batch before
-# its first step), the activations.
-MARGIN = 0.1
 
 
 def memory_budget(device: torch.device, local_ranks: int, host: tuple[int, str] | None) -> tuple[float, str]:

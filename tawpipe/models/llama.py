@@ -32,22 +32,9 @@ from torch import nn
 
 from .loss import linear_cross_entropy
 from .parts import ModelParts
+from .presets import PRESETS
 from .seeding import draw_seed, generator, layer_part
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # The paper's model family: 48 layers, 32 heads (no GQA), 32k vocabulary, tied embeddings.
-    "paper-1024": dict(vocab_size=32000, hidden=1024, n_layers=48, n_heads=32, n_kv_heads=32,
-                       max_seq_len=2048, tie_embeddings=True),
-    "paper-2048": dict(vocab_size=32000, hidden=2048, n_layers=48, n_heads=32, n_kv_heads=32,
-                       max_seq_len=2048, tie_embeddings=True),
-    "paper-4096": dict(vocab_size=32000, hidden=4096, n_layers=48, n_heads=32, n_kv_heads=32,
-                       max_seq_len=2048, tie_embeddings=True),
-    # Byte-level models small enough to train on a CPU.
-    "tiny": dict(vocab_size=256, hidden=128, n_layers=8, n_heads=4, n_kv_heads=2,
-                 max_seq_len=256, tie_embeddings=True),
-    "micro": dict(vocab_size=256, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2,
-                  max_seq_len=64, tie_embeddings=True),
-}
+from .shape import ModelDims
 
 
 @dataclass
@@ -81,10 +68,24 @@ class LlamaConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
-        """A named configuration; ``overrides`` replace fields (ffn_hidden follows a new hidden)."""
+        """A built-in model of ``models.presets``; ``overrides`` replace fields (a preset without
+        its own ffn size follows a new hidden)."""
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls.from_dims(PRESETS[name], **overrides)
+
+    @classmethod
+    def from_dims(cls, dims: ModelDims, **overrides: Any) -> LlamaConfig:
+        """The built-in model of the shape ``dims``, sized for ``dims.seq`` tokens."""
+        return cls(**{**dict(vocab_size=dims.vocab, hidden=dims.hidden, n_layers=dims.layers, n_heads=dims.heads,
+                             n_kv_heads=dims.kv_heads or dims.heads, ffn_hidden=dims.ffn, max_seq_len=dims.seq),
+                      **overrides})
+
+    def dims(self, **batch: Any) -> ModelDims:
+        """This model's shape as the cost model and the simulator count it, with ``batch``'s
+        fields (seq, micro_batch, dtype_bytes, ...)."""
+        return ModelDims(hidden=self.hidden, layers=self.n_layers, heads=self.n_heads, kv_heads=self.n_kv_heads,
+                         vocab=self.vocab_size, ffn=self.ffn_hidden, **batch)
 
 
 class RMSNorm(nn.Module):

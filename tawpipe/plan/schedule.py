@@ -99,7 +99,7 @@ def build_plan(
     if prefetch_depth == RESIDENT and isinstance(topology, Topology):
         if not reuse_weights:
             raise ValueError("prefetch_depth='resident' keeps fetched chunks only if they are reused: "
-                             "pass reuse_weights=True (--reuse-weights), or give the depth as a number")
+                             "pass reuse_weights=True, or give the depth as a number")
         prefetch_depth = resident_depth(topology)
     _check_args(topology, num_layers, micro_batches, algo, grad_route, prefetch_depth, mb_per_fetch,
                 reuse_weights, layer_numel, weight_bytes, grad_bytes, replicated_numel)

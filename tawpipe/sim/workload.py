@@ -16,45 +16,21 @@ tokens, on a model of ``ModelDims``:
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
-from ..cost.traffic import ModelDims
+from ..models.shape import ModelDims
+from ..models.spec import dims
 from .hardware import Device
 
 ADAMW_BYTES = 32  # memory traffic of one AdamW update of one float32 parameter
 ELEMENTWISE = 34  # activation elements a layer's elementwise work reads and writes, per token and hidden unit
 
-# LLaMA shapes (Touvron et al. 2023; Llama 3.2 1B); "paper": the TawPipe code's script.py model.
-MODELS: dict[str, ModelDims] = {
-    "paper": ModelDims(hidden=1024, layers=24, heads=32, vocab=32000),
-    "1b": ModelDims(hidden=2048, layers=16, heads=32, kv_heads=8, vocab=128256, ffn=8192),
-    "7b": ModelDims(hidden=4096, layers=32, heads=32, vocab=32000, ffn=11008),
-    "13b": ModelDims(hidden=5120, layers=40, heads=40, vocab=32000, ffn=13824),
-    "70b": ModelDims(hidden=8192, layers=80, heads=64, kv_heads=8, vocab=32000, ffn=28672),
-}
-
-
 def model(spec: str, *, seq: int, micro_batch: int, dtype_bytes: int = 2, grad_bytes: int = 2) -> ModelDims:
-    """A preset of ``MODELS`` or a Hugging Face ``config.json`` (LLaMA-like: hidden_size,
-    num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size),
-    trained with a fused attention kernel (FlashAttention: no S x S scores kept)."""
-    if spec in MODELS:
-        base = MODELS[spec]
-    elif Path(spec).is_file() or Path(spec, "config.json").is_file():
-        path = Path(spec, "config.json") if Path(spec).is_dir() else Path(spec)
-        cfg = json.loads(path.read_text())
-        try:
-            base = ModelDims(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"],
-                             heads=cfg["num_attention_heads"], kv_heads=cfg.get("num_key_value_heads"),
-                             vocab=cfg["vocab_size"], ffn=cfg.get("intermediate_size"))
-        except KeyError as e:
-            raise ValueError(f"{path}: a LLaMA-like config needs {e.args[0]!r}") from None
-    else:
-        raise ValueError(f"model {spec!r}: expected one of {', '.join(MODELS)} or a Hugging Face config.json")
-    return replace(base, seq=seq, micro_batch=micro_batch, dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
-                   scores=False)
+    """The model ``spec`` names (a built-in model of ``models.presets``, a Hugging Face
+    ``config.json`` or its directory), trained with a fused attention kernel (FlashAttention: no
+    S x S scores kept)."""
+    return dims(spec, seq=seq, micro_batch=micro_batch, dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
+                scores=False)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,22 @@
 """``tawpipe train``: the training tool on top of the engine.
 
-``job`` (the command: configuration, the local or torchrun job, checkpoints, validation,
-export), ``data`` (token sources and batches), ``metrics`` (JSON lines and TensorBoard).
+``config`` (the flags, the config file and the checks that need no torch), ``job`` (the local or
+torchrun job, checkpoints, validation, export), ``data`` (token sources and batches), ``metrics``
+(JSON lines and TensorBoard). Only ``config`` is imported to parse the command line, so that
+``--help`` and a bad flag are answered without importing torch.
 """
 
-from .job import TrainConfig, add_arguments, main
+from __future__ import annotations
 
-__all__ = ["TrainConfig", "add_arguments", "main"]
+import argparse
+
+from .config import DESCRIPTION, TrainConfig, add_arguments, check
+
+__all__ = ["DESCRIPTION", "TrainConfig", "add_arguments", "main"]
+
+
+def main(args: argparse.Namespace) -> int:
+    check(TrainConfig.from_args(args))  # a value out of range: refused before torch is imported
+    from .job import main as run
+
+    return run(args)

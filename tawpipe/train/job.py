@@ -33,8 +33,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,73 +44,23 @@ import torch.distributed as dist
 from .. import models
 from ..cost.memory import AUTO, MemoryEstimate, auto_plan, busiest_rank_memory, describe, rank_memory
 from ..cost.traffic import plan_traffic
-from ..engine.auto import MARGIN, memory_budget
+from ..engine.auto import memory_budget
 from ..engine.auto import host_available as _host_available
 from ..engine.engine import TawPipe, default_optimizer
 from ..io import checkpoint, safetensors
 from ..models.parts import parts_signature
+from ..commands import UsageError, as_flags
 from ..ops import DTYPES
-from ..plan.plan import ALGOS, Plan
-from ..plan.schedule import check_replicas, depth_text, prefetch_depth_arg
+from ..plan.plan import Plan
+from ..plan.schedule import check_replicas, depth_text
 from ..plan.topology import Topology
 from ..runtime.launch import JobFailed, JobStopped, init_distributed, run_local, stop_requested
 from ..runtime.timeout import default_timeout
+from .config import NOT_TRAINING, TrainConfig, check, flag
 from .data import TokenSource
 from .data import batch as draw_batch
 from .data import load_tokens
 from .metrics import MetricsWriter, check_tensorboard, gather_peaks
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    nodes: int = 2
-    per_node: int = 2
-    model: str = "tiny"
-    layers: int | None = None
-    data: str | None = None
-    steps: int = 100
-    micro_batches: int = 2
-    batch_size: int = 4
-    seq_len: int = 128
-    lr: float = 3e-3
-    warmup: int = 5
-    dtype: str = "float32"
-    max_grad_norm: float | None = 1.0
-    grad_route: str = "rail"
-    algo: str = "tawpipe"
-    prefetch_depth: int | str = AUTO
-    mb_per_fetch: int | str = AUTO
-    reuse_weights: bool | str = AUTO
-    memory_budget: float | None = None
-    replicas: int = 1
-    grad_wire_dtype: str = "float32"
-    loss: str = "plain"
-    seed: int = 0
-    save: str | None = None
-    save_every: int | None = None
-    resume: str | None = None
-    export: str | None = None
-    val_every: int = 25
-    val_batches: int = 2
-    metrics: str | None = None
-    tensorboard: str | None = None
-    log_every: int = 1
-    max_skipped_in_a_row: int = 10
-
-
-# may change on resume: they do not change what is trained
-_NOT_TRAINING = ("save", "save_every", "resume", "export", "val_every", "val_batches", "metrics", "tensorboard",
-                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "memory_budget", "replicas",
-                 "max_skipped_in_a_row", "loss")
-
-
-class Refused(SystemExit):
-    """A bad input found before any worker starts. ``main`` prints the message (one line) on
-    stderr; the process exits with status 2, like a usage error."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.code = 2
 
 
 class TrainError(RuntimeError):
@@ -133,156 +83,19 @@ RUNTIME_BYTES = 384 * 2**20  # a rank's own footprint besides the model: torch, 
 # (measured: the peak RSS of a rank of the built-in "micro" model, whose own memory is a few MiB)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = TrainConfig()
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.epilog = (f"Built-in presets for --model: {', '.join(sorted(models.PRESETS))}. Hugging Face model types: "
-                "llama, mistral, qwen2, qwen3 (tawpipe.models.hf.register adds others).")
-    p.add_argument("--config", default=None, help="TOML or YAML file of flag values, keys named as the flags "
-                   "(micro-batches = 4); flags on the command line override it")
-    p.add_argument("--nodes", type=int, default=d.nodes, help="emulated nodes (local cluster only)")
-    p.add_argument("--per-node", type=int, default=d.per_node, help="ranks per emulated node")
-    p.add_argument("--model", "--preset", dest="model", default=d.model,
-                   help="a built-in preset, a Hugging Face save_pretrained directory, or a config .json "
-                        "(a Hugging Face config.json, or LlamaConfig fields)")
-    p.add_argument("--layers", type=int, default=None, help="override a built-in model's layer count")
-    p.add_argument("--data", default=None, help="text file or uint16 .bin; default: Python stdlib sources")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per rank per step")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps, then cosine decay to 10%%")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="compute dtype")
-    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="clip the global gradient norm")
-    p.add_argument("--grad-route", choices=("rail", "leader"), default=d.grad_route,
-                   help="router of inter-node gradients")
-    p.add_argument("--algo", choices=ALGOS, default=d.algo, help="the schedule (weipipe: the paper's baseline)")
-    p.add_argument("--prefetch-depth", type=_or_auto(prefetch_depth_arg), default=d.prefetch_depth,
-                   help="fetch weights this many slots ahead; 'resident' (with --reuse-weights): every fetched "
-                        "chunk stays in a staging buffer, the fewest bytes for the most staging memory; 'auto': "
-                        "chosen with k and reuse, the fewest inter-node bytes that fit --memory-budget")
-    p.add_argument("--mb-per-fetch", type=_or_auto(int), default=d.mb_per_fetch,
-                   help="k: micro-batches a resident chunk runs per fetch (divides --micro-batches); "
-                        "inter-node bytes fall by k (see `tawpipe plan --memory-budget`); 'auto': chosen")
-    p.add_argument("--reuse-weights", action=argparse.BooleanOptionalAction, default=d.reuse_weights,
-                   help="do not fetch again a chunk still in a staging buffer (neither flag: auto)")
-    p.add_argument("--memory-budget", type=float, default=None, metavar="GiB",
-                   help="memory per rank within which 'auto' chooses k, the depth and reuse (default: under torchrun "
-                        f"the GPU's free memory, else the host's available memory shared by its ranks; less "
-                        f"{MARGIN:.0%} and the runtime's own)")
-    p.add_argument("--replicas", type=int, default=d.replicas,
-                   help="R: the nodes form R replicas of nodes/R nodes, each a pipeline of its own; a chunk's R "
-                        "owners add their gradients once per step (see `tawpipe plan --replicas`)")
-    p.add_argument("--grad-wire-dtype", choices=("float32", "compute"), default=d.grad_wire_dtype,
-                   help="dtype gradients travel in; the owner accumulates in float32 either way")
-    p.add_argument("--loss", choices=("plain", "chunked"), default=d.loss,
-                   help="chunked: the head and cross-entropy a slice of tokens at a time, never the whole "
-                        "[tokens, vocabulary] float32 logits (equal to plain to ~1e-6; for long sequences; "
-                        "built-in models)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial model and of the batches")
-    p.add_argument("--save", default=None, metavar="DIR",
-                   help="checkpoint directory: a checkpoint at the end (and every --save-every steps)")
-    p.add_argument("--save-every", type=int, default=None, metavar="N", help="also checkpoint every N steps")
-    p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from a checkpoint: a step directory, or the latest one under DIR")
-    p.add_argument("--export", default=None, help="write the trained model here as a Hugging Face "
-                   "save_pretrained directory (safetensors; each rank writes its own chunk)")
-    p.add_argument("--val-every", type=int, default=d.val_every,
-                   help="validation loss on the held-out split every this many steps and at the end (0: never)")
-    p.add_argument("--val-batches", type=int, default=d.val_batches, help="validation micro-batches per rank")
-    p.add_argument("--metrics", default=None, help="append a JSON record per logged step to this file")
-    p.add_argument("--tensorboard", default=None, help="also write the metrics as TensorBoard events here")
-    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between metrics records")
-    p.add_argument("--max-skipped-in-a-row", type=int, default=d.max_skipped_in_a_row, metavar="N",
-                   help="stop with an error when N steps in a row are skipped (loss or gradients not finite), "
-                        "or when every step of the run was; 0: never")
-    _read_config_file_first(p)
-
-
-def _or_auto(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse``, or "auto" (the cost model chooses the value)."""
-    def parse_or_auto(text: str) -> Any:
-        return AUTO if text == AUTO else parse(text)
-
-    parse_or_auto.__name__ = parse.__name__  # argparse names the type in its errors
-    return parse_or_auto
-
-
-def _read_config_file_first(p: argparse.ArgumentParser) -> None:
-    """Make ``p`` read --config's file before the command line: the file's values become flags in
-    front of the given ones, so they are checked like flags and the flags given override them."""
-    parse_known_args = p.parse_known_args
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-
-    def with_config(args: list[str] | None = None, namespace: argparse.Namespace | None = None):
-        args = sys.argv[1:] if args is None else list(args)
-        path = pre.parse_known_args(args)[0].config
-        return parse_known_args((_config_argv(p, path) if path else []) + args, namespace)
-
-    p.parse_known_args = with_config  # type: ignore[method-assign]
-
-
-def _config_argv(p: argparse.ArgumentParser, path: str) -> list[str]:
-    """The flags a config file stands for."""
-    file = Path(path)
-    if not file.is_file():
-        p.error(f"--config {path}: no such file")
-    if file.suffix not in (".toml", ".yaml", ".yml"):
-        p.error(f"--config {path}: use a .toml, .yaml or .yml file")
-    try:
-        if file.suffix == ".toml":
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib
-
-            values = tomllib.loads(file.read_text())
-        else:
-            import yaml
-
-            values = yaml.safe_load(file.read_text()) or {}
-    except ImportError as e:
-        p.error(f"--config {path}: reading it needs pip install {'pyyaml' if e.name == 'yaml' else e.name}")
-    except Exception as e:  # a syntax error: tomllib.TOMLDecodeError or yaml.YAMLError
-        p.error(f"--config {path}: {e}")
-    if not isinstance(values, dict):
-        p.error(f"--config {path}: expected a table of flag values")
-    flags = {o for a in p._actions for o in a.option_strings if o.startswith("--") and o not in ("--config", "--help")}
-    argv: list[str] = []
-    for key, value in values.items():
-        flag = "--" + str(key).replace("_", "-")
-        if flag not in flags:
-            p.error(f"--config {path}: unknown key {key!r}; keys are the flags' names: "
-                    f"{', '.join(sorted(f[2:] for f in flags))}")
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _config(args: argparse.Namespace) -> tuple[TrainConfig, Preflight]:
-    """The run's configuration, checked (``validate``) and its "auto" options chosen; Refused
-    (exit status 2) otherwise."""
-    names = {f.name for f in fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    """The run's configuration, checked (``validate``) and its "auto" options chosen; UsageError
+    (one line, exit status 2) otherwise."""
+    cfg = TrainConfig.from_args(args)
     try:
         pre = validate(cfg, Topology.from_env() if _under_torchrun() else None)
     except (ValueError, OSError, ImportError) as e:
-        raise Refused(f"tawpipe train: {_one_line(e)}") from None
+        raise UsageError(as_flags(str(e))) from None
     return replace(cfg, **pre.schedule), pre
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
-
-
-def _arg(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _schedule(cfg: TrainConfig) -> dict[str, Any]:
@@ -295,18 +108,7 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     """Everything that can be checked before a worker starts; raises ValueError, OSError or
     ImportError (one line). ``topology``: torchrun's (default: the local emulated cluster's).
     Creates the directories the job writes to, last, once everything else passed."""
-    for name in ("steps", "micro_batches", "batch_size", "seq_len", "nodes", "per_node", "layers", "save_every",
-                 "val_batches", "log_every", "replicas"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ValueError(f"{_arg(name)} must be >= 1, got {value}")
-    for name in ("warmup", "val_every", "max_skipped_in_a_row"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"{_arg(name)} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("lr", "max_grad_norm", "memory_budget"):
-        value = getattr(cfg, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{_arg(name)} must be a finite number > 0, got {value}")
+    check(cfg)
     default_timeout()  # a bad TAWPIPE_TIMEOUT: its ValueError says what to set
     kind = models.check(cfg.model)
     if cfg.layers is not None and kind.startswith("hf"):
@@ -331,7 +133,7 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
                          f"(--layers >= {world}, or more --replicas)")
     manifest = _check_resume(cfg, parts_signature(blocks, embed, head)) if cfg.resume is not None else None
     ran = _as_it_ran(cfg, topology, manifest)
-    shape = models.shape(cfg.model, **overrides)
+    shape = replace(models.dims(cfg.model), layers=len(blocks), vocab=model_vocab)
     try:
         plan, auto = _plan(replace(cfg, **ran), topology, blocks, embed, head, shape)
     except ValueError as e:
@@ -343,8 +145,6 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     if vocab > model_vocab:
         raise ValueError(f"--data {cfg.data}: tokens go up to {vocab - 1}, past the model's vocabulary ({model_vocab}): "
                          "use data tokenised for this model")
-    if cfg.save_every is not None and cfg.save is None:
-        raise ValueError("--save-every needs --save DIR")
     _check_export(cfg)
     memory = _check_memory(cfg, topology, plan, blocks, embed, head, shape)
     params = sum({id(p): p.numel() for m in (*blocks, embed, head) for p in m.parameters()}.values())
@@ -372,7 +172,7 @@ def _as_it_ran(cfg: TrainConfig, topology: Topology, manifest: dict[str, Any] | 
 
 
 def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], embed: torch.nn.Module,
-          head: torch.nn.Module, shape: models.Shape) -> tuple[Plan, str | None]:
+          head: torch.nn.Module, shape: models.ModelDims) -> tuple[Plan, str | None]:
     """The run's plan, as the engine builds it, with the "auto" options chosen (design §7.3) on the
     busiest rank's estimate (the same on every rank) within --memory-budget, or within what a rank
     of this host has less the runtime's own. Where nothing fits that measure, the least memory:
@@ -405,13 +205,13 @@ def _wire_bytes(cfg: TrainConfig) -> tuple[int, int]:
 
 
 def _rank_sizes(cfg: TrainConfig, blocks: list[torch.nn.Module], embed: torch.nn.Module, head: torch.nn.Module,
-                shape: models.Shape) -> dict[str, int]:
+                shape: models.ModelDims) -> dict[str, int]:
     """``rank_memory``'s sizes but the chunks' (``_chunk_numel``, which depend on the plan)."""
     weight_bytes, grad_bytes = _wire_bytes(cfg)
     return dict(replicated_numel=sum({id(p): p.numel() for m in (embed, head) for p in m.parameters()}.values()),
                 weight_bytes=weight_bytes, grad_bytes=grad_bytes,
                 scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0, seq=cfg.seq_len,
-                micro_batch=cfg.batch_size, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab)
+                micro_batch=cfg.micro_batch_size, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab)
 
 
 def _chunk_numel(plan: Plan, blocks: list[torch.nn.Module]) -> list[int]:
@@ -443,15 +243,15 @@ def _check_writable(cfg: TrainConfig, params: int) -> None:
     for name, size in (("save", 12 * params), ("export", 4 * params), ("tensorboard", 0)):
         if getattr(cfg, name) is not None:
             path = Path(getattr(cfg, name))
-            _writable_dir(_arg(name), path)
+            _writable_dir(flag(name), path)
             try:
                 st = os.statvfs(path)
             except (OSError, AttributeError):  # no statvfs (Windows): found out when writing
                 continue
             if st.f_bavail * st.f_frsize < size:
-                raise ValueError(f"{_arg(name)} {path}: no space left on device for it: "
+                raise ValueError(f"{flag(name)} {path}: no space left on device for it: "
                                  f"{_gib(st.f_bavail * st.f_frsize)} free, the {name} takes about {_gib(size)}: "
-                                 f"free space there, or point {_arg(name)} at a file system with room")
+                                 f"free space there, or point {flag(name)} at a file system with room")
     if cfg.metrics is not None:
         path = Path(cfg.metrics)
         if path.is_dir():
@@ -481,7 +281,7 @@ def _writable_dir(flag: str, path: Path, of: Path | None = None) -> None:
 
 
 def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list[torch.nn.Module],
-                  embed: torch.nn.Module, head: torch.nn.Module, shape: models.Shape) -> str:
+                  embed: torch.nn.Module, head: torch.nn.Module, shape: models.ModelDims) -> str:
     """The estimated memory of this host's ranks against what it has: ValueError with the
     estimate and the fixes where it does not fit; else the estimate, one line."""
     sizes, chunk_numel = _rank_sizes(cfg, blocks, embed, head, shape), _chunk_numel(plan, blocks)
@@ -502,7 +302,7 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
                 f"more machines under torchrun (this host runs all {topology.world_size} ranks)")
         raise ValueError(f"not enough memory: the run needs about {detail}; {_gib(available)} is available ({where}): "
                          f"use {more}, a smaller --prefetch-depth or --mb-per-fetch (fewer staging buffers), "
-                         "--dtype bfloat16, a smaller --batch-size or --seq-len, or a smaller model "
+                         "--dtype bfloat16, a smaller --micro-batch-size or --seq-len, or a smaller model "
                          "(--model, --layers)")
     return f"memory estimate: {detail}" + (f"; {_gib(available)} available ({where})" if available is not None else "")
 
@@ -543,8 +343,8 @@ def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> dict[str, Any]
     if manifest["step"] >= cfg.steps:
         raise ValueError(f"--resume {cfg.resume} is at step {manifest['step']}: --steps {cfg.steps} leaves nothing to train")
     saved = manifest["meta"].get("train", {})
-    changed = [f"{_arg(k)} {saved[k]} -> {v}" for k, v in asdict(cfg).items()
-               if k in saved and k not in _NOT_TRAINING and saved[k] != v]
+    changed = [f"{flag(k)} {saved[k]} -> {v}" for k, v in asdict(cfg).items()
+               if k in saved and k not in NOT_TRAINING and saved[k] != v]
     if changed:
         print(f"tawpipe train: note: resuming with other settings than the checkpoint's ({', '.join(changed)}); "
               "the run will differ from an uninterrupted one", file=sys.stderr)
@@ -602,7 +402,7 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
                       "inter_node": [traffic.node_bytes(r)[1] for r in range(topology.world_size)]}
     if rank == 0:
         print(_summary(cfg, src, parts, engine, auto), flush=True)
-    tokens_per_step = topology.world_size * cfg.micro_batches * cfg.batch_size * cfg.seq_len
+    tokens_per_step = topology.world_size * cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
     writer = None
     metrics_flag = ("--metrics", cfg.metrics) if cfg.metrics else ("--tensorboard", cfg.tensorboard)
     if rank == 0 and (cfg.metrics or cfg.tensorboard):
@@ -619,7 +419,7 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
     try:
         for step in range(start, cfg.steps):
             idx = [rank * cfg.micro_batches + i for i in range(cfg.micro_batches)]
-            mbs = [draw_batch(src.train, cfg.seq_len, cfg.batch_size, seed=cfg.seed, step=step, index=i) for i in idx]
+            mbs = [draw_batch(src.train, cfg.seq_len, cfg.micro_batch_size, seed=cfg.seed, step=step, index=i) for i in idx]
             t_step = time.perf_counter()
             skipped = engine.skipped_steps
             loss = engine.step((torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])))
@@ -697,7 +497,7 @@ def _validation_batches(rank: int, cfg: TrainConfig, src: TokenSource) -> list[t
     if len(src.val) < cfg.seq_len + 1:
         raise ValueError(f"the held-out split has {len(src.val)} tokens, too few for --seq-len {cfg.seq_len}: "
                          "use more data, or --val-every 0")
-    return [draw_batch(src.val, cfg.seq_len, cfg.batch_size, seed=cfg.seed, step=0, index=rank * cfg.val_batches + i)
+    return [draw_batch(src.val, cfg.seq_len, cfg.micro_batch_size, seed=cfg.seed, step=0, index=rank * cfg.val_batches + i)
             for i in range(cfg.val_batches)]
 
 
@@ -715,7 +515,7 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
         "masters and optimizer state float32",
         f"topology: {topo.nodes} node(s) x {topo.per_node} rank(s) = {topo.world_size} ranks"
         f"{f' in {plan.replicas} replicas of {plan.replica_size}' if plan.replicas > 1 else ''}, chunks of {layers} "
-        f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.batch_size} x {cfg.seq_len} tokens",
+        f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.micro_batch_size} x {cfg.seq_len} tokens",
         f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {depth_text(plan, cfg.prefetch_depth)}, "
         f"{engine.mb_per_fetch} micro-batch(es) per fetch, resident chunks "
         f"{'reused' if engine.reuse_weights else 'refetched'}, "
@@ -781,11 +581,7 @@ def _local_rank(rank: int, cfg: TrainConfig, auto: str | None) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        cfg, pre = _config(args)
-    except Refused as e:
-        print(e, file=sys.stderr)
-        raise
+    cfg, pre = _config(args)
     resumed = f", resumed from step {pre.resumed_from}" if pre.resumed_from is not None else ""
     stopped_by = signal.SIGTERM  # what a stopped run's exit code says (128 + the signal)
     if _under_torchrun():
