@@ -7,7 +7,7 @@ device with plain torch (bfloat16 autocast, float32 weights and AdamW, each bloc
 simulator's time for the same iteration on that device, calibrated in the same process at the same
 shape (``tawpipe.sim.calibrate``). Prints a table and writes JSON:
 
-    python benchmarks/sim_compute_check.py --device cuda --model paper --seq 4096 16384 --out X.json
+    python benchmarks/sim_compute_check.py --device cuda --model paper --seq-len 4096 16384 --out X.json
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tawpipe.cost.traffic import ModelDims
 from tawpipe.models.llama import Llama, LlamaConfig, block_forward
+from tawpipe.models.shape import ModelDims
 from tawpipe.sim import compare
 from tawpipe.sim.calibrate import calibrate
 from tawpipe.sim.hardware import Cluster, link
@@ -32,9 +32,7 @@ from tawpipe.sim.workload import Workload, model
 
 def measure(dims: ModelDims, device: torch.device, acc: int, recompute: bool, iters: int, warmup: int) -> float:
     """Median seconds of one training iteration (acc micro-batches, then AdamW) at ``dims``."""
-    cfg = LlamaConfig(vocab_size=dims.vocab, hidden=dims.hidden, n_layers=dims.layers, n_heads=dims.heads,
-                      n_kv_heads=dims.kv_heads or dims.heads, ffn_hidden=dims.ffn_hidden, max_seq_len=dims.seq)
-    net = Llama(cfg, seed=0).to(device)
+    net = Llama(LlamaConfig.from_dims(dims), seed=0).to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     ctx = net.block_context(dims.seq, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -66,14 +64,14 @@ def measure(dims: ModelDims, device: torch.device, acc: int, recompute: bool, it
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--model", default="paper", help="a simulator preset (paper, 1b, 7b, ...)")
+    p.add_argument("--model", default="paper", help="a built-in model (paper, 1b, 7b, ...)")
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--hidden", type=int, help="override the preset's hidden size (with --heads)")
     p.add_argument("--heads", type=int)
     p.add_argument("--vocab", type=int)
-    p.add_argument("--seq", type=int, nargs="+", default=[4096])
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--acc", type=int, default=2)
+    p.add_argument("--seq-len", type=int, nargs="+", default=[4096])
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -83,18 +81,19 @@ def main() -> None:
     overrides = {k: v for k, v in (("layers", args.layers), ("hidden", args.hidden), ("heads", args.heads),
                                    ("vocab", args.vocab)) if v is not None}
     rows = []
-    for seq in args.seq:
-        dims = dataclasses.replace(model(args.model, seq=seq, micro_batch=args.micro_batch), **overrides)
+    for seq in args.seq_len:
+        dims = dataclasses.replace(model(args.model, seq=seq, micro_batch=args.micro_batch_size), **overrides)
         dev = calibrate(dims, device=args.device)
         cluster = Cluster(1, 1, dev, link("nvlink"), link("10gbe"))
-        sim = compare.run("ddp", cluster, Workload(dims, dev, recompute=args.recompute), args.acc)
-        measured = measure(dims, device, args.acc, args.recompute, args.iters, args.warmup)
+        sim = compare.run("ddp", cluster, Workload(dims, dev, recompute=args.recompute), args.micro_batches)
+        measured = measure(dims, device, args.micro_batches, args.recompute, args.iters, args.warmup)
         rows.append({"seq": seq, "measured_s": measured, "predicted_s": sim.time_s,
                      "ratio": sim.time_s / measured, "calibration": dataclasses.asdict(dev)})
         print(f"S = {seq:6d}: measured {measured:.4f} s/iteration, predicted {sim.time_s:.4f} s "
               f"({sim.time_s / measured:.2f}x)", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"\n{name}, model {args.model} {overrides or ''}, micro-batch {args.micro_batch}, acc {args.acc}, "
+    print(f"\n{name}, model {args.model} {overrides or ''}, micro-batch {args.micro_batch_size}, "
+          f"{args.micro_batches} micro-batches, "
           f"recompute {args.recompute}, bfloat16 autocast\n")
     print("| S | measured s/iteration | predicted s | predicted / measured |\n|---|---|---|---|")
     for r in rows:
@@ -102,7 +101,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "model": args.model, "overrides": overrides,
-                       "micro_batch": args.micro_batch, "acc": args.acc, "recompute": args.recompute,
+                       "micro_batch": args.micro_batch_size, "acc": args.micro_batches, "recompute": args.recompute,
                        "iters": args.iters, "warmup": args.warmup, "rows": rows}, f, indent=1)
 
 

@@ -6,14 +6,16 @@ The layers, each a package that imports only those below it (design §1): ``ops`
 
 The public names are loaded on first use (PEP 562), so that ``import tawpipe.cli`` (``tawpipe
 --help``, ``tawpipe plan``) does not import torch: ``from tawpipe import TawPipe`` and
-``tawpipe.ops`` work as before. ``torch.ops.tawpipe.*`` are registered when ``tawpipe.ops`` is
-imported: by the engine, by ``tawpipe.ops``, and by ``import tawpipe`` itself where torch is
-already imported (then loading the extension costs a few milliseconds).
+``tawpipe.ops`` work as before. ``torch.ops.tawpipe.*`` are registered by ``import tawpipe`` in
+either order: at once where torch is already imported (loading the extension costs a few
+milliseconds), else as soon as torch finishes importing.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -54,5 +56,36 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+class _OpsOnceTorchLoads(importlib.abc.MetaPathFinder):
+    """Imports ``tawpipe.ops`` right after torch's own import, so that ``import tawpipe, torch``
+    registers ``torch.ops.tawpipe.*`` as ``import torch, tawpipe`` does, while ``import tawpipe``
+    alone (the command line) imports no torch. It finds torch's spec through the other finders and
+    steps aside once torch is loaded (a ``find_spec`` alone, as a library's probe for torch, loads
+    nothing)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "torch":
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        if spec is not None and spec.loader is not None:
+            exec_torch = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                exec_torch(module)
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                importlib.import_module("tawpipe.ops")
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
 if "torch" in sys.modules:  # torch is loaded already: register torch.ops.tawpipe.* now, as ever
     from . import ops  # noqa: F811
+else:
+    sys.meta_path.insert(0, _OpsOnceTorchLoads())

@@ -19,11 +19,15 @@ from collections.abc import Callable, Sequence
 
 from .commands import Parser, UsageError, as_flags, delegate, refuse
 from .cost.memory import Choice, MemoryEstimate, NothingFits, auto_plan, estimate_memory, fitting, memory_per_rank
-from .cost.traffic import KINDS, PEER_METHODS, ModelDims, estimate, plan_traffic
+from . import models
+from .cost.traffic import KINDS, LAYER_KINDS, PEER_METHODS, estimate, plan_traffic
+from .models.presets import PRESETS
+from .models.shape import ModelDims
 from .plan.plan import ALGOS, GRAD_ROUTES, Plan
 from .plan.schedule import RESIDENT, build_plan, check_replicas, compute_actions, depth_text, prefetch_depth_arg
 from .plan.topology import Topology
 from .plan.verify import VerifyReport, verify
+from .sim.hardware import LINKS, Link, link
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +37,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nodes", type=int, required=True, help="number of groups G (one per node)")
     p.add_argument("--per-node", type=int, required=True, help="devices per group s")
-    p.add_argument("--layers", type=int, required=True, help="decoder layers L (>= G x s)")
+    p.add_argument("--layers", type=int, help="decoder layers L (>= G x s); default: --model's")
     p.add_argument("--micro-batches", type=int, required=True, help="micro-batches per device (acc)")
     p.add_argument("--algo", choices=ALGOS, default="tawpipe",
                    help="the schedule: TawPipe, or the WeiPipe ring baseline")
@@ -49,37 +53,57 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="R: the nodes form R replicas of nodes/R nodes, each a pipeline; a chunk's R owners add "
                         "their gradients once per iteration (with a model, every R is compared)")
-    p.add_argument("--link-gbps", type=float, default=10.0,
-                   help="inter-node link rate per node and direction, Gbit/s (for link times)")
+    p.add_argument("--inter", default="10gbe", type=_link,
+                   help=f"inter-node link per node and direction, for link times: {', '.join(LINKS)} or a rate like "
+                        "25gbit")
     p.add_argument("--json", action="store_true",
                    help="print a JSON summary instead (the plan without its actions, what verify proved, traffic)")
     p.add_argument("--actions", action="store_true",
                    help="with --json: print the whole plan instead, with replica 0's actions (Plan.from_json reads it)")
     p.add_argument("--no-table", action="store_true", help="print only the summary")
     m = p.add_argument_group("model (optional: gives sizes in bytes, memory per k and the peer estimates)")
-    m.add_argument("--hidden", type=int, help="hidden size H")
-    m.add_argument("--heads", type=int, default=32, help="attention heads (for activation memory)")
-    m.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
-    m.add_argument("--vocab", type=int, default=32000, help="vocabulary size (the replicated embedding and head)")
-    m.add_argument("--seq", type=int, default=4096, help="sequence length S")
-    m.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch B")
+    m.add_argument("--model", help=f"a built-in model ({', '.join(PRESETS)}) or a Hugging Face config.json; "
+                                   "--layers, if given, overrides its layer count")
+    m.add_argument("--hidden", type=int, help="hidden size H (a model of your own, instead of --model)")
+    m.add_argument("--heads", type=int, default=32, help="attention heads (with --hidden)")
+    m.add_argument("--kv-heads", type=int, default=None, help="key/value heads (with --hidden; default: --heads)")
+    m.add_argument("--vocab", type=int, default=32000, help="vocabulary size (with --hidden)")
+    m.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    m.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
     m.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/activation element")
     m.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient element on the wire")
-    m.add_argument("--memory-budget", type=float, default=None,
+    m.add_argument("--memory-budget", type=float, default=None, metavar="GiB",
                    help="GiB per rank: suggest the largest k, and the k and prefetch depth with the "
                         "fewest inter-node bytes, whose estimated memory fits; and what 'auto' (the default of "
                         "tawpipe train and the engine) chooses within it")
     p.set_defaults(run=functools.partial(_run_plan, p))
 
 
+def _link(spec: str) -> Link:
+    """--inter's value: a link of the simulator's presets or a rate."""
+    try:
+        return link(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _dims_and_sizes(args: argparse.Namespace) -> tuple[ModelDims | None, dict]:
-    if args.hidden is None:  # sizes in units of one layer's parameters
+    """The model of --model or --hidden, and the sizes ``build_plan`` counts bytes with; without
+    one, every layer one element of one byte (the traffic is then counted in layers)."""
+    batch = dict(seq=args.seq_len, micro_batch=args.micro_batch_size, dtype_bytes=args.dtype_bytes,
+                 grad_bytes=args.grad_bytes)
+    if args.model is not None and args.hidden is not None:
+        raise ValueError("--model and --hidden both give the model: use one")
+    if args.model is None and args.layers is None:
+        raise ValueError("the following arguments are required: --layers (or --model)")
+    if args.model is not None:
+        dims = models.dims(args.model, **batch)
+        dims = dims if args.layers is None else dataclasses.replace(dims, layers=args.layers)
+    elif args.hidden is not None:
+        dims = ModelDims(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                         vocab=args.vocab, **batch)
+    else:
         return None, dict(layer_numel=1, weight_bytes=1, grad_bytes=1, replicated_numel=0)
-    dims = ModelDims(
-        hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-        vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch_size,
-        dtype_bytes=args.dtype_bytes, grad_bytes=args.grad_bytes,
-    )
     return dims, dict(layer_numel=dims.layer_numel, weight_bytes=dims.dtype_bytes,
                       grad_bytes=dims.grad_bytes, replicated_numel=dims.replicated_numel)
 
@@ -90,12 +114,11 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
         topo = Topology(args.nodes, args.per_node)
         _check_plan_size(topo, args.micro_batches, args.replicas)
         dims, sizes = _dims_and_sizes(args)
+        args.layers = dims.layers if dims is not None else args.layers
         build = functools.partial(build_plan, topo, args.layers, args.micro_batches, algo=args.algo,
                                   grad_route=args.grad_route, replicas=args.replicas, **sizes)
         plan = build(mb_per_fetch=args.mb_per_fetch, prefetch_depth=args.prefetch_depth,
                      reuse_weights=args.reuse_weights)
-        if not args.link_gbps > 0:
-            raise ValueError(f"--link-gbps must be > 0, got {args.link_gbps}")
         if args.actions and not args.json:
             raise ValueError("--actions lists the plan's actions in its JSON: add --json")
     except ValueError as e:
@@ -103,7 +126,7 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
     gc.freeze()  # the plan lives to the end: the collector need not walk its millions of objects again
     report = verify(plan)
     if args.json:
-        print(plan.to_json() if args.actions else _json_summary(plan, report, args))
+        print(plan.to_json() if args.actions else _json_summary(plan, report, dims))
         return 0
     if not args.no_table:
         if plan.replicas > 1:
@@ -127,11 +150,14 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
           f"{report.grad_buffers} gradient buffers per rank, {report.contributions} gradient "
           "contributions delivered, no deadlock")
     traffic = plan_traffic(plan)
-    print(f"traffic per iteration (sent; {'bytes' if dims else 'units: parameters of one layer'}):")
+    print("traffic per iteration (sent, bytes):" if dims else
+          "traffic per iteration (sent, in layers of weights or gradients; --model or --hidden gives bytes, "
+          "and the replicated modules' and the step statistics' traffic):")
     print(traffic.summary(in_bytes=dims is not None))
     if dims is not None:
-        floor, bursts = traffic.link_seconds(args.link_gbps * 1e9 / 8)
-        print(f"inter-node link at {args.link_gbps:g} Gbit/s per node and direction: floor {floor:.3f} s "
+        floor, bursts = traffic.link_seconds(args.inter.rate)
+        print(f"inter-node link {args.inter.name} ({args.inter.rate * 8 / 1e9:g} Gbit/s) per node and direction: "
+              f"floor {floor:.3f} s "
               f"(busiest link's bytes), per-slot bursts {bursts:.3f} s (each slot's busiest link, summed)")
         if args.algo == "tawpipe":
             _print_k_table(args, dims, build)
@@ -213,7 +239,7 @@ def _print_replicas(args: argparse.Namespace, dims: ModelDims, topo: Topology) -
     k, depth = args.mb_per_fetch, args.prefetch_depth
     if depth == RESIDENT:
         return  # the closed form covers numbered depths
-    rate = args.link_gbps * 1e9 / 8
+    rate = args.inter.rate
     budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
     print(f"replicas (closed form, k={k}, prefetch depth {depth}; R divides the {topo.nodes} nodes):")
     print(f"{'R':>5}  {'ranks/pipeline':>14}  {'inter-node/iter (per node)':>27}  {'floor':>9}  {'memory/rank':>12}  fits")
@@ -234,18 +260,19 @@ def _print_replicas(args: argparse.Namespace, dims: ModelDims, topo: Topology) -
         print(f"fewest inter-node bytes{' within the budget' if budget is not None else ''}: --replicas {best[0]}")
 
 
-def _json_summary(plan: Plan, report: VerifyReport, args: argparse.Namespace) -> str:
+def _json_summary(plan: Plan, report: VerifyReport, dims: ModelDims | None) -> str:
     """The plan without its actions, what verify proved and the traffic: small at any size."""
     traffic = plan_traffic(plan)
+    kinds = KINDS if dims is not None else LAYER_KINDS
     doc = {
         "format": "tawpipe-plan-summary/1",
         "plan": json.loads(plan.to_json(actions=False)),
         "verified": dataclasses.asdict(report),
         "traffic": {
-            "sent_per_rank_mean": traffic.total() / plan.topology.world_size,
-            "inter_node_per_node": traffic.per_node(),
-            "by_kind_busiest_rank": {k: traffic.busiest(kind=k)[1] for k in KINDS},
-            "units": "bytes" if args.hidden is not None else "parameters of one layer",
+            "sent_per_rank_mean": traffic.total(kind=kinds) / plan.topology.world_size,
+            "inter_node_per_node": traffic.per_node(kind=kinds),
+            "by_kind_busiest_rank": {k: traffic.busiest(kind=k)[1] for k in kinds},
+            "units": "bytes" if dims is not None else "layers",
         },
     }
     return json.dumps(doc)

@@ -82,7 +82,7 @@ def test_summary_shows_the_rail_cut_of_the_busiest_rank(capsys):
 
 def test_model_dimensions_give_bytes_and_peer_estimates(capsys):
     out = run(capsys, "plan", "--nodes", "2", "--per-node", "2", "--layers", "8", "--micro-batches", "2",
-              "--no-table", "--hidden", "256", "--heads", "8", "--seq", "1024")
+              "--no-table", "--hidden", "256", "--heads", "8", "--seq-len", "1024")
     for method in ("ddp", "fsdp", "hsdp", "1f1b", "weipipe", "tawpipe"):
         assert re.search(rf"^\s+{method}\s+[\d.]+ GB\s+[\d.]+ GB$", out, re.M), method
     assert re.search(r"weights: busiest rank across nodes r\d \d[\d.]* [kMG]?B", out)
@@ -134,16 +134,21 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
-def test_help_and_plan_do_not_import_torch():
-    """`tawpipe --help` and `tawpipe plan` stay fast: the package root loads its names on first
-    use, and plan and cost import no torch (importing it took 1-2 s of a 1.5 s `--help`)."""
+def test_help_plan_and_train_arguments_do_not_import_torch():
+    """`tawpipe --help`, `tawpipe plan` and `tawpipe train --help` or a bad train flag stay fast:
+    the package root loads its names on first use, plan and cost import no torch, and train's
+    flags live in a torch-free module (importing torch took 1-2 s of a 1.5 s `--help`)."""
     done = _python(
         "import sys, contextlib, io\n"
         "import tawpipe.cli\n"
         "assert 'torch' not in sys.modules, 'import tawpipe.cli imported torch'\n"
         "for argv in (['--help'], ['plan', '--help'], ['plan', '--nodes', '2', '--per-node', '2', '--layers', '8',\n"
-        "             '--micro-batches', '2', '--hidden', '64', '--no-table']):\n"
-        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "             '--micro-batches', '2', '--hidden', '64', '--no-table'],\n"
+        "             ['plan', '--nodes', '2', '--per-node', '2', '--model', '7b', '--micro-batches', '2', '--no-table'],\n"
+        "             ['train', '--help'], ['train', '--stpes', '3'], ['train', '--steps', '0'],\n"
+        "             ['train', '--seq', '8'], ['train', '--dtype', 'float64']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \\\n"
+        "            contextlib.suppress(SystemExit):\n"
         "        tawpipe.cli.main(argv)\n"
         "    assert 'torch' not in sys.modules, f'tawpipe {argv} imported torch'\n"
     )
@@ -174,8 +179,20 @@ def test_the_package_root_loads_its_names_on_first_use():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.parametrize("code", [
+    "import tawpipe, torch",
+    # a library's probe for torch (transformers asks find_spec first) must not spend the hook
+    "import importlib.util, tawpipe\nimportlib.util.find_spec('torch')\nimport torch",
+    "import tawpipe\nimport transformers\nimport torch",
+])
+def test_import_tawpipe_registers_the_ops_in_either_order(code):
+    """Users who call the ops from other frameworks import tawpipe wherever their imports put it."""
+    done = _python(code + "\nassert callable(torch.ops.tawpipe.pack) and callable(torch.ops.tawpipe.unpack_accumulate)\n")
+    assert done.returncode == 0, done.stderr
+
+
 MODEL_3X2 = ("plan", "--nodes", "3", "--per-node", "2", "--layers", "8", "--micro-batches", "2", "--no-table",
-             "--hidden", "256", "--heads", "8", "--vocab", "512", "--seq", "512", "--dtype-bytes", "4",
+             "--hidden", "256", "--heads", "8", "--vocab", "512", "--seq-len", "512", "--dtype-bytes", "4",
              "--prefetch-depth", "3", "--reuse-weights")
 
 
@@ -234,7 +251,7 @@ def test_peer_table_counts_weipipe_and_tawpipe_from_their_plans(capsys, algo):
     flags = ("--mb-per-fetch", "2", "--prefetch-depth", "resident", "--reuse-weights") if taw else ()
     out = run(capsys, "plan", "--nodes", "2", "--per-node", "2", "--layers", "8", "--micro-batches", "2",
               "--no-table", "--algo", algo, *flags, "--hidden", "256", "--heads", "8", "--vocab", "512",
-              "--seq", "512", "--dtype-bytes", "4")
+              "--seq-len", "512", "--dtype-bytes", "4")
     sizes = dict(layer_numel=dims.layer_numel, weight_bytes=4, grad_bytes=4, replicated_numel=dims.replicated_numel)
     plans = {"tawpipe": build_plan(topo, 8, 2, **taw, **sizes),
              "weipipe": build_plan(topo, 8, 2, algo="weipipe", **sizes)}

@@ -91,8 +91,9 @@ def test_a_plan_built_once_plays_as_compare_runs_it():
     ref = compare.run("tawpipe", cluster, work, 4, settings=s)
     plan = engine_plan(cluster, work, 4, **s)
     mine = compare.play("tawpipe", plan, cluster, work, 4, s)
-    for key in ("time_s", "compute_s", "inter_bytes", "intra_bytes", "mfu", "bottleneck"):
+    for key in ("time_s", "compute_s", "inter_bytes", "intra_bytes", "mfu"):
         assert getattr(mine, key) == pytest.approx(getattr(ref, key), rel=1e-12), key
+    assert mine.bottleneck == ref.bottleneck
     assert mine.memory.total == pytest.approx(memory_per_rank(plan, work.dims).total + compare.logits_bytes(work.dims))
     assert atlas.compute_floor(plan, work) <= mine.time_s
     ref = compare.run("1f1b", cluster, work, 4)  # P = N, compare's default

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_compute_check_predicts_from_the_calibration_it_records(tmp_path: Path) -> None:
     out = tmp_path / "check.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "sim_compute_check.py"), "--device", "cpu", "--model", "paper",
-           "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "64", "128",
+           "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq-len", "64", "128",
            "--iters", "2", "--warmup", "1", "--no-recompute", "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -24,6 +24,7 @@ from ..plan.plan import Plan
 from ..plan.topology import Topology
 
 KINDS = ("weights", "grads", "replica", "replicated", "stats")
+LAYER_KINDS = ("weights", "grads", "replica")  # the kinds that move layers (of a chunk, or of its gradient)
 Kind = str | tuple[str, ...] | None
 
 
@@ -93,15 +94,19 @@ class Traffic:
                     for g in range(t.nodes)) for i in range(t.per_node)]
 
     def summary(self, in_bytes: bool = True) -> str:
-        """A few lines for humans: busiest rank per kind, per node, per rail."""
+        """A few lines for humans: busiest rank per kind, per node, per rail. Without bytes (a plan
+        built with one element per layer and one byte per element) only the kinds that move
+        layers are counted, in layers: the statistics and the replicated modules have no such unit."""
+        kinds = KINDS if in_bytes else LAYER_KINDS
         lines = []
-        for kind in (*KINDS, None):
+        for kind in (*kinds, None):
             name = kind or "all"
-            r, v = self.busiest(kind=kind)
-            intra = max(self.total(q, kind=kind, inter=False) for q in range(self.topology.world_size))
+            r, v = self.busiest(kind=kind or kinds)
+            intra = max(self.total(q, kind=kind or kinds, inter=False) for q in range(self.topology.world_size))
             lines.append(f"{name:>10}: busiest rank across nodes r{r} {_fmt(v, in_bytes)}; "
                          f"most within a node by one rank {_fmt(intra, in_bytes)}")
-        nodes, rails = _listed(self.per_node(), in_bytes), _listed(self.per_rail(), in_bytes)
+        nodes = _listed(self.per_node(kind=kinds), in_bytes)
+        rails = _listed(self.per_rail(kind=kinds), in_bytes)
         lines.append(f"across nodes, per node: {nodes}")
         lines.append(f"across nodes, per rail (local index): {rails}")
         return "\n".join(lines)
@@ -176,7 +181,7 @@ def _listed(values: list[float], in_bytes: bool, most: int = 16) -> str:
 
 def _fmt(v: float, in_bytes: bool) -> str:
     if not in_bytes:
-        return f"{v:,.1f}"
+        return f"{v:,.0f} layer{'' if v == 1 else 's'}"
     for scale, name in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
         if v >= scale:
             return f"{v / scale:,.2f} {name}"
