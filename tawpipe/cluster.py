@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
+from .commands import UsageError
 from .runtime.launch import die_with_parent
 
 PREFIX = "tpc"
@@ -809,7 +810,7 @@ def _resolve(target: Sequence[str]) -> Callable[..., Any] | None:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise SystemExit(f"tawpipe cluster run: cannot import {target[0]}: {e}") from None
+        raise UsageError(f"cannot import {target[0]}: {e}") from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -823,15 +824,15 @@ def main(args: argparse.Namespace) -> int:
         return 1 if errors or cg_errors else 0
     target = [a for a in args.target if a != "--"] if args.target[:1] == ["--"] else list(args.target)
     if not target:
-        raise SystemExit("tawpipe cluster run: nothing to run; give '-- module:function' or '-- command'")
+        raise UsageError("nothing to run; give '-- module:function' or '-- command'")
     try:
         spec = spec_from_args(args, args.nodes, args.per_node)
     except ValueError as e:
-        raise SystemExit(f"tawpipe cluster run: {e}") from None
+        raise UsageError(str(e)) from None
     fn = _resolve(target)
     reason = unavailable_reason(spec)
     if reason:
-        raise SystemExit(f"tawpipe cluster run: {reason}")
+        raise UsageError(reason)
     with Cluster(spec) as c:
         print(f"tawpipe cluster: {spec.nodes} nodes x {spec.per_node} ranks, links {spec.rate or 'unlimited'} "
               f"each way, {describe_compute(spec)}, namespaces {spec.run_id}-*", flush=True)

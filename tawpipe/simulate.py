@@ -24,7 +24,8 @@ from .cost.traffic import ModelDims
 from .plan.schedule import prefetch_depth_arg
 from .sim import compare
 from .sim.hardware import DEVICES, LINKS, Cluster, Device, device, link
-from .sim.workload import MODELS, Workload, model
+from .models.presets import PRESETS
+from .sim.workload import Workload, model
 
 GiB = 2**30
 EMULATED_EFFICIENCY = 0.994  # payload per byte the shaper meters (GSO packets: ~0.5% headers, measured)
@@ -48,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "device that has a transfer rate (a `bench cluster` calibration), transfers take the ranks' "
                         "compute")
     m = p.add_argument_group("model and batch")
-    m.add_argument("--model", default="paper", help=f"a preset ({', '.join(MODELS)}) or a Hugging Face config.json")
+    m.add_argument("--model", default="paper", help=f"a built-in model ({', '.join(PRESETS)}) or a Hugging Face config.json")
     m.add_argument("--seq", type=int, default=4096, help="sequence length S")
     m.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch B")
     m.add_argument("--acc", type=int, default=2, help="micro-batches per device per iteration")

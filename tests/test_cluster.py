@@ -24,7 +24,9 @@ from tawpipe import cluster as cl
 from tawpipe.bench.baselines import RunConfig
 from tawpipe.bench import cluster as bench
 from tawpipe.cluster import ClusterSpec, LinkBytes
+from tawpipe.commands import UsageError
 from tawpipe.plan.topology import Topology
+from tawpipe.simulate import shape_dims
 
 
 def spec(nodes: int = 3, per_node: int = 2, rate: str | None = "100mbit") -> ClusterSpec:
@@ -204,7 +206,7 @@ def test_run_needs_an_up_cluster():
 def test_resolve_function_or_command():
     assert cl._resolve(["tawpipe.cluster:link_bytes"]) is cl.link_bytes
     assert cl._resolve(["python", "-m", "tawpipe"]) is None
-    with pytest.raises(SystemExit, match="cannot import"):
+    with pytest.raises(UsageError, match="cannot import"):
         cl._resolve(["tawpipe.cluster:nope"])
 
 
@@ -233,7 +235,7 @@ def test_replicas_add_tawpipe_at_both_k_on_the_node_counts_they_divide():
 
 def test_fsdp_prediction_counts_gloo_reduce_scatter_as_all_reduce():
     cfg = RunConfig(nodes=2, per_node=2, micro_batches=3)
-    dims = bench._dims(cfg)
+    dims = shape_dims(dataclasses.asdict(cfg))
     ring, psi, e = 3 / 4, dims.decoder_numel, dims.replicated_numel
     gathers = 3 * ring * (2 * psi + e) * 4
     assert bench.predicted_busiest("fsdp", cfg) == pytest.approx(gathers + 2 * ring * (psi + e) * 4)
@@ -244,7 +246,7 @@ def test_fsdp_prediction_counts_gloo_reduce_scatter_as_all_reduce():
 
 def test_fsdp_node_prediction_gathers_the_blocks_across_nodes_only_in_forward():
     cfg = RunConfig(nodes=2, per_node=2, micro_batches=3)
-    dims = bench._dims(cfg)
+    dims = shape_dims(dataclasses.asdict(cfg))
     ring, psi, e = 3 / 4, dims.decoder_numel, dims.replicated_numel
     # forward: blocks and root over all ranks; backward: the blocks from the node; one all-reduce
     node = bench.predicted_busiest("fsdp-node", cfg)
@@ -261,7 +263,7 @@ def test_a_larger_vocabulary_is_in_the_predictions_and_the_engines_loss(monkeypa
     from tawpipe.models.llama import Llama, chunked_head_loss
 
     cfg = RunConfig(vocab=1024, loss="chunked")
-    dims = bench._dims(cfg)
+    dims = shape_dims(dataclasses.asdict(cfg))
     assert dims.decoder_numel + dims.replicated_numel == sum(p.numel() for p in Llama(cfg.model_config()).parameters())
     monkeypatch.setattr(bench, "TawPipe", lambda *args, **kw: kw)
     model = baselines.build_model(cfg)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tawpipe.bench import comm
+from tawpipe.commands import UsageError
 from tawpipe.runtime.launch import free_port
 from tawpipe.plan.topology import Topology
 
@@ -115,5 +116,5 @@ def test_runs_from_a_launchers_environment(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_nccl_backends_refuse_clearly_without_cuda() -> None:
-    with pytest.raises(SystemExit, match="needs CUDA"):
+    with pytest.raises(UsageError, match="needs CUDA"):
         comm.main(_args("--backend", "nccl"))

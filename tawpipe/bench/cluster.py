@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 
+from ..commands import UsageError
 from ..cluster import (Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, describe_compute,
                        spec_from_args, unavailable_reason)
-from ..cost.traffic import ModelDims, crossover_tokens, estimate, fsdp_numel, plan_traffic
+from ..cost.traffic import crossover_tokens, estimate, fsdp_numel, plan_traffic
 from ..engine.engine import TawPipe
 from ..models.llama import block_forward, llama_loss
 from ..plan.schedule import RESIDENT, prefetch_depth_arg
@@ -137,13 +138,6 @@ def engine_rank(rank: int, cfg: RunConfig, options: dict[str, Any]) -> dict[str,
         engine.close()
 
 
-def _dims(cfg: RunConfig) -> ModelDims:
-    # ModelDims counts one tied embedding (vocab x hidden) plus the final norm; the untied
-    # embedding and head are exactly that with twice the vocabulary.
-    return ModelDims(hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads, vocab=2 * cfg.vocab,
-                     seq=cfg.seq_len, micro_batch=cfg.batch_size, dtype_bytes=4, grad_bytes=4)
-
-
 def predicted_busiest(method: str, cfg: RunConfig) -> float:
     """Closed-form inter-node bytes per iteration leaving the busiest node, for gloo.
 
@@ -161,7 +155,7 @@ def predicted_busiest(method: str, cfg: RunConfig) -> float:
     2·(N−1)/N each time: once per step, or every micro-batch for ``fsdp-mm``. Ψ and E are
     counted as FSDP2 pads them (``tawpipe.cost.traffic.fsdp_numel``).
     """
-    dims = _dims(cfg)
+    dims = shape_dims(asdict(cfg))
     topo, acc = cfg.topology, cfg.micro_batches
     if method not in ("fsdp", "fsdp-mm", "fsdp-node"):
         return estimate(method, dims, topo, acc).inter_node_per_node
@@ -413,7 +407,7 @@ def _sweep_markdown(result: dict[str, Any]) -> list[str]:
 
 def crossover_seq(cfg: RunConfig, tawpipe_bytes: float) -> float:
     """Sequence length at which 1F1B's activation traffic equals ``tawpipe_bytes`` (design §7.4)."""
-    return crossover_tokens(tawpipe_bytes, _dims(cfg), cfg.topology, cfg.micro_batches) / cfg.batch_size
+    return crossover_tokens(tawpipe_bytes, shape_dims(asdict(cfg)), cfg.topology, cfg.micro_batches) / cfg.batch_size
 
 
 def plots(result: dict[str, Any], out: str) -> list[str]:
@@ -633,7 +627,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="head and cross-entropy of every method: plain (the whole float32 logits) or chunked "
                         "(tawpipe.models.llama.chunked_head_loss, never holding them)")
     p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="per rank and step")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
+    p.add_argument("--micro-batch-size", dest="batch_size", type=int, default=d.batch_size,
+                   help="sequences per micro-batch")
     p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=1,
                    help="prefetch depth (slots ahead) of tawpipe at k=1; the best k keeps every chunk resident")
     p.add_argument("--compute-only", nargs="*", default=None, metavar="METHOD",
@@ -676,10 +671,10 @@ def main(args: argparse.Namespace) -> int:
         if bad:
             raise ValueError(f"--compute-only {bad}: name tawpipe/WeiPipe methods that run ({names})")
     except ValueError as e:
-        raise SystemExit(f"tawpipe bench cluster: {e}") from None
+        raise UsageError(str(e)) from None
     reason = unavailable_reason(specs[0])
     if reason:
-        raise SystemExit(f"tawpipe bench cluster: {reason}")
+        raise UsageError(reason)
     chosen = [v for m in (known[n] for n in names)
               for v in ((m, compute_only(m)) if m.name in free and m.engine_options is not None else (m,))]
     rate_bits = specs[0].rate_bits

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import socket
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..commands import UsageError
 from ..cluster import LINK_ENV
 from ..ops import DTYPES
 from ..plan.topology import Topology
@@ -549,22 +549,22 @@ def _validated(args: argparse.Namespace) -> dict:
     a["ops"] = [o.strip() for o in a["ops"].split(",") if o.strip()]
     unknown = [o for o in a["ops"] if o not in OPS]
     if unknown:
-        raise SystemExit(f"tawpipe bench comm: unknown op(s) {unknown}; choose from {', '.join(OPS)}")
+        raise UsageError(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
     if a["iters"] < 1 or a["warmup_iters"] < 0:
-        raise SystemExit("tawpipe bench comm: need -n >= 1 and -w >= 0")
+        raise UsageError("need -n >= 1 and -w >= 0")
     try:
         _sizes(a)
     except ValueError as e:
-        raise SystemExit(f"tawpipe bench comm: {e}") from None
+        raise UsageError(str(e)) from None
     a["timeout"] = a["timeout"] or default_timeout()
     a["backend"] = a["backend"] or ("nccl" if torch.cuda.is_available() else "gloo")
     if a["backend"] != "gloo" and not torch.cuda.is_available():
-        raise SystemExit(f"tawpipe bench comm: backend {a['backend']} needs CUDA; use --backend gloo on the CPU")
+        raise UsageError(f"backend {a['backend']} needs CUDA; use --backend gloo on the CPU")
     if a["backend"] == "nccl-native":
         try:
             import tawpipe.runtime.comm.nccl_native
         except ImportError as e:
-            raise SystemExit(f"tawpipe bench comm: {e}") from None
+            raise UsageError(str(e)) from None
     return a
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..engine.engine import TawPipe
 from ..models.llama import Llama, LlamaConfig, block_forward, llama_loss
+from ..models.presets import PRESETS
 from ..plan.actions import OPS
 from ..plan.topology import Topology
 from ..runtime.comm import DelayComm
@@ -33,9 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (groups)")
     p.add_argument("--per-node", type=int, default=2, help="ranks per node")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per rank and step")
-    p.add_argument("--preset", default="micro", help="built-in LLaMA preset")
+    p.add_argument("--model", default="micro", choices=PRESETS, metavar="MODEL",
+                   help=f"a built-in model: {', '.join(PRESETS)}")
     p.add_argument("--layers", type=int, default=8, help="decoder layers")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant (after one warm-up)")
     p.add_argument("--comm-ratio", type=float, default=1.0, help="injected comm time / compute time")
@@ -68,11 +70,11 @@ def _overlap_rank(rank: int, a: dict) -> dict:
     topo = Topology(a["nodes"], a["per_node"])
     acc = a["micro_batches"]
     torch.manual_seed(0)
-    model = Llama(LlamaConfig.preset(a["preset"], n_layers=a["layers"], max_seq_len=a["seq_len"]))
+    model = Llama(LlamaConfig.preset(a["model"], n_layers=a["layers"], max_seq_len=a["seq_len"]))
     src = load_tokens(None)
     batches = []
     for step in range(3):
-        parts = [draw_batch(src.train, a["seq_len"], a["batch_size"], seed=0, step=step, index=rank * acc + i)
+        parts = [draw_batch(src.train, a["seq_len"], a["micro_batch_size"], seed=0, step=step, index=rank * acc + i)
                  for i in range(acc)]
         batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
     # Calibrate: compute-bound step time without any injected delay.
@@ -106,7 +108,7 @@ def overlap(a: dict) -> dict:
 def main(args: argparse.Namespace) -> int:
     a = {k: v for k, v in vars(args).items() if k not in ("what", "out", "bench_main")}
     res = overlap(a)
-    print(f"overlap on {a['nodes']} nodes x {a['per_node']} ranks, {a['preset']} x {a['layers']} layers, "
+    print(f"overlap on {a['nodes']} nodes x {a['per_node']} ranks, {a['model']} x {a['layers']} layers, "
           f"acc {a['micro_batches']}, injected {res['delay_per_op_s'] * 1e3:.2f} ms per comm op")
     print(f"{'variant':<28}{'step time (s, median, slowest rank)':>36}")
     print(f"{'compute only (no delay)':<28}{res['step_s_no_delay']:>36.3f}")

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..commands import UsageError
 from ..engine.offload import DEFAULT_PIECE_NUMEL, HostOffload
 from ..ops import ShardLayout
 from . import DEFAULT_OUT, provenance
@@ -148,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise SystemExit("tawpipe bench prefetch: --device cuda but CUDA is not available")
+            raise UsageError("--device cuda but CUDA is not available")
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     numel = args.numel or ((64 << 20) if device.type == "cuda" else (8 << 20))
     pieces = [int(p) for p in args.pieces.split(",") if p.strip()]
