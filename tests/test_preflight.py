@@ -25,6 +25,7 @@ from tawpipe.io import checkpoint
 from tawpipe.io import safetensors as st_io
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.launch import JobFailed
+from tawpipe.engine import auto as engine_auto
 from tawpipe.train import job
 
 from cli_cases import refused as cli_refused
@@ -68,8 +69,14 @@ def test_a_model_that_does_not_fit_in_memory_is_refused(tmp_path, monkeypatch, c
                     r"under torchrun .*a smaller --prefetch-depth or --mb-per-fetch.*--dtype bfloat16", err), err
 
 
+def _host_has(monkeypatch, available: int) -> None:
+    """This host's available memory as the preflight's check and "auto"'s budget read it."""
+    for module in (job, engine_auto):
+        monkeypatch.setattr(module, "host_available", lambda: (available, "MemAvailable in /proc/meminfo"))
+
+
 def test_paper_4096_is_refused_on_a_24_gib_host(monkeypatch, capsys):
-    monkeypatch.setattr(job, "_host_available", lambda: (24 * GiB, "MemAvailable in /proc/meminfo"))
+    _host_has(monkeypatch, 24 * GiB)
     err = refused(monkeypatch, capsys, "--model", "paper-4096")
     # 4 ranks of 12 layers: 2.4e9 parameters each, 16 B a parameter (36 GiB), 6 float32 staging buffers (54 GiB),
     # the gradient norm's float64 copies (36 GiB)
@@ -89,7 +96,7 @@ def test_the_default_model_fits_and_the_estimate_is_printed_first(monkeypatch, c
     assert out[1].startswith(f"tawpipe train: {estimate}; ") and available.endswith("available (MemAvailable in "
                                                                                      "/proc/meminfo)")
     # The same check refuses the default model where the host has less than it needs.
-    monkeypatch.setattr(job, "_host_available", lambda: (300 * 2**20, "MemAvailable in /proc/meminfo"))
+    _host_has(monkeypatch, 300 * 2**20)
     with pytest.raises(ValueError, match=r"not enough memory: the run needs about 1\.\d\d GiB .* 300\.0 MiB is "
                                          "available"):
         job.validate(job.TrainConfig())
@@ -114,6 +121,22 @@ def test_the_estimate_counts_what_the_engine_allocates():
     assert est.staging == sum(report.staging.values()) and "scratch" in report.staging
     assert est.replicated == 4 * report.replicated  # float32 weights, gradients and two AdamW moments
     engine.close()
+
+
+@pytest.mark.parametrize("given", [dict(prefetch_depth=1, mb_per_fetch=1, reuse_weights=False),
+                                   dict(prefetch_depth="resident", mb_per_fetch=2, reuse_weights=True)])
+def test_a_budget_the_given_schedule_exceeds_is_refused(monkeypatch, capsys, given):
+    """Every schedule option given and a --memory-budget they do not fit: refused, naming what they
+    take (the estimate "auto" weighs) and both ways out, instead of training without a word."""
+    assert job.validate(job.TrainConfig(model="micro", **given)).auto is None  # valid, nothing left to choose
+    flags = [f"--prefetch-depth={given['prefetch_depth']}", f"--mb-per-fetch={given['mb_per_fetch']}",
+             "--reuse-weights" if given["reuse_weights"] else "--no-reuse-weights"]
+    err = refused(monkeypatch, capsys, "--model", "micro", "--memory-budget", "0.000001", *flags)
+    assert re.fullmatch(r"tawpipe train: schedule: --mb-per-fetch \d, --prefetch-depth \w+, --(no-)?reuse-weights take "
+                        r"[\d.]+ MiB per rank, more than 0\.0 MiB per rank \(--memory-budget\): leave them \"auto\" "
+                        r"to choose what fits, or give a larger --memory-budget", err), err
+    pre = job.validate(job.TrainConfig(model="micro", memory_budget=1.0, **given))  # within a budget they fit: kept
+    assert pre.schedule["mb_per_fetch"] == given["mb_per_fetch"] and pre.auto is None
 
 
 # ---------------------------------------------------------------------------------- 2. paths

@@ -22,6 +22,7 @@ from ..plan.schedule import RESIDENT, build_plan, compute_actions, resident_dept
 from ..plan.topology import Topology
 from ..models.shape import ModelDims
 from .traffic import plan_traffic
+from .units import decimal, gib
 
 
 @dataclass(frozen=True)
@@ -188,20 +189,20 @@ def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float
         least = min(options, key=lambda c: (options[c][1].total, options[c][0], c))
         raise NothingFits(
             f"no schedule fits {within}: the least memory, {describe(least, resident)}, takes "
-            f"{_gib(options[least][1].total)} per rank; if the ranks have more, say how much with memory_budget, "
+            f"{gib(options[least][1].total)} per rank; if the ranks have more, say how much with memory_budget, "
             "or give mb_per_fetch, prefetch_depth and reuse_weights yourself", least)
     best = fits[0]
-    inter, memory = options[best][0], f"{_gib(options[best][1].total)} per rank"
+    inter, memory = options[best][0], f"{gib(options[best][1].total)} per rank"
     if len(fits) == 1:
         why = f"the only choice that fits: {memory} {within}"
     elif all(options[c][0] == inter for c in fits):
-        why = f"all that fit move {_bytes(inter)}/iter across nodes: the least memory, {memory} {within}"
+        why = f"all that fit move {decimal(inter)}/iter across nodes: the least memory, {memory} {within}"
     else:
-        why = f"the fewest inter-node bytes ({_bytes(inter)}/iter, busiest node), {memory} {within}"
+        why = f"the fewest inter-node bytes ({decimal(inter)}/iter, busiest node), {memory} {within}"
     cheapest = min(options, key=order)
     if options[cheapest][0] < inter:
-        why += (f"; {describe(cheapest, resident)} would move {_bytes(options[cheapest][0])} but takes "
-                f"{_gib(options[cheapest][1].total)}")
+        why += (f"; {describe(cheapest, resident)} would move {decimal(options[cheapest][0])} but takes "
+                f"{gib(options[cheapest][1].total)}")
     return best, f"{describe(best, resident)} — {why}"
 
 
@@ -227,12 +228,19 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
     ``memory(plan)`` (the busiest rank's). Large plans are built in the order of their closed-form
     bytes, (f_w·b_w + b_g)/k (design §7.4), until one fits. Returns the plan and why it was
     chosen (None: every option was given). Where nothing fits, NothingFits if ``strict`` (a
-    budget the user gave); otherwise the least memory, for the caller's own check to judge."""
+    budget the user gave); otherwise the least memory, for the caller's own check to judge. Every
+    option given and a ``strict`` budget they exceed: ValueError."""
     build = functools.partial(build_plan, topology, num_layers, micro_batches, **plan_args)
     asked = {"mb_per_fetch": mb_per_fetch, "prefetch_depth": prefetch_depth, "reuse_weights": reuse_weights}
     given = {name: v for name, v in asked.items() if v != AUTO}
     if len(given) == len(asked):
-        return build(**given), None
+        plan = build(**given)
+        if strict and (need := memory(plan).total) > budget:
+            raise ValueError(f"mb_per_fetch={mb_per_fetch}, prefetch_depth={prefetch_depth}, "
+                             f"reuse_weights={reuse_weights} take {gib(need)} per rank, more than "
+                             f"{_within(budget, budget_text).removeprefix('within ')}: leave them \"auto\" to "
+                             "choose what fits, or give a larger memory_budget")
+        return plan, None
     shown = {"mb_per_fetch": f"k={mb_per_fetch}", "prefetch_depth": f"depth {prefetch_depth}",
              "reuse_weights": "reuse" if reuse_weights is True else "no reuse"}
     note = f" ({', '.join(shown[n] for n in given)} given)" if given else ""
@@ -263,22 +271,11 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
         if strict:
             raise
         choice = e.least
-        why = (f"{describe(choice, resident)} — the least memory, {_gib(options[choice][1].total)} per rank: by this "
+        why = (f"{describe(choice, resident)} — the least memory, {gib(options[choice][1].total)} per rank: by this "
                f"estimate nothing fits {_within(budget, budget_text)}")
     return plans[choice], why + note
 
 
 def _within(budget: float, budget_text: str) -> str:
-    shown = f"within {_gib(budget)} per rank" if math.isfinite(budget) else "with no known memory limit"
+    shown = f"within {gib(budget)} per rank" if math.isfinite(budget) else "with no known memory limit"
     return f"{shown} ({budget_text})" if budget_text else shown
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
-
-
-def _bytes(n: float) -> str:
-    for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if n >= scale:
-            return f"{n / scale:,.2f} {name}"
-    return f"{n:,.0f} B"

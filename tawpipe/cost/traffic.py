@@ -22,6 +22,7 @@ from ..models.shape import ModelDims
 from ..plan.actions import OPS, Action, Op
 from ..plan.plan import Plan
 from ..plan.topology import Topology
+from .units import decimal
 
 KINDS = ("weights", "grads", "replica", "replicated", "stats")
 LAYER_KINDS = ("weights", "grads", "replica")  # the kinds that move layers (of a chunk, or of its gradient)
@@ -180,12 +181,7 @@ def _listed(values: list[float], in_bytes: bool, most: int = 16) -> str:
 
 
 def _fmt(v: float, in_bytes: bool) -> str:
-    if not in_bytes:
-        return f"{v:,.0f} layer{'' if v == 1 else 's'}"
-    for scale, name in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if v >= scale:
-            return f"{v / scale:,.2f} {name}"
-    return f"{v:,.0f} B"
+    return decimal(v) if in_bytes else f"{v:,.0f} layer{'' if v == 1 else 's'}"
 
 
 # ---------------------------------------------------------------------------------- closed forms

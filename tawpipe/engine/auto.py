@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..cost.memory import AUTO, MARGIN, MemoryEstimate, auto_plan, busiest_rank_memory
+from ..cost.units import gib
 from ..plan.plan import Plan
 from ..plan.topology import Topology
 
@@ -66,34 +68,35 @@ def host_available() -> tuple[int, str] | None:
         except (OSError, ValueError):
             continue
         if free < best[0]:
-            best = (max(free, 0), f"under this cgroup's memory limit of {_gib(int(limit))}")
+            best = (max(free, 0), f"under this cgroup's memory limit of {gib(int(limit))}")
     return best
 
 
 def engine_plan(topology: Topology, num_layers: int, micro_batches: int, *, device: torch.device,
                 budget: float | None, mb_per_fetch: int | str, prefetch_depth: int | str, reuse_weights: bool | str,
+                reserve: float = 0.0, batch: Mapping[str, int] | None = None,
                 **plan_args: Any) -> tuple[Plan, str | None]:
     """The engine's plan, its ``"auto"`` options chosen within ``budget`` bytes per rank (None:
-    ``memory_budget``'s measure, which may fall back to the least memory where nothing fits). The
-    memory counted is the own chunk's state, the staging buffers and the replicated parameters
-    (``rank_memory`` without a batch): what the engine holds before it sees one."""
+    ``memory_budget``'s measure less ``reserve``, the rank's own bytes besides the model, which may
+    fall back to the least memory where nothing fits). The memory counted is the own chunk's state,
+    the staging buffers and the replicated parameters (``rank_memory``): what the engine holds
+    before it sees a batch; and the activations of ``batch`` (seq, micro_batch, hidden, heads,
+    vocab) where the caller knows it (``tawpipe train``)."""
     asked = dict(mb_per_fetch=mb_per_fetch, prefetch_depth=prefetch_depth, reuse_weights=reuse_weights)
     if budget is not None:
         measured, where = float(budget), "memory_budget"
     elif AUTO in asked.values():
         measured, where = memory_budget(device, local_ranks(topology), host_available())
+        if reserve:
+            measured, where = measured - reserve, f"{where}, less {gib(reserve)} of runtime"
     else:
         measured, where = math.inf, ""
     wb, gb, layer = plan_args["weight_bytes"], plan_args["grad_bytes"], plan_args["layer_numel"]
     sizes = dict(replicated_numel=plan_args["replicated_numel"], weight_bytes=wb, grad_bytes=gb,
-                 scratch_bytes=wb if gb != wb else 0)
+                 scratch_bytes=wb if gb != wb else 0, **(batch or {}))
 
     def memory(plan: Plan) -> MemoryEstimate:
         return busiest_rank_memory(plan, chunk_numel=[(b - a) * layer for a, b in plan.chunk_layers], **sizes)
 
     return auto_plan(topology, num_layers, micro_batches, memory=memory, budget=measured, budget_text=where,
                      strict=budget is not None, **asked, **plan_args)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"

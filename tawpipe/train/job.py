@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 
 from .. import models
-from ..cost.memory import AUTO, MemoryEstimate, auto_plan, busiest_rank_memory, describe, rank_memory
+from ..cost.memory import AUTO, MemoryEstimate, describe, rank_memory
 from ..cost.traffic import plan_traffic
-from ..engine.auto import memory_budget
-from ..engine.auto import host_available as _host_available
+from ..cost.units import gib
+from ..engine.auto import engine_plan, host_available
 from ..engine.engine import TawPipe, default_optimizer
 from ..io import checkpoint, safetensors
 from ..models.parts import parts_signature
@@ -174,28 +174,20 @@ def _as_it_ran(cfg: TrainConfig, topology: Topology, manifest: dict[str, Any] | 
 def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], embed: torch.nn.Module,
           head: torch.nn.Module, shape: models.ModelDims) -> tuple[Plan, str | None]:
     """The run's plan, as the engine builds it, with the "auto" options chosen (design §7.3) on the
-    busiest rank's estimate (the same on every rank) within --memory-budget, or within what a rank
-    of this host has less the runtime's own. Where nothing fits that measure, the least memory:
-    ``_check_memory`` then says what the run needs."""
+    busiest rank's estimate with this run's batch (the same on every rank) within --memory-budget,
+    or within what a rank of this host has less the runtime's own. Where nothing fits that
+    measure, the least memory: ``_check_memory`` then says what the run needs."""
     weight_bytes, grad_bytes = _wire_bytes(cfg)
     sizes = _rank_sizes(cfg, blocks, embed, head, shape)
-    if cfg.memory_budget is not None:
-        budget, where = cfg.memory_budget * GiB, "--memory-budget"
-    elif AUTO in (cfg.mb_per_fetch, cfg.prefetch_depth, cfg.reuse_weights):
-        gpu = _under_torchrun() and torch.cuda.is_available()
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
-        budget, where = memory_budget(device, 1 if gpu else len(_local(topology)), None if gpu else _host_available())
-        budget, where = budget - RUNTIME_BYTES, f"{where}, less {_gib(RUNTIME_BYTES)} of runtime"
-    else:
-        budget, where = math.inf, ""
-
-    def memory(plan: Plan) -> MemoryEstimate:
-        return busiest_rank_memory(plan, chunk_numel=_chunk_numel(plan, blocks), **sizes)
-
-    return auto_plan(topology, len(blocks), cfg.micro_batches, memory=memory, budget=budget, budget_text=where,
-                     strict=cfg.memory_budget is not None, grad_route=cfg.grad_route, **_schedule(cfg),
-                     layer_numel=sum(p.numel() for p in blocks[0].parameters()), weight_bytes=weight_bytes,
-                     grad_bytes=grad_bytes, replicated_numel=sizes["replicated_numel"] + 1)  # + the loss sum
+    gpu = _under_torchrun() and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+    batch = {k: sizes[k] for k in ("seq", "micro_batch", "hidden", "heads", "vocab")}
+    plan, why = engine_plan(topology, len(blocks), cfg.micro_batches, device=device,
+                            budget=None if cfg.memory_budget is None else cfg.memory_budget * GiB,
+                            reserve=RUNTIME_BYTES, batch=batch, grad_route=cfg.grad_route, **_schedule(cfg),
+                            layer_numel=sum(p.numel() for p in blocks[0].parameters()), weight_bytes=weight_bytes,
+                            grad_bytes=grad_bytes, replicated_numel=sizes["replicated_numel"] + 1)  # + the loss sum
+    return plan, why and as_flags(why)
 
 
 def _wire_bytes(cfg: TrainConfig) -> tuple[int, int]:
@@ -250,7 +242,7 @@ def _check_writable(cfg: TrainConfig, params: int) -> None:
                 continue
             if st.f_bavail * st.f_frsize < size:
                 raise ValueError(f"{flag(name)} {path}: no space left on device for it: "
-                                 f"{_gib(st.f_bavail * st.f_frsize)} free, the {name} takes about {_gib(size)}: "
+                                 f"{gib(st.f_bavail * st.f_frsize)} free, the {name} takes about {gib(size)}: "
                                  f"free space there, or point {flag(name)} at a file system with room")
     if cfg.metrics is not None:
         path = Path(cfg.metrics)
@@ -294,29 +286,23 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
         ranks = "this rank"
     else:
         need = sum(m.total for m in per_rank) + len(per_rank) * RUNTIME_BYTES
-        available, where = _host_available() or (None, "")
+        available, where = host_available() or (None, "")
         ranks = f"{len(per_rank)} rank(s) on this host"
-    detail = (f"{_gib(need)} for {ranks}; per rank up to {_gib(busiest.total + RUNTIME_BYTES)}: {_breakdown(busiest)}")
+    detail = (f"{gib(need)} for {ranks}; per rank up to {gib(busiest.total + RUNTIME_BYTES)}: {_breakdown(busiest)}")
     if available is not None and need > available:
         more = ("more nodes (each rank then owns fewer layers)" if torchrun else
                 f"more machines under torchrun (this host runs all {topology.world_size} ranks)")
-        raise ValueError(f"not enough memory: the run needs about {detail}; {_gib(available)} is available ({where}): "
+        raise ValueError(f"not enough memory: the run needs about {detail}; {gib(available)} is available ({where}): "
                          f"use {more}, a smaller --prefetch-depth or --mb-per-fetch (fewer staging buffers), "
                          "--dtype bfloat16, a smaller --micro-batch-size or --seq-len, or a smaller model "
                          "(--model, --layers)")
-    return f"memory estimate: {detail}" + (f"; {_gib(available)} available ({where})" if available is not None else "")
+    return f"memory estimate: {detail}" + (f"; {gib(available)} available ({where})" if available is not None else "")
 
 
 def _breakdown(m: MemoryEstimate) -> str:
-    return (f"own chunk {_gib(m.persistent)} (16 B per parameter: float32 master, gradient accumulator, AdamW), "
-            f"staging {_gib(m.staging)}, replicated {_gib(m.replicated)}, activations ~{_gib(m.activations)}, "
-            f"gradient norm {_gib(m.transient)}, runtime ~{_gib(RUNTIME_BYTES)}")
-
-
-def _gib(n: float) -> str:
-    if n < GiB:
-        return f"{n / 2**20:,.1f} MiB"
-    return f"{n / GiB:,.2f} GiB" if n < 1000 * GiB else f"{n / 2**40:,.1f} TiB"
+    return (f"own chunk {gib(m.persistent)} (16 B per parameter: float32 master, gradient accumulator, AdamW), "
+            f"staging {gib(m.staging)}, replicated {gib(m.replicated)}, activations ~{gib(m.activations)}, "
+            f"gradient norm {gib(m.transient)}, runtime ~{gib(RUNTIME_BYTES)}")
 
 
 def _vocab(cfg: TrainConfig) -> int:
