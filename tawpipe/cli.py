@@ -35,10 +35,10 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
         "plan", help="print the schedule of one iteration and its traffic",
         description="Build, verify and print the plan of one iteration (the same plan the engine runs).",
     )
-    p.add_argument("--nodes", type=int, required=True, help="number of groups G (one per node)")
-    p.add_argument("--per-node", type=int, required=True, help="devices per group s")
+    p.add_argument("--nodes", type=int, help="number of groups G (one per node); required")
+    p.add_argument("--per-node", type=int, help="devices per group s; required")
     p.add_argument("--layers", type=int, help="decoder layers L (>= G x s); default: --model's")
-    p.add_argument("--micro-batches", type=int, required=True, help="micro-batches per device (acc)")
+    p.add_argument("--micro-batches", type=int, help="micro-batches per device; required")
     p.add_argument("--algo", choices=ALGOS, default="tawpipe",
                    help="the schedule: TawPipe, or the WeiPipe ring baseline")
     p.add_argument("--grad-route", choices=GRAD_ROUTES, default="rail",
@@ -109,7 +109,10 @@ def _dims_and_sizes(args: argparse.Namespace) -> tuple[ModelDims | None, dict]:
 
 
 def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> int:
-    parser.refuse_unknown(rest)
+    parser.refuse_unknown(rest)  # before the required ones: a mistyped flag is named as such
+    missing = [f for f in ("--nodes", "--per-node", "--micro-batches") if getattr(args, f[2:].replace("-", "_")) is None]
+    if missing:
+        raise UsageError(f"the following arguments are required: {', '.join(missing)}")
     try:
         topo = Topology(args.nodes, args.per_node)
         _check_plan_size(topo, args.micro_batches, args.replicas)
@@ -311,7 +314,10 @@ _SUBCOMMANDS = (_add_plan, _add_train, _add_bench, _add_cluster, _add_simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="tawpipe", description="Topology-aware weight pipeline parallelism.")
+    parser = Parser(prog="tawpipe", description=(
+        "Topology-aware weight pipeline parallelism for PyTorch: train a model with TawPipe (train), print and "
+        "verify its schedule (plan), predict it and its peers on a cluster you describe (simulate), measure it "
+        "(bench), and emulate a multi-node cluster on this machine (cluster)."))
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(subparsers)

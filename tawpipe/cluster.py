@@ -763,6 +763,13 @@ def _worker_main(task_path: str, rank: int) -> int:
 # ------------------------------------------------------------------------------------ command line
 
 
+DESCRIPTION = (
+    "An emulated multi-node cluster on this machine (root): one network namespace per node, rate-limited links "
+    "between them, a CPU quota per rank. 'run' starts a function or a command on every rank with torchrun's "
+    "environment and prints the bytes that crossed each node's link; 'down' removes what dead launchers left."
+)
+
+
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
     """The options of every command that builds a cluster: ``ClusterSpec``'s rate (None for
     'none'), queue, pinning and compute (see :func:`spec_from_args`)."""

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+
 from tawpipe import cli
 
 
-def refused(capsys, *argv: str) -> str:
+def refused(capsys, *argv: str, prog: str | None = None) -> str:
     """Run `tawpipe ARGV` in-process: it must refuse with exit status 2 and exactly one line on
-    stderr, which starts with the command's name; that line is returned."""
+    stderr, which starts with ``prog`` (default: `tawpipe` and the (sub)command ARGV begins with);
+    that line is returned."""
     capsys.readouterr()
     code = cli.main(list(argv))
     out = capsys.readouterr()
     assert code == 2, (code, out.err)
-    prog = "tawpipe " + argv[0] if argv and not argv[0].startswith("-") else "tawpipe"
-    assert out.err.count("\n") == 1 and out.err.startswith(prog), out.err
+    words = list(itertools.takewhile(lambda a: not a.startswith("-"), argv))
+    prog = prog or " ".join(["tawpipe", *words])
+    assert out.err.count("\n") == 1 and out.err.startswith(prog + ": "), out.err
     return out.err.rstrip("\n")

@@ -18,6 +18,11 @@ import torch
 from ..commands import delegate
 from ..version import __version__
 
+DESCRIPTION = (
+    "The measurements behind tawpipe's claims, one per subcommand: TawPipe against its peers on an emulated "
+    "cluster, communication primitives, overlap, and the host offload's streaming. Results go to --out "
+    "(default: tawpipe-results/ in the current directory)."
+)
 DEFAULT_OUT = "tawpipe-results"  # every `tawpipe bench WHAT` writes here unless --out says otherwise
 
 # Each module defines add_arguments(parser) and main(args) -> int, and is imported only when its

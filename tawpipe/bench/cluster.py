@@ -569,6 +569,13 @@ def sweep_plots(result: dict[str, Any], out: str, plt: Any) -> list[str]:
 
 # ---------------------------------------------------------------------------------- command line
 
+DESCRIPTION = (
+    "TawPipe against its peers (WeiPipe, FSDP2, HSDP, DDP, 1F1B) on an emulated multi-node cluster on this machine "
+    "(root: network namespaces, rate-limited links, a CPU quota per rank). Every method trains the same model on "
+    "the same global batch; per method it reports the time per iteration, the bytes that crossed nodes against "
+    "the prediction, memory, and an exactness check against single-process training."
+)
+
 
 # The long-context configuration at the paper's proportions (README, "Long context"; design §7.4):
 # one layer per rank as in the official code's runs; tokens per micro-batch 1.8x (2x2) and 2.6x

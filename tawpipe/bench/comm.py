@@ -76,6 +76,13 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
 
 
+DESCRIPTION = (
+    "Communication primitives in the style of nccl-tests: time, algbw, busbw and wrong elements per operation, "
+    "placement (inside a node, across nodes on a rail) and size, including TawPipe's chunk fetch and gradient "
+    "route. Ranks are spawned locally or come from torchrun or tawpipe cluster; gloo, NCCL or tawpipe's native NCCL."
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="smallest size (1K)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (64M)")

@@ -30,6 +30,12 @@ from ..train.data import load_tokens
 from . import DEFAULT_OUT, provenance
 
 
+DESCRIPTION = (
+    "Step time with communication overlapped against the same job with every transfer waited for at once, under "
+    "a delay injected into every communication so that it takes about as long as the compute."
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (groups)")
     p.add_argument("--per-node", type=int, default=2, help="ranks per node")

@@ -35,6 +35,12 @@ TARGET_BANDWIDTH = 0.9
 TARGET_OVERLAP = 1.1
 
 
+DESCRIPTION = (
+    "The host offload's streaming: loading a float32 master from pinned host memory into a device buffer, and "
+    "accumulating gradients back, against a plain pinned copy; and how well the load overlaps a matmul loop."
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--numel", type=int, default=None, help="elements streamed (default 64M on CUDA, 8M on CPU)")

@@ -1,0 +1,152 @@
+"""Every `tawpipe` command speaks alike: help that renders, one spelling per concept, a mistyped
+flag answered with the closest one, a renamed flag with its new name, and every bad input one
+line on stderr with exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+
+import pytest
+
+from tawpipe import cli, commands
+from tawpipe.commands import RENAMED, Parser
+
+from cli_cases import refused
+
+COMMANDS = [(), ("plan",), ("train",), ("simulate",), ("bench",), ("bench", "cluster"), ("bench", "comm"),
+            ("bench", "overlap"), ("bench", "prefetch"), ("cluster",), ("cluster", "run"), ("cluster", "down")]
+MODULES = {"train": "tawpipe.train", "simulate": "tawpipe.simulate", "bench": "tawpipe.bench",
+           "cluster": "tawpipe.cluster", "bench cluster": "tawpipe.bench.cluster", "bench comm": "tawpipe.bench.comm",
+           "bench overlap": "tawpipe.bench.overlap", "bench prefetch": "tawpipe.bench.prefetch"}
+
+
+def _help(*command: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+        cli.main([*command, "--help"])
+    assert e.value.code == 0
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "tawpipe")
+def test_every_help_renders_for_a_user(command):
+    """No argparse format left unexpanded (a bare % in a help text), no Python object dumped into
+    the text, no reST markup of a developer docstring; a paragraph saying what the command does."""
+    text = _help(*command)
+    assert "%(" not in text and "{'option_strings'" not in text and "``" not in text, text
+    usage, _, rest = text.partition("\n\n")
+    assert usage.startswith("usage: tawpipe")
+    assert len(rest.split("\n\n")[0].split()) >= 8, f"no description: {rest[:200]!r}"
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser, by its name, built as the command builds it."""
+    out: dict[str, argparse.ArgumentParser] = {"plan": next(
+        a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["plan"]}
+    for name, module in MODULES.items():
+        p = Parser(prog=f"tawpipe {name}")
+        commands.load(name, module).add_arguments(p)
+        out[name] = p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction) and name == "cluster":
+                out.update({f"cluster {n}": sub for n, sub in action.choices.items()})
+    return out
+
+
+PARSERS = _parsers()
+# concept: (its one spelling, the commands that take it)
+CONCEPTS = {
+    "tokens per sequence": ("--seq-len", ("plan", "train", "simulate", "bench cluster", "bench overlap")),
+    "sequences per micro-batch": ("--micro-batch-size", ("plan", "train", "simulate", "bench cluster",
+                                                         "bench overlap")),
+    "micro-batches per device and step": ("--micro-batches", ("plan", "train", "simulate", "bench cluster",
+                                                              "bench overlap")),
+    "the model": ("--model", ("plan", "train", "simulate", "bench overlap")),
+    "nodes and devices per node": ("--per-node", ("plan", "train", "simulate", "bench cluster", "bench comm",
+                                                  "bench overlap", "cluster run")),
+    "the inter-node link": ("--inter", ("plan", "simulate")),
+    "recompute in the backward": ("--recompute", ("simulate", "bench cluster")),
+}
+
+
+@pytest.mark.parametrize("concept", CONCEPTS)
+def test_one_spelling_per_concept(concept):
+    flag, where = CONCEPTS[concept]
+    for name in where:
+        assert flag in PARSERS[name]._option_string_actions, f"tawpipe {name} lacks {flag} ({concept})"
+    old = [o for o, new in RENAMED.items() if new.split()[0] == flag]
+    for name, p in PARSERS.items():
+        # bench cluster's --preset names a benchmark configuration, not a model
+        clash = [o for o in old if o in p._option_string_actions and (name, o) != ("bench cluster", "--preset")]
+        assert not clash, f"tawpipe {name} spells {concept} {clash} instead of {flag}"
+
+
+def test_no_command_abbreviates_flags():
+    """A prefix is no flag: `--seq` must not pass for `--seq-len`, nor `--micro-batch` for either
+    of the two flags it begins."""
+    assert all(not p.allow_abbrev for p in PARSERS.values())
+
+
+@pytest.mark.parametrize("argv, suggestion", [
+    (("train", "--stpes", "5"), "--steps"),
+    (("plan", "--nodes", "2", "--per-node", "2", "--layers", "4", "--micro-batchs", "2"), "--micro-batches"),
+    (("simulate", "--nodse", "2"), "--nodes"),
+    (("bench", "cluster", "--round", "1"), "--rounds"),
+    (("train", "--dtype", "bfloat"), "'bfloat16'"),
+    (("trian",), "'train'"),
+])
+def test_a_mistyped_flag_or_choice_is_answered_with_the_closest(capsys, argv, suggestion):
+    line = refused(capsys, *argv, prog="tawpipe" if argv == ("trian",) else None)
+    assert f"(did you mean {suggestion}?)" in line, line
+
+
+@pytest.mark.parametrize("argv, old, new", [
+    (("train", "--batch-size", "2"), "--batch-size", "--micro-batch-size"),
+    (("train", "--preset", "micro"), "--preset", "--model"),
+    (("plan", "--nodes", "2", "--per-node", "2", "--layers", "4", "--micro-batches", "2", "--seq", "64"),
+     "--seq", "--seq-len"),
+    (("plan", "--nodes", "2", "--per-node", "2", "--layers", "4", "--micro-batches", "2", "--link-gbps", "10"),
+     "--link-gbps", "--inter"),
+    (("simulate", "--acc", "2"), "--acc", "--micro-batches"),
+    (("simulate", "--micro-batch", "2"), "--micro-batch", "--micro-batch-size"),
+    (("bench", "cluster", "--batch-size", "2"), "--batch-size", "--micro-batch-size"),
+])
+def test_an_old_spelling_is_refused_naming_the_new_one(capsys, argv, old, new):
+    assert f"{old} is now {new}" in refused(capsys, *argv)
+
+
+def test_library_keywords_are_given_as_flags():
+    said = commands.as_flags("mb_per_fetch=3 does not divide micro_batches=2; pass reuse_weights=True, or "
+                             "give memory_budget; prefetch_depth='resident' needs reuse_weights")
+    assert said == ("--mb-per-fetch 3 does not divide --micro-batches 2; pass --reuse-weights, or give "
+                    "--memory-budget; --prefetch-depth resident needs --reuse-weights")
+    assert commands.as_flags("reuse_weights=False") == "--no-reuse-weights"
+    assert commands.as_flags("the --micro-batches flag and num_layers") == "the --micro-batches flag and --layers"
+
+
+@pytest.mark.parametrize("name", ["tiny", "paper", "7b"])
+def test_a_built_in_model_works_in_train_plan_and_simulate(capsys, name):
+    """One registry: the same names in every command."""
+    assert cli.main(["plan", "--nodes", "2", "--per-node", "2", "--model", name, "--micro-batches", "2",
+                     "--seq-len", "256", "--no-table"]) == 0
+    assert f"({models_numel(name):,} decoder" in capsys.readouterr().out
+    assert cli.main(["simulate", "--nodes", "2", "--per-node", "2", "--model", name, "--seq-len", "256",
+                     "--methods", "tawpipe", "ddp"]) == 0
+    assert re.search(rf"{name}: H=\d+ L=\d+", capsys.readouterr().out)
+    from tawpipe.train import job
+
+    try:
+        pre = job.validate(job.TrainConfig(model=name, steps=1, seq_len=16, micro_batch_size=1))
+    except ValueError as e:  # known, built, and too large for this host: the refusal says so
+        assert str(e).startswith("not enough memory: "), e
+    else:
+        assert pre.memory.startswith("memory estimate: ")
+
+
+def models_numel(name: str) -> int:
+    from tawpipe.models.presets import PRESETS
+
+    return PRESETS[name].decoder_numel
