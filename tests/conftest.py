@@ -36,3 +36,30 @@ def pytest_configure(config) -> None:
 
     unavailable_reason._asks_first = True
     cluster.unavailable_reason = unavailable_reason
+
+
+# What each family of skipped tests needs (the words its skip reasons use), and how to run it
+# (README, "Quick start").
+SKIP_FAMILIES = (
+    (("CUDA",), "need a CUDA GPU (on a GPU machine: bash benchmarks/gpu_check.sh)"),
+    (("network namespaces", NETNS_ENV), f"create network namespaces and shaped links on this host (as root: "
+                                        f"{NETNS_ENV}=1 python3 -m pytest)"),
+    (("TRITON_INTERPRET",), "run Triton kernels on CPU tensors (TRITON_INTERPRET=1 python3 -m pytest "
+                            "tests/test_triton_ops.py)"),
+    (("nvcc", "nccl"), "compile CUDA code (nvcc, and nccl.h from the nvidia-nccl-cu13 wheel)"),
+)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Say, in a line per family, why tests were skipped and what runs them: a newcomer's run
+    skips a few hundred, every one for want of a GPU, root or a toolchain."""
+    counts: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr).lower()
+        family = next((what for keys, what in SKIP_FAMILIES if any(k.lower() in reason for k in keys)),
+                      "other: " + reason)
+        counts[family] = counts.get(family, 0) + 1
+    if counts:
+        terminalreporter.write_line(f"skipped {sum(counts.values())} tests, by what they need:")
+        for family, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"  {n:4d} {family}")
