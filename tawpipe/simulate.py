@@ -381,8 +381,9 @@ def _verdict_text(v: compare.Verdict, rows: Sequence[compare.Row | compare.Refus
     said = (f"verdict: {_who(w, advice)} is the fastest that fits, {w.time_s:.3f} s/iteration, bottleneck: "
             f"{w.bottleneck}; ")
     if w.method in compare.TAWPIPE:
+        played = any(isinstance(r, compare.Row) and r.method not in compare.TAWPIPE for r in rows)
         said += (f"the fastest peer that fits, {_who(v.peer, advice)}, {_longer(v.peer, w)}" if v.peer else
-                 "no peer fits")
+                 "no peer fits" if played else "no peer was simulated")
     elif taw is None:
         asked = any(r.method in compare.TAWPIPE for r in rows)
         said += "TawPipe was not simulated (its row says why)" if asked else "TawPipe was not among --methods"
