@@ -78,7 +78,7 @@ done
 
 for shape in "paper 4096" "paper 16384" "7b 4096"; do
   set -- $shape
-  step "calibrate_$1_$2" 90 "$DEST/calibrate_$1_$2.log" "$PY" -m tawpipe simulate --model "$1" --seq "$2" \
+  step "calibrate_$1_$2" 90 "$DEST/calibrate_$1_$2.log" "$PY" -m tawpipe simulate --model "$1" --seq-len "$2" \
     --calibrate "$DEST/device_cuda_$1_S$2.json" --calibrate-on cuda
 done
 

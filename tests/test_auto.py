@@ -21,7 +21,7 @@ from tawpipe import cli
 from tawpipe.cost import memory as cost_memory
 from tawpipe.cost.memory import (MemoryEstimate, NothingFits, auto_plan, busiest_rank_memory, candidates,
                                  choose, memory_per_rank)
-from tawpipe.cost.traffic import ModelDims
+from tawpipe.models.shape import ModelDims
 from tawpipe.engine import fingerprint
 from tawpipe.engine.auto import memory_budget
 from tawpipe.engine.engine import TawPipe

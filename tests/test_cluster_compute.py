@@ -150,7 +150,7 @@ def test_a_rank_measures_itself_under_its_quota_and_what_its_transfers_cost_it()
     """`bench cluster`'s calibration, taken by the ranks themselves (``on_rank``): the quota shows in
     the rates, sending and receiving take compute from the rank, and a rank that idled gets part of
     the wait back."""
-    from tawpipe.cost.traffic import ModelDims
+    from tawpipe.models.shape import ModelDims
     from tawpipe.sim.calibrate import calibrate, median_device, on_rank
 
     dims = ModelDims(hidden=128, layers=2, heads=4, vocab=256, seq=512, micro_batch=1, dtype_bytes=4, grad_bytes=4)

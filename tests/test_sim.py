@@ -8,7 +8,9 @@ import random
 
 import pytest
 
-from tawpipe.cost.traffic import ModelDims, plan_traffic
+from tawpipe.cost.traffic import plan_traffic
+
+from tawpipe.models.shape import ModelDims
 from tawpipe.plan.actions import OPS, Op
 from tawpipe.sim.hardware import Cluster, Device, Link, link
 from tawpipe.sim.network import Fabric, Flow, Graph, simulate

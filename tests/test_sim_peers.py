@@ -12,7 +12,8 @@ import pytest
 from tawpipe.bench.baselines import RunConfig
 from tawpipe.bench.cluster import predicted_busiest
 from tawpipe.cost.memory import working_set_bytes
-from tawpipe.cost.traffic import ModelDims, estimate, fsdp_numel
+from tawpipe.cost.traffic import estimate, fsdp_numel
+from tawpipe.models.shape import ModelDims
 from tawpipe.plan.topology import Topology
 from tawpipe.sim.hardware import DEVICES, LINKS, Cluster, Device, Link
 from tawpipe.sim.network import HALF_DUPLEX_SHARE, Graph, Result, simulate

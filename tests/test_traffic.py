@@ -9,8 +9,9 @@ import pytest
 from tawpipe.plan.actions import Op
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
-from tawpipe.cost.traffic import (PEER_METHODS, ModelDims, crossover_tokens, estimate, plan_traffic,
+from tawpipe.cost.traffic import (PEER_METHODS, crossover_tokens, estimate, plan_traffic,
                                   weight_passing_bytes)
+from tawpipe.models.shape import ModelDims
 from tawpipe.plan.schedule import RESIDENT
 
 

@@ -51,19 +51,16 @@ from ..plan.actions import OPS, Channel, batches
 from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT
 from . import compare
-from .compare import taw_settings
+from .compare import NAMES, TIE, taw_settings
 from .hardware import Cluster, device, link
-from .peers import peer_memory
+from .peers import peer_memory, stage_counts
 from .play import compute_seconds, engine_plan
 from .workload import Workload, model
 
 GiB = 2**30
 PRUNE = 0.005  # a TawPipe setting is played only if its lower bound is below best / (1 + PRUNE)
-TIE = 0.02  # the tables call margins within 2% of 1 a tie (the search's and the model's resolution)
 DP_PEERS = ("ddp", "fsdp", "fsdp-mm", "fsdp-node", "hsdp")
 METHODS = ("tawpipe", "weipipe", *DP_PEERS, "1f1b")
-NAMES = {"tawpipe": "TawPipe", "weipipe": "WeiPipe", "ddp": "DDP", "fsdp": "FSDP2", "fsdp-mm": "FSDP2-mm",
-         "fsdp-node": "FSDP2-node", "hsdp": "HSDP", "1f1b": "1F1B"}
 SHORT = {"tawpipe": "Taw", "weipipe": "Wei", "ddp": "DDP", "fsdp": "FSDP", "fsdp-mm": "FSDPmm",
          "fsdp-node": "FSDPn", "hsdp": "HSDP", "1f1b": "1F1B"}
 
@@ -107,9 +104,7 @@ def pipeline_stages(nodes: int, per_node: int, layers: int, tries: int = 2) -> l
     """1F1B's stage counts tried: among the P dividing N with 2 ≤ P ≤ L that tile nodes (P a
     multiple or a divisor of ``per_node``), the ``tries`` largest and the largest that divides L
     (stages of equal layers)."""
-    n = nodes * per_node
-    ok = sorted((p for p in range(2, min(n, layers) + 1) if n % p == 0 and (p % per_node == 0 or per_node % p == 0)),
-                reverse=True)
+    ok = stage_counts(nodes, per_node, layers)[::-1]
     even = [p for p in ok if layers % p == 0][:1]
     return sorted(set(ok[:tries] + even), reverse=True)
 

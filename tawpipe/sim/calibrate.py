@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..cost.traffic import ModelDims
+from ..models.shape import ModelDims
 from .hardware import Device
 from .workload import ADAMW_BYTES
 

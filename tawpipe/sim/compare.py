@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cost.memory import MemoryEstimate, logits_bytes, memory_per_rank
-from ..cost.traffic import ModelDims
+from ..models.shape import ModelDims
 from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT, compute_actions
 from ..plan.topology import Topology
@@ -26,6 +26,10 @@ from .workload import Workload
 BEST = {"mb_per_fetch": "acc", "prefetch_depth": RESIDENT, "reuse_weights": True}
 PAPER: dict[str, Any] = {}  # the paper's schedule: k = 1, depth 1, no reuse
 METHODS = ("tawpipe", "tawpipe-paper", "weipipe", *PEERS)
+TAWPIPE = ("tawpipe", "tawpipe-paper")  # TawPipe's rows; the others are its peers
+NAMES = {"tawpipe": "TawPipe", "tawpipe-paper": "TawPipe", "weipipe": "WeiPipe", "ddp": "DDP", "fsdp": "FSDP2",
+         "fsdp-mm": "FSDP2-mm", "fsdp-node": "FSDP2-node", "hsdp": "HSDP", "1f1b": "1F1B"}
+TIE = 0.02  # margins within 2% of 1 are a tie (the settings search's and the model's resolution)
 MOST_COMPUTE_ACTIONS = 600_000  # a replica's forwards and backwards the player takes (about a minute)
 
 
@@ -57,6 +61,47 @@ class Row:
         return d
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A method the simulator did not play, and why."""
+
+    method: str
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"method": self.method, "error": self.reason}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Which of the rows wins: ``winner`` the fastest that fits, ``tawpipe`` TawPipe's fastest
+    that fits (else its fastest), ``peer`` the fastest other method that fits."""
+
+    winner: Row | None
+    tawpipe: Row | None
+    peer: Row | None
+
+    @property
+    def margin(self) -> float | None:
+        """The fastest peer's time over TawPipe's (> 1: TawPipe is faster), where both fit."""
+        if self.peer is None or self.tawpipe is None or not self.tawpipe.fits:
+            return None
+        return self.peer.time_s / self.tawpipe.time_s
+
+
+def verdict(rows: Iterable[Row]) -> Verdict:
+    """The ``Verdict`` of ``rows`` (the methods' and any of ``advise``'s)."""
+    rows = list(rows)
+    fit = [r for r in rows if r.fits]
+    taw = [r for r in rows if r.method in TAWPIPE]
+
+    def fastest(some: list[Row]) -> Row | None:
+        return min(some, key=lambda r: r.time_s, default=None)
+
+    return Verdict(fastest(fit), fastest([r for r in taw if r.fits]) or fastest(taw),
+                   fastest([r for r in fit if r.method not in TAWPIPE]))
+
+
 def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool = False,
         settings: dict[str, Any] | None = None) -> Row:
     """Simulate ``method`` (one of ``METHODS``) for one iteration of ``acc`` micro-batches per
@@ -70,7 +115,7 @@ def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool =
             opts["mb_per_fetch"] = acc
         if method == "weipipe":
             opts["algo"] = "weipipe"
-        _check_size(cluster, dims, acc, int(opts.get("replicas", 1)))
+        _check_size(method, cluster, dims, acc, int(opts.get("replicas", 1)))
         plan = engine_plan(cluster, work, acc, **opts)
         opts = {k: v for k, v in opts.items() if k != "algo"}
         opts["prefetch_depth"] = plan.options["prefetch_depth"]
@@ -153,13 +198,30 @@ def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False) ->
     return rows
 
 
-def _check_size(cluster: Cluster, dims: ModelDims, acc: int, replicas: int) -> None:
+def _check_size(method: str, cluster: Cluster, dims: ModelDims, acc: int, replicas: int) -> None:
+    """ValueError where ``method``'s pipeline is longer than the model or more than the player
+    takes, naming the flags that shorten it."""
     size = cluster.world_size // replicas
     if size > dims.layers:
+        fix = _more_replicas(method, cluster, dims, acc) or (
+            "WeiPipe runs one ring over every device" if method == "weipipe" else
+            "no number of replicas (--replicas) makes a pipeline that short")
         raise ValueError(f"a pipeline of {size} ranks needs at least {size} layers, the model has {dims.layers}: "
-                         f"use replicas (each pipeline over fewer nodes)")
+                         f"{fix}")
     n = compute_actions(Topology(cluster.nodes, cluster.per_node), acc, replicas)
     if n > MOST_COMPUTE_ACTIONS:
+        more = _more_replicas(method, cluster, dims, acc)
         raise ValueError(f"a pipeline of {size} ranks at {acc} micro-batches holds {n:,} forwards and backwards, more "
-                         f"than the {MOST_COMPUTE_ACTIONS:,} the simulator plays; use more replicas or fewer "
-                         f"micro-batches")
+                         f"than the {MOST_COMPUTE_ACTIONS:,} the simulator plays: use fewer micro-batches "
+                         f"(--micro-batches){f', or {more}' if more else ''}")
+
+
+def _more_replicas(method: str, cluster: Cluster, dims: ModelDims, acc: int) -> str | None:
+    """The replicas ``advise`` would try, as a way to shorten TawPipe's pipelines (None for
+    WeiPipe, whose ring spans every rank, or where no replica count is short enough)."""
+    if method == "weipipe":
+        return None
+    tried = sorted({s["replicas"] for s in taw_settings(cluster.nodes, cluster.per_node, dims.layers, acc)})
+    if not tried:
+        return None
+    return f"use more replicas, each pipeline over fewer nodes (--replicas {', '.join(map(str, tried))})"

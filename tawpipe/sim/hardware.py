@@ -121,8 +121,14 @@ def device(spec: str | Device) -> Device:
     for opt in filter(None, opts.split(",")):
         key, _, value = opt.partition("=")
         if key != "memory":
-            raise ValueError(f"device option {key!r}: only memory=GiB is known")
-        dev = replace(dev, memory=float(value) * GiB)
+            raise ValueError(f"device {spec!r}: option {key!r} is not known; the one option is memory=GiB, "
+                             f"as in {name}:memory=40")
+        try:
+            gib = float(value)
+        except ValueError:
+            raise ValueError(f"device {spec!r}: memory={value!r} is not a number of GiB; expected the form "
+                             f"{name}:memory=40") from None
+        dev = replace(dev, memory=gib * GiB)
     return dev
 
 

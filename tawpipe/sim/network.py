@@ -204,86 +204,112 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
     """Play ``graph`` on ``fabric`` from time 0 until every task has ended.
 
     Raises ``ValueError`` naming a task that can never start (a dependency cycle)."""
-    tasks = graph.tasks
-    n = len(tasks)
-    waiting = [len(t.deps) for t in tasks]
-    dependents: list[list[int]] = [[] for _ in range(n)]
-    for i, t in enumerate(tasks):
-        for d in t.deps:
-            if not 0 <= d < n:
-                raise ValueError(f"task {t.label!r} depends on task {d}, which does not exist")
-            dependents[d].append(i)
-    start, end = [math.nan] * n, [math.nan] * n
-    timers: list[tuple[float, int, int]] = []  # (time, order, task): a compute or latency ending
-    flows: list[_Active] = []
-    queued: dict[tuple, deque[_Active]] = {}  # a busy stream's waiting messages, first ready first
-    open_flows = [0] * n
-    cap: dict[Port, float] = {}
-    tokens: dict[Port, float] = {}  # token buckets' credit (shaped links, host CPUs), bytes
-    buckets: dict[Port, tuple[float, float]] = {}  # their (most credit, rate while credit lasts)
-    port_bytes: dict[Port, float] = {}
-    now, order, done = 0.0, 0, 0
+    return _Play(graph, fabric).run()
 
-    # the host ranks whose compute the graph holds, which share the machine's cores
-    computing = len({fabric.cpu_port(t.rank) for t in tasks if t.seconds > 0 and t.rank is not None}
-                    ) if fabric.cpu and fabric.cores else 0
 
-    def open_port(p: Port, capacity: float) -> None:
-        cap[p] = capacity
-        if p not in buckets and (b := fabric.bucket(p)):
-            buckets[p] = b
-            tokens[p] = b[0]  # idle before the iteration: full
+class _Play:
+    """One run of ``simulate``: the tasks waiting, the flows moving, the timers pending and the
+    ports' credit, advanced from one event (a flow or a timer ending) to the next."""
 
-    def begin(i: int) -> None:
-        nonlocal order
-        t = tasks[i]
-        start[i] = now
+    def __init__(self, graph: Graph, fabric: Fabric) -> None:
+        self.graph, self.tasks, self.fabric = graph, graph.tasks, fabric
+        n = len(self.tasks)
+        self.waiting = [len(t.deps) for t in self.tasks]
+        self.dependents = _dependents(self.tasks)
+        self.start, self.end = [math.nan] * n, [math.nan] * n
+        self.timers: list[tuple[float, int, int]] = []  # (time, order, task): a compute or latency ending
+        self.flows: list[_Active] = []
+        self.queued: dict[tuple, deque[_Active]] = {}  # a busy stream's waiting messages, first ready first
+        self.open_flows = [0] * n
+        self.cap: dict[Port, float] = {}
+        self.tokens: dict[Port, float] = {}  # token buckets' credit (shaped links, host CPUs), bytes
+        self.buckets: dict[Port, tuple[float, float]] = {}  # their (most credit, rate while credit lasts)
+        self.port_bytes: dict[Port, float] = {}
+        self.now, self.order, self.done = 0.0, 0, 0
+        # the host ranks whose compute the graph holds, which share the machine's cores
+        self.computing = len({fabric.cpu_port(t.rank) for t in self.tasks if t.seconds > 0 and t.rank is not None}
+                             ) if fabric.cpu and fabric.cores else 0
+
+    def run(self) -> Result:
+        n = len(self.tasks)
+        for i in range(n):
+            if self.waiting[i] == 0:
+                self.begin(i)
+        while self.timers or self.flows:
+            self.step()
+        if self.done < n:
+            stuck = next(i for i in range(n) if math.isnan(self.end[i]))
+            raise ValueError(f"task {self.tasks[stuck].label!r} (#{stuck}) never starts: its dependencies form a "
+                             f"cycle")
+        return Result(self.graph, self.start, self.end, self.port_bytes)
+
+    def open_port(self, p: Port, capacity: float) -> None:
+        self.cap[p] = capacity
+        if p not in self.buckets and (b := self.fabric.bucket(p)):
+            self.buckets[p] = b
+            self.tokens[p] = b[0]  # idle before the iteration: full
+
+    def begin(self, i: int) -> None:
+        """Task ``i``'s dependencies are done: its flows start (or queue on their stream), its
+        compute starts on a host rank's CPU, or its timer starts."""
+        t, fabric = self.tasks[i], self.fabric
+        self.start[i] = self.now
         moving = [f for f in t.flows if f.bytes > 0]
         for f in moving:
             ports = fabric.ports(f)
             for p, c in ports:
-                open_port(p, c)
-                port_bytes[p] = port_bytes.get(p, 0.0) + f.bytes
+                self.open_port(p, c)
+                self.port_bytes[p] = self.port_bytes.get(p, 0.0) + f.bytes
             active = _Active(i, f.bytes, tuple(p for p, _ in ports), f.stream)
             if f.stream is None:
-                flows.append(active)
-            elif f.stream in queued:
-                queued[f.stream].append(active)
+                self.flows.append(active)
+            elif f.stream in self.queued:
+                self.queued[f.stream].append(active)
             else:
-                queued[f.stream] = deque()
-                flows.append(active)
-        open_flows[i] = len(moving)
+                self.queued[f.stream] = deque()
+                self.flows.append(active)
+        self.open_flows[i] = len(moving)
         if fabric.cpu and t.seconds > 0 and t.rank is not None:  # compute on a host rank's CPU
             p = fabric.cpu_port(t.rank)
-            open_port(p, fabric.cpu)
+            self.open_port(p, fabric.cpu)
             on = (p,)
             if fabric.cores:
-                open_port(CORES, fabric.cores * computing)
+                self.open_port(CORES, fabric.cores * self.computing)
                 on += (CORES,)
-            flows.append(_Active(i, t.seconds * fabric.cpu, on))
-            open_flows[i] += 1
-        if not open_flows[i]:
-            heapq.heappush(timers, (now + t.seconds + t.latency, order, i))
-            order += 1
+            self.flows.append(_Active(i, t.seconds * fabric.cpu, on))
+            self.open_flows[i] += 1
+        if not self.open_flows[i]:
+            self.push_timer(self.now + t.seconds + t.latency, i)
 
-    def finish(i: int) -> None:
-        nonlocal done
-        end[i] = now
-        done += 1
-        for j in dependents[i]:
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                begin(j)
+    def push_timer(self, at: float, i: int) -> None:
+        heapq.heappush(self.timers, (at, self.order, i))
+        self.order += 1
 
-    for i in range(n):
-        if waiting[i] == 0:
-            begin(i)
-    while timers or flows:
+    def finish(self, i: int) -> None:
+        self.end[i] = self.now
+        self.done += 1
+        for j in self.dependents[i]:
+            self.waiting[j] -= 1
+            if self.waiting[j] == 0:
+                self.begin(j)
+
+    def step(self) -> None:
+        """Advance to the next event: the flows' fair rates, the time until a flow, a timer or a
+        port's credit ends, then the flows that ended and the timers that are due."""
+        dt = self.advance()
+        for i in self.retire(dt):  # the payload is in; the latency remains
+            self.push_timer(self.now + self.tasks[i].latency, i)
+        while self.timers and self.timers[0][0] <= self.now + 1e-12:
+            self.finish(heapq.heappop(self.timers)[2])
+
+    def advance(self) -> float:
+        """Move the clock to the next event and spend or save the ports' credit; the step's length."""
+        flows, tokens, buckets, cap = self.flows, self.tokens, self.buckets, self.cap
         usable = {p: buckets[p][1] if p in tokens and tokens[p] > 1e-9 * buckets[p][0] else c
                   for p, c in cap.items()} if tokens else cap
         _share(flows, usable)
         t_flow = min((f.left / f.rate for f in flows), default=math.inf)
-        t_timer = timers[0][0] - now if timers else math.inf
+        t_timer = self.timers[0][0] - self.now if self.timers else math.inf
         dt = min(t_flow, t_timer)
         if tokens:
             used = _usage(flows, tokens)
@@ -291,34 +317,44 @@ def simulate(graph: Graph, fabric: Fabric) -> Result:
                             if b > 1e-9 * buckets[p][0] and used[p] > cap[p])))
             for p in tokens:
                 tokens[p] = min(buckets[p][0], max(0.0, tokens[p] + (cap[p] - used[p]) * dt))
-        now += dt
+        self.now += dt
+        return dt
+
+    def retire(self, dt: float) -> list[int]:
+        """Take ``dt`` seconds of bytes off every flow; the tasks whose last flow ended (a
+        stream's next message starts in its place)."""
         ended: list[int] = []
-        if flows:
-            still = []
-            for f in flows:
-                if f.left / f.rate <= dt * (1 + 1e-12) + 1e-15:  # this one ends now
-                    open_flows[f.task] -= 1
-                    if open_flows[f.task] == 0:
-                        ended.append(f.task)
-                    if f.stream is not None:  # the stream's next message goes
-                        waiting_here = queued[f.stream]
-                        if waiting_here:
-                            still.append(waiting_here.popleft())
-                        else:
-                            del queued[f.stream]
-                else:
-                    f.left -= f.rate * dt
-                    still.append(f)
-            flows[:] = still
-        for i in ended:  # the payload is in; the latency remains
-            heapq.heappush(timers, (now + tasks[i].latency, order, i))
-            order += 1
-        while timers and timers[0][0] <= now + 1e-12:
-            finish(heapq.heappop(timers)[2])
-    if done < n:
-        stuck = next(i for i in range(n) if math.isnan(end[i]))
-        raise ValueError(f"task {tasks[stuck].label!r} (#{stuck}) never starts: its dependencies form a cycle")
-    return Result(graph, start, end, port_bytes)
+        if not self.flows:
+            return ended
+        still = []
+        for f in self.flows:
+            if f.left / f.rate <= dt * (1 + 1e-12) + 1e-15:  # this one ends now
+                self.open_flows[f.task] -= 1
+                if self.open_flows[f.task] == 0:
+                    ended.append(f.task)
+                if f.stream is not None:  # the stream's next message goes
+                    waiting_here = self.queued[f.stream]
+                    if waiting_here:
+                        still.append(waiting_here.popleft())
+                    else:
+                        del self.queued[f.stream]
+            else:
+                f.left -= f.rate * dt
+                still.append(f)
+        self.flows[:] = still
+        return ended
+
+
+def _dependents(tasks: list[Task]) -> list[list[int]]:
+    """Each task's dependents, or a ValueError naming a dependency that does not exist."""
+    n = len(tasks)
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for i, t in enumerate(tasks):
+        for d in t.deps:
+            if not 0 <= d < n:
+                raise ValueError(f"task {t.label!r} depends on task {d}, which does not exist")
+            dependents[d].append(i)
+    return dependents
 
 
 def _usage(flows: list[_Active], ports: dict[Port, float]) -> dict[Port, float]:

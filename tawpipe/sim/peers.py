@@ -54,7 +54,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..cost.memory import MemoryEstimate, logits_bytes, working_set_bytes
-from ..cost.traffic import ModelDims, fsdp_numel
+from ..cost.traffic import fsdp_numel
+from ..models.shape import ModelDims
 from .hardware import Cluster
 from .network import Fabric, Flow, Graph
 from .workload import Workload
@@ -255,14 +256,25 @@ def _stage_layers(layers: int, stages: int, stage: int) -> int:
     return base + (stage < extra)
 
 
+def stage_counts(nodes: int, per_node: int, layers: int) -> list[int]:
+    """1F1B's stage counts P that the simulator plays on ``nodes`` x ``per_node``, ascending:
+    2 <= P <= the layers, P dividing the ranks, pipelines that tile nodes (P a multiple or a divisor
+    of ``per_node``)."""
+    n = nodes * per_node
+    return [p for p in range(2, min(n, layers) + 1) if n % p == 0 and (p % per_node == 0 or per_node % p == 0)]
+
+
 def _pipeline_shape(cluster: Cluster, stages: int, layers: int) -> None:
     n, s = cluster.world_size, cluster.per_node
+    fits = stage_counts(cluster.nodes, s, layers)
+    way_out = f"--stages {', '.join(map(str, fits))}" if fits else "no stage count fits this cluster and model"
     if stages > layers:
         raise ValueError(f"1F1B with {stages} stages needs at least {stages} layers, the model has {layers}: "
-                         f"use fewer stages per pipeline (settings={{'stages': P}})")
-    if stages < 2 or n % stages or (stages % s and s % stages):
+                         f"use fewer stages per pipeline ({way_out})")
+    if stages not in fits:
         raise ValueError(f"1F1B with {stages} stages on {cluster.nodes} x {s}: needs 2 <= stages, stages dividing "
-                         f"the {n} ranks, and pipelines that tile nodes (stages a multiple or a divisor of {s})")
+                         f"the {n} ranks, and pipelines that tile nodes (stages a multiple or a divisor of {s}): "
+                         f"{way_out}")
 
 
 def _one_f_one_b(cluster: Cluster, work: Workload, acc: int, stages: int, host: bool) -> tuple[Graph, Fabric]:
@@ -271,7 +283,7 @@ def _one_f_one_b(cluster: Cluster, work: Workload, acc: int, stages: int, host: 
     copies, micro = cluster.world_size // stages, stages * acc
     if 4 * stages * micro > MAX_PIPELINE_TASKS:
         raise ValueError(f"1F1B of {stages} stages and {micro} micro-batches is about {4 * stages * micro:,} tasks; "
-                         f"simulate fewer stages per pipeline (its data-parallel copies are symmetric)")
+                         f"simulate fewer stages per pipeline (--stages; its data-parallel copies are symmetric)")
     graph = Graph()
     act = d.activation_numel * d.dtype_bytes
     fwd = [[graph.add(f"act {p}->{p + 1} m{i}", flows=[Flow(p, p + 1, act, host)], rank=p, lane="send",

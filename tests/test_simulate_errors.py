@@ -1,0 +1,143 @@
+"""`tawpipe simulate` refuses a bad input the one way every command does: one line on stderr,
+``tawpipe simulate: ...`` naming the flag or the file, exit status 2, before anything is measured
+or written; a run in which nothing could be simulated is refused the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from tawpipe.cli import main
+from tawpipe.sim.hardware import Device
+
+DEV = Device("test", matmul_flops=5e13, attention_flops=4e13, memory_bandwidth=1e12, memory=80e9, peak=1e14)
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """The one line ``tawpipe simulate argv`` printed on stderr, having exited with status 2 and
+    printed nothing on stdout."""
+    assert main(["simulate", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("tawpipe simulate: ")
+    return lines[0]
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Calibration fails the test: a refusal must come before the ~80 s of measuring."""
+    from tawpipe.sim import calibrate
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before refusing")
+
+    monkeypatch.setattr(calibrate, "calibrate", measured)
+
+
+def _blocked(tmp_path: Path) -> Path:
+    """A path nothing can be written at: under a regular file."""
+    (tmp_path / "a-file").write_text("")
+    return tmp_path / "a-file" / "out"
+
+
+FLAG_CASES = [
+    (["--replicas", "0", "--methods", "tawpipe"], "--replicas 0: must be at least 1"),
+    (["--replicas", "2", "--nodes", "3", "--methods", "tawpipe"], "--replicas 2 does not divide --nodes 3"),
+    (["--micro-batches", "0"], "--micro-batches 0: must be at least 1"),
+    (["--micro-batches", "-1"], "--micro-batches -1: must be at least 1"),
+    (["--mb-per-fetch", "0", "--methods", "tawpipe"], "--mb-per-fetch 0: must be at least 1"),
+    (["--mb-per-fetch", "3", "--micro-batches", "2", "--methods", "tawpipe"], "--mb-per-fetch 3 does not divide"),
+    (["--prefetch-depth", "-1", "--methods", "tawpipe"], "--prefetch-depth -1: must be at least 1"),
+    (["--prefetch-depth", "resident", "--no-reuse-weights"], "--no-reuse-weights"),
+    (["--stages", "1"], "--stages 1: must be at least 2"),
+    (["--nodes", "0"], "--nodes 0: must be at least 1"),
+    (["--seq-len", "0"], "--seq-len 0: must be at least 1"),
+    (["--inter", "fast"], "--inter: link 'fast'"),
+    (["--link-efficiency", "0", "--validate", "cluster.json"], "--link-efficiency 0: must be above 0"),
+    (["--model", "9b"], "--model: model '9b'"),
+    (["--device", "h100:memory=abc"], "--device: device 'h100:memory=abc': memory='abc' is not a number of GiB"),
+    (["--device", "tpu"], "--device"),
+    (["--device", "cpu:quota=-1"], "--device cpu:quota=-1"),
+    (["--device", "cpu:cores=2"], "--device cpu:cores=2"),
+    (["--calibrate", "dev.json", "--threads", "0"], "--threads 0: must be at least 1"),
+    (["--calibrate", "dev.json", "--quota", "-1"], "--quota -1: must be a number of cores above 0"),
+    (["--calibrate", "dev.json", "--calibrate-on", "tpu"], "--calibrate-on"),
+    (["--calibrate", "BLOCKED"], "--calibrate"),
+    (["--timeline", "BLOCKED", "--methods", "tawpipe"], "--timeline"),
+    (["--timeline", "trace.json", "--methods", "ddp"], "--timeline"),
+    (["--map", "BLOCKED"], "--map"),
+    (["--paper", "BLOCKED"], "--paper"),
+    (["--validate", "cluster.json", "--out", "BLOCKED"], "--out"),
+    (["--out", "out"], "--out"),
+    (["--paper", "p", "--map", "m"], "--paper and --map"),
+    # the spellings used before name the one to use now
+    (["--seq", "1024"], "--seq is now --seq-len"),
+    (["--micro-batch", "1"], "--micro-batch is now --micro-batch-size"),
+    (["--acc", "2"], "--acc is now --micro-batches"),
+    (["--no-recompute"], "--no-recompute is now --recompute none"),
+]
+
+
+@pytest.mark.parametrize("argv, says", FLAG_CASES)
+def test_a_bad_flag_is_refused_in_one_line_before_anything_runs(argv, says, tmp_path, monkeypatch, capsys,
+                                                                 no_measuring):
+    monkeypatch.chdir(tmp_path)
+    line = _refused([str(_blocked(tmp_path)) if a == "BLOCKED" else a for a in argv], capsys)
+    assert says in line
+    assert not (tmp_path / "dev.json").exists() and not (tmp_path / "trace.json").exists()
+    assert not (tmp_path / "p").exists() and not (tmp_path / "m").exists()
+
+
+CONFIG = {"nodes": 2, "per_node": 2, "hidden": 64, "layers": 4, "heads": 4, "seq_len": 256, "vocab": 128,
+          "micro_batches": 2, "batch_size": 1}
+COMPUTE = "compute fixed at 0.50 core(s) per rank (1 thread(s) each)"
+BAD_FILES = [
+    ("--device", None),  # missing
+    ("--device", "DIR"),
+    ("--device", "not json"),
+    ("--device", '{"name": "cut short", "matmul'),
+    ("--device", json.dumps({"hidden_size": 1024, "num_hidden_layers": 24})),  # a model's config
+    ("--device", json.dumps({**dataclasses.asdict(DEV), "memory": "80 GB"})),
+    ("--device", json.dumps({**dataclasses.asdict(DEV), "memory": -1})),
+    ("--validate", None),
+    ("--validate", "DIR"),
+    ("--validate", "not json"),
+    ("--validate", '{"shapes": ['),
+    ("--validate", json.dumps({"rate": "100mbit"})),
+    ("--validate", json.dumps([1, 2])),
+    ("--validate", json.dumps({"rate": "fast", "compute": COMPUTE, "shapes": []})),
+    ("--validate", json.dumps({"rate": "100mbit", "compute": COMPUTE, "shapes": [{"rows": []}]})),
+    ("--validate", json.dumps({"rate": "100mbit", "compute": COMPUTE,
+                               "shapes": [{"config": CONFIG, "rows": [{"status": "ok", "method": "ddp"}]}]})),
+    ("--validate", json.dumps({"rate": "100mbit", "compute": "whatever the machine gives",
+                               "shapes": [{"config": CONFIG, "rows": []}]})),
+    ("--validate", json.dumps({"rate": "100mbit", "compute": COMPUTE,
+                               "shapes": [{"config": CONFIG, "rows": [], "calibration": {"name": "x"}}]})),
+]
+
+
+@pytest.mark.parametrize("flag, text", BAD_FILES)
+def test_a_bad_file_is_refused_naming_the_flag_and_the_file(flag, text, tmp_path, capsys, no_measuring):
+    path = tmp_path / "in.json"
+    if text == "DIR":
+        path.mkdir()
+    elif text is not None:
+        path.write_text(text)
+    line = _refused([flag, str(path)], capsys)
+    assert f"{flag} {path}" in line
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--nodes", "100000", "--methods", "tawpipe"], "use more replicas, each pipeline over fewer nodes (--replicas"),
+    (["--nodes", "4", "--methods", "weipipe"], "WeiPipe runs one ring over every device"),
+    (["--nodes", "4", "--methods", "tawpipe", "tawpipe-paper"], "tawpipe, tawpipe-paper: a pipeline of 32 ranks"),
+    (["--methods", "1f1b", "--stages", "5"], "--stages 2, 4, 8, 24"),
+])
+def test_a_run_with_nothing_simulated_is_refused_saying_why(argv, says, capsys):
+    line = _refused(argv, capsys)
+    assert line.startswith("tawpipe simulate: nothing was simulated: ") and says in line
