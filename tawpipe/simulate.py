@@ -207,8 +207,8 @@ def _model(args: argparse.Namespace) -> ModelDims:
     try:
         return model(args.model, seq=args.seq_len, micro_batch=args.micro_batch_size, dtype_bytes=args.dtype_bytes,
                      grad_bytes=args.grad_bytes)
-    except ValueError as e:
-        raise UsageError(f"--model: {e}") from None
+    except ValueError as e:  # the model registry's errors name --model themselves
+        raise UsageError(str(e) if "--model" in str(e) else f"--model: {e}") from None
 
 
 def _link(flag: str, spec: str) -> Link:

@@ -59,7 +59,7 @@ FLAG_CASES = [
     (["--seq-len", "0"], "--seq-len 0: must be at least 1"),
     (["--inter", "fast"], "--inter: link 'fast'"),
     (["--link-efficiency", "0", "--validate", "cluster.json"], "--link-efficiency 0: must be above 0"),
-    (["--model", "9b"], "--model: model '9b'"),
+    (["--model", "9b"], "unknown --model '9b'; choose one of micro, tiny, paper"),
     (["--device", "h100:memory=abc"], "--device: device 'h100:memory=abc': memory='abc' is not a number of GiB"),
     (["--device", "tpu"], "--device"),
     (["--device", "cpu:quota=-1"], "--device cpu:quota=-1"),
