@@ -422,7 +422,8 @@ def _verdict_json(v: compare.Verdict, text: str) -> dict[str, Any]:
 
 
 def _settings(args: argparse.Namespace) -> dict:
-    s = dict(compare.BEST)
+    """TawPipe's row: the settings given, "auto" (the engine's choice) for the others."""
+    s = dict(compare.AUTO_SETTINGS)
     for key in ("mb_per_fetch", "prefetch_depth", "reuse_weights"):
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
@@ -528,7 +529,8 @@ def _validate(args: argparse.Namespace) -> int:
             cluster = Cluster(s.config["nodes"], s.config["per_node"], dev, link(LOOPBACK), inter)
             work = Workload(s.dims, dev, recompute=s.recompute if method.startswith(("tawpipe", "weipipe")) else False)
             try:
-                sim = compare.run(method, cluster, work, s.config["micro_batches"], host=True)
+                sim = compare.run(method, cluster, work, s.config["micro_batches"], host=True,
+                                  settings=compare.BEST if method == "tawpipe" else None)  # as tawpipe-best ran
             except (ValueError, KeyError) as e:
                 print(f"{s.path}: {row['label']}: not simulated ({e})", file=sys.stderr)
                 continue
@@ -676,7 +678,8 @@ def _paper(args: argparse.Namespace) -> int:
     for seq in (4096, 8192, 16384):
         dims = model("paper", seq=seq, micro_batch=2, dtype_bytes=2, grad_bytes=2)
         work = Workload(dims, dev, recompute=True)
-        rows = {m: compare.run(m, cluster, work, 2) for m in methods}
+        rows = {m: compare.run(m, cluster, work, 2, settings=compare.BEST if m == "tawpipe" else None)
+                for m in methods}
         taw = rows["tawpipe-paper"].time_s
         for m, r in rows.items():
             gain = r.time_s / taw - 1

@@ -283,3 +283,33 @@ def test_a_stream_sends_its_messages_one_at_a_time_in_the_order_they_became_read
     r2 = simulate(g2, _fabric(inter=rate, per_node=1))
     assert r2.end[first] == pytest.approx(a / rate, rel=1e-12)
     assert r2.end[later] == pytest.approx((a + b) / rate, rel=1e-12)
+
+
+def test_tawpipe_rows_default_to_the_engines_auto_choice():
+    """Left "auto", TawPipe's row is what the engine would choose: among every k, depth and reuse,
+    the fewest inter-node bytes whose memory fits the device less 10% (found here by trying them
+    all). On a device too small for every chunk resident, that is not the fewest-bytes setting."""
+    from tawpipe.cost.memory import MARGIN, memory_per_rank
+    from tawpipe.plan.schedule import RESIDENT
+    from tawpipe.sim import compare
+    from tawpipe.sim.workload import model
+
+    dims = model("7b", seq=4096, micro_batch=1)
+    for memory in (80e9, 40e9):
+        dev = Device("gpu", 4e14, 3e14, 2e12, memory, 1e15)
+        cluster = Cluster(2, 4, dev, link("nvlink"), link("25gbe"))
+        work = Workload(dims, dev)
+        row = compare.run("tawpipe", cluster, work, 4)
+        tried = {}
+        for k in (1, 2, 4):
+            for depth, reuse in ((1, False), (1, True), (RESIDENT, True)):
+                plan = engine_plan(cluster, work, 4, mb_per_fetch=k, prefetch_depth=depth, reuse_weights=reuse)
+                need = compare.with_logits(memory_per_rank(plan, dims), dims).total
+                if need <= (1 - MARGIN) * memory:
+                    tried[(k, plan.options["prefetch_depth"], reuse)] = (max(plan_traffic(plan).per_node()), need)
+        best = min(tried, key=lambda c: tried[c])
+        assert (row.settings["mb_per_fetch"], row.settings["prefetch_depth"], row.settings["reuse_weights"]) == best
+        assert row.fits
+    assert best[1] == 1  # 40 GB: not every chunk resident
+    given = compare.run("tawpipe", cluster, work, 4, settings={**compare.AUTO_SETTINGS, "mb_per_fetch": 2})
+    assert given.settings["mb_per_fetch"] == 2

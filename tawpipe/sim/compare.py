@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cost.memory import MemoryEstimate, logits_bytes, memory_per_rank
+from ..cost.memory import AUTO, MemoryEstimate, logits_bytes, memory_per_rank
 from ..models.shape import ModelDims
 from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT, compute_actions
@@ -23,7 +23,9 @@ from .peers import PEERS, peer_graph, peer_memory
 from .play import engine_plan, plan_graph
 from .workload import Workload
 
-BEST = {"mb_per_fetch": "acc", "prefetch_depth": RESIDENT, "reuse_weights": True}
+# What the engine and tawpipe train do by default: the fewest inter-node bytes that fit (design §7.3).
+AUTO_SETTINGS = {"mb_per_fetch": AUTO, "prefetch_depth": AUTO, "reuse_weights": AUTO}
+BEST = {"mb_per_fetch": "acc", "prefetch_depth": RESIDENT, "reuse_weights": True}  # the fewest bytes
 PAPER: dict[str, Any] = {}  # the paper's schedule: k = 1, depth 1, no reuse
 METHODS = ("tawpipe", "tawpipe-paper", "weipipe", *PEERS)
 TAWPIPE = ("tawpipe", "tawpipe-paper")  # TawPipe's rows; the others are its peers
@@ -106,19 +108,21 @@ def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool =
         settings: dict[str, Any] | None = None) -> Row:
     """Simulate ``method`` (one of ``METHODS``) for one iteration of ``acc`` micro-batches per
     device. ``settings``: TawPipe's (``mb_per_fetch``, ``prefetch_depth``, ``reuse_weights``,
-    ``replicas``), BEST's by default for "tawpipe"; 1F1B's ``stages`` per pipeline (default: every
-    rank, as the bench runs it)."""
+    ``replicas``), each "auto" by default for "tawpipe", chosen as the engine does; 1F1B's
+    ``stages`` per pipeline (default: every rank, as the bench runs it)."""
     dims = work.dims
     if method in ("tawpipe", "tawpipe-paper", "weipipe"):
-        opts = dict(BEST if method == "tawpipe" else PAPER) if settings is None else dict(settings)
+        opts = dict(AUTO_SETTINGS if method == "tawpipe" else PAPER) if settings is None else dict(settings)
         if opts.get("mb_per_fetch") == "acc":
             opts["mb_per_fetch"] = acc
         if method == "weipipe":
             opts["algo"] = "weipipe"
         _check_size(method, cluster, dims, acc, int(opts.get("replicas", 1)))
-        plan = engine_plan(cluster, work, acc, **opts)
+        plan = engine_plan(cluster, work, acc, memory=lambda p: with_logits(memory_per_rank(p, dims), dims), **opts)
         opts = {k: v for k, v in opts.items() if k != "algo"}
         opts["prefetch_depth"] = plan.options["prefetch_depth"]
+        if method == "tawpipe":  # what "auto" chose
+            opts.update({k: plan.options[k] for k in AUTO_SETTINGS})
         return play(method, plan, cluster, work, acc, opts, host=host)
     stages = (settings or {}).get("stages")
     graph, fabric = peer_graph(method, cluster, work, acc, host=host, stages=stages)

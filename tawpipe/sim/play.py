@@ -15,8 +15,10 @@ replicas send their hops to the mirror images of replica 0's ranks.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..cost.memory import AUTO, MARGIN, MemoryEstimate, auto_plan
 from ..cost.traffic import chain_hops, ring_next
 from ..plan.actions import OPS, Action, Channel, Hazards, Op, batches, describe
 from ..plan.plan import Plan
@@ -149,10 +151,22 @@ def _flows(plan: Plan, a: Action, host: bool = False) -> tuple[list[Flow], int]:
     return [Flow(m, ring_next(a, m), share) for m in a.group if m < size], 2 * (k - 1)
 
 
-def engine_plan(cluster: Cluster, work: Workload, micro_batches: int, **options: object) -> Plan:
+def engine_plan(cluster: Cluster, work: Workload, micro_batches: int, *,
+                memory: Callable[[Plan], MemoryEstimate] | None = None, **options: object) -> Plan:
     """The plan the engine would run for ``work.dims`` on ``cluster``, with real byte sizes;
-    ``options`` are ``build_plan``'s (algo, mb_per_fetch, prefetch_depth, reuse_weights, replicas)."""
+    ``options`` are ``build_plan``'s (algo, mb_per_fetch, prefetch_depth, reuse_weights, replicas).
+    Those left "auto" are chosen as the engine chooses them (``cost.memory.auto_plan``, design
+    §7.3), on ``memory``'s estimate within the device's memory less ``MARGIN``; where nothing fits,
+    the least memory."""
     d = work.dims
-    return build_plan(Topology(cluster.nodes, cluster.per_node), d.layers, micro_batches,
-                      layer_numel=d.layer_numel, weight_bytes=d.dtype_bytes, grad_bytes=d.grad_bytes,
-                      replicated_numel=d.replicated_numel + 1, **options)
+    topology = Topology(cluster.nodes, cluster.per_node)
+    sizes = dict(layer_numel=d.layer_numel, weight_bytes=d.dtype_bytes, grad_bytes=d.grad_bytes,
+                 replicated_numel=d.replicated_numel + 1)
+    if AUTO not in options.values():
+        return build_plan(topology, d.layers, micro_batches, **sizes, **options)
+    if memory is None:
+        raise ValueError("choosing the options left 'auto' needs the memory estimate")
+    plan, _ = auto_plan(topology, d.layers, micro_batches, memory=memory, budget=cluster.device.memory * (1 - MARGIN),
+                        budget_text=f"{cluster.device.name}'s memory less {MARGIN:.0%}", strict=False, **sizes,
+                        **options)
+    return plan
