@@ -17,8 +17,10 @@ recomputes; ``load`` names the file that is empty, truncated, unreadable or alte
 
 Shards hold parameters and optimizer state under the model's parameter names, so ``restore``
 loads a checkpoint onto any topology: each rank reads the shards that hold its layers (on the same
-topology, exactly its own). It refuses a shard whose checksum or step disagrees with the manifest,
-and a model whose signature differs. Everything loads with ``torch.load(weights_only=True)``.
+topology, exactly its own). It refuses a shard that is missing, or whose size, checksum or step
+disagrees with the manifest, a manifest that lacks what loading reads, and a model whose signature
+differs. ``verify`` makes the same checks of every shard without loading any, before a run starts.
+Everything loads with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import socket
 from dataclasses import dataclass
@@ -211,14 +214,63 @@ def resolve(path: str | os.PathLike[str]) -> Path:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` (as ``resolve`` finds it), checked for the keys
+    that loading reads; CheckpointError naming what is wrong and what to resume from instead."""
     d = resolve(path)
     try:
         manifest = json.loads((d / MANIFEST).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{d / MANIFEST} is unreadable: {e}") from None
+        raise CheckpointError(f"{d / MANIFEST} is unreadable: {e}; {_instead(d)}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{d / MANIFEST} is not a {FORMAT} manifest")
+        raise CheckpointError(f"{d / MANIFEST} is not a {FORMAT} manifest; {_instead(d)}")
+    problem = _shape_problem(manifest)
+    if problem:
+        raise CheckpointError(f"{d / MANIFEST} is damaged: {problem}; {_instead(d)}")
     return manifest
+
+
+# What loading reads of a manifest (its other keys are a record for people): key -> type.
+_MANIFEST_KEYS = {"step": int, "topology": dict, "replicas": int, "algo": str, "model": dict, "files": dict,
+                  "meta": dict}
+_FILE_KEYS = {"rank": int, "chunk": int, "replica": int, "bytes": int, "sha256": str}
+_MODEL_KEYS = ("num_layers", "names", "block", "replicated")
+_SHARD_NAME = re.compile(r"rank-\d{5}\.pt")
+
+
+def _shape_problem(manifest: dict[str, Any]) -> str | None:
+    """What is missing or of the wrong type in ``manifest``, one phrase; None where nothing is."""
+    for key, kind in _MANIFEST_KEYS.items():
+        if key not in manifest:
+            return f"it has no {key!r}" + (" (the list of shards)" if key == "files" else "")
+        if not isinstance(manifest[key], kind):
+            return f"its {key!r} is {type(manifest[key]).__name__} {manifest[key]!r:.40}, not {kind.__name__}"
+    if missing := [k for k in _MODEL_KEYS if k not in manifest["model"]]:
+        return f"its 'model' has no {missing[0]!r}"
+    if not manifest["files"]:
+        return "its 'files' lists no shard"
+    for name, entry in manifest["files"].items():
+        if not _SHARD_NAME.fullmatch(name):
+            return f"its 'files' names {name!r}, not a shard of this directory (rank-NNNNN.pt)"
+        if not isinstance(entry, dict):
+            return f"its entry of {name} is {type(entry).__name__}, not dict"
+        for key, kind in _FILE_KEYS.items():
+            if not isinstance(entry.get(key), kind):
+                return f"its entry of {name} has no {key!r} of type {kind.__name__}"
+        layers = entry.get("layers", "absent")
+        if layers is not None and not (isinstance(layers, list) and len(layers) == 2
+                                       and all(isinstance(v, int) for v in layers)):
+            return f"its entry of {name} has 'layers' {layers!r}, not [start, stop] or null"
+    return None
+
+
+def _instead(d: Path) -> str:
+    """What to do about a damaged step directory ``d``: resume from the latest complete step
+    before it, named, where there is one."""
+    earlier = sorted(p for p in d.parent.glob("step-*") if p.name < d.name and (p / MANIFEST).is_file()) \
+        if d.name.startswith("step-") else []
+    if earlier:
+        return f"resume from the previous checkpoint, {earlier[-1]}, or restore {d.name} from a copy"
+    return f"restore {d} from a copy (there is no earlier checkpoint beside it)"
 
 
 def check_model(manifest: dict[str, Any], signature: dict[str, Any], where: str | os.PathLike[str]) -> None:
@@ -351,25 +403,64 @@ def _write_manifest(engine: TawPipe, d: Path, rows: list[list[int]], meta: dict[
     write_atomic(d / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()), ".json")
 
 
-def _verified(d: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Load one shard after checking it against the manifest: checksum, then step."""
+def _check_shard(d: Path, name: str, manifest: dict[str, Any], *, checksum: bool = True) -> None:
+    """Refuse shard ``name`` of step directory ``d`` unless it is there with the manifest's size
+    and SHA-256 (``checksum=False``: the size alone); where it differs, name the likelier cause.
+    The one check of a shard: ``verify`` (before a run) and ``restore`` (before loading) share it."""
     entry, path = manifest["files"][name], d / name
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing")
-    if sha256(path) != entry["sha256"]:
-        try:  # name the likelier cause when the shard still reads: a shard of another step
-            found = load(path).get("steps")
-        except Exception:  # noqa: BLE001 - unreadable: corrupt indeed
-            found = None
-        if found is not None and found != manifest["step"]:
-            raise CheckpointError(f"{path} is from step {found} but its manifest is of step {manifest['step']}: "
-                                  "mixed steps, refusing to load")
-        raise CheckpointError(f"{path} is corrupt: its SHA-256 differs from the manifest's")
+        raise CheckpointError(f"{path} is missing (the manifest lists it); {_instead(d)}")
+    size = path.stat().st_size
+    if size == entry["bytes"] and (not checksum or sha256(path) == entry["sha256"]):
+        return
+    found = _saved_step(path)
+    if found is not None and found != manifest["step"]:
+        raise CheckpointError(f"{path} is from step {found} but its manifest is of step {manifest['step']}: "
+                              f"mixed steps, refusing to load; {_instead(d)}")
+    if size != entry["bytes"]:
+        how = "truncated" if size < entry["bytes"] else "damaged"
+        raise CheckpointError(f"{path} is {how}: it has {size:,} bytes, the manifest records {entry['bytes']:,}; "
+                              f"{_instead(d)}")
+    raise CheckpointError(f"{path} is corrupt: its SHA-256 differs from the manifest's; {_instead(d)}")
+
+
+def _saved_step(path: Path) -> int | None:
+    """The step a shard says it holds, or None where it does not read. Memory-mapped: only the
+    pickle is read, not the tensors."""
+    try:
+        shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable: truncated or corrupt, which the caller then says
+        return None
+    return shard.get("steps") if isinstance(shard, dict) else None
+
+
+def _verified(d: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Load one shard after checking it against the manifest (``_check_shard``), then its step and rank."""
+    _check_shard(d, name, manifest)
+    path, entry = d / name, manifest["files"][name]
     shard = load(path)
     if shard.get("steps") != manifest["step"] or shard.get("rank") != entry["rank"]:
         raise CheckpointError(f"{path} holds rank {shard.get('rank')} at step {shard.get('steps')}, the manifest "
                               f"says rank {entry['rank']} at step {manifest['step']}: mixed shards, refusing to load")
     return shard
+
+
+def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` (a step directory, or the latest complete one
+    under a root), once every shard it lists is found whole: there, of the recorded size, with the
+    recorded SHA-256; CheckpointError naming the first one that is not, and what to resume from.
+
+    For a check before a run starts (``tawpipe train --resume``): the shards are checked as
+    ``restore`` checks them (``_check_shard``), but without loading them. Hashing reads every
+    shard in full, one pass more over the checkpoint than ``restore`` makes (it hashes the shards
+    it loads again): the price of refusing a damaged checkpoint before any worker starts.
+    ``checksums=False`` checks presence and sizes only (a stat per shard), for processes whose
+    peer hashes them."""
+    d = resolve(path)
+    manifest = read_manifest(d)
+    for name in sorted(manifest["files"]):
+        _check_shard(d, name, manifest, checksum=checksums)
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -434,3 +525,4 @@ def consolidated(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         out.update(shard["params"])
         out.update({alias: shard["params"][canonical] for alias, canonical in shard["aliases"].items()})
     return out
+

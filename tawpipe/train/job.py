@@ -342,6 +342,7 @@ def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> dict[str, Any]
     checkpoint.check_model(manifest, signature, cfg.resume)
     if manifest["step"] >= cfg.steps:
         raise ValueError(f"--resume {cfg.resume} is at step {manifest['step']}: --steps {cfg.steps} leaves nothing to train")
+    checkpoint.verify(cfg.resume, checksums=_leader())  # every shard whole, before a worker reads one
     saved = manifest["meta"].get("train", {})
     changed = [f"{flag(k)} {saved[k]} -> {v}" for k, v in asdict(cfg).items()
                if k in saved and k not in NOT_TRAINING and saved[k] != v]
@@ -578,6 +579,11 @@ def _progress(total: int, initial: int):
 
 def _local_rank(rank: int, cfg: TrainConfig, auto: str | None) -> dict:
     return train_rank(rank, cfg, Topology(nodes=cfg.nodes, per_node=cfg.per_node), torch.device("cpu"), auto)
+
+
+def _leader() -> bool:
+    """Whether this process acts for the whole job: the local launcher, or rank 0 under torchrun."""
+    return not _under_torchrun() or os.environ["RANK"] == "0"
 
 
 def main(args: argparse.Namespace) -> int:
