@@ -1,17 +1,27 @@
 """`tawpipe train` around a real 2-rank CPU run: --resume checks every shard before any worker
-starts (a damaged, truncated, missing or other step's shard; a manifest without its file list)."""
+starts (a damaged, truncated, missing or other step's shard; a manifest without its file list),
+and --save admits one run at a time (a lock held by the launcher, taken over once its holder
+died)."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tawpipe import cli
 from tawpipe.io import checkpoint
 from tawpipe.io.checkpoint import CheckpointError
+from tawpipe.runtime.launch import JobFailed
+from tawpipe.train import job
 
 from test_preflight import _tawpipe, refused
 
@@ -104,3 +114,72 @@ def test_without_an_earlier_step_the_message_says_so(run, tmp_path, monkeypatch,
 def test_an_intact_checkpoint_passes_the_check(run) -> None:
     assert checkpoint.verify(run["root"])["step"] == 4  # the latest
     assert checkpoint.verify(run["root"] / PREVIOUS)["step"] == 2
+
+
+# ------------------------------------------------------------------------------------ --save
+
+
+def _held_by(lock: Path) -> dict:
+    try:
+        return json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_a_second_run_saving_into_the_same_directory_is_refused(run, tmp_path, monkeypatch, capsys) -> None:
+    """A real run holds its --save directory from before its workers start: a second run is
+    refused in one line naming the holder. Killed (SIGKILL), its lock is taken over at once."""
+    save = tmp_path / "ckpt"
+    lock = save / checkpoint.LOCK
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    first = subprocess.Popen([sys.executable, "-m", "tawpipe", "train", *ARGS, "--steps", "100000", "--save", str(save)],
+                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while _held_by(lock).get("pid") != first.pid:  # the launcher's own pid: not a worker's
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not take the lock"
+            time.sleep(0.05)
+        err = refused(monkeypatch, capsys, *ARGS, "--save", str(save))
+        assert err == (f"tawpipe train: --save {save}: {lock} is held by pid {first.pid} on host "
+                       f"{socket.gethostname()} (since {_held_by(lock)['since']}): another run saves its checkpoints "
+                       "there; two runs saving into one directory delete each other's files: wait for that run to "
+                       "end (or stop it), or save this run into another directory")
+    finally:
+        first.kill()  # a crash: the lock file stays, naming a dead process
+        first.wait()
+    assert _held_by(lock)["pid"] == first.pid
+    with checkpoint.hold(save):
+        assert _held_by(lock)["pid"] == os.getpid()
+        with pytest.raises(checkpoint.RootBusy, match=f"is held by pid {os.getpid()} on host "):
+            checkpoint.hold(save)  # one holder at a time, in one process too
+    assert not lock.exists()
+    assert not (run["root"] / checkpoint.LOCK).exists()  # a run that ended left none either
+
+
+@pytest.mark.parametrize("ending, code", [(KeyboardInterrupt(), 130),
+                                          (JobFailed("rank 1 failed: RuntimeError: boom", 1, "failed"), 1)])
+def test_the_lock_is_held_while_the_workers_run_and_released_however_they_end(tmp_path, monkeypatch, ending,
+                                                                              code) -> None:
+    save = tmp_path / "ckpt"
+
+    def workers(*args, **kwargs):
+        with pytest.raises(checkpoint.RootBusy, match=f"is held by pid {os.getpid()} "):
+            checkpoint.hold(save)
+        raise ending
+
+    monkeypatch.setattr(job, "run_local", workers)
+    assert cli.main(["train", *ARGS, "--save", str(save)]) == code
+    assert not (save / checkpoint.LOCK).exists()
+    checkpoint.hold(save).release()
+
+
+def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(RuntimeWarning, match=r"cannot lock .*\.tawpipe\.lock \(No locks available\): this file "
+                                            r"system has no locks, so nothing keeps another run from saving"):
+        checkpoint.hold(tmp_path).release()

@@ -21,16 +21,22 @@ topology, exactly its own). It refuses a shard that is missing, or whose size, c
 disagrees with the manifest, a manifest that lacks what loading reads, and a model whose signature
 differs. ``verify`` makes the same checks of every shard without loading any, before a run starts.
 Everything loads with ``torch.load(weights_only=True)``.
+
+One run writes into a root at a time: ``tawpipe train --save`` holds the root's lock
+(``hold``: ``ROOT/.tawpipe.lock``) while it runs, and a second run is refused.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
 import hashlib
 import json
 import os
 import re
 import secrets
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable
@@ -526,3 +532,99 @@ def consolidated(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         out.update({alias: shard["params"][canonical] for alias, canonical in shard["aliases"].items()})
     return out
 
+
+# ----------------------------------------------------------------------------- one writer per root
+
+LOCK = ".tawpipe.lock"
+
+
+class RootBusy(CheckpointError):
+    """Another live process holds the root's lock (``hold``): its message names that process."""
+
+
+class RootLock:
+    """The lock of one checkpoint root, held by this process until ``release`` (or the end of a
+    ``with`` block, or the process, however it ends). Made by ``hold``."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        """Remove the lock file, then let go of the lock (in that order: a process that opened the
+        file meanwhile finds it unlinked and makes a new one, see ``hold``). Idempotent."""
+        if self._fd < 0:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = -1
+
+    def __enter__(self) -> RootLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def hold(root: str | os.PathLike[str]) -> RootLock:
+    """Take the lock of checkpoint root ``root`` (an existing directory) for this process, without
+    waiting; RootBusy, naming the holder (host, pid, since when), where another process holds it.
+
+    Two runs saving into one root destroy each other's work: ``save`` removes the temporary files
+    it finds, taking them for leftovers of crashed saves, so one run's save deleted the other's
+    shard in flight. A run holds the lock from before its workers start until it ends.
+
+    The lock is ``flock(2)`` on ``ROOT/.tawpipe.lock``: the kernel drops it when the holding
+    process ends, however it ends (SIGKILL, the OOM killer, a power loss), so it is never stale;
+    the file a killed run leaves behind is taken over as it is. (A file made with O_EXCL and
+    judged by its holder's pid, the alternative, cannot tell whether a holder on another host
+    still runs, and two processes taking over one stale file race.) On network file systems flock
+    is the file system's lock (NFS maps it to a POSIX lock); where there are none (ENOLCK), a
+    RuntimeWarning says so and the run goes on unlocked. The file holds the holder's host, pid and
+    start time, for the message that refuses the next one. The descriptor is close-on-exec:
+    processes started by the holder do not inherit the lock."""
+    import fcntl  # POSIX only, as the launcher is
+
+    path = Path(root) / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RootBusy(f"{path} is held by {_holder(path)}: another run saves its checkpoints there; two runs "
+                           "saving into one directory delete each other's files: wait for that run to end (or stop "
+                           "it), or save this run into another directory") from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            warnings.warn(f"cannot lock {path} ({e.strerror}): this file system has no locks, so nothing keeps "
+                          f"another run from saving into {root} at the same time", RuntimeWarning, stacklevel=2)
+            return RootLock(path, -1)
+        try:  # the holder we raced may have removed the file before letting go: lock the new one
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    lock = RootLock(path, fd)
+    try:  # who holds it, for the message that refuses the next one
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": since}).encode(), 0)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _holder(path: Path) -> str:
+    """``pid 123 on host h (since ...)`` from a lock file; what is known where it is not written yet."""
+    try:
+        who = json.loads(path.read_text())
+        return f"pid {who['pid']} on host {who['host']} (since {who['since']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (it has not written its name yet)"

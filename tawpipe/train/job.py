@@ -586,8 +586,24 @@ def _leader() -> bool:
     return not _under_torchrun() or os.environ["RANK"] == "0"
 
 
+def _holding_save(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+    """--save's lock (``checkpoint.hold``), taken by the leader before any worker starts and held
+    to the end; UsageError where another run holds it."""
+    if cfg.save is None or not _leader():
+        return contextlib.nullcontext()
+    try:
+        return checkpoint.hold(cfg.save)
+    except checkpoint.RootBusy as e:
+        raise UsageError(f"--save {cfg.save}: {e}") from None
+
+
 def main(args: argparse.Namespace) -> int:
     cfg, pre = _config(args)
+    with _holding_save(cfg):
+        return _run(cfg, pre)
+
+
+def _run(cfg: TrainConfig, pre: Preflight) -> int:
     resumed = f", resumed from step {pre.resumed_from}" if pre.resumed_from is not None else ""
     stopped_by = signal.SIGTERM  # what a stopped run's exit code says (128 + the signal)
     if _under_torchrun():
