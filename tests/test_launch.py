@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch_cases import ends_at_start, freezes, late_stop, long_job, raises, random_tensors, train_then
+from launch_cases import (bar_then_killed, ends_at_start, freezes, late_stop, long_job, raises, random_tensors,
+                          train_then)
 from tawpipe.runtime import progress
 from tawpipe.io.checkpoint import PeerCheckpointError
 from tawpipe.runtime.comm.base import CommTimeout
@@ -36,6 +37,17 @@ def test_a_killed_rank_is_named_within_10_s(tmp_path) -> None:
     assert _since_bad(tmp_path) < 10
     assert info.value.summary == "rank 3 died (SIGKILL) before returning", str(info.value)
     assert (info.value.rank, info.value.kind) == (3, "died")
+
+
+def test_the_failure_starts_a_line_of_its_own_after_an_open_progress_bar(capfd) -> None:
+    """Rank 0 is killed while its bar's line is open: the launcher ends that line, so that the
+    message `tawpipe train` prints next starts at column 0 (it was printed at the end of the bar)."""
+    with pytest.raises(JobFailed) as info:
+        run_local(bar_then_killed, 2, timeout=60)
+    print(f"tawpipe train: {info.value.summary}", file=sys.stderr)  # as tawpipe train tells it
+    lines = capfd.readouterr().err.split("\n")
+    assert lines[-3:] == ["\rtawpipe train:   3%|▎         | 3/100 [00:01<00:30]",
+                          "tawpipe train: rank 0 died (SIGKILL) before returning", ""], lines
 
 
 @pytest.mark.parametrize("how, message", [
@@ -457,3 +469,4 @@ def test_a_rank_whose_heartbeat_stopped_is_gone_and_the_verdict_is_shared(monkey
     monkeypatch.setattr(progress, "_rank", 1)
     assert progress.blame_after_failure(within=0) == "rank 3 failed first: ValueError: bad input"
     del server
+
