@@ -4,8 +4,10 @@ loopback only; and the progress board that names a stuck rank."""
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -470,3 +472,36 @@ def test_a_rank_whose_heartbeat_stopped_is_gone_and_the_verdict_is_shared(monkey
     assert progress.blame_after_failure(within=0) == "rank 3 failed first: ValueError: bad input"
     del server
 
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_step_bar_in_a_log_ends_once_with_the_last_steps_values() -> None:
+    """Not a terminal: a plain line every total // 20 steps and at the last, the only 100%."""
+    log = io.StringIO()
+    bar = progress.StepBar(45, 0, "tawpipe train", stream=log)
+    for step in range(1, 46):
+        bar.step(f"loss {step}")
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert [int(re.match(r"tawpipe train: step (\d+)/45 \(\d+%\), [\d.]+ s \| loss (\d+)$", line)[2])
+            for line in lines] == [*range(2, 45, 2), 45]
+    assert log.getvalue().count("100%") == 1 and "(100%)" in lines[-1] and "\r" not in log.getvalue()
+
+
+def test_a_step_bar_on_a_terminal_shows_each_count_with_its_own_values() -> None:
+    """tqdm redraws the line in place; no drawing shows a step's count with the previous step's
+    loss (the count moved before the loss did), and the last drawing is the end."""
+    screen = _Terminal()
+    bar = progress.StepBar(5, 0, "tawpipe train", stream=screen)
+    for step in range(1, 6):
+        time.sleep(0.15)  # past tqdm's minimum interval: every step is drawn
+        bar.step(f"loss {step}")
+    bar.close()
+    drawings = [d for d in screen.getvalue().split("\r") if "|" in d]
+    shown = [re.search(r" (\d)/5 .*?(?:loss (\d))?\]?$", d.strip()).groups() for d in drawings]
+    assert len(shown) >= 5 and shown[0] == ("0", None), shown
+    assert all(count == loss for count, loss in shown[1:]), shown
+    assert shown[-1] == ("5", "5") and screen.getvalue().endswith("\n")

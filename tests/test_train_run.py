@@ -1,13 +1,14 @@
 """`tawpipe train` around a real 2-rank CPU run: --resume checks every shard before any worker
 starts (a damaged, truncated, missing or other step's shard; a manifest without its file list),
-and --save admits one run at a time (a lock held by the launcher, taken over once its holder
-died)."""
+--save admits one run at a time (a lock held by the launcher, taken over once its holder died),
+and the progress a run writes into a log."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -183,3 +184,24 @@ def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monke
     with pytest.warns(RuntimeWarning, match=r"cannot lock .*\.tawpipe\.lock \(No locks available\): this file "
                                             r"system has no locks, so nothing keeps another run from saving"):
         checkpoint.hold(tmp_path).release()
+
+
+# ------------------------------------------------------------------------------------ the log
+
+
+def test_a_log_shows_each_step_once_and_the_end_with_its_own_loss(run) -> None:
+    """stderr is a pipe here, as a log file: plain lines, the last at 100% with the last loss
+    (as the metrics recorded it); the bytes named alike in the bar and in the auto line."""
+    err, out, records = run["out"].stderr, run["out"].stdout, run["records"]
+    assert "\r" not in err  # no tqdm records
+    lines = [line for line in err.splitlines() if line.startswith("tawpipe train: step ")]
+    assert [re.match(r"tawpipe train: step (\d+)/4 \(\d+%\), ", line)[1] for line in lines] == ["1", "2", "3", "4"]
+    assert err.count("100%") == 1 and "(100%)" in lines[-1]
+    intra, inter = records[-1]["bytes_per_iter"]["intra_node"], records[-1]["bytes_per_iter"]["inter_node"]
+    for line, record in zip(lines, records):
+        assert f"| loss {record['loss']:.3f} |" in line
+        assert line.endswith(f"rank 0 sends {intra[0] / 1e6:.2f} MB/iter inside its node, {inter[0] / 1e6:.2f} "
+                             "MB/iter to other nodes")
+    busiest = re.search(r"\nauto: .*\(the busiest node sends ([\d.]+) (B|kB|MB)/iter to other nodes\)", out)
+    assert busiest, out
+    assert float(busiest[1]) * {"B": 1, "kB": 1e3, "MB": 1e6}[busiest[2]] == pytest.approx(max(inter), rel=5e-3)
