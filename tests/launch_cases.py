@@ -121,6 +121,17 @@ def forever(rank: int, directory: str) -> None:
         time.sleep(0.1)
 
 
+def bar_then_killed(rank: int) -> int:
+    """Rank 0 leaves a progress bar's line open (as tqdm does) and is killed; rank 1 waits."""
+    dist.barrier()
+    if rank == 0:
+        sys.stderr.write("\rtawpipe train:   3%|▎         | 3/100 [00:01<00:30]")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+    return rank
+
+
 def random_tensors(rank: int, seed: int) -> dict:
     """CPU tensors nested in lists and dicts, different on every rank and job."""
     g = torch.Generator().manual_seed(1000 * seed + rank)

@@ -48,17 +48,18 @@ OPTIONS = {(1, 1, False): (9e6, _gib(1)), (1, 1, True): (9e6, _gib(1)), (2, 1, F
 def test_a_budget_that_fits_everything_takes_the_fewest_bytes():
     choice, why = choose(OPTIONS, 8 * GiB, resident=3, budget_text="--memory-budget")
     assert choice == (2, 3, True)
-    assert why == ("k=2, resident depth 3, reuse — the fewest inter-node bytes (3.00 MB/iter, busiest node), "
-                   "4.00 GiB per rank within 8.00 GiB per rank (--memory-budget)")
+    assert why == ("k=2, resident depth 3, reuse — the fewest inter-node bytes (the busiest node sends 3.00 MB/iter "
+                   "to other nodes), 4.00 GiB per rank within 8.00 GiB per rank (--memory-budget)")
 
 
 def test_a_tight_budget_falls_back_to_a_smaller_k_or_depth():
     choice, why = choose(OPTIONS, 3 * GiB, resident=3)
     assert choice == (2, 1, False)  # reuse saves nothing here: the paper's fetches
-    assert why.startswith("k=2, depth 1, no reuse — the fewest inter-node bytes (5.00 MB/iter")
+    assert why.startswith("k=2, depth 1, no reuse — the fewest inter-node bytes (the busiest node sends 5.00 MB/iter")
     assert why.endswith("; k=2, resident depth 3, reuse would move 3.00 MB but takes 4.00 GiB")
     choice, why = choose(OPTIONS, 1.5 * GiB, resident=3)
-    assert choice == (1, 1, False) and "all that fit move 9.00 MB/iter across nodes: the least memory" in why
+    assert choice == (1, 1, False)
+    assert "with any that fits the busiest node sends 9.00 MB/iter to other nodes: the least memory" in why
 
 
 def test_nothing_fits_is_an_error_naming_the_options():

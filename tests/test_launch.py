@@ -4,8 +4,10 @@ loopback only; and the progress board that names a stuck rank."""
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch_cases import ends_at_start, freezes, late_stop, long_job, raises, random_tensors, train_then
+from launch_cases import (bar_then_killed, ends_at_start, freezes, late_stop, long_job, raises, random_tensors,
+                          train_then)
 from tawpipe.runtime import progress
 from tawpipe.io.checkpoint import PeerCheckpointError
 from tawpipe.runtime.comm.base import CommTimeout
@@ -36,6 +39,17 @@ def test_a_killed_rank_is_named_within_10_s(tmp_path) -> None:
     assert _since_bad(tmp_path) < 10
     assert info.value.summary == "rank 3 died (SIGKILL) before returning", str(info.value)
     assert (info.value.rank, info.value.kind) == (3, "died")
+
+
+def test_the_failure_starts_a_line_of_its_own_after_an_open_progress_bar(capfd) -> None:
+    """Rank 0 is killed while its bar's line is open: the launcher ends that line, so that the
+    message `tawpipe train` prints next starts at column 0 (it was printed at the end of the bar)."""
+    with pytest.raises(JobFailed) as info:
+        run_local(bar_then_killed, 2, timeout=60)
+    print(f"tawpipe train: {info.value.summary}", file=sys.stderr)  # as tawpipe train tells it
+    lines = capfd.readouterr().err.split("\n")
+    assert lines[-3:] == ["\rtawpipe train:   3%|▎         | 3/100 [00:01<00:30]",
+                          "tawpipe train: rank 0 died (SIGKILL) before returning", ""], lines
 
 
 @pytest.mark.parametrize("how, message", [
@@ -457,3 +471,37 @@ def test_a_rank_whose_heartbeat_stopped_is_gone_and_the_verdict_is_shared(monkey
     monkeypatch.setattr(progress, "_rank", 1)
     assert progress.blame_after_failure(within=0) == "rank 3 failed first: ValueError: bad input"
     del server
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_step_bar_in_a_log_ends_once_with_the_last_steps_values() -> None:
+    """Not a terminal: a plain line every total // 20 steps and at the last, the only 100%."""
+    log = io.StringIO()
+    bar = progress.StepBar(45, 0, "tawpipe train", stream=log)
+    for step in range(1, 46):
+        bar.step(f"loss {step}")
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert [int(re.match(r"tawpipe train: step (\d+)/45 \(\d+%\), [\d.]+ s \| loss (\d+)$", line)[2])
+            for line in lines] == [*range(2, 45, 2), 45]
+    assert log.getvalue().count("100%") == 1 and "(100%)" in lines[-1] and "\r" not in log.getvalue()
+
+
+def test_a_step_bar_on_a_terminal_shows_each_count_with_its_own_values() -> None:
+    """tqdm redraws the line in place; no drawing shows a step's count with the previous step's
+    loss (the count moved before the loss did), and the last drawing is the end."""
+    screen = _Terminal()
+    bar = progress.StepBar(5, 0, "tawpipe train", stream=screen)
+    for step in range(1, 6):
+        time.sleep(0.15)  # past tqdm's minimum interval: every step is drawn
+        bar.step(f"loss {step}")
+    bar.close()
+    drawings = [d for d in screen.getvalue().split("\r") if "|" in d]
+    shown = [re.search(r" (\d)/5 .*?(?:loss (\d))?\]?$", d.strip()).groups() for d in drawings]
+    assert len(shown) >= 5 and shown[0] == ("0", None), shown
+    assert all(count == loss for count, loss in shown[1:]), shown
+    assert shown[-1] == ("5", "5") and screen.getvalue().endswith("\n")

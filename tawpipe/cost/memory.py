@@ -196,9 +196,11 @@ def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float
     if len(fits) == 1:
         why = f"the only choice that fits: {memory} {within}"
     elif all(options[c][0] == inter for c in fits):
-        why = f"all that fit move {decimal(inter)}/iter across nodes: the least memory, {memory} {within}"
+        why = (f"with any that fits the busiest node sends {decimal(inter)}/iter to other nodes: the least memory, "
+               f"{memory} {within}")
     else:
-        why = f"the fewest inter-node bytes ({decimal(inter)}/iter, busiest node), {memory} {within}"
+        why = (f"the fewest inter-node bytes (the busiest node sends {decimal(inter)}/iter to other nodes), "
+               f"{memory} {within}")
     cheapest = min(options, key=order)
     if options[cheapest][0] < inter:
         why += (f"; {describe(cheapest, resident)} would move {decimal(options[cheapest][0])} but takes "

@@ -17,17 +17,26 @@ recomputes; ``load`` names the file that is empty, truncated, unreadable or alte
 
 Shards hold parameters and optimizer state under the model's parameter names, so ``restore``
 loads a checkpoint onto any topology: each rank reads the shards that hold its layers (on the same
-topology, exactly its own). It refuses a shard whose checksum or step disagrees with the manifest,
-and a model whose signature differs. Everything loads with ``torch.load(weights_only=True)``.
+topology, exactly its own). It refuses a shard that is missing, or whose size, checksum or step
+disagrees with the manifest, a manifest that lacks what loading reads, and a model whose signature
+differs. ``verify`` makes the same checks of every shard without loading any, before a run starts.
+Everything loads with ``torch.load(weights_only=True)``.
+
+One run writes into a root at a time: ``tawpipe train --save`` holds the root's lock
+(``hold``: ``ROOT/.tawpipe.lock``) while it runs, and a second run is refused.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable
@@ -211,14 +220,63 @@ def resolve(path: str | os.PathLike[str]) -> Path:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` (as ``resolve`` finds it), checked for the keys
+    that loading reads; CheckpointError naming what is wrong and what to resume from instead."""
     d = resolve(path)
     try:
         manifest = json.loads((d / MANIFEST).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{d / MANIFEST} is unreadable: {e}") from None
+        raise CheckpointError(f"{d / MANIFEST} is unreadable: {e}; {_instead(d)}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{d / MANIFEST} is not a {FORMAT} manifest")
+        raise CheckpointError(f"{d / MANIFEST} is not a {FORMAT} manifest; {_instead(d)}")
+    problem = _shape_problem(manifest)
+    if problem:
+        raise CheckpointError(f"{d / MANIFEST} is damaged: {problem}; {_instead(d)}")
     return manifest
+
+
+# What loading reads of a manifest (its other keys are a record for people): key -> type.
+_MANIFEST_KEYS = {"step": int, "topology": dict, "replicas": int, "algo": str, "model": dict, "files": dict,
+                  "meta": dict}
+_FILE_KEYS = {"rank": int, "chunk": int, "replica": int, "bytes": int, "sha256": str}
+_MODEL_KEYS = ("num_layers", "names", "block", "replicated")
+_SHARD_NAME = re.compile(r"rank-\d{5}\.pt")
+
+
+def _shape_problem(manifest: dict[str, Any]) -> str | None:
+    """What is missing or of the wrong type in ``manifest``, one phrase; None where nothing is."""
+    for key, kind in _MANIFEST_KEYS.items():
+        if key not in manifest:
+            return f"it has no {key!r}" + (" (the list of shards)" if key == "files" else "")
+        if not isinstance(manifest[key], kind):
+            return f"its {key!r} is {type(manifest[key]).__name__} {manifest[key]!r:.40}, not {kind.__name__}"
+    if missing := [k for k in _MODEL_KEYS if k not in manifest["model"]]:
+        return f"its 'model' has no {missing[0]!r}"
+    if not manifest["files"]:
+        return "its 'files' lists no shard"
+    for name, entry in manifest["files"].items():
+        if not _SHARD_NAME.fullmatch(name):
+            return f"its 'files' names {name!r}, not a shard of this directory (rank-NNNNN.pt)"
+        if not isinstance(entry, dict):
+            return f"its entry of {name} is {type(entry).__name__}, not dict"
+        for key, kind in _FILE_KEYS.items():
+            if not isinstance(entry.get(key), kind):
+                return f"its entry of {name} has no {key!r} of type {kind.__name__}"
+        layers = entry.get("layers", "absent")
+        if layers is not None and not (isinstance(layers, list) and len(layers) == 2
+                                       and all(isinstance(v, int) for v in layers)):
+            return f"its entry of {name} has 'layers' {layers!r}, not [start, stop] or null"
+    return None
+
+
+def _instead(d: Path) -> str:
+    """What to do about a damaged step directory ``d``: resume from the latest complete step
+    before it, named, where there is one."""
+    earlier = sorted(p for p in d.parent.glob("step-*") if p.name < d.name and (p / MANIFEST).is_file()) \
+        if d.name.startswith("step-") else []
+    if earlier:
+        return f"resume from the previous checkpoint, {earlier[-1]}, or restore {d.name} from a copy"
+    return f"restore {d} from a copy (there is no earlier checkpoint beside it)"
 
 
 def check_model(manifest: dict[str, Any], signature: dict[str, Any], where: str | os.PathLike[str]) -> None:
@@ -351,25 +409,64 @@ def _write_manifest(engine: TawPipe, d: Path, rows: list[list[int]], meta: dict[
     write_atomic(d / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()), ".json")
 
 
-def _verified(d: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Load one shard after checking it against the manifest: checksum, then step."""
+def _check_shard(d: Path, name: str, manifest: dict[str, Any], *, checksum: bool = True) -> None:
+    """Refuse shard ``name`` of step directory ``d`` unless it is there with the manifest's size
+    and SHA-256 (``checksum=False``: the size alone); where it differs, name the likelier cause.
+    The one check of a shard: ``verify`` (before a run) and ``restore`` (before loading) share it."""
     entry, path = manifest["files"][name], d / name
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing")
-    if sha256(path) != entry["sha256"]:
-        try:  # name the likelier cause when the shard still reads: a shard of another step
-            found = load(path).get("steps")
-        except Exception:  # noqa: BLE001 - unreadable: corrupt indeed
-            found = None
-        if found is not None and found != manifest["step"]:
-            raise CheckpointError(f"{path} is from step {found} but its manifest is of step {manifest['step']}: "
-                                  "mixed steps, refusing to load")
-        raise CheckpointError(f"{path} is corrupt: its SHA-256 differs from the manifest's")
+        raise CheckpointError(f"{path} is missing (the manifest lists it); {_instead(d)}")
+    size = path.stat().st_size
+    if size == entry["bytes"] and (not checksum or sha256(path) == entry["sha256"]):
+        return
+    found = _saved_step(path)
+    if found is not None and found != manifest["step"]:
+        raise CheckpointError(f"{path} is from step {found} but its manifest is of step {manifest['step']}: "
+                              f"mixed steps, refusing to load; {_instead(d)}")
+    if size != entry["bytes"]:
+        how = "truncated" if size < entry["bytes"] else "damaged"
+        raise CheckpointError(f"{path} is {how}: it has {size:,} bytes, the manifest records {entry['bytes']:,}; "
+                              f"{_instead(d)}")
+    raise CheckpointError(f"{path} is corrupt: its SHA-256 differs from the manifest's; {_instead(d)}")
+
+
+def _saved_step(path: Path) -> int | None:
+    """The step a shard says it holds, or None where it does not read. Memory-mapped: only the
+    pickle is read, not the tensors."""
+    try:
+        shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable: truncated or corrupt, which the caller then says
+        return None
+    return shard.get("steps") if isinstance(shard, dict) else None
+
+
+def _verified(d: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Load one shard after checking it against the manifest (``_check_shard``), then its step and rank."""
+    _check_shard(d, name, manifest)
+    path, entry = d / name, manifest["files"][name]
     shard = load(path)
     if shard.get("steps") != manifest["step"] or shard.get("rank") != entry["rank"]:
         raise CheckpointError(f"{path} holds rank {shard.get('rank')} at step {shard.get('steps')}, the manifest "
                               f"says rank {entry['rank']} at step {manifest['step']}: mixed shards, refusing to load")
     return shard
+
+
+def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` (a step directory, or the latest complete one
+    under a root), once every shard it lists is found whole: there, of the recorded size, with the
+    recorded SHA-256; CheckpointError naming the first one that is not, and what to resume from.
+
+    For a check before a run starts (``tawpipe train --resume``): the shards are checked as
+    ``restore`` checks them (``_check_shard``), but without loading them. Hashing reads every
+    shard in full, one pass more over the checkpoint than ``restore`` makes (it hashes the shards
+    it loads again): the price of refusing a damaged checkpoint before any worker starts.
+    ``checksums=False`` checks presence and sizes only (a stat per shard), for processes whose
+    peer hashes them."""
+    d = resolve(path)
+    manifest = read_manifest(d)
+    for name in sorted(manifest["files"]):
+        _check_shard(d, name, manifest, checksum=checksums)
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -434,3 +531,100 @@ def consolidated(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         out.update(shard["params"])
         out.update({alias: shard["params"][canonical] for alias, canonical in shard["aliases"].items()})
     return out
+
+
+# ----------------------------------------------------------------------------- one writer per root
+
+LOCK = ".tawpipe.lock"
+
+
+class RootBusy(CheckpointError):
+    """Another live process holds the root's lock (``hold``): its message names that process."""
+
+
+class RootLock:
+    """The lock of one checkpoint root, held by this process until ``release`` (or the end of a
+    ``with`` block, or the process, however it ends). Made by ``hold``."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        """Remove the lock file, then let go of the lock (in that order: a process that opened the
+        file meanwhile finds it unlinked and makes a new one, see ``hold``). Idempotent."""
+        if self._fd < 0:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = -1
+
+    def __enter__(self) -> RootLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def hold(root: str | os.PathLike[str]) -> RootLock:
+    """Take the lock of checkpoint root ``root`` (an existing directory) for this process, without
+    waiting; RootBusy, naming the holder (host, pid, since when), where another process holds it.
+
+    Two runs saving into one root destroy each other's work: ``save`` removes the temporary files
+    it finds, taking them for leftovers of crashed saves, so one run's save deleted the other's
+    shard in flight. A run holds the lock from before its workers start until it ends.
+
+    The lock is ``flock(2)`` on ``ROOT/.tawpipe.lock``: the kernel drops it when the holding
+    process ends, however it ends (SIGKILL, the OOM killer, a power loss), so it is never stale;
+    the file a killed run leaves behind is taken over as it is. (A file made with O_EXCL and
+    judged by its holder's pid, the alternative, cannot tell whether a holder on another host
+    still runs, and two processes taking over one stale file race.) On network file systems flock
+    is the file system's lock (NFS maps it to a POSIX lock); where there are none (ENOLCK), a
+    RuntimeWarning says so and the run goes on unlocked. The file holds the holder's host, pid and
+    start time, for the message that refuses the next one. The descriptor is close-on-exec:
+    processes started by the holder do not inherit the lock."""
+    import fcntl  # POSIX only, as the launcher is
+
+    path = Path(root) / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RootBusy(f"{path} is held by {_holder(path)}: another run saves its checkpoints there; two runs "
+                           "saving into one directory delete each other's files: wait for that run to end (or stop "
+                           "it), or save this run into another directory") from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            warnings.warn(f"cannot lock {path} ({e.strerror}): this file system has no locks, so nothing keeps "
+                          f"another run from saving into {root} at the same time", RuntimeWarning, stacklevel=2)
+            return RootLock(path, -1)
+        try:  # the holder we raced may have removed the file before letting go: lock the new one
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    lock = RootLock(path, fd)
+    try:  # who holds it, for the message that refuses the next one
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": since}).encode(), 0)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _holder(path: Path) -> str:
+    """``pid 123 on host h (since ...)`` from a lock file; what is known where it is not written yet."""
+    try:
+        who = json.loads(path.read_text())
+        return f"pid {who['pid']} on host {who['host']} (since {who['since']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (it has not written its name yet)"

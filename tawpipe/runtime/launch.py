@@ -9,9 +9,11 @@ A local job has no deadline: liveness is per wait (every wait of the engine time
 ``TAWPIPE_TIMEOUT`` seconds), so a job runs as long as it makes progress. It ends at its first
 failure, which it names: a rank that died ("rank 3 died (SIGKILL)"), a rank that raised, or, when
 a wait timed out, the rank the progress board (``tawpipe.runtime.progress``) shows stuck. Workers lead
-their own process groups and die with the launcher (PR_SET_PDEATHSIG). The store and gloo bind
-to loopback only. Return values travel pickled to bytes by the standard pickler (tensors
-included: no shared memory that the worker's exit could take away).
+their own process groups and die with the launcher (PR_SET_PDEATHSIG). A worker's stderr notes
+whether it left a line open (a progress bar): the launcher ends that line before the job's end is
+told, so that the message starts a line of its own. The store and gloo bind to loopback only.
+Return values travel pickled to bytes by the standard pickler (tensors included: no shared memory
+that the worker's exit could take away).
 
 Stopping on request (preemption, Ctrl-C): a rank's loop asks ``stop_requested()`` at each
 iteration boundary. Its first call arms handlers: from then on SIGTERM, and a first SIGINT, only
@@ -47,7 +49,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 import torch
 import torch.distributed as dist
@@ -303,9 +305,30 @@ def _pickled(report: _Report) -> bytes:
     return pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _worker(rank: int, world_size: int, parent: int, port: int, timeout: float, board: Any,
+class _LineEnds:
+    """A worker's stderr that notes, in a byte the job shares, whether what was written last left
+    its line open: a progress bar (tqdm) ends its line only when it closes, and a rank killed
+    mid-bar never does, so the launcher's "rank 0 died (SIGKILL)" was printed at the end of the
+    bar. The launcher ends that line first (``_LocalJob.end_open_line``)."""
+
+    def __init__(self, stream: TextIO, line_open: Any) -> None:
+        self._stream, self._open = stream, line_open
+
+    def write(self, text: str) -> int:
+        n = self._stream.write(text)
+        if text:
+            self._open.value = int(not text.endswith("\n"))
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _worker(rank: int, world_size: int, parent: int, port: int, timeout: float, board: Any, line_open: Any,
             conn: Connection, fn: Callable, args: tuple) -> None:
     die_with_parent(parent)
+    if sys.stderr is not None:
+        sys.stderr = _LineEnds(sys.stderr, line_open)
     faulthandler.enable(all_threads=True)  # a native crash leaves every thread's Python stack in stderr
     os.setpgid(0, 0)  # lead a process group: the launcher stops this rank and its children at once
     env = dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR=LOOPBACK,
@@ -350,6 +373,7 @@ class _LocalJob:
         self.ctx = mp.get_context("spawn")
         self.board_buffer = self.ctx.RawArray("b", progress.Board.nbytes(world_size))
         self.board = progress.Board(self.board_buffer, world_size)
+        self.line_open = self.ctx.RawValue("b", 0)  # a worker left a line open on stderr (``_LineEnds``)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind((LOOPBACK, 0))  # the store listens on loopback only
         listener.listen(max(128, 2 * world_size))
@@ -367,7 +391,8 @@ class _LocalJob:
             reader, writer = self.ctx.Pipe(duplex=False)
             p = self.ctx.Process(
                 target=_worker, name=f"tawpipe-rank{rank}",
-                args=(rank, self.world, os.getpid(), self.port, self.timeout, self.board_buffer, writer, fn, args),
+                args=(rank, self.world, os.getpid(), self.port, self.timeout, self.board_buffer, self.line_open,
+                      writer, fn, args),
             )
             p.start()
             writer.close()
@@ -426,20 +451,20 @@ class _LocalJob:
             if all(rank in self.reports or p.exitcode is not None for rank, p in enumerate(self.procs)):
                 break
             if not told and time.monotonic() - t0 >= 1.0:
-                _say(f"{name}: asked the local job's {self.world} workers to stop; waiting up to {grace:g} s for "
-                     f"them to end by themselves ({'Ctrl-C again' if signum == signal.SIGINT else 'SIGINT'} "
-                     "stops them now)")
+                self.say(f"{name}: asked the local job's {self.world} workers to stop; waiting up to {grace:g} s "
+                         f"for them to end by themselves ({'Ctrl-C again' if signum == signal.SIGINT else 'SIGINT'} "
+                         "stops them now)")
                 told = True
             self._collect(0.2)
         doing = {e.rank: e for e in self.board.entries()}
         for rank, p in enumerate(self.procs):  # what a rank still running was at: the likeliest hang
             if rank not in self.reports and p.exitcode is None and rank in doing:
-                _say(f"{name}: {progress.stuck(doing[rank])} when stopped")
+                self.say(f"{name}: {progress.stuck(doing[rank])} when stopped")
         self.stop()
         self._collect(0.0)  # a report sent at the last moment
         returned = [r for r in range(self.world) if r in self.reports and self.reports[r].ok]
-        _say(f"{name}: stopped the local job's {self.world} workers"
-             + (f" ({len(returned)} of them returned)" if returned else ""))
+        self.say(f"{name}: stopped the local job's {self.world} workers"
+                 + (f" ({len(returned)} of them returned)" if returned else ""))
         failures = [(r, self.reports[r]) for r in sorted(self.reports) if not self.reports[r].ok]
         if failures:  # its own error first, as in _diagnose
             rank, report = next(((r, rep) for r, rep in failures if not rep.about_a_peer), failures[0])
@@ -498,6 +523,19 @@ class _LocalJob:
             for p in alive:
                 p.join(max(0.0, deadline - time.monotonic()))
 
+    def end_open_line(self) -> None:
+        """End the line a worker left open on stderr (a progress bar), so that what is printed next
+        starts a line of its own."""
+        if self.line_open.value:
+            self.line_open.value = 0
+            print(file=sys.stderr, flush=True)
+
+    def say(self, message: str) -> None:
+        """A launcher message on a line of its own, after a newline whether or not a worker left
+        one open: Ctrl-C echoes ^C on the terminal's line, which no process sees."""
+        print(f"\ntawpipe: {message}", file=sys.stderr, flush=True)
+        self.line_open.value = 0
+
     def close(self) -> None:
         for r in self.readers:
             r.close()
@@ -510,12 +548,6 @@ def _signal_group(pid: int, sig: int) -> None:
             os.killpg(pid, sig)
         else:
             os.kill(pid, sig)
-
-
-def _say(message: str) -> None:
-    """A launcher message on a line of its own: a rank's progress bar (tqdm, on the same terminal)
-    leaves its line open, and Ctrl-C echoes ^C there."""
-    print(f"\ntawpipe: {message}", file=sys.stderr, flush=True)
 
 
 class _Stop(BaseException):
@@ -605,5 +637,6 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         raise SystemExit(128 + s.signum) from None
     finally:
         job.stop()
+        job.end_open_line()  # before the caller's message of how the job ended
         job.close()
         signals.restore()

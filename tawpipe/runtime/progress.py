@@ -9,16 +9,19 @@ heartbeat thread copies the slot into the TCPStore once a second, with the time 
 busy (not waiting) for the longest, or, when every rank waits, the one waiting longest. Under
 torchrun a rank whose heartbeat stopped without its saying that it ended is ``gone`` (killed,
 frozen or cut off): it is blamed before any other.
+
+``StepBar`` is the other kind of progress: a training loop's, for people, on stderr.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TextIO
 
 _HEADER = struct.Struct("<IBxxxddH")  # seq, state, since (monotonic), wait limit, label length
 SLOT_BYTES = 256
@@ -312,3 +315,47 @@ def linger_for_the_others(within: float) -> None:
         if done >= others:
             return
         time.sleep(0.25)
+
+
+class StepBar:
+    """A training loop's progress on ``stream`` (stderr), drawn by one rank: a tqdm bar redrawn in
+    place on a terminal; in a log (not a terminal), a plain line every ``total // lines`` steps and
+    at the last step. tqdm in a log writes a record per refresh: there the bar reached 100% three
+    times (the last step's update, its new postfix, the close), the loss changing after the first.
+    Each step's postfix (loss, throughput, ...) is set before the count moves, so the last thing
+    shown is the last step with its own values."""
+
+    def __init__(self, total: int, initial: int, desc: str, stream: TextIO | None = None, lines: int = 20) -> None:
+        self.stream = stream or sys.stderr
+        self.total, self.n, self.desc = total, initial, desc
+        self.every = max(1, total // lines)
+        self.t0 = time.monotonic()
+        self._bar = None
+        if _is_terminal(self.stream):
+            from tqdm import tqdm
+
+            tqdm.set_lock(threading.RLock())  # not its default multiprocessing lock: a killed rank would leak it
+            self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=self.stream)
+
+    def step(self, postfix: str) -> None:
+        """One step done; ``postfix`` says how it went."""
+        self.n += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(1)
+        elif self.n % self.every == 0 or self.n == self.total:
+            self.stream.write(f"{self.desc}: step {self.n}/{self.total} ({100 * self.n // self.total}%), "
+                              f"{time.monotonic() - self.t0:.1f} s | {postfix}\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        """End the bar's line (a terminal's bar is drawn once more, as it stands)."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no such method, or closed
+        return False

@@ -31,7 +31,6 @@ import re
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -55,6 +54,7 @@ from ..plan.plan import Plan
 from ..plan.schedule import check_replicas, depth_text
 from ..plan.topology import Topology
 from ..runtime.launch import JobFailed, JobStopped, init_distributed, run_local, stop_requested
+from ..runtime.progress import StepBar
 from ..runtime.timeout import default_timeout
 from .config import NOT_TRAINING, TrainConfig, check, flag
 from .data import TokenSource
@@ -328,6 +328,7 @@ def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> dict[str, Any]
     checkpoint.check_model(manifest, signature, cfg.resume)
     if manifest["step"] >= cfg.steps:
         raise ValueError(f"--resume {cfg.resume} is at step {manifest['step']}: --steps {cfg.steps} leaves nothing to train")
+    checkpoint.verify(cfg.resume, checksums=_leader())  # every shard whole, before a worker reads one
     saved = manifest["meta"].get("train", {})
     changed = [f"{flag(k)} {saved[k]} -> {v}" for k, v in asdict(cfg).items()
                if k in saved and k not in NOT_TRAINING and saved[k] != v]
@@ -397,7 +398,7 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
         if writer.dropped:
             print(f"metrics: dropped {writer.dropped} record(s) after step {start} from {cfg.metrics}: "
                   "the resumed run writes them again", flush=True)
-    bar = _progress(cfg.steps, start) if rank == 0 else None
+    bar = StepBar(cfg.steps, start, "tawpipe train") if rank == 0 else None
     val_losses: dict[int, float] = {}
     skipped_before, in_a_row = engine.skipped_steps, 0
     t0 = time.perf_counter()
@@ -428,12 +429,11 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
                         })
             if bar is not None:
                 elapsed = time.perf_counter() - t0
-                bar.update(1)
                 shown = f" | val {val_losses[max(val_losses)]:.3f}" if val_losses else ""
                 shown += f" | skipped {engine.skipped_steps}" if engine.skipped_steps else ""
-                bar.set_postfix_str(
+                bar.step(
                     f"loss {loss:.3f}{shown} | {tokens_per_step * (step + 1 - start) / elapsed:,.0f} tok/s | "
-                    f"moved/iter: intra-node {intra / 1e6:.2f} MB, inter-node {inter / 1e6:.2f} MB (rank 0)"
+                    f"rank 0 sends {intra / 1e6:.2f} MB/iter inside its node, {inter / 1e6:.2f} MB/iter to other nodes"
                 )
             _check_skipped(cfg, in_a_row, done - start, done, loss, rank)
             stopping = done < cfg.steps and stop_requested(agree=True)  # a collective: every rank asks
@@ -555,19 +555,33 @@ def _set_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(rng["cuda"], device)
 
 
-def _progress(total: int, initial: int):
-    from tqdm import tqdm
-
-    tqdm.set_lock(threading.RLock())  # not its default multiprocessing lock: a killed rank would leak it
-    return tqdm(total=total, initial=initial, desc="tawpipe train", unit="step", dynamic_ncols=True)
-
-
 def _local_rank(rank: int, cfg: TrainConfig, auto: str | None) -> dict:
     return train_rank(rank, cfg, Topology(nodes=cfg.nodes, per_node=cfg.per_node), torch.device("cpu"), auto)
 
 
+def _leader() -> bool:
+    """Whether this process acts for the whole job: the local launcher, or rank 0 under torchrun."""
+    return not _under_torchrun() or os.environ["RANK"] == "0"
+
+
+def _holding_save(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+    """--save's lock (``checkpoint.hold``), taken by the leader before any worker starts and held
+    to the end; UsageError where another run holds it."""
+    if cfg.save is None or not _leader():
+        return contextlib.nullcontext()
+    try:
+        return checkpoint.hold(cfg.save)
+    except checkpoint.RootBusy as e:
+        raise UsageError(f"--save {cfg.save}: {e}") from None
+
+
 def main(args: argparse.Namespace) -> int:
     cfg, pre = _config(args)
+    with _holding_save(cfg):
+        return _run(cfg, pre)
+
+
+def _run(cfg: TrainConfig, pre: Preflight) -> int:
     resumed = f", resumed from step {pre.resumed_from}" if pre.resumed_from is not None else ""
     stopped_by = signal.SIGTERM  # what a stopped run's exit code says (128 + the signal)
     if _under_torchrun():
