@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .. import models
 from ..cost.memory import AUTO, MemoryEstimate, describe, rank_memory
 from ..cost.traffic import plan_traffic
-from ..cost.units import gib
+from ..cost.units import decimal, gib
 from ..engine.auto import engine_plan, host_available
 from ..engine.engine import TawPipe, default_optimizer
 from ..io import checkpoint, safetensors
@@ -433,7 +433,7 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
                 shown += f" | skipped {engine.skipped_steps}" if engine.skipped_steps else ""
                 bar.step(
                     f"loss {loss:.3f}{shown} | {tokens_per_step * (step + 1 - start) / elapsed:,.0f} tok/s | "
-                    f"rank 0 sends {intra / 1e6:.2f} MB/iter inside its node, {inter / 1e6:.2f} MB/iter to other nodes"
+                    f"rank 0 sends {decimal(intra)}/iter inside its node, {decimal(inter)}/iter to other nodes"
                 )
             _check_skipped(cfg, in_a_row, done - start, done, loss, rank)
             stopping = done < cfg.steps and stop_requested(agree=True)  # a collective: every rank asks
