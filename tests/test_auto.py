@@ -72,9 +72,9 @@ def test_nothing_fits_is_an_error_naming_the_options():
 
 def test_where_no_bytes_cross_nodes_the_least_memory():
     options = {(1, 1, False): (0.0, _gib(1)), (2, 1, False): (0.0, _gib(2))}
-    assert choose(options, 8 * GiB) == ((1, 1, False), "k=1, depth 1, no reuse — all that fit move 0 B/iter across "
-                                                       "nodes: the least memory, 1.00 GiB per rank within 8.00 GiB "
-                                                       "per rank")
+    assert choose(options, 8 * GiB) == ((1, 1, False), "k=1, depth 1, no reuse — with any that fits the busiest node "
+                                                       "sends 0 B/iter to other nodes: the least memory, 1.00 GiB per "
+                                                       "rank within 8.00 GiB per rank")
 
 
 def test_candidates_keep_the_given_values():

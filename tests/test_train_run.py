@@ -26,6 +26,8 @@ from tawpipe.train import job
 
 from test_preflight import _tawpipe, refused
 
+UNITS = {"B": 1, "kB": 1e3, "MB": 1e6}  # as the bar and the auto line print bytes
+
 ROOT = Path(__file__).resolve().parent.parent
 # 2 nodes of 1 rank: every byte rank 0 sends goes to the other node
 ARGS = ["--model", "micro", "--nodes", "2", "--per-node", "1", "--seq-len", "32", "--micro-batch-size", "2",
@@ -200,8 +202,11 @@ def test_a_log_shows_each_step_once_and_the_end_with_its_own_loss(run) -> None:
     intra, inter = records[-1]["bytes_per_iter"]["intra_node"], records[-1]["bytes_per_iter"]["inter_node"]
     for line, record in zip(lines, records):
         assert f"| loss {record['loss']:.3f} |" in line
-        assert line.endswith(f"rank 0 sends {intra[0] / 1e6:.2f} MB/iter inside its node, {inter[0] / 1e6:.2f} "
-                             "MB/iter to other nodes")
+        sends = re.search(r"rank 0 sends ([\d.]+) (B|kB|MB)/iter inside its node, ([\d.]+) (B|kB|MB)/iter to other "
+                          r"nodes$", line)
+        assert sends, line
+        for value, unit, exact in ((sends[1], sends[2], intra[0]), (sends[3], sends[4], inter[0])):
+            assert float(value) * UNITS[unit] == pytest.approx(exact, rel=5e-3, abs=0.5)
     busiest = re.search(r"\nauto: .*\(the busiest node sends ([\d.]+) (B|kB|MB)/iter to other nodes\)", out)
     assert busiest, out
-    assert float(busiest[1]) * {"B": 1, "kB": 1e3, "MB": 1e6}[busiest[2]] == pytest.approx(max(inter), rel=5e-3)
+    assert float(busiest[1]) * UNITS[busiest[2]] == pytest.approx(max(inter), rel=5e-3)
