@@ -18,6 +18,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from ...plan.topology import Topology
 from .. import progress
 
 Group = tuple[int, ...]
@@ -33,10 +34,21 @@ class P2P:
 
 
 class Comm(abc.ABC):
-    """Blocking communication over the ranks of one job (global rank numbers throughout)."""
+    """Blocking communication over the ranks of one job (global rank numbers throughout).
+
+    A backend registered by name (``tawpipe.runtime.comm.register``) is built by ``create``, the
+    one constructor the engine, ``tawpipe train --comm`` and ``tawpipe bench comm`` call."""
 
     rank: int
     world_size: int
+    # collectives over groups beyond the topology's (a plan's replicas, design §3.5)
+    supports_replicas = True
+
+    @classmethod
+    def create(cls, topology: Topology, timeout: float, device: torch.device) -> Comm:
+        """The backend for the job ``topology`` describes, on ``device``, every wait bounded by
+        ``timeout`` seconds; after ``torch.distributed`` is initialised (the launchers do it)."""
+        raise NotImplementedError(f"{cls.__name__} is built by hand: pass an instance")
 
     @abc.abstractmethod
     def send(self, tensor: torch.Tensor, peer: int) -> None: ...

@@ -387,6 +387,14 @@ class _SizeCheck:
 class NcclComm(Comm):
     """The engine's Comm over tawpipe's own NCCL communicators (global ranks throughout)."""
 
+    supports_replicas = False  # no communicators across replicas yet
+
+    @classmethod
+    def create(cls, topology: Topology, timeout: float, device: torch.device) -> NcclComm:
+        # no per-call size exchange: every size comes from the engine's plan, which the setup
+        # program's CHECK proves identical on every rank
+        return cls(topology, timeout, device=device, check="off")
+
     def __init__(
         self,
         topology: Topology,

@@ -36,6 +36,12 @@ def check_job(topology: Topology) -> None:
 
 
 class TorchDistComm(Comm):
+    """torch.distributed's process groups (gloo on the CPU, NCCL on GPUs), one set per channel."""
+
+    @classmethod
+    def create(cls, topology: Topology, timeout: float, device: torch.device) -> TorchDistComm:
+        return cls(topology, timeout)
+
     def __init__(self, topology: Topology, timeout: float, _channel: str = Channel.WEIGHTS,
                  _groups: tuple[Group, ...] = ()) -> None:
         check_job(topology)
