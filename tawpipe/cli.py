@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 from .commands import Parser, UsageError, as_flags, delegate, refuse
 from .cost.memory import Choice, MemoryEstimate, NothingFits, auto_plan, estimate_memory, fitting, memory_per_rank
 from . import models
-from .cost.traffic import KINDS, LAYER_KINDS, PEER_METHODS, estimate, plan_traffic
+from .cost.traffic import KINDS, LAYER_KINDS, estimate, methods, plan_traffic
 from .models.presets import PRESETS
 from .models.shape import ModelDims
-from .plan.plan import ALGOS, GRAD_ROUTES, Plan
+from .plan import registry
+from .plan.plan import GRAD_ROUTES, Plan
 from .plan.schedule import RESIDENT, build_plan, check_replicas, compute_actions, depth_text, prefetch_depth_arg
 from .plan.topology import Topology
 from .plan.verify import VerifyReport, verify
@@ -39,7 +40,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--per-node", type=int, help="devices per group s; required")
     p.add_argument("--layers", type=int, help="decoder layers L (>= G x s); default: --model's")
     p.add_argument("--micro-batches", type=int, help="micro-batches per device; required")
-    p.add_argument("--algo", choices=ALGOS, default="tawpipe",
+    p.add_argument("--algo", choices=registry.names(), default="tawpipe",
                    help="the schedule: TawPipe, or the WeiPipe ring baseline")
     p.add_argument("--grad-route", choices=GRAD_ROUTES, default="rail",
                    help="router of inter-node gradients: the owner's rail peer, or local index 0")
@@ -138,7 +139,8 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
         print(plan.table())
         print()
     layers = [stop - start for start, stop in (plan.chunk_layers[k] for k in plan.model_order)]
-    route = f", gradient route {args.grad_route}" if args.algo == "tawpipe" else ""
+    schedule = registry.get(args.algo)
+    route = f", gradient route {args.grad_route}" if schedule.routes_gradients else ""
     print(f"{args.algo}: {topo.nodes} nodes x {topo.per_node} devices, {plan.num_layers} layers in "
           f"chunks of {layers} (model order), {plan.micro_batches} micro-batches{route}, prefetch depth "
           f"{depth_text(plan, args.prefetch_depth)}, "
@@ -162,13 +164,13 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
         print(f"inter-node link {args.inter.name} ({args.inter.rate * 8 / 1e9:g} Gbit/s) per node and direction: "
               f"floor {floor:.3f} s "
               f"(busiest link's bytes), per-slot bursts {bursts:.3f} s (each slot's busiest link, summed)")
-        if args.algo == "tawpipe":
+        if schedule.tunable:
             _print_k_table(args, dims, build)
             _print_replicas(args, dims, topo)
         plans = {args.algo: plan}
-        other = "weipipe" if args.algo == "tawpipe" else "tawpipe"
-        if other == "tawpipe" or topo.world_size > 1:  # a WeiPipe ring needs two ranks
-            plans[other] = build(algo=other)  # its own defaults: the paper's schedule
+        for other in registry.names():  # every other schedule at its own defaults (the paper's settings)
+            if other not in plans and topo.world_size >= registry.get(other).min_ranks:
+                plans[other] = build(algo=other)
         _print_peers(args, dims, topo, plans)
     return 0
 
@@ -287,12 +289,12 @@ def _depth_label(choice: Choice, asked: int | str) -> str:
 
 
 def _print_peers(args: argparse.Namespace, dims: ModelDims, topo: Topology, plans: dict[str, Plan]) -> None:
-    """The peers' closed forms, with WeiPipe and TawPipe counted from ``plans`` instead: at a few
+    """The peers' closed forms, with the schedules counted from ``plans`` instead: at a few
     micro-batches their turnarounds and dropped ring sends make the closed forms 10-35% off."""
     print(f"peers on the same model and global batch ({dims.decoder_numel:,} decoder + {dims.replicated_numel:,} "
           f"replicated parameters; {' and '.join(plans)} counted from plans, the others closed form):")
     print(f"{'method':>10}  {'sent per rank':>14}  {'inter-node per node':>20}")
-    for method in PEER_METHODS:
+    for method in methods():
         if method in plans:
             t = plan_traffic(plans[method])
             sent, inter = t.total() / topo.world_size, max(t.per_node())

@@ -77,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--recompute", choices=("chunk", "none"), default="chunk",
                    help="chunk: run each layer's forward again in backward; none: keep its activations")
     t = p.add_argument_group("methods")
-    t.add_argument("--methods", nargs="+", choices=compare.METHODS, default=list(compare.METHODS), metavar="METHOD",
-                   help=f"the methods to play, of {', '.join(compare.METHODS)} (default: all)")
+    t.add_argument("--methods", nargs="+", choices=compare.methods(), default=list(compare.methods()),
+                   metavar="METHOD", help=f"the methods to play, of {', '.join(compare.methods())} (default: all)")
     t.add_argument("--mb-per-fetch", type=int, help="TawPipe k (default: --micro-batches)")
     t.add_argument("--prefetch-depth", type=prefetch_depth_arg, help="TawPipe depth (default: resident)")
     t.add_argument("--reuse-weights", action=argparse.BooleanOptionalAction, default=None,
@@ -409,7 +409,7 @@ def _who(r: compare.Row, advice: Sequence[compare.Row]) -> str:
     """A row's method as the verdict names it, with TawPipe's or 1F1B's settings."""
     if r.method in compare.TAWPIPE:
         return f"TawPipe's {'advised setting' if advice and r is advice[0] else 'setting'} ({_flags(r.settings)})"
-    return compare.NAMES[r.method] + (f" ({r.settings['stages']} stages)" if r.settings.get("stages") else "")
+    return compare.title(r.method) + (f" ({r.settings['stages']} stages)" if r.settings.get("stages") else "")
 
 
 def _verdict_json(v: compare.Verdict, text: str) -> dict[str, Any]:

@@ -277,7 +277,7 @@ def test_replicated_allreduce_follows_the_last_b_and_step_is_last():
     (dict(topology=Topology(2, 2), num_layers=4, micro_batches=0), "micro_batches"),
     (dict(topology=Topology(2, 2), num_layers=4, micro_batches=1, algo="gpipe"), "algo"),
     (dict(topology=Topology(2, 2), num_layers=4, micro_batches=1, grad_route="ring"), "grad_route"),
-    (dict(topology=Topology(1, 1), num_layers=4, micro_batches=1, algo="weipipe"), "ring of at least 2"),
+    (dict(topology=Topology(1, 1), num_layers=4, micro_batches=1, algo="weipipe"), "weipipe needs at least 2 ranks"),
     (dict(topology=(2, 2), num_layers=4, micro_batches=1), "Topology"),
 ])
 def test_invalid_arguments_are_rejected_clearly(kwargs, match):

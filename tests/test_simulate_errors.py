@@ -134,7 +134,7 @@ def test_a_bad_file_is_refused_naming_the_flag_and_the_file(flag, text, tmp_path
 
 @pytest.mark.parametrize("argv, says", [
     (["--nodes", "100000", "--methods", "tawpipe"], "use more replicas, each pipeline over fewer nodes (--replicas"),
-    (["--nodes", "4", "--methods", "weipipe"], "WeiPipe runs one ring over every device"),
+    (["--nodes", "4", "--methods", "weipipe"], "WeiPipe runs one pipeline over every device"),
     (["--nodes", "4", "--methods", "tawpipe", "tawpipe-paper"], "tawpipe, tawpipe-paper: a pipeline of 32 ranks"),
     (["--methods", "1f1b", "--stages", "5"], "--stages 2, 4, 8, 24"),
 ])

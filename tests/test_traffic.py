@@ -9,7 +9,7 @@ import pytest
 from tawpipe.plan.actions import Op
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
-from tawpipe.cost.traffic import (PEER_METHODS, crossover_tokens, estimate, plan_traffic,
+from tawpipe.cost.traffic import (crossover_tokens, estimate, methods, plan_traffic,
                                   weight_passing_bytes)
 from tawpipe.models.shape import ModelDims
 from tawpipe.plan.schedule import RESIDENT
@@ -128,13 +128,13 @@ def test_estimates_agree_with_plans_and_with_each_other():
                        replicated_numel=dims.replicated_numel)
     wei = estimate("weipipe", dims, topo, acc)
     assert plan_traffic(wplan).total() / topo.world_size == pytest.approx(wei.sent_per_rank, rel=0.15)
-    est = {m: estimate(m, dims, topo, acc) for m in PEER_METHODS}
+    est = {m: estimate(m, dims, topo, acc) for m in methods()}
     assert est["tawpipe"].inter_node_per_node < est["weipipe"].inter_node_per_node
     assert est["hsdp"].inter_node_per_node < est["fsdp"].inter_node_per_node
     p = dims.decoder_numel + dims.replicated_numel
     assert est["ddp"].inter_node_per_node == pytest.approx(2 * 23 / 24 * p * 4)
     longer = ModelDims(hidden=256, layers=24, heads=8, vocab=1000, seq=2048)
-    for m in PEER_METHODS:  # only activation passing grows with the sequence length
+    for m in methods():  # only activation passing grows with the sequence length
         ratio = estimate(m, longer, topo, acc).sent_per_rank / est[m].sent_per_rank
         assert ratio == pytest.approx(2.0 if m == "1f1b" else 1.0)
     with pytest.raises(ValueError, match="unknown method"):

@@ -174,7 +174,7 @@ def _no_workers(monkeypatch) -> None:
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--micro-batches", "-1"], "--micro-batches must be >= 1, got -1"),
     (["--mb-per-fetch", "3"], "schedule: --mb-per-fetch 3 does not divide --micro-batches 2: .*pick a divisor"),
-    (["--algo", "weipipe", "--prefetch-depth", "2"], "schedule: weipipe is the paper's lock-step ring"),
+    (["--algo", "weipipe", "--prefetch-depth", "2"], "schedule: weipipe runs the paper's settings only"),
     (["--prefetch-depth", "resident", "--no-reuse-weights"],
      r"schedule: --prefetch-depth resident keeps fetched chunks only if they are reused: pass --reuse-weights, "
      r"or give the depth as a number"),

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..plan import registry
 from ..plan.actions import GRAD_OPS, WEIGHT_OPS, BufKind, Op, buf_kind
 from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT, build_plan, compute_actions, resident_depth
@@ -76,14 +77,15 @@ def memory_per_rank(plan: Plan, dims: ModelDims) -> MemoryEstimate:
 
 
 def estimate_memory(dims: ModelDims, topology: Topology, *, replicas: int = 1, prefetch_depth: int = 1,
-                    mb_per_fetch: int = 1) -> MemoryEstimate:
-    """What ``memory_per_rank`` counts for a TawPipe plan without reuse, from the shapes alone:
-    for clusters whose plans are too large to build once per choice (``tawpipe plan`` advising R).
-    A rank stages w_own + d + 1 weight and d + 1 gradient buffers, plus g_recv where gradients
-    arrive from other nodes of its replica (``verify``'s bound)."""
+                    mb_per_fetch: int = 1, algo: str = "tawpipe") -> MemoryEstimate:
+    """What ``memory_per_rank`` counts for a plan of ``algo`` without reuse, from the shapes
+    alone: for clusters whose plans are too large to build once per choice (``tawpipe plan``
+    advising R). The staging buffers are the schedule's closed-form layout (``Schedule.staging``;
+    TawPipe's: w_own + d + 1 weight and d + 1 gradient buffers, plus g_recv where gradients arrive
+    from other nodes of its replica, ``verify``'s bound)."""
     n = topology.world_size // replicas
-    routed = topology.nodes // replicas > 1
-    return _layout(dims, -(-dims.layers // n), n, mb_per_fetch, prefetch_depth + 2, prefetch_depth + 1 + routed)
+    weight_bufs, grad_bufs = registry.get(algo).staging(prefetch_depth, topology.nodes // replicas > 1)
+    return _layout(dims, -(-dims.layers // n), n, mb_per_fetch, weight_bufs, grad_bufs)
 
 
 def _layout(dims: ModelDims, chunk_layers: int, chunks: int, k: int, weight_bufs: int,
@@ -247,9 +249,9 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
              "reuse_weights": "reuse" if reuse_weights is True else "no reuse"}
     note = f" ({', '.join(shown[n] for n in given)} given)" if given else ""
     algo = plan_args.get("algo", "tawpipe")
-    if algo != "tawpipe":
+    if not registry.get(algo).tunable:
         plan = build(**{"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": False, **given})
-        return plan, f"{describe((1, 1, False))} — {algo} is the paper's lock-step ring{note}"
+        return plan, f"{describe((1, 1, False))} — {algo} runs the paper's settings only{note}"
     todo = candidates(micro_batches, **asked)
     computes = compute_actions(topology, micro_batches, plan_args.get("replicas", 1))
     large = computes * len(todo) > AUTO_BUILD_COMPUTE_ACTIONS

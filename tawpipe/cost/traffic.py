@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from ..models.shape import ModelDims
+from ..plan import registry
 from ..plan.actions import OPS, Action, Op
 from ..plan.plan import Plan
 from ..plan.topology import Topology
@@ -197,28 +198,35 @@ class Estimate:
 
 
 def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: int, replicas: int = 1) -> Estimate:
-    """Ring-model estimate for ``method`` in ddp, fsdp, hsdp, 1f1b, weipipe, tawpipe.
+    """Ring-model estimate for ``method``: a peer (ddp, fsdp, hsdp, 1f1b) or a registered schedule.
 
-    The ring over all ranks is node-major, so it leaves each node over exactly one link. tawpipe
-    and weipipe are the paper's schedules (k = 1, one fetch per use); for other options, and
-    exactly at a few micro-batches, count the plan with ``plan_traffic``. ``replicas`` (tawpipe):
-    R pipelines of G/R nodes, plus the ring all-reduce of each chunk's float32 gradient over its
-    R owners, which all cross nodes (design §3.5).
+    The ring over all ranks is node-major, so it leaves each node over exactly one link. A
+    schedule's chunks come from its own closed form (``Schedule.closed_form``: the paper's
+    settings, one fetch per use); for other options, and exactly at a few micro-batches, count
+    the plan with ``plan_traffic``. With ``replicas`` R, the schedule runs as R pipelines of G/R
+    nodes, plus the ring all-reduce of each chunk's float32 gradient over its R owners, which all
+    cross nodes (design §3.5); the replicated modules' ring spans every rank.
     """
-    if method == "tawpipe" and replicas > 1:
-        one = estimate(method, dims, Topology(topology.nodes // replicas, topology.per_node), micro_batches)
-        n, s = topology.world_size, topology.per_node
-        chunk = dims.decoder_numel / (n // replicas)
-        exchange = 2 * (replicas - 1) / replicas * chunk * 4  # per rank
-        rep_one, rep_all = _replicated_ring(dims, n // replicas), _replicated_ring(dims, n)
-        return Estimate(method, one.sent_per_rank - rep_one + rep_all + exchange,
-                        one.inter_node_per_node - (rep_one if topology.nodes > replicas else 0) + rep_all + s * exchange)
+    n, G, s, acc = topology.world_size, topology.nodes, topology.per_node, micro_batches
+    rep = _replicated_ring(dims, n)  # world all-reduce of the replicated gradients, per rank
+    cross = 1.0 if G > 1 else 0.0
+    if method in PEERS:
+        return _peer(method, dims, topology, micro_batches, rep)
+    if method not in registry.names():
+        raise ValueError(f"unknown method {method!r}; expected one of {methods()}")
+    one = Topology(G // replicas, s)
+    sent, inter = registry.get(method).closed_form(dims, one, acc)
+    exchange = 2 * (replicas - 1) / replicas * dims.decoder_numel / one.world_size * 4  # per rank
+    return Estimate(method, sent + rep + exchange, inter + cross * rep + s * exchange)
+
+
+def _peer(method: str, dims: ModelDims, topology: Topology, micro_batches: int, rep: float) -> Estimate:
+    """The peers' closed forms; ``rep``: the replicated gradients' ring, per rank."""
     n, G, s, acc = topology.world_size, topology.nodes, topology.per_node, micro_batches
     psi, e = dims.decoder_numel, dims.replicated_numel
     wb, gb, ab = dims.dtype_bytes, dims.grad_bytes, dims.dtype_bytes
     cross = 1.0 if G > 1 else 0.0
     ring = (n - 1) / n
-    rep = _replicated_ring(dims, n)  # world all-reduce of the replicated gradients, per rank
     if method == "ddp":  # one all-reduce of all gradients (no_sync during accumulation)
         v = 2 * ring * (psi + e) * gb
         return Estimate(method, v, cross * v)
@@ -229,17 +237,8 @@ def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: in
         intra = acc * (s - 1) / s * (psi + e) * (2 * wb + gb)
         inter_rank = 2 * (G - 1) / G * (psi + e) / s * gb
         return Estimate(method, intra + inter_rank, s * inter_rank)
-    if method == "1f1b":  # N stages; every micro-batch crosses each boundary forward and backward
-        per_dir = n * acc * dims.activation_numel * ab
-        return Estimate(method, 2 * per_dir * (n - 1) / n, cross * per_dir * (2 if G > 2 else 1))
-    if method == "weipipe":  # F-ring + B-ring weights and the gradient ring, (acc+1)·Psi each
-        v = (acc + 1) * psi * (2 * wb + gb) if n > 1 else 0.0  # one rank: no ring
-        return Estimate(method, v + rep, cross * (v + rep))
-    if method == "tawpipe":  # design §7.1
-        inter_node = (G - 1) / G * (2 * acc * (n - 1) / n * psi * wb + acc * psi * gb)
-        intra_rank = (s - 1) / s * acc * psi * (2 * wb + gb)
-        return Estimate(method, intra_rank + inter_node / s + rep, inter_node + cross * rep)
-    raise ValueError(f"unknown method {method!r}; expected one of {PEER_METHODS}")
+    per_dir = n * acc * dims.activation_numel * ab  # 1F1B: every micro-batch crosses each boundary both ways
+    return Estimate(method, 2 * per_dir * (n - 1) / n, cross * per_dir * (2 if G > 2 else 1))
 
 
 def fsdp_numel(dims: ModelDims, shards: int) -> tuple[int, int]:
@@ -285,4 +284,9 @@ def _replicated_ring(dims: ModelDims, n: int) -> float:
     return 2 * (n - 1) / n * dims.replicated_numel * dims.grad_bytes
 
 
-PEER_METHODS = ("ddp", "fsdp", "hsdp", "1f1b", "weipipe", "tawpipe")
+PEERS = ("ddp", "fsdp", "hsdp", "1f1b")  # the methods that pass no weights: closed forms here
+
+
+def methods() -> tuple[str, ...]:
+    """Every method ``estimate`` knows: the peers, then the registered schedules."""
+    return (*PEERS, *registry.names())

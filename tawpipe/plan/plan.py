@@ -18,7 +18,6 @@ from .actions import OPS, Action, Names, Op
 from .tables import plan_table
 from .topology import Topology
 
-ALGOS = ("tawpipe", "weipipe")
 GRAD_ROUTES = ("rail", "leader")
 _JSON_FORMAT = "tawpipe-plan/3"
 _JSON_FORMAT_ONE_REPLICA = "tawpipe-plan/2"  # before replicas: still read

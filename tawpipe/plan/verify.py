@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from . import registry
 from .actions import GRAD_OPS, OPS, WEIGHT_OPS, Action, Channel, Names, Op, PlanError, batch_end, describe, no_gc
 from .plan import Plan, Programs, shift
 
@@ -145,11 +146,9 @@ class Verifier:
         self._check_contributions()
         wmax = max(len(x.weight_buffers) for x in seen)
         gmax = max(len(x.grad_buffers) for x in seen)
-        if self.plan.algo == "tawpipe":
-            limit = 2 + int(self.plan.options.get("prefetch_depth", 1))
-            if wmax > limit:
-                raise PlanError(f"a rank uses {wmax} weight buffers; this TawPipe plan needs at most "
-                                f"{limit} (w_own + prefetch_depth + 1)")
+        limit = registry.get(self.plan.algo).max_weight_buffers(self.plan)
+        if limit is not None and wmax > limit:
+            raise PlanError(f"a rank uses {wmax} weight buffers; this {self.plan.algo} plan needs at most {limit}")
         return VerifyReport(
             actions=sum(len(r) for r in self.plan.actions[:self.n]), p2p_messages=self.p2p,
             collectives=self.collectives, weight_buffers=wmax, grad_buffers=gmax,

@@ -51,7 +51,7 @@ from ..plan.actions import OPS, Channel, batches
 from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT
 from . import compare
-from .compare import NAMES, TIE, taw_settings
+from .compare import TIE, taw_settings, title
 from .hardware import Cluster, device, link
 from .peers import peer_memory, stage_counts
 from .play import compute_seconds, engine_plan
@@ -315,13 +315,13 @@ def _cell_text(row: dict) -> str:
     if w is None:
         return "nothing fits"
     if margin is None:
-        return f"{NAMES[w]} (only TawPipe fits)" if w == "tawpipe" else f"{NAMES[w]} (TawPipe does not fit)"
+        return f"{title(w)} (only TawPipe fits)" if w == "tawpipe" else f"{title(w)} (TawPipe does not fit)"
     if abs(margin - 1) < TIE:
-        return f"tie: TawPipe ×{margin:.2f} vs {NAMES[other]}" if w == "tawpipe" else \
-            f"tie: {NAMES[w]} (TawPipe ×{margin:.2f})"
+        return f"tie: TawPipe ×{margin:.2f} vs {title(other)}" if w == "tawpipe" else \
+            f"tie: {title(w)} (TawPipe ×{margin:.2f})"
     if w == "tawpipe":
-        return f"**TawPipe ×{margin:.2f}** vs {NAMES[other]}"
-    return f"{NAMES[w]} (TawPipe ×{margin:.2f})"
+        return f"**TawPipe ×{margin:.2f}** vs {title(other)}"
+    return f"{title(w)} (TawPipe ×{margin:.2f})"
 
 
 def _row_key(row: dict) -> tuple:

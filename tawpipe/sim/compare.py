@@ -14,6 +14,7 @@ from typing import Any
 
 from ..cost.memory import AUTO, MemoryEstimate, logits_bytes, memory_per_rank
 from ..models.shape import ModelDims
+from ..plan import registry
 from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT, compute_actions
 from ..plan.topology import Topology
@@ -27,10 +28,36 @@ from .workload import Workload
 AUTO_SETTINGS = {"mb_per_fetch": AUTO, "prefetch_depth": AUTO, "reuse_weights": AUTO}
 BEST = {"mb_per_fetch": "acc", "prefetch_depth": RESIDENT, "reuse_weights": True}  # the fewest bytes
 PAPER: dict[str, Any] = {}  # the paper's schedule: k = 1, depth 1, no reuse
-METHODS = ("tawpipe", "tawpipe-paper", "weipipe", *PEERS)
 TAWPIPE = ("tawpipe", "tawpipe-paper")  # TawPipe's rows; the others are its peers
-NAMES = {"tawpipe": "TawPipe", "tawpipe-paper": "TawPipe", "weipipe": "WeiPipe", "ddp": "DDP", "fsdp": "FSDP2",
-         "fsdp-mm": "FSDP2-mm", "fsdp-node": "FSDP2-node", "hsdp": "HSDP", "1f1b": "1F1B"}
+NAMES = {"ddp": "DDP", "fsdp": "FSDP2", "fsdp-mm": "FSDP2-mm", "fsdp-node": "FSDP2-node", "hsdp": "HSDP", "1f1b": "1F1B"}
+PAPER_SUFFIX = "-paper"  # a tunable schedule at the paper's settings: "tawpipe-paper"
+
+
+def methods() -> tuple[str, ...]:
+    """Every method ``run`` plays: each registered schedule (a tunable one also at the paper's
+    settings, NAME-paper), then the peers."""
+    out: list[str] = []
+    for name in registry.names():
+        out += [name, name + PAPER_SUFFIX] if registry.get(name).tunable else [name]
+    return (*out, *PEERS)
+
+
+def title(method: str) -> str:
+    """``method`` as tables and verdicts name it."""
+    if method in NAMES:
+        return NAMES[method]
+    return registry.get(method.removesuffix(PAPER_SUFFIX) if method not in registry.names() else method).title
+
+
+def schedule_of(method: str) -> tuple[str, dict[str, Any]] | None:
+    """The schedule ``method`` plays and its default settings ("auto" for a tunable one, which the
+    engine then chooses; the paper's for NAME-paper and the others); None for a peer."""
+    if method in registry.names():
+        return method, dict(AUTO_SETTINGS if registry.get(method).tunable else PAPER)
+    base = method.removesuffix(PAPER_SUFFIX)
+    if base != method and base in registry.names() and registry.get(base).tunable:
+        return base, dict(PAPER)
+    return None
 TIE = 0.02  # margins within 2% of 1 are a tie (the settings search's and the model's resolution)
 MOST_COMPUTE_ACTIONS = 600_000  # a replica's forwards and backwards the player takes (about a minute)
 
@@ -106,22 +133,22 @@ def verdict(rows: Iterable[Row]) -> Verdict:
 
 def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool = False,
         settings: dict[str, Any] | None = None) -> Row:
-    """Simulate ``method`` (one of ``METHODS``) for one iteration of ``acc`` micro-batches per
-    device. ``settings``: TawPipe's (``mb_per_fetch``, ``prefetch_depth``, ``reuse_weights``,
-    ``replicas``), each "auto" by default for "tawpipe", chosen as the engine does; 1F1B's
-    ``stages`` per pipeline (default: every rank, as the bench runs it)."""
+    """Simulate ``method`` (one of ``methods()``) for one iteration of ``acc`` micro-batches per
+    device. ``settings``: a schedule's (``mb_per_fetch``, ``prefetch_depth``, ``reuse_weights``,
+    ``replicas``; ``schedule_of``'s defaults: "auto" for a tunable one, chosen as the engine
+    does); 1F1B's ``stages`` per pipeline (default: every rank, as the bench runs it)."""
     dims = work.dims
-    if method in ("tawpipe", "tawpipe-paper", "weipipe"):
-        opts = dict(AUTO_SETTINGS if method == "tawpipe" else PAPER) if settings is None else dict(settings)
+    scheduled = schedule_of(method)
+    if scheduled is not None:
+        algo, defaults = scheduled
+        opts = defaults if settings is None else dict(settings)
         if opts.get("mb_per_fetch") == "acc":
             opts["mb_per_fetch"] = acc
-        if method == "weipipe":
-            opts["algo"] = "weipipe"
-        _check_size(method, cluster, dims, acc, int(opts.get("replicas", 1)))
-        plan = engine_plan(cluster, work, acc, memory=lambda p: with_logits(memory_per_rank(p, dims), dims), **opts)
-        opts = {k: v for k, v in opts.items() if k != "algo"}
+        _check_size(algo, cluster, dims, acc, int(opts.get("replicas", 1)))
+        plan = engine_plan(cluster, work, acc, memory=lambda p: with_logits(memory_per_rank(p, dims), dims),
+                           algo=algo, **opts)
         opts["prefetch_depth"] = plan.options["prefetch_depth"]
-        if method == "tawpipe":  # what "auto" chose
+        if AUTO in opts.values():  # what "auto" chose
             opts.update({k: plan.options[k] for k in AUTO_SETTINGS})
         return play(method, plan, cluster, work, acc, opts, host=host)
     stages = (settings or {}).get("stages")
@@ -208,8 +235,8 @@ def _check_size(method: str, cluster: Cluster, dims: ModelDims, acc: int, replic
     size = cluster.world_size // replicas
     if size > dims.layers:
         fix = _more_replicas(method, cluster, dims, acc) or (
-            "WeiPipe runs one ring over every device" if method == "weipipe" else
-            "no number of replicas (--replicas) makes a pipeline that short")
+            f"{registry.get(method).title} runs one pipeline over every device" if not registry.get(method).tunable
+            else "no number of replicas (--replicas) makes a pipeline that short")
         raise ValueError(f"a pipeline of {size} ranks needs at least {size} layers, the model has {dims.layers}: "
                          f"{fix}")
     n = compute_actions(Topology(cluster.nodes, cluster.per_node), acc, replicas)
@@ -221,9 +248,10 @@ def _check_size(method: str, cluster: Cluster, dims: ModelDims, acc: int, replic
 
 
 def _more_replicas(method: str, cluster: Cluster, dims: ModelDims, acc: int) -> str | None:
-    """The replicas ``advise`` would try, as a way to shorten TawPipe's pipelines (None for
-    WeiPipe, whose ring spans every rank, or where no replica count is short enough)."""
-    if method == "weipipe":
+    """The replicas ``advise`` would try, as a way to shorten a tunable schedule's pipelines (None
+    for one at the paper's settings, whose pipeline spans every rank, or where no replica count
+    is short enough)."""
+    if not registry.get(method).tunable:
         return None
     tried = sorted({s["replicas"] for s in taw_settings(cluster.nodes, cluster.per_node, dims.layers, acc)})
     if not tried:

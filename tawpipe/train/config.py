@@ -18,7 +18,7 @@ from typing import Any
 from ..commands import UsageError
 from ..cost.memory import AUTO, MARGIN
 from ..models.presets import PRESETS
-from ..plan.plan import ALGOS
+from ..plan import registry
 from ..plan.schedule import prefetch_depth_arg
 
 DESCRIPTION = (
@@ -108,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="clip the global gradient norm")
     p.add_argument("--grad-route", choices=("rail", "leader"), default=d.grad_route,
                    help="router of inter-node gradients")
-    p.add_argument("--algo", choices=ALGOS, default=d.algo, help="the schedule (weipipe: the paper's baseline)")
+    p.add_argument("--algo", choices=registry.names(), default=d.algo,
+                   help="the schedule (weipipe: the paper's baseline)")
     p.add_argument("--prefetch-depth", type=_or_auto(prefetch_depth_arg), default=d.prefetch_depth,
                    help="fetch weights this many slots ahead; 'resident' (with --reuse-weights): every fetched "
                         "chunk stays in a staging buffer, the fewest bytes for the most staging memory; 'auto': "
