@@ -30,6 +30,7 @@ import torch
 
 from tawpipe.runtime.comm.base import Comm
 from tawpipe.engine.engine import TawPipe
+from tawpipe.engine.policy import CommPolicy, PrecisionPolicy, SchedulePolicy
 from tawpipe.train.metrics import peak_host_bytes
 from tawpipe.models.llama import Llama, LlamaConfig, block_forward, llama_loss, llama_parts
 from tawpipe.models.parts import ModelParts
@@ -75,8 +76,9 @@ def build(a: argparse.Namespace, dtype: torch.dtype) -> tuple[ModelParts, Callab
     if a.mode == "meta":
         return llama_parts(cfg, seed=0, compute_dtype=dtype), lambda: None
     model = Llama(cfg, seed=0)  # the whole float32 model, as train.py built it before
-    parts = ModelParts(list(model.blocks), model.embed, model.head, llama_loss, block_forward,
-                       lambda t: model.block_context(t.shape[1], "cpu", dtype), None, cfg.vocab_size, "whole")
+    parts = ModelParts(list(model.blocks), model.embed, model.head, llama_loss, block_forward=block_forward,
+                       block_context=lambda t: model.block_context(t.shape[1], "cpu", dtype),
+                       vocab_size=cfg.vocab_size, description="whole")
 
     def release() -> None:  # train.py's `del model.blocks` once the engine had its chunk
         del model.blocks
@@ -91,9 +93,9 @@ def measure_rank(a: argparse.Namespace) -> dict:
     parts, release = build(a, dtype)
     psi, rep = parts.decoder_params, parts.replicated_params
     after_model = peak_host_bytes()
-    engine = TawPipe(**parts.engine_args(), topology=topo, micro_batches=1, compute_dtype=dtype,
-                     grad_wire_dtype=dtype, comm=SoloComm(a.rank, topo.world_size),
-                     mb_per_fetch=1, prefetch_depth=1, reuse_weights=False)  # the staging measured: not "auto"'s
+    engine = TawPipe(parts, topology=topo, micro_batches=1, precision=PrecisionPolicy(dtype, dtype),
+                     comm=CommPolicy(SoloComm(a.rank, topo.world_size)),
+                     schedule=SchedulePolicy(mb_per_fetch=1, prefetch_depth=1, reuse_weights=False))  # not "auto"'s
     release()
     after_engine = peak_host_bytes()
     engine.optimizer.step()  # AdamW creates its state here (the gradients are zero)

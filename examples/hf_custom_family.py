@@ -73,7 +73,7 @@ def same_logits_as_transformers() -> float:
 
 def train(rank: int, steps: int) -> list[float]:
     parts = from_config(small_granite(), seed=0)  # every rank: the same seed, its own chunk
-    engine = TawPipe(**parts.engine_args(), topology=Topology(nodes=1, per_node=2), micro_batches=2)
+    engine = TawPipe(parts, topology=Topology(nodes=1, per_node=2), micro_batches=2)
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 128, (4, 16), generator=g)
     losses = [engine.step((x, x.roll(-1, dims=1))) for _ in range(steps)]

@@ -30,7 +30,7 @@ MICRO_BATCHES, ROWS, SEQ = 2, 2, 64
 
 def train(rank: int, model_dir: str, export_dir: str, steps: int) -> list[float]:
     parts = hf.from_pretrained(model_dir)  # meta model; embed and head real; blocks on demand
-    engine = TawPipe(**parts.engine_args(), topology=Topology(nodes=2, per_node=2), micro_batches=MICRO_BATCHES)
+    engine = TawPipe(parts, topology=Topology(nodes=2, per_node=2), micro_batches=MICRO_BATCHES)
     tokens = load_tokens(None).train
     losses = []
     for step in range(steps):

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tawpipe import TawPipe, Topology
+from tawpipe import ModelParts, TawPipe, Topology
 from tawpipe.runtime.launch import init_distributed, run_local
 
 VOCAB, HIDDEN, SEQ, ROWS, MICRO_BATCHES = 64, 32, 16, 2, 2
@@ -65,8 +65,8 @@ def train(rank: int, topology: Topology, steps: int) -> list[float]:
     torch.manual_seed(0)  # the same initial model on every rank
     embed, head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB)
     blocks = [Block() for _ in range(8)]
-    engine = TawPipe(blocks, embed, head, loss_fn, topology=topology, micro_batches=MICRO_BATCHES,
-                     block_forward=block_forward, block_context=block_context)
+    model = ModelParts(blocks, embed, head, loss_fn, block_forward=block_forward, block_context=block_context)
+    engine = TawPipe(model, topology=topology, micro_batches=MICRO_BATCHES)
     losses = [engine.step(batch(step, rank)) for step in range(steps)]  # the global mean loss
     engine.close()
     return losses

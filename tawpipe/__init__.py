@@ -24,14 +24,20 @@ from .version import __version__
 if TYPE_CHECKING:
     from . import ops
     from .engine import TawPipe
+    from .engine.policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
     from .engine.precision import Precision
+    from .models.parts import ModelParts
     from .plan import Plan, Topology, build_plan, verify
 
-__all__ = ["Plan", "Precision", "TawPipe", "Topology", "__version__", "build_plan", "ops", "verify"]
+__all__ = ["CommPolicy", "MemoryPolicy", "ModelParts", "Plan", "Precision", "PrecisionPolicy", "SchedulePolicy",
+           "TawPipe", "Topology", "__version__", "build_plan", "ops", "verify"]
 
 _LAZY = {  # public name: (module, attribute; None for the module itself)
     "TawPipe": ("tawpipe.engine", "TawPipe"),
     "Precision": ("tawpipe.engine.precision", "Precision"),
+    "ModelParts": ("tawpipe.models.parts", "ModelParts"),
+    **{name: ("tawpipe.engine.policy", name) for name in ("CommPolicy", "MemoryPolicy", "PrecisionPolicy",
+                                                         "SchedulePolicy")},
     "Plan": ("tawpipe.plan", "Plan"),
     "Topology": ("tawpipe.plan", "Topology"),
     "build_plan": ("tawpipe.plan", "build_plan"),

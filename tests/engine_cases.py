@@ -7,6 +7,7 @@ batch; the parent test compares them. The reference never touches tawpipe code.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import torch
@@ -15,7 +16,9 @@ import torch.nn.functional as F
 
 from tawpipe.runtime.comm import RecordingComm
 from tawpipe.runtime.comm.torch_dist import TorchDistComm
-from tawpipe.engine.engine import TawPipe
+from tawpipe.engine.engine import TawPipe, default_optimizer
+from tawpipe.engine.policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
+from tawpipe.models.parts import ModelParts
 from tawpipe.plan.actions import OPS, Op
 from tawpipe.plan.topology import Topology
 
@@ -117,12 +120,43 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
+# Where each option the cases name belongs: the model's hooks, or one of the engine's policies.
+_MODEL = ("block_forward", "block_context", "materialize", "names", "head_loss")
+_POLICIES = {
+    "schedule": (SchedulePolicy, {"algo": "algo", "mb_per_fetch": "mb_per_fetch", "prefetch_depth": "prefetch_depth",
+                                  "reuse_weights": "reuse_weights", "replicas": "replicas", "grad_route": "grad_route"}),
+    "precision": (PrecisionPolicy, {"compute_dtype": "compute_dtype", "grad_wire_dtype": "grad_wire_dtype",
+                                    "loss_scale": "loss_scale", "max_grad_norm": "max_grad_norm",
+                                    "nonfinite": "nonfinite"}),
+    "memory": (MemoryPolicy, {"recompute": "recompute", "offload": "offload", "memory_budget": "budget",
+                              "chunked_loss": "chunked_loss"}),
+    "comm": (CommPolicy, {"comm": "backend", "timeout": "timeout", "overlap": "overlap"}),
+}
+
+
+def make_engine(*model, topology: Topology, micro_batches: int, optimizer=default_optimizer, lr_scheduler=None,
+                device=None, **options) -> TawPipe:
+    """A TawPipe of ``model`` (ModelParts, or blocks, embed, head and loss_fn), every option the
+    tests name put where the engine takes it: in the model's parts or in its policy (a head_loss
+    given asks for the chunked loss)."""
+    hooks = {k: options.pop(k) for k in _MODEL if k in options}
+    parts = dataclasses.replace(model[0], **hooks) if isinstance(model[0], ModelParts) else ModelParts(*model, **hooks)
+    if hooks.get("head_loss") is not None:
+        options.setdefault("chunked_loss", True)
+    policies = {}
+    for name, (policy, fields) in _POLICIES.items():
+        given = {field: options.pop(key) for key, field in fields.items() if key in options}
+        policies[name] = policy(**given)
+    if options:
+        raise TypeError(f"make_engine: unknown options {sorted(options)}")
+    return TawPipe(parts, topology=topology, micro_batches=micro_batches, optimizer=optimizer,
+                   lr_scheduler=lr_scheduler, device=device, **policies)
+
+
 def _engine(model: TinyLM, topo: Topology, acc: int, comm=None, **options) -> TawPipe:
-    return TawPipe(
-        model.blocks, model.embed, model.head, lm_loss, topology=topo, micro_batches=acc,
-        optimizer=adamw, block_context=model.context, comm=comm or TorchDistComm(topo, timeout=120),
-        **options,
-    )
+    return make_engine(model.blocks, model.embed, model.head, lm_loss, topology=topo, micro_batches=acc,
+                       optimizer=adamw, block_context=model.context, comm=comm or TorchDistComm(topo, timeout=120),
+                       **options)
 
 
 def exactness(rank: int, cases: list[dict]) -> list[dict]:

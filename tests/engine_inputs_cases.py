@@ -7,7 +7,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from engine_cases import MB_ROWS, TinyLM, adamw, global_batch, lm_loss
+from engine_cases import MB_ROWS, TinyLM, adamw, global_batch, lm_loss, make_engine
 from tawpipe.engine.engine import TawPipe
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.comm.torch_dist import TorchDistComm
@@ -35,9 +35,9 @@ def mixed_step_shards(rank: int, seed: int) -> dict:
         return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
 
     def make(model: TinyLM) -> TawPipe:
-        return TawPipe(model.blocks, model.embed, model.head, lm_loss, topology=topo, micro_batches=1,
-                       optimizer=adamw, lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
-                       comm=TorchDistComm(topo, timeout=60), block_context=model.context)
+        return make_engine(model.blocks, model.embed, model.head, lm_loss, topology=topo, micro_batches=1,
+                           optimizer=adamw, lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                           comm=TorchDistComm(topo, timeout=60), block_context=model.context)
 
     torch.manual_seed(seed)
     first = make(TinyLM(world))

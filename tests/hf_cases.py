@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from engine_cases import adamw  # AdamW with eps 1e-6: rounding-noise gradients do not become lr-sized steps
-from tawpipe.engine.engine import TawPipe
+from engine_cases import adamw, make_engine  # AdamW with eps 1e-6: rounding-noise gradients do not become lr-sized steps
 from tawpipe.models import hf
 from tawpipe.io.safetensors import export
 from tawpipe.models.weights import SafetensorsCheckpoint
@@ -58,8 +57,8 @@ def train_and_export(rank: int, cases: list[dict[str, Any]]) -> list[dict[str, A
         parts = hf.from_pretrained(case["dir"])
         asked: list[int] = []
         _spy_materialize(parts, asked)
-        engine = TawPipe(**parts.engine_args(), topology=Topology(2, 2), micro_batches=case["micro_batches"],
-                         optimizer=adamw)
+        engine = make_engine(parts, topology=Topology(2, 2), micro_batches=case["micro_batches"],
+                             optimizer=adamw)
         rows = case["batches"][0][0].shape[0] // 4
         losses = [engine.step((x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]))
                   for x, y in case["batches"]]
@@ -85,7 +84,7 @@ def meta_init(rank: int, config: Any, seed: int, topologies: list[tuple[int, int
         parts = hf.from_config(config, seed=seed)
         asked: list[int] = []
         _spy_materialize(parts, asked)
-        engine = TawPipe(**parts.engine_args(), topology=Topology(nodes, per_node), micro_batches=1)
+        engine = make_engine(parts, topology=Topology(nodes, per_node), micro_batches=1)
         out.append({"asked": asked, "own_layers": engine.plan.chunk_layers[engine.own_chunk],
                     "params": _arrays(dict(engine.named_parameters()))})
         engine.close()

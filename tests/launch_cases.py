@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine_cases import TinyLM, global_batch, lm_loss
-from tawpipe.engine.engine import TawPipe
+from engine_cases import TinyLM, global_batch, lm_loss, make_engine
 from tawpipe.plan.topology import Topology
 
 
@@ -37,8 +36,8 @@ def train_then(rank: int, directory: str, bad_rank: int, bad_step: int, action: 
             time.sleep(3600)
         return block(hidden, **ctx)
 
-    engine = TawPipe(model.blocks, model.embed, model.head, lm_loss, topology=Topology(2, world // 2),
-                     micro_batches=2, block_context=model.context, block_forward=block_forward)
+    engine = make_engine(model.blocks, model.embed, model.head, lm_loss, topology=Topology(2, world // 2),
+                         micro_batches=2, block_context=model.context, block_forward=block_forward)
     for step in range(bad_step + 2):
         step_now[0] = step
         x, y = global_batch(step, 4 * world)

@@ -16,20 +16,18 @@ import pytest
 import torch
 
 from cli_cases import refused
-from engine_cases import MB_ROWS, TinyLM, _engine, adamw, global_batch, lm_loss, reference_run, rel_err
-from tawpipe import cli
+from engine_cases import MB_ROWS, TinyLM, _engine, adamw, global_batch, lm_loss, make_engine, reference_run, rel_err
 from tawpipe.cost import memory as cost_memory
 from tawpipe.cost.memory import (MemoryEstimate, NothingFits, auto_plan, busiest_rank_memory, candidates,
                                  choose, memory_per_rank)
 from tawpipe.models.shape import ModelDims
 from tawpipe.engine import fingerprint
 from tawpipe.engine.auto import memory_budget
-from tawpipe.engine.engine import TawPipe
 from tawpipe.io import checkpoint
 from tawpipe.plan.schedule import RESIDENT
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.launch import run_local
-from tawpipe.train import job
+from tawpipe.train import TrainConfig, job, preflight
 from test_engine_errors import NoComm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,11 +216,11 @@ def test_an_explicit_memory_budget_that_nothing_fits_is_refused_before_anything_
     torch.manual_seed(0)
     m = TinyLM(4)
     with pytest.raises(NothingFits, match="no schedule fits within 0.0 MiB per rank \\(memory_budget\\)"):
-        TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
-                memory_budget=1)
+        make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                    memory_budget=1)
     with pytest.raises(ValueError, match="memory_budget must be None .* or bytes per rank > 0"):
-        TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
-                memory_budget=0)
+        make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                    memory_budget=0)
 
 
 def test_ranks_that_chose_differently_are_told_why():
@@ -246,33 +244,33 @@ def test_ranks_that_chose_differently_are_told_why():
 def test_a_checkpoint_records_the_choice_and_a_resume_makes_it_again(tmp_path):
     torch.manual_seed(0)
     m = TinyLM(4)
-    engine = TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
-                     block_context=m.context)
+    engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                         block_context=m.context)
     engine.step(global_batch(0, 4))
     checkpoint.save(engine, tmp_path)
     manifest = checkpoint.read_manifest(tmp_path)
     assert manifest["schedule"] == {"micro_batches": 2, "mb_per_fetch": engine.mb_per_fetch,
                                     "prefetch_depth": engine.prefetch_depth, "reuse_weights": engine.reuse_weights}
     engine.close()
-    cfg = job.TrainConfig(nodes=1, per_node=1)
+    cfg = TrainConfig(nodes=1, per_node=1)
     ran = {"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": True}
     manifest["schedule"] = {"micro_batches": 2, **ran}
-    assert job._as_it_ran(cfg, Topology(1, 1), manifest) == ran
-    assert job._as_it_ran(job.TrainConfig(nodes=1, per_node=1, mb_per_fetch=2), Topology(1, 1), manifest) == {
+    assert preflight._as_it_ran(cfg, Topology(1, 1), manifest) == ran
+    assert preflight._as_it_ran(TrainConfig(nodes=1, per_node=1, mb_per_fetch=2), Topology(1, 1), manifest) == {
         "prefetch_depth": 1, "reuse_weights": True}  # a given value stays
-    assert job._as_it_ran(job.TrainConfig(nodes=1, per_node=1, micro_batches=4), Topology(1, 1), manifest) == {}
-    assert job._as_it_ran(cfg, Topology(1, 2), manifest) == {}  # another plan: "auto" chooses afresh
-    assert job._as_it_ran(job.TrainConfig(nodes=1, per_node=1, memory_budget=1.0), Topology(1, 1), manifest) == {}
+    assert preflight._as_it_ran(TrainConfig(nodes=1, per_node=1, micro_batches=4), Topology(1, 1), manifest) == {}
+    assert preflight._as_it_ran(cfg, Topology(1, 2), manifest) == {}  # another plan: "auto" chooses afresh
+    assert preflight._as_it_ran(TrainConfig(nodes=1, per_node=1, memory_budget=1.0), Topology(1, 1), manifest) == {}
 
 
 # ------------------------------------------------------------------------------------ tawpipe train
 
 def test_train_defaults_choose_and_the_budget_is_a_flag(monkeypatch, capsys):
-    pre = job.validate(job.TrainConfig())
+    pre = preflight.validate(TrainConfig())
     assert pre.schedule == {"mb_per_fetch": 2, "prefetch_depth": 3, "reuse_weights": True}
     assert pre.auto.startswith("k=2, resident depth 3, reuse — the fewest inter-node bytes (")
     assert "shared by 4 rank(s), less 10%, less 384.0 MiB of runtime" in pre.auto
-    pre = job.validate(job.TrainConfig(memory_budget=0.036))  # the own memory estimate of k=1, depth 1, reuse: 36.2 MiB
+    pre = preflight.validate(TrainConfig(memory_budget=0.036))  # the own memory estimate of k=1, depth 1, reuse: 36.2 MiB
     assert pre.schedule["prefetch_depth"] == 1 and "(--memory-budget)" in pre.auto and "would move" in pre.auto
     monkeypatch.setattr(job, "run_local", lambda *a, **k: pytest.fail("a worker was started"))
     assert re.match(r"tawpipe train: schedule: no schedule fits within 1\.0 MiB per rank \(--memory-budget\): "

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_cases import TinyLM, global_batch, lm_loss
+from engine_cases import TinyLM, global_batch, lm_loss, make_engine
 from tawpipe.io import checkpoint
 from tawpipe.io.checkpoint import CheckpointError
 from tawpipe.engine.engine import TawPipe
@@ -26,8 +26,8 @@ from test_engine_errors import NoComm
 def _engine(seed: int = 0, layers: int = 4, **kw) -> TawPipe:
     torch.manual_seed(seed)
     m = TinyLM(layers)
-    return TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
-                   block_context=m.context, **kw)
+    return make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                       block_context=m.context, **kw)
 
 
 def _train(engine: TawPipe, steps: int) -> list[float]:
@@ -122,7 +122,7 @@ def test_another_block_shape_is_refused(saved, monkeypatch) -> None:
     monkeypatch.setattr(engine_cases, "HIDDEN", 20)
     torch.manual_seed(0)
     m = engine_cases.TinyLM(4)
-    eng = TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1))
+    eng = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1))
     with pytest.raises(CheckpointError, match=r"different model: block parameter 'down.bias' is \[\[24\]"):
         checkpoint.restore(eng, saved)
 

@@ -13,6 +13,7 @@ import pytest
 
 from tawpipe import cli, commands
 from tawpipe.commands import RENAMED, Parser
+from tawpipe.train import TrainConfig, preflight
 
 from cli_cases import refused
 
@@ -136,10 +137,8 @@ def test_a_built_in_model_works_in_train_plan_and_simulate(capsys, name):
     assert cli.main(["simulate", "--nodes", "2", "--per-node", "2", "--model", name, "--seq-len", "256",
                      "--methods", "tawpipe", "ddp"]) == 0
     assert re.search(rf"{name}: H=\d+ L=\d+", capsys.readouterr().out)
-    from tawpipe.train import job
-
     try:
-        pre = job.validate(job.TrainConfig(model=name, steps=1, seq_len=16, micro_batch_size=1))
+        pre = preflight.validate(TrainConfig(model=name, steps=1, seq_len=16, micro_batch_size=1))
     except ValueError as e:  # known, built, and too large for this host: the refusal says so
         assert str(e).startswith("not enough memory: "), e
     else:

@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine_cases import MB_ROWS, TinyLM, adamw, global_batch, lm_loss, rel_err, reference_run
-from tawpipe.engine.engine import TawPipe
+from engine_cases import MB_ROWS, TinyLM, adamw, global_batch, lm_loss, make_engine, reference_run, rel_err
 from tawpipe.runtime.launch import free_port
 from tawpipe.plan.topology import Topology
 
@@ -43,9 +42,9 @@ def _run(port: int, cases: list[dict], results) -> None:
             model = TinyLM(3)
             ref, ref_losses = reference_run(model, 2 * MB_ROWS, 3, clip)
             m = copy.deepcopy(model).to(dev)
-            engine = TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2,
-                             optimizer=adamw, max_grad_norm=clip, device=dev,
-                             block_context=lambda t: {k: v.to(dev) for k, v in m.context(t).items()}, **case)
+            engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2,
+                                 optimizer=adamw, max_grad_norm=clip, device=dev,
+                                 block_context=lambda t: {k: v.to(dev) for k, v in m.context(t).items()}, **case)
             losses = [engine.step(tuple(t.to(dev) for t in global_batch(step, 2 * MB_ROWS))) for step in range(3)]
             ref_params = dict(ref.named_parameters())
             err = max(rel_err(p.detach().cpu(), ref_params[n].detach()) for n, p in engine.named_parameters())

@@ -12,7 +12,7 @@ from tawpipe.runtime.comm import Comm
 from tawpipe.engine.engine import TawPipe
 from tawpipe.plan.topology import Topology
 
-from engine_cases import HIDDEN, TinyLM, lm_loss
+from engine_cases import HIDDEN, TinyLM, lm_loss, make_engine
 
 
 class NoComm(Comm):
@@ -46,8 +46,8 @@ class NoComm(Comm):
 def _make(layers=4, topo=Topology(2, 2), comm=None, **kw):
     torch.manual_seed(0)
     m = TinyLM(layers)
-    return TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=topo, micro_batches=kw.pop("acc", 2),
-                   comm=comm or NoComm(topo.world_size), block_context=m.context, **kw)
+    return make_engine(m.blocks, m.embed, m.head, lm_loss, topology=topo, micro_batches=kw.pop("acc", 2),
+                       comm=comm or NoComm(topo.world_size), block_context=m.context, **kw)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -75,7 +75,7 @@ def test_bad_arguments(kwargs, message) -> None:
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(topology=(2, 2)), TypeError, "topology must be a tawpipe.Topology"),
-    (dict(comm="gloo"), TypeError, "comm must be a tawpipe.runtime.comm.Comm"),
+    (dict(comm="gloo"), ValueError, r"backend must be a tawpipe.runtime.comm.Comm or one of \(.torch., .nccl-native.\)"),
     (dict(loss_fn=None), TypeError, "loss_fn is required"),
     (dict(optimizer=torch.optim.AdamW([torch.zeros(1, requires_grad=True)])), TypeError, "optimizer must be callable"),
     (dict(block_context="rope"), TypeError, "block_context must be callable"),
@@ -88,24 +88,24 @@ def test_bad_argument_types(kwargs, error, message) -> None:
                 micro_batches=2, comm=NoComm(4)) | kwargs
     positional = [args.pop(k) for k in ("blocks", "embed", "head", "loss_fn")]
     with pytest.raises(error, match=message):
-        TawPipe(*positional, **args)
+        make_engine(*positional, **args)
 
 
 def test_the_same_block_twice_is_refused() -> None:
     m = TinyLM(4)
     blocks = [m.blocks[0], m.blocks[1], m.blocks[0], m.blocks[3]]
     with pytest.raises(ValueError, match="blocks 0 and 2 share parameters"):
-        TawPipe(blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=1, comm=NoComm(4))
+        make_engine(blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=1, comm=NoComm(4))
     with pytest.raises(TypeError, match=r"blocks\[1\] is a str"):
-        TawPipe([m.blocks[0], "block"], m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
-                comm=NoComm(1))
+        make_engine([m.blocks[0], "block"], m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                    comm=NoComm(1))
 
 
 def _single(loss_fn=lm_loss, **kw) -> tuple[TawPipe, torch.Tensor]:
     torch.manual_seed(0)
     m = TinyLM(2)
-    eng = TawPipe(m.blocks, m.embed, m.head, loss_fn, topology=Topology(1, 1), micro_batches=1,
-                  comm=NoComm(1), block_context=m.context, **kw)
+    eng = make_engine(m.blocks, m.embed, m.head, loss_fn, topology=Topology(1, 1), micro_batches=1,
+                      comm=NoComm(1), block_context=m.context, **kw)
     return eng, torch.randint(0, 10, (2, 5))
 
 
@@ -148,9 +148,9 @@ def test_blocks_of_different_structure() -> None:
     blocks = list(m.blocks)
     blocks[2] = nn.Linear(HIDDEN, HIDDEN)
     with pytest.raises(ValueError, match="block 2 differs in structure"):
-        TawPipe(blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=1, comm=NoComm(4))
+        make_engine(blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=1, comm=NoComm(4))
     with pytest.raises(ValueError, match="empty"):
-        TawPipe([], m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=1, comm=NoComm(1))
+        make_engine([], m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=1, comm=NoComm(1))
 
 
 def test_bad_batch_and_resume_shard() -> None:
@@ -176,8 +176,8 @@ def test_fp16_overflow_skips_the_step_and_backs_off() -> None:
     torch.manual_seed(0)
     m = TinyLM(2)
     huge = lambda logits, targets: 3e4 * lm_loss(logits, targets)  # noqa: E731
-    eng = TawPipe(m.blocks, m.embed, m.head, huge, topology=Topology(1, 1), micro_batches=1,
-                  comm=NoComm(1), block_context=m.context, compute_dtype=torch.float16)
+    eng = make_engine(m.blocks, m.embed, m.head, huge, topology=Topology(1, 1), micro_batches=1,
+                      comm=NoComm(1), block_context=m.context, compute_dtype=torch.float16)
     before = {n: p.detach().clone() for n, p in eng.named_parameters()}
     x = torch.randint(0, 10, (2, 5))
     eng.step((x, x))
@@ -223,16 +223,16 @@ def test_meta_blocks_are_materialised_only_for_the_own_chunk() -> None:
         return real.blocks[i]
 
     torch.manual_seed(0)
-    eng = TawPipe(meta_blocks, real.embed, real.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
-                  comm=NoComm(1), block_context=real.context, materialize=materialize)
+    eng = make_engine(meta_blocks, real.embed, real.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                      comm=NoComm(1), block_context=real.context, materialize=materialize)
     assert asked == [0, 1, 2, 3]  # a world of one owns every block
     ref = {f"blocks.{n}": p for n, p in real.blocks.named_parameters()}
     for n, p in eng.named_parameters():
         if n.startswith("blocks."):
             assert torch.equal(p.detach(), ref[n].detach()), n
     with pytest.raises(ValueError, match="block 0 is on the meta device: pass materialize"):
-        TawPipe(meta_blocks, real.embed, real.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
-                comm=NoComm(1))
+        make_engine(meta_blocks, real.embed, real.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                    comm=NoComm(1))
 
 
 def test_a_wrong_plan_is_refused_before_anything_is_sent(monkeypatch) -> None:
@@ -255,4 +255,4 @@ def test_a_wrong_plan_is_refused_before_anything_is_sent(monkeypatch) -> None:
     monkeypatch.setattr(engine_module, "engine_plan", broken)
     m = TinyLM(4)
     with pytest.raises(PlanError, match=r"rank 1 F W1 m0 .*holding W"):
-        TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=2, comm=NoComm(4))
+        make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=2, comm=NoComm(4))

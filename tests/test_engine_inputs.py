@@ -12,8 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tawpipe.engine.engine as engine_module
-from engine_cases import HIDDEN, VOCAB, TinyLM, lm_loss
-from tawpipe.engine.engine import MAX_PLAN_COMPUTE_ACTIONS, TawPipe
+from engine_cases import HIDDEN, TinyLM, VOCAB, lm_loss, make_engine
+from tawpipe.engine.engine import TawPipe
+from tawpipe.engine.inputs import MAX_PLAN_COMPUTE_ACTIONS
 from tawpipe.engine.precision import Precision
 from tawpipe.plan.topology import Topology
 from test_engine_errors import NoComm
@@ -30,9 +31,9 @@ class NoConnect(NoComm):
 def _build(topo=Topology(1, 1), layers=2, comm=None, loss_fn=lm_loss, embed=None, head=None, **kw) -> TawPipe:
     torch.manual_seed(0)
     m = TinyLM(layers)
-    return TawPipe(m.blocks, embed if embed is not None else m.embed, head if head is not None else m.head,
-                   loss_fn, topology=topo, micro_batches=kw.pop("acc", 1), comm=comm or NoComm(topo.world_size),
-                   block_context=m.context, **kw)
+    return make_engine(m.blocks, embed if embed is not None else m.embed, head if head is not None else m.head,
+                       loss_fn, topology=topo, micro_batches=kw.pop("acc", 1), comm=comm or NoComm(topo.world_size),
+                       block_context=m.context, **kw)
 
 
 def _tokens(rows: int = 2, seq: int = 5) -> torch.Tensor:

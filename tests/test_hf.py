@@ -26,14 +26,13 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-from tawpipe.engine.engine import TawPipe
 from tawpipe.runtime.launch import run_local
 from tawpipe.models import hf  # noqa: E402
 from tawpipe.models.parts import parts_signature
 from tawpipe.models.weights import SafetensorsCheckpoint
 from tawpipe.plan.topology import Topology
 import hf_cases  # noqa: E402
-from engine_cases import adamw  # noqa: E402
+from engine_cases import adamw, make_engine  # noqa: E402
 from test_engine_errors import NoComm  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -201,8 +200,8 @@ def test_engine_with_one_rank_materialises_every_block_once(tmp_path, dtype):
     parts = hf.from_pretrained(path, compute_dtype=dtype)
     asked: list[int] = []
     hf_cases._spy_materialize(parts, asked)
-    engine = TawPipe(**parts.engine_args(), topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
-                     compute_dtype=dtype)
+    engine = make_engine(parts, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                         compute_dtype=dtype)
     assert asked == [0, 1, 2, 3]
     assert all(b.self_attn.q_proj.weight.is_meta for b in parts.blocks)  # the model keeps no copy
     x = torch.randint(0, VOCAB, (4, 9))
@@ -218,8 +217,8 @@ def test_checks_before_start_see_the_engines_model(tmp_path):
 
     _, path = saved(tmp_path, "qwen2")
     blocks, embed, head, vocab = models.meta_model(str(path))
-    engine = TawPipe(**hf.from_pretrained(path).engine_args(), topology=Topology(1, 1), micro_batches=1,
-                     comm=NoComm(1))
+    engine = make_engine(hf.from_pretrained(path), topology=Topology(1, 1), micro_batches=1,
+                         comm=NoComm(1))
     assert parts_signature(blocks, embed, head) == engine.model_signature() and vocab == VOCAB
     engine.close()
 

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine_cases import TinyLM, global_batch, lm_loss, reference_run, rel_err
-from tawpipe.engine.engine import TawPipe
+from engine_cases import TinyLM, global_batch, lm_loss, make_engine, reference_run, rel_err
 from tawpipe.models.llama import Head, LlamaConfig, chunked_head_loss, llama_loss
 from tawpipe.models.loss import linear_cross_entropy
 from tawpipe.plan.topology import Topology
@@ -95,9 +94,9 @@ def test_the_engine_trains_with_it_exactly() -> None:
         return linear_cross_entropy(head.norm(hidden), head.proj.weight, targets, chunk=5)
 
     m = copy.deepcopy(model)
-    engine = TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
-                     block_context=m.context, head_loss=head_loss,
-                     optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6))
+    engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                         block_context=m.context, head_loss=head_loss,
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6))
     losses = [engine.step(global_batch(step, 8)) for step in range(2)]
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     params = dict(ref.named_parameters())

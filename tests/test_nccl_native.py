@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tawpipe.runtime.launch import run_local
+from engine_cases import make_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 NVCC = shutil.which("nvcc")
@@ -302,7 +303,6 @@ def _engine_exactness(rank: int) -> float:
 
     from engine_cases import MB_ROWS, Head, MLPBlock, global_batch, lm_loss, adamw
     from tawpipe.runtime.comm.nccl_native import NcclComm
-    from tawpipe.engine.engine import TawPipe
     from tawpipe.plan.topology import Topology
 
     dev = torch.device("cuda", 0)
@@ -311,8 +311,8 @@ def _engine_exactness(rank: int) -> float:
     embed, blocks, head = torch.nn.Embedding(61, 24).to(dev), [MLPBlock(24).to(dev) for _ in range(3)], Head(24, 61).to(dev)
     ref = torch.nn.ModuleList([copy.deepcopy(embed), *map(copy.deepcopy, blocks), copy.deepcopy(head)])
     opt = adamw(list(ref.parameters()))
-    engine = TawPipe(blocks, embed, head, lm_loss, topology=Topology(1, 1), micro_batches=2, optimizer=adamw,
-                     comm=NcclComm(Topology(1, 1), timeout=60.0))
+    engine = make_engine(blocks, embed, head, lm_loss, topology=Topology(1, 1), micro_batches=2, optimizer=adamw,
+                         comm=NcclComm(Topology(1, 1), timeout=60.0))
     for step in range(3):
         x, y = (t.to(dev) for t in global_batch(step, 2 * MB_ROWS))
         engine.step((x, y))

@@ -20,13 +20,13 @@ import torch
 
 from tawpipe import cli, models
 from tawpipe.cost.memory import rank_memory
-from tawpipe.engine.engine import TawPipe
 from tawpipe.io import checkpoint
 from tawpipe.io import safetensors as st_io
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.launch import JobFailed
 from tawpipe.engine import auto as engine_auto
-from tawpipe.train import job
+from tawpipe.train import TrainConfig, job, loop, preflight
+from engine_cases import make_engine
 
 from cli_cases import refused as cli_refused
 from test_engine_errors import NoComm
@@ -71,7 +71,7 @@ def test_a_model_that_does_not_fit_in_memory_is_refused(tmp_path, monkeypatch, c
 
 def _host_has(monkeypatch, available: int) -> None:
     """This host's available memory as the preflight's check and "auto"'s budget read it."""
-    for module in (job, engine_auto):
+    for module in (preflight, engine_auto):
         monkeypatch.setattr(module, "host_available", lambda: (available, "MemAvailable in /proc/meminfo"))
 
 
@@ -85,7 +85,7 @@ def test_paper_4096_is_refused_on_a_24_gib_host(monkeypatch, capsys):
 
 
 def test_the_default_model_fits_and_the_estimate_is_printed_first(monkeypatch, capsys):
-    pre = job.validate(job.TrainConfig())
+    pre = preflight.validate(TrainConfig())
     assert pre.memory.startswith("memory estimate: ") and "for 4 rank(s) on this host" in pre.memory
     _no_workers(monkeypatch)
     monkeypatch.setattr(job, "run_local", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
@@ -99,7 +99,7 @@ def test_the_default_model_fits_and_the_estimate_is_printed_first(monkeypatch, c
     _host_has(monkeypatch, 300 * 2**20)
     with pytest.raises(ValueError, match=r"not enough memory: the run needs about 1\.\d\d GiB .* 300\.0 MiB is "
                                          "available"):
-        job.validate(job.TrainConfig())
+        preflight.validate(TrainConfig())
 
 
 def test_the_estimate_counts_what_the_engine_allocates():
@@ -107,8 +107,8 @@ def test_the_estimate_counts_what_the_engine_allocates():
     replicated parameters, exactly as the engine of the busiest rank holds them after a step."""
     parts = models.load("micro", seed=0, compute_dtype=torch.bfloat16)
     topo = Topology(1, 1)
-    engine = TawPipe(**parts.engine_args(), topology=topo, micro_batches=2, comm=NoComm(1),
-                     compute_dtype=torch.bfloat16)
+    engine = make_engine(parts, topology=topo, micro_batches=2, comm=NoComm(1),
+                         compute_dtype=torch.bfloat16)
     x = torch.randint(0, 256, (4, 16))
     engine.step((x, x.roll(-1, 1)))
     report = engine.memory_report()
@@ -128,14 +128,14 @@ def test_the_estimate_counts_what_the_engine_allocates():
 def test_a_budget_the_given_schedule_exceeds_is_refused(monkeypatch, capsys, given):
     """Every schedule option given and a --memory-budget they do not fit: refused, naming what they
     take (the estimate "auto" weighs) and both ways out, instead of training without a word."""
-    assert job.validate(job.TrainConfig(model="micro", **given)).auto is None  # valid, nothing left to choose
+    assert preflight.validate(TrainConfig(model="micro", **given)).auto is None  # valid, nothing left to choose
     flags = [f"--prefetch-depth={given['prefetch_depth']}", f"--mb-per-fetch={given['mb_per_fetch']}",
              "--reuse-weights" if given["reuse_weights"] else "--no-reuse-weights"]
     err = refused(monkeypatch, capsys, "--model", "micro", "--memory-budget", "0.000001", *flags)
     assert re.fullmatch(r"tawpipe train: schedule: --mb-per-fetch \d, --prefetch-depth \w+, --(no-)?reuse-weights take "
                         r"[\d.]+ MiB per rank, more than 0\.0 MiB per rank \(--memory-budget\): leave them \"auto\" "
                         r"to choose what fits, or give a larger --memory-budget", err), err
-    pre = job.validate(job.TrainConfig(model="micro", memory_budget=1.0, **given))  # within a budget they fit: kept
+    pre = preflight.validate(TrainConfig(model="micro", memory_budget=1.0, **given))  # within a budget they fit: kept
     assert pre.schedule["mb_per_fetch"] == given["mb_per_fetch"] and pre.auto is None
 
 
@@ -159,7 +159,7 @@ def test_paths_the_job_writes_are_tried_first(tmp_path, monkeypatch, capsys, arg
 
 def test_a_writable_metrics_path_is_prepared_and_left_clean(tmp_path):
     metrics = tmp_path / "new" / "m.jsonl"
-    job.validate(job.TrainConfig(model="micro", metrics=str(metrics), save=str(tmp_path / "ckpt")))
+    preflight.validate(TrainConfig(model="micro", metrics=str(metrics), save=str(tmp_path / "ckpt")))
     assert metrics.parent.is_dir() and not metrics.exists()
     assert {p.name for p in tmp_path.rglob("*")} == {"new", "ckpt"}  # no probe left behind
 
@@ -224,7 +224,7 @@ def test_a_good_hf_directory_passes_reading_headers_only(hf_dirs, tmp_path, monk
     monkeypatch.setattr(SafetensorsCheckpoint, "read", no_tensors)
     assert len(set(_index(hf_dirs / "sharded")["weight_map"].values())) >= 3
     for name in ("single", "sharded"):
-        job.validate(job.TrainConfig(model=str(hf_dirs / name), nodes=1, per_node=2))
+        preflight.validate(TrainConfig(model=str(hf_dirs / name), nodes=1, per_node=2))
 
 
 def _break(d: Path, how: str) -> None:
@@ -353,16 +353,16 @@ def test_a_model_with_nan_weights_does_not_train_with_exit_0(hf_dirs):
 
 
 def test_the_skipped_step_check():
-    cfg = job.TrainConfig(steps=20, max_skipped_in_a_row=10)
-    job._check_skipped(cfg, 9, 9, 9, math.nan)  # not yet
-    with pytest.raises(job.TrainError, match="step 10: all 10 steps of this run were skipped"):
-        job._check_skipped(cfg, 10, 10, 10, math.nan)
-    with pytest.raises(job.TrainError, match="step 15: the last 10 steps were skipped"):
-        job._check_skipped(cfg, 10, 15, 15, math.nan)
-    job._check_skipped(cfg, 3, 20, 20, 1.0)  # a finished run with a few skipped at the end
-    with pytest.raises(job.TrainError, match="step 20: all 4 steps of this run"):  # resumed at 16, all skipped
-        job._check_skipped(cfg, 4, 4, 20, math.nan)
-    job._check_skipped(job.TrainConfig(steps=20, max_skipped_in_a_row=0), 20, 20, 20, math.nan)
+    cfg = TrainConfig(steps=20, max_skipped_in_a_row=10)
+    loop._check_skipped(cfg, 9, 9, 9, math.nan)  # not yet
+    with pytest.raises(loop.TrainError, match="step 10: all 10 steps of this run were skipped"):
+        loop._check_skipped(cfg, 10, 10, 10, math.nan)
+    with pytest.raises(loop.TrainError, match="step 15: the last 10 steps were skipped"):
+        loop._check_skipped(cfg, 10, 15, 15, math.nan)
+    loop._check_skipped(cfg, 3, 20, 20, 1.0)  # a finished run with a few skipped at the end
+    with pytest.raises(loop.TrainError, match="step 20: all 4 steps of this run"):  # resumed at 16, all skipped
+        loop._check_skipped(cfg, 4, 4, 20, math.nan)
+    loop._check_skipped(TrainConfig(steps=20, max_skipped_in_a_row=0), 20, 20, 20, math.nan)
 
 
 # ---------------------------------------------------------------------------------- 8. a full disk
@@ -382,11 +382,11 @@ def _full_disk(monkeypatch, after: int = 1000) -> None:
 
 def test_a_full_disk_while_saving_is_named_in_one_line(tmp_path, monkeypatch):
     parts = models.load("micro", seed=0)
-    engine = TawPipe(**parts.engine_args(), topology=Topology(1, 1), micro_batches=1, comm=NoComm(1))
-    cfg = job.TrainConfig(model="micro", save=str(tmp_path / "ckpt"))
+    engine = make_engine(parts, topology=Topology(1, 1), micro_batches=1, comm=NoComm(1))
+    cfg = TrainConfig(model="micro", save=str(tmp_path / "ckpt"))
     _full_disk(monkeypatch)
-    with pytest.raises(job.TrainError) as e:
-        job._save(engine, cfg, parts, [], torch.device("cpu"))
+    with pytest.raises(loop.TrainError) as e:
+        loop._save(engine, cfg, parts, [], torch.device("cpu"))
     engine.close()
     assert str(e.value) == (f"no space left on device: could not write {tmp_path / 'ckpt' / 'step-00000000'} (--save): "
                             "free space there, or point --save at a file system with room")

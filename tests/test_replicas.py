@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cli_cases import refused
-from engine_cases import exactness
+from engine_cases import exactness, make_engine
 from replica_cases import resume_across_replicas
 from tawpipe.cli import main
 from tawpipe.cost.memory import estimate_memory, memory_per_rank
@@ -283,8 +283,7 @@ def test_a_plan_too_large_to_build_names_the_replicas_that_fit(capsys) -> None:
 ])
 def test_the_engine_refuses_replicas_it_cannot_run_before_connecting(options, message) -> None:
     from engine_cases import TinyLM, lm_loss
-    from tawpipe.engine.engine import TawPipe
 
     m = TinyLM(4)
     with pytest.raises(ValueError, match=message):
-        TawPipe(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=2, **options)
+        make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=2, **options)

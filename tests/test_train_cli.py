@@ -21,10 +21,11 @@ from tawpipe import cli, models
 from tawpipe.commands import Parser, UsageError
 from tawpipe.train import add_arguments, job
 from tawpipe.train.data import batch, load_tokens
-from tawpipe.engine.engine import TawPipe, default_optimizer
+from tawpipe.engine.engine import default_optimizer
 from tawpipe.train.metrics import MetricsWriter, _flatten, check_tensorboard
 from tawpipe.models.llama import Llama, LlamaConfig, block_forward, llama_loss
 from tawpipe.plan.topology import Topology
+from engine_cases import make_engine
 from cli_cases import refused
 from test_engine_errors import NoComm
 
@@ -132,9 +133,9 @@ def test_a_cli_checkpoint_reshards_onto_one_rank(runs) -> None:
     meta = checkpoint.read_manifest(d)["meta"]
     torch.manual_seed(99)
     model = Llama(LlamaConfig(**meta["model"]))
-    engine = TawPipe(model.blocks, model.embed, model.head, llama_loss, topology=Topology(1, 1), micro_batches=4,
-                     comm=NoComm(1), block_forward=block_forward, optimizer=default_optimizer,
-                     block_context=lambda t: model.block_context(t.shape[1], torch.device("cpu"), torch.float32))
+    engine = make_engine(model.blocks, model.embed, model.head, llama_loss, topology=Topology(1, 1), micro_batches=4,
+                         comm=NoComm(1), block_forward=block_forward, optimizer=default_optimizer,
+                         block_context=lambda t: model.block_context(t.shape[1], torch.device("cpu"), torch.float32))
     restored = checkpoint.restore(engine, d)
     assert restored.resharded and engine.steps == 3
     full = checkpoint.consolidated(d)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..engine.engine import TawPipe
+from ..engine.policy import CommPolicy, SchedulePolicy
+from ..models.parts import ModelParts
 from ..models.llama import Llama, LlamaConfig, block_forward, llama_loss
 from ..models.presets import PRESETS
 from ..plan.actions import OPS
@@ -54,11 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(model: Llama, topo: Topology, acc: int, comm, overlap: bool) -> TawPipe:
-    return TawPipe(
-        model.blocks, model.embed, model.head, llama_loss, topology=topo, micro_batches=acc,
-        block_forward=block_forward, block_context=lambda t: model.block_context(t.shape[1], "cpu"),
-        comm=comm, overlap=overlap, mb_per_fetch=1, prefetch_depth=1, reuse_weights=False,  # the paper's, as measured
-    )
+    parts = ModelParts(model.blocks, model.embed, model.head, llama_loss, block_forward=block_forward,
+                       block_context=lambda t: model.block_context(t.shape[1], "cpu"))
+    return TawPipe(parts, topology=topo, micro_batches=acc, comm=CommPolicy(comm, overlap=overlap),
+                   schedule=SchedulePolicy(mb_per_fetch=1, prefetch_depth=1, reuse_weights=False))  # the paper's
 
 
 def _time_steps(engine: TawPipe, batches: list, steps: int) -> list[float]:

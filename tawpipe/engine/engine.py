@@ -19,28 +19,21 @@ pass and the agreement rows of a checkpoint (``gather_rows``). Files are written
 from __future__ import annotations
 
 import dataclasses
+import enum
 import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
-from ..cost.memory import AUTO
-from ..models.parts import (
-    PART_NAMES,
-    Materialize,
-    block_param_name,
-    model_signature,
-    param_signature,
-    unique_params,
-)
-from ..ops import SUPPORTED_DTYPES
+from ..models.parts import ModelParts, block_param_name, model_signature, param_signature, unique_params
 from ..plan.actions import OPS, QUEUES, Action, BufKind, Channel, Op, buf_kind
 from ..plan.plan import Plan
 from ..plan.programs import eval_program, gather_program, setup_program
-from ..plan.schedule import check_replicas, compute_actions
+from ..plan.schedule import compute_actions
 from ..plan.topology import Topology
 from ..plan.verify import verify
+from ..runtime import comm as comm_backends
 from ..runtime.comm.base import P2P, Comm
 from ..runtime.executor import Executor, Messages
 from ..runtime.timeout import default_timeout
@@ -48,11 +41,17 @@ from . import fingerprint
 from .auto import engine_plan
 from .compute import ChunkCompute, EvalState, StepState
 from .precision import Precision
+from .inputs import (check_micro_batches, check_model, check_optimizer, check_policies, check_replicated,
+                     check_scheduler, check_tokens, find_vocab, resolve_device)
+from .policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
 from .storage import ChunkStorage, MemoryReport
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-BlockForward = Callable[..., torch.Tensor]
+
+# Up to this many, the engine proves its plan before it connects (about 1.5 s of one core at the
+# most); beyond, it trusts the schedules' tests and ``tawpipe plan``, which proves what it prints.
+VERIFY_COMPUTE_ACTIONS = 50_000
 
 
 def default_optimizer(params: list[nn.Parameter], lr: float = 1e-3) -> torch.optim.Optimizer:
@@ -65,314 +64,94 @@ def default_optimizer(params: list[nn.Parameter], lr: float = 1e-3) -> torch.opt
     )
 
 
-def _default_block_forward(block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
-    return block(hidden, **ctx)
+class Lifecycle(enum.Enum):
+    """Where an engine stands: it steps while READY; a step that raised leaves it FAILED (its
+    buffers in an unknown state); ``close`` leaves it CLOSED. Neither comes back."""
 
-
-def _check_blocks(blocks: list[nn.Module]) -> None:
-    if not blocks:
-        raise ValueError("blocks is empty: pass the decoder layers as a sequence of nn.Modules")
-    for i, b in enumerate(blocks):
-        if not isinstance(b, nn.Module):
-            raise TypeError(f"blocks[{i}] is a {type(b).__name__}, not an nn.Module")
-    seen: dict[int, int] = {}
-    for i, b in enumerate(blocks):
-        for p in b.parameters():
-            j = seen.setdefault(id(p), i)
-            if j != i:
-                raise ValueError(
-                    f"blocks {j} and {i} share parameters (the same module passed twice?): tawpipe "
-                    "gives every block its own weights; pass distinct blocks"
-                )
-    sig = param_signature(blocks[0].named_parameters())
-    for i, b in enumerate(blocks[1:], 1):
-        if param_signature(b.named_parameters()) != sig:
-            raise ValueError(
-                f"block {i} differs in structure from block 0 (parameter names, shapes or dtypes); "
-                "tawpipe chunks a stack of identical blocks"
-            )
-    if not sig:
-        raise ValueError("the blocks have no parameters: nothing to shard")
-
-
-def _check_callables(**kwargs: Any) -> None:
-    for name, value in kwargs.items():
-        if name in ("embed", "head"):
-            if not isinstance(value, nn.Module) or not list(value.parameters()):
-                raise TypeError(f"{name} must be an nn.Module with parameters, got {type(value).__name__}")
-        elif value is not None and not callable(value):
-            raise TypeError(f"{name} must be callable, got {type(value).__name__}")
-        elif value is None and name in ("loss_fn", "optimizer"):
-            raise TypeError(f"{name} is required")
-
-
-def _check_options(topology: Topology, comm: Comm | str | None, offload: str | None, timeout: float | None,
-                   names: tuple[str, str, str], recompute: str, compute_dtype: torch.dtype,
-                   grad_wire_dtype: torch.dtype) -> None:
-    """The engine's plain options, checked before anything is built or sent."""
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a tawpipe.Topology, got {type(topology).__name__}")
-    if not (comm is None or isinstance(comm, Comm) or comm in ("torch", "nccl-native")):
-        raise TypeError(f"comm must be a tawpipe.runtime.comm.Comm, 'torch' (torch.distributed, the default) or "
-                        f"'nccl-native', got {comm!r}")
-    if offload not in (None, "host"):
-        raise ValueError(f"offload must be None or 'host', got {offload!r}")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    if not (isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) and n for n in names)):
-        raise ValueError(f"names must be three non-empty strings (embed, blocks, head), got {names!r}")
-    if recompute not in ("chunk", "none"):
-        raise ValueError(f"recompute must be 'chunk' or 'none', got {recompute!r}")
-    if compute_dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"compute_dtype {compute_dtype} unsupported; use one of {SUPPORTED_DTYPES}")
-    if grad_wire_dtype not in (torch.float32, compute_dtype):
-        raise ValueError(f"grad_wire_dtype must be torch.float32 or the compute dtype {compute_dtype}, "
-                         f"got {grad_wire_dtype}")
-
-
-# A plan holds a forward and a backward of every chunk for every micro-batch on every rank of a
-# replica (2 x (N/R)^2 x micro_batches actions) plus the transfers: past a million of the former
-# it takes minutes and gigabytes to build (one replica's ranks' actions are built).
-MAX_PLAN_COMPUTE_ACTIONS = 1_000_000
-# Up to this many, the engine proves its plan before it connects (about 1.5 s of one core at the
-# most); beyond, it trusts the schedules' tests and ``tawpipe plan``, which proves what it prints.
-VERIFY_COMPUTE_ACTIONS = 50_000
-
-
-def _check_micro_batches(topology: Topology, micro_batches: Any, replicas: Any) -> None:
-    """micro_batches: a positive integer small enough that the plan can be built (checked before
-    ``build_plan`` allocates anything: a huge value would end in a MemoryError deep inside it)."""
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be a positive integer (micro-batches per rank and step), "
-                         f"got {micro_batches!r}")
-    n = check_replicas(topology, replicas)
-    most = max(1, MAX_PLAN_COMPUTE_ACTIONS // compute_actions(topology, 1, replicas))
-    if micro_batches > most:
-        raise ValueError(
-            f"micro_batches={micro_batches} is too large: on {n} rank(s) the plan would hold at least "
-            f"{compute_actions(topology, micro_batches, replicas):,} actions (2 x ranks per replica^2 x micro_batches forwards and backwards = "
-            f"2 x {n}^2 x {micro_batches}), more than the {MAX_PLAN_COMPUTE_ACTIONS:,} tawpipe builds in reasonable "
-            f"time and memory; lower micro_batches to at most {most} (and put more rows into each micro-batch "
-            "instead), or use more replicas"
-        )
-
-
-def _available_devices() -> list[str]:
-    out = ["cpu"]
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is not None:
-        out += [f"{acc.type}:{i}" for i in range(torch.accelerator.device_count())]
-    return out
-
-
-def _resolve_device(device: Any) -> torch.device:
-    """``device`` as a torch.device this process can use (an accelerator with its index), or a
-    ValueError naming it and the devices that are available."""
-    available = ", ".join(_available_devices())
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device={device!r} is not a device: pass a torch.device or a name such as 'cpu' or "
-                         f"'cuda:0'; available here: {available}") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type == "meta":
-        raise ValueError(f"device={device!r}: the engine cannot train on the meta device (it holds no data); "
-                         f"pass the device to train on; available here: {available}")
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is None or acc.type != dev.type:
-        raise ValueError(f"device={device!r} is not available: torch {torch.__version__} in this process sees no "
-                         f"{dev.type} device; available here: {available}")
-    count = torch.accelerator.device_count()
-    if dev.index is None:
-        return torch.device(dev.type, torch.accelerator.current_device_index())
-    if dev.index >= count:
-        raise ValueError(f"device={device!r} is not available: this process sees {count} {dev.type} device(s); "
-                         f"available here: {available}")
-    return dev
-
-
-def _check_replicated(embed: nn.Module, head: nn.Module, names: tuple[str, str, str],
-                      device: torch.device | None, asked: Any = None) -> None:
-    """embed and head are real float32 tensors on the engine's device (``device``; None: not
-    known yet, the meta check only; ``asked``: the device argument). Run before anything is built
-    or sent."""
-    shown = device if device is not None else asked
-    where = f"the engine's device ({shown})" if shown is not None else "the engine's device"
-    for part, module in ((names[0], embed), (names[2], head)):
-        for n, p in module.named_parameters():
-            if p.is_meta:
-                raise ValueError(
-                    f"{part} parameter {n!r} is on the meta device: the embedding and head are replicated on every "
-                    f"rank and must be real (materialised) float32 tensors on {where}; build them outside "
-                    f"torch.device('meta'), or materialise them first ({part}.to_empty(device=...), then initialise "
-                    "or load their weights). Only blocks may stay on meta (with materialize=)"
-                )
-            if device is not None and (p.dtype != torch.float32 or p.device != device):
-                raise ValueError(
-                    f"{part} parameter {n!r} is {p.dtype} on {p.device}, but the embedding and head must be float32 "
-                    f"on {where}: move them there first ({part}.to({str(device)!r}, torch.float32))"
-                )
-
-
-def _find_vocab(embed: nn.Module) -> int | None:
-    """The number of token ids the first nn.Embedding inside ``embed`` takes (None: there is none)."""
-    return next((m.num_embeddings for m in embed.modules() if isinstance(m, nn.Embedding)), None)
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
 
 
 class TawPipe:
     """Topology-aware weight pipeline training of a stack of identical blocks.
 
     Each rank runs the whole model on its own micro-batches; chunk weights and gradients move
-    between ranks as the plan says. ``algo="weipipe"`` runs the paper's baseline on the same
-    machinery. ``prefetch_depth`` fetches weights that many slots ahead; ``"resident"`` (with
-    ``reuse_weights``) goes far enough that every fetched chunk stays (``schedule.resident_depth``).
-    ``mb_per_fetch`` runs each resident chunk for that many micro-batches (one fetch and one
-    gradient route per group of micro-batches); ``reuse_weights`` skips the fetch of a chunk still
-    in a staging buffer (fewer bytes than the paper's schedule, same memory). Each of the three
-    left ``"auto"`` (the default) is chosen by the cost model: the fewest inter-node bytes whose
-    memory fits ``memory_budget`` bytes per rank (default: the free memory, design §7.3). The
-    properties ``mb_per_fetch``, ``prefetch_depth`` and ``reuse_weights`` hold the values, and
-    ``auto_reason`` says why. The engine cannot see the activations before its first batch: where
-    they are large, give ``memory_budget`` without them, or the options. ``grad_wire_dtype``
-    (float32 or the compute dtype) is the dtype gradients travel in, always accumulated in float32
-    by their owner. Blocks may live on the meta device: ``materialize(block, layer_index)`` then
-    gives each rank its own chunk's real blocks.
-    ``offload="host"`` keeps the own chunk's master, gradient accumulator and optimizer state in
-    pinned host memory, streamed through two staging buffers (``tawpipe.engine.offload``).
-    ``replicas`` R splits the nodes into R replicas of whole nodes, each a pipeline over its N/R
-    ranks; a chunk's R owners add their gradients once per step (design §3.5). The step is still
-    one step on every rank's micro-batches; R > 1 needs ``comm="torch"`` (the default).
-    ``head_loss(head, hidden, targets)``, if given, replaces ``loss_fn(head(hidden), targets)``:
-    a head and loss that never hold the whole logits (``tawpipe.models.llama.chunked_head_loss``).
+    between ranks as the plan says. One ``step`` equals one step of single-device training on the
+    concatenation of every rank's micro-batches, with the same optimizer. ``model`` is a
+    ``tawpipe.models.ModelParts``: the blocks (which may live on the meta device, with
+    ``materialize`` giving each rank its own chunk's real blocks), the replicated ``embed`` and
+    ``head``, the loss and the hooks. ``optimizer(params)`` and ``lr_scheduler(optimizer)`` are
+    factories: the engine owns the optimizer of its own chunk and the replicated parameters. The
+    four policies (``tawpipe.engine.policy``) say which schedule runs, in what precision, with
+    what memory savers and over which backend; ``mb_per_fetch``, ``prefetch_depth``,
+    ``reuse_weights`` and ``auto_reason`` say what "auto" chose and why.
     """
 
-    def __init__(
-        self,
-        blocks: Sequence[nn.Module],
-        embed: nn.Module,
-        head: nn.Module,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        *,
-        topology: Topology,
-        micro_batches: int,
-        optimizer: OptimizerFactory = default_optimizer,
-        lr_scheduler: SchedulerFactory | None = None,
-        compute_dtype: torch.dtype = torch.float32,
-        max_grad_norm: float | None = None,
-        block_forward: BlockForward | None = None,
-        block_context: Callable[[torch.Tensor], dict[str, Any]] | None = None,
-        comm: Comm | str | None = None,
-        device: torch.device | str | None = None,
-        algo: str = "tawpipe",
-        grad_route: str = "rail",
-        prefetch_depth: int | str = AUTO,
-        mb_per_fetch: int | str = AUTO,
-        reuse_weights: bool | str = AUTO,
-        memory_budget: float | None = None,
-        grad_wire_dtype: torch.dtype = torch.float32,
-        overlap: bool = True,
-        loss_scale: float | str | None = "auto",
-        nonfinite: str = "skip",
-        recompute: str = "chunk",
-        timeout: float | None = None,
-        names: tuple[str, str, str] = PART_NAMES,
-        materialize: Materialize | None = None,
-        offload: str | None = None,
-        replicas: int = 1,
-        head_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    ) -> None:
-        blocks = list(blocks)
-        _check_blocks(blocks)
-        _check_callables(embed=embed, head=head, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                         block_forward=block_forward, block_context=block_context, materialize=materialize,
-                         head_loss=head_loss)
-        _check_options(topology, comm, offload, timeout, names, recompute, compute_dtype, grad_wire_dtype)
-        _check_micro_batches(topology, micro_batches, replicas)
-        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
-                                          or not memory_budget > 0):
-            raise ValueError(f"memory_budget must be None (measure the free memory) or bytes per rank > 0, "
-                             f"got {memory_budget!r}")
-        if replicas > 1 and not (comm is None or comm == "torch" or isinstance(comm, Comm)):
-            raise ValueError(f"replicas={replicas} needs comm='torch' (NCCL through torch.distributed on GPUs): the "
-                             f"{comm!r} backend has no communicators across replicas yet")
-        if loss_scale == "auto":
-            loss_scale = "dynamic" if compute_dtype == torch.float16 else None
-        self.precision = Precision(loss_scale, max_grad_norm, nonfinite)
-        self.timeout = float(timeout) if timeout is not None else default_timeout()
-        _check_replicated(embed, head, names, None, device)  # meta first: it would make the default device meta
-        self.device = _resolve_device(device if device is not None else next(embed.parameters()).device)
-        _check_replicated(embed, head, names, self.device)
-        self.topology, self.micro_batches, self.names = topology, micro_batches, names
-        self.block_context = block_context
-        replicated = unique_params([(names[0], embed), (names[2], head)])
+    def __init__(self, model: ModelParts, *, topology: Topology, micro_batches: int,
+                 optimizer: OptimizerFactory = default_optimizer, lr_scheduler: SchedulerFactory | None = None,
+                 device: torch.device | str | None = None, schedule: SchedulePolicy = SchedulePolicy(),
+                 precision: PrecisionPolicy = PrecisionPolicy(), memory: MemoryPolicy = MemoryPolicy(),
+                 comm: CommPolicy = CommPolicy()) -> None:
+        blocks = check_model(model, topology, optimizer, lr_scheduler)
+        check_policies(model, schedule, memory, comm)
+        check_micro_batches(topology, micro_batches, schedule.replicas)
+        self.precision, self.policies = precision.numerics(), (schedule, precision, memory, comm)
+        self.timeout = float(comm.timeout) if comm.timeout is not None else default_timeout()
+        check_replicated(model.embed, model.head, model.names, None, device)  # meta first: the default device
+        self.device = resolve_device(device if device is not None else next(model.embed.parameters()).device)
+        check_replicated(model.embed, model.head, model.names, self.device)
+        self.topology, self.micro_batches, self.names = topology, micro_batches, model.names
+        self.block_context = model.block_context
+        replicated = unique_params([(model.names[0], model.embed), (model.names[2], model.head)])
         self.plan: Plan
         self.auto_reason: str | None  # why "auto" chose the options it did; None: all were given
         self.plan, self.auto_reason = engine_plan(
-            topology, len(blocks), micro_batches, device=self.device, budget=memory_budget, algo=algo,
-            grad_route=grad_route, prefetch_depth=prefetch_depth, mb_per_fetch=mb_per_fetch,
-            reuse_weights=reuse_weights, layer_numel=sum(p.numel() for p in blocks[0].parameters()),
-            weight_bytes=torch.empty((), dtype=compute_dtype).element_size(),
-            grad_bytes=torch.empty((), dtype=grad_wire_dtype).element_size(),
+            topology, len(blocks), micro_batches, device=self.device, budget=memory.budget,
+            layer_numel=sum(p.numel() for p in blocks[0].parameters()),
+            weight_bytes=precision.compute_dtype.itemsize, grad_bytes=precision.grad_wire_dtype.itemsize,
             replicated_numel=sum(p.numel() for _, p in replicated) + 1,  # + the loss sum
-            replicas=replicas,
-        )
-        if compute_actions(topology, micro_batches, replicas) <= VERIFY_COMPUTE_ACTIONS:
+            **schedule.plan_options())
+        if compute_actions(topology, micro_batches, schedule.replicas) <= VERIFY_COMPUTE_ACTIONS:
             verify(self.plan)  # a schedule bug is a PlanError here, not a silently wrong gradient
-        self._connect(comm)  # communication starts only now, after every check above passed
-        self.storage = ChunkStorage(self.plan, self.rank, blocks, replicated,
-                                    block_forward or _default_block_forward, names[1],
-                                    compute_dtype, grad_wire_dtype, self.device, materialize, offload,
-                                    self.timeout)
-        backward_of = {(a.chunk, a.mb): a for a in self.plan.actions[self.rank] if a.op is Op.B}
-        self.compute = ChunkCompute(self.storage, embed, head, loss_fn, compute_dtype, recompute, backward_of,
-                                    head_loss)
-        self.optimizer = optimizer([p for _, p in self.storage.own_params] + [p for _, p in replicated])
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a factory that returns a torch.optim.Optimizer of the parameters it is given "
-                f"(e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), but it returned "
-                f"{type(self.optimizer).__name__}: return the optimizer it builds"
-            )
-        self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        if lr_scheduler is not None and not all(callable(getattr(self.scheduler, m, None))
-                                                for m in ("step", "state_dict", "load_state_dict")):
-            raise TypeError(
-                f"lr_scheduler must be a factory that returns a learning-rate scheduler of the optimizer it is given "
-                f"(with step(), state_dict() and load_state_dict(), e.g. lambda opt: torch.optim.lr_scheduler."
-                f"StepLR(opt, 100)), but it returned {type(self.scheduler).__name__}"
-            )
-        self.executor = Executor(self.plan, self.timeout, self.device, overlap, self.rank)
-        self._embed, self._head = embed, head
-        self._vocab = _find_vocab(embed)
-        self.steps = 0
-        self._failed: BaseException | None = None
-        self._closed = False
-        self._loaded_unchecked = False  # load_state_dict ran: the ranks must agree before the next step
+        self._connect(comm.backend)  # communication starts only now, after every check above passed
+        self._build(model, blocks, replicated, optimizer, lr_scheduler)
+        self._embed, self._head, self._vocab = model.embed, model.head, find_vocab(model.embed)
+        self.steps, self._loaded_unchecked = 0, False  # load_state_dict ran: the ranks must agree before a step
+        self._lifecycle, self._failure = Lifecycle.READY, None
         self._stats: torch.Tensor | None = None
         self._state: StepState | None = None
         self._last_loss = float("nan")
-        self._check_ranks_agree(blocks[0], replicated, compute_dtype, grad_wire_dtype, recompute)
+        self._check_ranks_agree(blocks[0], replicated)
 
-    def _check_ranks_agree(self, block: nn.Module, replicated: list[tuple[str, nn.Parameter]],
-                           compute_dtype: torch.dtype, grad_dtype: torch.dtype, recompute: str) -> None:
+    def _build(self, model: ModelParts, blocks: list[nn.Module], replicated: list[tuple[str, nn.Parameter]],
+               optimizer: OptimizerFactory, lr_scheduler: SchedulerFactory | None) -> None:
+        """This rank's storage, compute, optimizer, scheduler and executor, for its plan."""
+        _, precision, memory, comm = self.policies
+        self.storage = ChunkStorage(self.plan, self.rank, blocks, replicated, model.block_forward, model.names[1],
+                                    precision.compute_dtype, precision.grad_wire_dtype, self.device,
+                                    model.materialize, memory.offload, self.timeout)
+        backward_of = {(a.chunk, a.mb): a for a in self.plan.actions[self.rank] if a.op is Op.B}
+        self.compute = ChunkCompute(self.storage, model.embed, model.head, model.loss_fn, precision.compute_dtype,
+                                    memory.recompute, backward_of, model.head_loss if memory.chunked_loss else None)
+        self.optimizer = optimizer([p for _, p in self.storage.own_params] + [p for _, p in replicated])
+        check_optimizer(self.optimizer)
+        self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        check_scheduler(self.scheduler, lr_scheduler)
+        self.executor = Executor(self.plan, self.timeout, self.device, comm.overlap, self.rank)
+
+    def _check_ranks_agree(self, block: nn.Module, replicated: list[tuple[str, nn.Parameter]]) -> None:
         """Run the setup program: every rank's fingerprint, compared with rank 0's."""
-        mine = fingerprint.fields(self.plan, compute_dtype=compute_dtype, grad_dtype=grad_dtype, block=block,
-                                  replicated=replicated, optimizer=self.optimizer,
-                                  precision=dataclasses.asdict(self.precision), recompute=recompute)
+        _, precision, memory, _ = self.policies
+        mine = fingerprint.fields(self.plan, compute_dtype=precision.compute_dtype,
+                                  grad_dtype=precision.grad_wire_dtype, block=block, replicated=replicated,
+                                  optimizer=self.optimizer, precision=dataclasses.asdict(self.precision),
+                                  recompute=memory.recompute)
         fingerprint.compare(self.gather_rows([v for _, v, _ in mine]), mine, self.rank)
 
-    def _connect(self, comm: Comm | str | None) -> None:
-        if comm is None or comm == "torch":
-            from ..runtime.comm.torch_dist import TorchDistComm
-
-            comm = TorchDistComm(self.topology, self.timeout)
-        elif comm == "nccl-native":
-            from ..runtime.comm.nccl_native import NcclComm
-
-            # no per-call size exchange: every size comes from the plan, which the setup program's
-            # CHECK proves identical on every rank
-            comm = NcclComm(self.topology, self.timeout, device=self.device, check="off")
+    def _connect(self, backend: Comm | str) -> None:
+        comm = backend if isinstance(backend, Comm) else comm_backends.create(backend, self.topology, self.timeout,
+                                                                             self.device)
         if comm.world_size != self.topology.world_size:
             raise ValueError(
                 f"the comm backend has {comm.world_size} ranks but the topology {self.topology.world_size}"
@@ -416,18 +195,18 @@ class TawPipe:
         one); targets starting with the same two dimensions. Anything else is refused before the
         step runs, and the engine stays usable."""
         self._refuse_if_closed()
-        if self._failed is not None:
+        if self._lifecycle is Lifecycle.FAILED:
             raise RuntimeError(
-                f"an earlier step failed ({self._failed!r}); this engine's buffers are in an unknown "
+                f"an earlier step failed ({self._failure!r}); this engine's buffers are in an unknown "
                 "state: build a new engine (and restore a checkpoint) to continue"
-            ) from self._failed
+            ) from self._failure
         state = self._step_state(batch)  # a bad batch is refused here, and the engine stays usable
         self._check_loaded_shards_agree()
         self._state = state
         try:
             self.executor.run(self.plan.actions[self.rank], self._work)
         except BaseException as e:
-            self._failed = e
+            self._lifecycle, self._failure = Lifecycle.FAILED, e
             self.executor.close()  # queued work refers to this step's buffers: stop the channels
             raise
         finally:
@@ -435,41 +214,13 @@ class TawPipe:
         self.steps += 1
         return self._last_loss
 
-    def _check_tokens(self, inputs: torch.Tensor, targets: torch.Tensor, what: str) -> None:
-        """``inputs`` are 2-D integer token ids inside the embedding's vocabulary and ``targets``
-        match them: a clear error here rather than a deep one inside the step."""
-        for name, t in (("inputs", inputs), ("targets", targets)):
-            if t.device.type != self.device.type and t.device.type != "cpu":
-                raise ValueError(f"{what}: {name} is on {t.device}; pass CPU tensors or tensors on {self.device}")
-        if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
-            raise TypeError(f"{what}: inputs are {inputs.dtype}, but they must be token ids of an integer dtype "
-                            "(torch.int64): convert them with inputs.long()")
-        if self._vocab is not None and inputs.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{what}: inputs are {inputs.dtype}, but the embedding (nn.Embedding) takes token ids "
-                            "of torch.int64 or torch.int32: convert them with inputs.long()")
-        if inputs.dim() != 2 or inputs.shape[1] == 0:
-            hint = {1: ": one row? pass inputs[None]", 3: ": drop the last dimension"}.get(inputs.dim(), "")
-            raise ValueError(f"{what}: inputs have shape {tuple(inputs.shape)}, but they must be 2-D token ids "
-                             f"(rows, seq_len) with seq_len >= 1{hint}")
-        if targets.shape[:2] != inputs.shape:
-            raise ValueError(f"{what}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape: "
-                             "targets must be (rows, seq_len) like the inputs, one target per input token")
-        if self._vocab is not None and inputs.numel():
-            lo, hi = (int(v) for v in torch.aminmax(inputs))
-            if lo < 0 or hi >= self._vocab:
-                raise ValueError(
-                    f"{what}: inputs hold token id {lo if lo < 0 else hi}, outside the vocabulary of the embedding "
-                    f"(nn.Embedding with {self._vocab} ids: 0 to {self._vocab - 1}); check the tokenizer against "
-                    "the model's vocabulary size"
-                )
-
     def _step_state(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepState:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2
                 and all(torch.is_tensor(t) for t in batch)):
             raise TypeError("step(batch): batch must be a pair of tensors (inputs, targets)")
         inputs, targets = batch
         acc = self.micro_batches
-        self._check_tokens(inputs, targets, "step(batch)")
+        check_tokens(inputs, targets, "step(batch)", self.device, self._vocab)
         if inputs.shape[0] % acc or inputs.shape[0] == 0:
             raise ValueError(f"step(batch): batch has {inputs.shape[0]} rows, not a positive "
                              f"multiple of micro_batches={acc}")
@@ -653,7 +404,7 @@ class TawPipe:
         self.gather_rows([1])
 
     def _refuse_if_closed(self) -> None:
-        if self._closed:
+        if self._lifecycle is Lifecycle.CLOSED:
             raise RuntimeError("this engine was closed (TawPipe.close() was called) and communicates no more: "
                                "build a new TawPipe (and restore a checkpoint into it) to go on")
 
@@ -663,8 +414,8 @@ class TawPipe:
         self._refuse_if_failed()
 
     def _refuse_if_failed(self) -> None:
-        if self._failed is not None:
-            raise RuntimeError(f"an earlier step failed ({self._failed!r}): this engine's state is unknown and "
+        if self._lifecycle is Lifecycle.FAILED:
+            raise RuntimeError(f"an earlier step failed ({self._failure!r}): this engine's state is unknown and "
                                "its channels are closed; restore the last checkpoint into a new engine")
 
     def gather_rows(self, values: Sequence[int]) -> list[list[int]]:
@@ -721,7 +472,7 @@ class TawPipe:
         for i, b in enumerate(batches):
             if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(torch.is_tensor(t) for t in b)):
                 raise TypeError(f"evaluate(batches): batches[{i}] must be a pair of tensors (inputs, targets)")
-            self._check_tokens(b[0], b[1], f"evaluate(batches): batches[{i}]")
+            check_tokens(b[0], b[1], f"evaluate(batches): batches[{i}]", self.device, self._vocab)
         self._check_loaded_shards_agree()
         buf = next(b for b in sorted(self.storage.bufs) if buf_kind(b) is BufKind.WEIGHTS)
         inputs = [x.to(self.device) for x, _ in batches]
@@ -742,7 +493,7 @@ class TawPipe:
 
     def close(self) -> None:
         """Stop the engine's channels; every method that communicates then refuses."""
-        self._closed = True
+        self._lifecycle = Lifecycle.CLOSED
         self.executor.close()
 
     # ------------------------------------------------------------------ actions -> calls

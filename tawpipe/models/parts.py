@@ -68,38 +68,43 @@ def parts_signature(blocks: Sequence[nn.Module], embed: nn.Module, head: nn.Modu
                            param_signature(replicated))
 
 
+def call_block(block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
+    """The default ``block_forward``: the block called with the hidden state and the context."""
+    return block(hidden, **ctx)
+
+
 @dataclass
 class ModelParts:
-    """Blocks (possibly on the meta device, with ``materialize`` for the own chunk), replicated
-    ``embed`` and ``head`` (real, float32, on the engine's device), and the hooks the engine calls.
+    """A model as the engine takes it (design §8.3): blocks (possibly on the meta device, with
+    ``materialize`` for the own chunk), replicated ``embed`` and ``head`` (real, float32, on the
+    engine's device), the loss, and the hooks the engine calls.
 
+    ``block_forward(block, hidden, **ctx)`` runs a block with what ``block_context(tokens)``
+    returns for the micro-batch (rotary tables, masks). ``head_loss(head, hidden, targets)`` is
+    ``loss_fn(head(hidden), targets)`` computed without the whole logits, where the model has one
+    (None otherwise); the engine uses it when its ``MemoryPolicy`` asks for the chunked loss.
+    ``names`` are the three parts' names in parameter names and checkpoints.
     ``checkpoint_name`` maps the engine's parameter names to the ones of a Hugging Face
     ``save_pretrained`` directory and ``save_config(directory)`` writes its config, for
     ``tawpipe.io.safetensors.export`` (both None where the model has no such format).
-    ``config`` is the model's configuration as plain data (recorded in checkpoints).
+    ``config`` is the model's configuration as plain data (recorded in checkpoints);
+    ``vocab_size`` and ``description`` are for people and checks (None and "": not known).
     """
 
     blocks: Sequence[nn.Module]
     embed: nn.Module
     head: nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    block_forward: Callable[..., torch.Tensor]
-    block_context: Callable[[torch.Tensor], dict[str, Any]]
-    materialize: Materialize | None
-    vocab_size: int
-    description: str
+    block_forward: Callable[..., torch.Tensor] = call_block
+    block_context: Callable[[torch.Tensor], dict[str, Any]] | None = None
+    materialize: Materialize | None = None
+    vocab_size: int | None = None
+    description: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     checkpoint_name: Callable[[str], str] | None = None
     save_config: Callable[[Path], None] | None = None
-    # head_loss(head, hidden, targets) = loss_fn(head(hidden), targets) without the whole
-    # [tokens, vocabulary] logits (the engine's ``head_loss``); None where the model has none
     head_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
-    def engine_args(self) -> dict[str, Any]:
-        """The model arguments of ``TawPipe``."""
-        return dict(blocks=self.blocks, embed=self.embed, head=self.head, loss_fn=self.loss_fn,
-                    block_forward=self.block_forward, block_context=self.block_context,
-                    materialize=self.materialize)
+    names: tuple[str, str, str] = PART_NAMES
 
     @property
     def decoder_params(self) -> int:

@@ -19,6 +19,7 @@ from ..commands import UsageError
 from ..cost.memory import AUTO, MARGIN
 from ..models.presets import PRESETS
 from ..plan import registry
+from ..runtime.comm.registry import names as comm_names
 from ..plan.schedule import prefetch_depth_arg
 
 DESCRIPTION = (
@@ -56,6 +57,7 @@ class TrainConfig:
     replicas: int = 1
     grad_wire_dtype: str = "float32"
     loss: str = "plain"
+    comm: str = "torch"
     seed: int = 0
     save: str | None = None
     save_every: int | None = None
@@ -77,7 +79,7 @@ class TrainConfig:
 # may change on resume: they do not change what is trained
 NOT_TRAINING = ("save", "save_every", "resume", "export", "val_every", "val_batches", "metrics", "tensorboard",
                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "memory_budget", "replicas",
-                "max_skipped_in_a_row", "loss")
+                "max_skipped_in_a_row", "loss", "comm")
 
 
 def flag(name: str) -> str:
@@ -133,6 +135,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunked: the head and cross-entropy a slice of tokens at a time, never the whole "
                         "[tokens, vocabulary] float32 logits (equal to plain to ~1e-6; for long sequences; "
                         "built-in models)")
+    p.add_argument("--comm", choices=comm_names(), default=d.comm,
+                   help="the communication backend: torch (torch.distributed: gloo, or NCCL on GPUs) or another "
+                        "registered one (nccl-native: tawpipe's own NCCL, GPUs under torchrun)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial model and of the batches")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="checkpoint directory: a checkpoint at the end (and every --save-every steps)")

@@ -1,61 +1,36 @@
-"""Communication backends behind one interface (``base.Comm``), registered by name.
+"""Communication backends behind one interface (``base.Comm``), registered by name (``registry``).
 
-The registry maps a name to a ``Comm`` class; ``create(name, topology, timeout, device)`` builds
-one. The engine (``CommPolicy.backend``), ``tawpipe train --comm`` and ``tawpipe bench comm
---backend`` all choose through it. Built-in backends are named by import path, so that a backend
-whose extension is not built here (``nccl-native``) costs nothing until it is asked for.
+The names below are loaded on first use (PEP 562): the registry's names cost no torch import.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    from .base import P2P, ChannelQueue, Comm, CommTimeout, Handle
+    from .instrument import CommRecord, DelayComm, RecordingComm
+    from .registry import backend, create, names, register
 
-from ...plan.topology import Topology
-from .base import P2P, ChannelQueue, Comm, CommTimeout, Handle
-from .instrument import CommRecord, DelayComm, RecordingComm
-
-_BACKENDS: dict[str, type[Comm] | str] = {
-    "torch": "tawpipe.runtime.comm.torch_dist:TorchDistComm",  # torch.distributed: gloo, or NCCL on GPUs
-    "nccl-native": "tawpipe.runtime.comm.nccl_native:NcclComm",  # tawpipe's own NCCL: a grouped launch per batch
+_LAZY = {  # public name: the module of this package that defines it
+    **dict.fromkeys(("P2P", "ChannelQueue", "Comm", "CommTimeout", "Handle"), "base"),
+    **dict.fromkeys(("CommRecord", "DelayComm", "RecordingComm"), "instrument"),
+    **dict.fromkeys(("backend", "create", "names", "register"), "registry"),
 }
 
-
-def register(name: str, backend: type[Comm] | str) -> None:
-    """Make ``name`` a backend: a ``Comm`` subclass whose ``create`` builds it, or its
-    ``"module:Class"`` path, imported when it is first asked for."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a backend's name must be a non-empty string, got {name!r}")
-    _BACKENDS[name] = backend
+__all__ = sorted(_LAZY)
 
 
-def names() -> tuple[str, ...]:
-    """The registered backends, the default first."""
-    return tuple(_BACKENDS)
-
-
-def backend(name: str) -> type[Comm]:
-    """The ``Comm`` class registered as ``name``; ValueError naming the known ones otherwise."""
+def __getattr__(name: str) -> Any:
     try:
-        entry = _BACKENDS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown comm backend {name!r}; registered: {', '.join(_BACKENDS)} "
-                         "(tawpipe.runtime.comm.register adds one)") from None
-    if isinstance(entry, str):
-        module, _, cls = entry.partition(":")
-        try:
-            entry = getattr(importlib.import_module(module), cls)
-        except ImportError as e:
-            raise ValueError(f"comm backend {name!r} is not available in this installation: {e}") from None
-        _BACKENDS[name] = entry
-    return entry
+        module = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
 
 
-def create(name: str, topology: Topology, timeout: float, device: torch.device) -> Comm:
-    """The backend registered as ``name``, built for this job (see ``Comm.create``)."""
-    return backend(name).create(topology, timeout, device)
-
-
-__all__ = ["P2P", "ChannelQueue", "Comm", "CommRecord", "CommTimeout", "DelayComm", "Handle", "RecordingComm",
-           "backend", "create", "names", "register"]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,216 @@
+"""What the user hands the engine, checked before anything is built or sent: the model's parts,
+the device, the micro-batches and every batch. Each problem is an exception naming it and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..models.parts import ModelParts, param_signature
+from ..plan.schedule import check_replicas, compute_actions
+from ..plan.topology import Topology
+from .policy import CommPolicy, MemoryPolicy, SchedulePolicy
+
+def check_blocks(blocks: list[nn.Module]) -> None:
+    if not blocks:
+        raise ValueError("blocks is empty: pass the decoder layers as a sequence of nn.Modules")
+    for i, b in enumerate(blocks):
+        if not isinstance(b, nn.Module):
+            raise TypeError(f"blocks[{i}] is a {type(b).__name__}, not an nn.Module")
+    seen: dict[int, int] = {}
+    for i, b in enumerate(blocks):
+        for p in b.parameters():
+            j = seen.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(
+                    f"blocks {j} and {i} share parameters (the same module passed twice?): tawpipe "
+                    "gives every block its own weights; pass distinct blocks"
+                )
+    sig = param_signature(blocks[0].named_parameters())
+    for i, b in enumerate(blocks[1:], 1):
+        if param_signature(b.named_parameters()) != sig:
+            raise ValueError(
+                f"block {i} differs in structure from block 0 (parameter names, shapes or dtypes); "
+                "tawpipe chunks a stack of identical blocks"
+            )
+    if not sig:
+        raise ValueError("the blocks have no parameters: nothing to shard")
+
+
+def check_callables(**kwargs: Any) -> None:
+    for name, value in kwargs.items():
+        if name in ("embed", "head"):
+            if not isinstance(value, nn.Module) or not list(value.parameters()):
+                raise TypeError(f"{name} must be an nn.Module with parameters, got {type(value).__name__}")
+        elif value is not None and not callable(value):
+            raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+        elif value is None and name in ("loss_fn", "optimizer"):
+            raise TypeError(f"{name} is required")
+
+
+def check_model(model: ModelParts, topology: Topology, optimizer: Any, lr_scheduler: Any) -> list[nn.Module]:
+    """The model's parts and the factories the engine will call; the blocks, as a list."""
+    if not isinstance(model, ModelParts):
+        raise TypeError(f"model must be a tawpipe.models.ModelParts (blocks, embed, head, loss_fn and the hooks), "
+                        f"got {type(model).__name__}: wrap your modules in ModelParts(blocks, embed, head, loss_fn)")
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a tawpipe.Topology, got {type(topology).__name__}")
+    names = model.names
+    if not (isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) and n for n in names)):
+        raise ValueError(f"names must be three non-empty strings (embed, blocks, head), got {names!r}")
+    blocks = list(model.blocks)
+    check_blocks(blocks)
+    check_callables(embed=model.embed, head=model.head, loss_fn=model.loss_fn, optimizer=optimizer,
+                    lr_scheduler=lr_scheduler, block_forward=model.block_forward, block_context=model.block_context,
+                    materialize=model.materialize, head_loss=model.head_loss)
+    return blocks
+
+
+def check_policies(model: ModelParts, schedule: SchedulePolicy, memory: MemoryPolicy, comm: CommPolicy) -> None:
+    """What the policies ask of each other and of the model."""
+    if schedule.replicas > 1 and not comm.supports_replicas():
+        raise ValueError(f"replicas={schedule.replicas} needs comm='torch' (NCCL through torch.distributed on GPUs): "
+                         f"the {comm.backend!r} backend has no communicators across replicas yet")
+    if memory.chunked_loss and model.head_loss is None:
+        raise ValueError(f"chunked_loss: {model.description or 'this model'} has no head_loss (a head and loss that "
+                         "never hold the whole logits); give ModelParts one, or leave chunked_loss off")
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """What the optimizer factory returned is an optimizer."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a factory that returns a torch.optim.Optimizer of the parameters it is given "
+            f"(e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), but it returned "
+            f"{type(optimizer).__name__}: return the optimizer it builds"
+        )
+
+
+def check_scheduler(scheduler: Any, factory: Any) -> None:
+    """What the scheduler factory returned (if one was given) is a learning-rate scheduler."""
+    if factory is not None and not all(callable(getattr(scheduler, m, None))
+                                       for m in ("step", "state_dict", "load_state_dict")):
+        raise TypeError(
+            f"lr_scheduler must be a factory that returns a learning-rate scheduler of the optimizer it is given "
+            f"(with step(), state_dict() and load_state_dict(), e.g. lambda opt: torch.optim.lr_scheduler."
+            f"StepLR(opt, 100)), but it returned {type(scheduler).__name__}"
+        )
+
+
+# A plan holds a forward and a backward of every chunk for every micro-batch on every rank of a
+# replica (2 x (N/R)^2 x micro_batches actions) plus the transfers: past a million of the former
+# it takes minutes and gigabytes to build (one replica's ranks' actions are built).
+MAX_PLAN_COMPUTE_ACTIONS = 1_000_000
+
+
+def check_micro_batches(topology: Topology, micro_batches: Any, replicas: Any) -> None:
+    """micro_batches: a positive integer small enough that the plan can be built (checked before
+    ``build_plan`` allocates anything: a huge value would end in a MemoryError deep inside it)."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer (micro-batches per rank and step), "
+                         f"got {micro_batches!r}")
+    n = check_replicas(topology, replicas)
+    most = max(1, MAX_PLAN_COMPUTE_ACTIONS // compute_actions(topology, 1, replicas))
+    if micro_batches > most:
+        raise ValueError(
+            f"micro_batches={micro_batches} is too large: on {n} rank(s) the plan would hold at least "
+            f"{compute_actions(topology, micro_batches, replicas):,} actions (2 x ranks per replica^2 x micro_batches forwards and backwards = "
+            f"2 x {n}^2 x {micro_batches}), more than the {MAX_PLAN_COMPUTE_ACTIONS:,} tawpipe builds in reasonable "
+            f"time and memory; lower micro_batches to at most {most} (and put more rows into each micro-batch "
+            "instead), or use more replicas"
+        )
+
+
+def _available_devices() -> list[str]:
+    out = ["cpu"]
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is not None:
+        out += [f"{acc.type}:{i}" for i in range(torch.accelerator.device_count())]
+    return out
+
+
+def resolve_device(device: Any) -> torch.device:
+    """``device`` as a torch.device this process can use (an accelerator with its index), or a
+    ValueError naming it and the devices that are available."""
+    available = ", ".join(_available_devices())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device={device!r} is not a device: pass a torch.device or a name such as 'cpu' or "
+                         f"'cuda:0'; available here: {available}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":
+        raise ValueError(f"device={device!r}: the engine cannot train on the meta device (it holds no data); "
+                         f"pass the device to train on; available here: {available}")
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None or acc.type != dev.type:
+        raise ValueError(f"device={device!r} is not available: torch {torch.__version__} in this process sees no "
+                         f"{dev.type} device; available here: {available}")
+    count = torch.accelerator.device_count()
+    if dev.index is None:
+        return torch.device(dev.type, torch.accelerator.current_device_index())
+    if dev.index >= count:
+        raise ValueError(f"device={device!r} is not available: this process sees {count} {dev.type} device(s); "
+                         f"available here: {available}")
+    return dev
+
+
+def check_replicated(embed: nn.Module, head: nn.Module, names: tuple[str, str, str],
+                      device: torch.device | None, asked: Any = None) -> None:
+    """embed and head are real float32 tensors on the engine's device (``device``; None: not
+    known yet, the meta check only; ``asked``: the device argument). Run before anything is built
+    or sent."""
+    shown = device if device is not None else asked
+    where = f"the engine's device ({shown})" if shown is not None else "the engine's device"
+    for part, module in ((names[0], embed), (names[2], head)):
+        for n, p in module.named_parameters():
+            if p.is_meta:
+                raise ValueError(
+                    f"{part} parameter {n!r} is on the meta device: the embedding and head are replicated on every "
+                    f"rank and must be real (materialised) float32 tensors on {where}; build them outside "
+                    f"torch.device('meta'), or materialise them first ({part}.to_empty(device=...), then initialise "
+                    "or load their weights). Only blocks may stay on meta (with materialize=)"
+                )
+            if device is not None and (p.dtype != torch.float32 or p.device != device):
+                raise ValueError(
+                    f"{part} parameter {n!r} is {p.dtype} on {p.device}, but the embedding and head must be float32 "
+                    f"on {where}: move them there first ({part}.to({str(device)!r}, torch.float32))"
+                )
+
+
+def find_vocab(embed: nn.Module) -> int | None:
+    """The number of token ids the first nn.Embedding inside ``embed`` takes (None: there is none)."""
+    return next((m.num_embeddings for m in embed.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def check_tokens(inputs: torch.Tensor, targets: torch.Tensor, what: str, device: torch.device, vocab: int | None) -> None:
+    """``inputs`` are 2-D integer token ids inside the embedding's vocabulary and ``targets``
+    match them: a clear error here rather than a deep one inside the step."""
+    for name, t in (("inputs", inputs), ("targets", targets)):
+        if t.device.type != device.type and t.device.type != "cpu":
+            raise ValueError(f"{what}: {name} is on {t.device}; pass CPU tensors or tensors on {device}")
+    if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
+        raise TypeError(f"{what}: inputs are {inputs.dtype}, but they must be token ids of an integer dtype "
+                        "(torch.int64): convert them with inputs.long()")
+    if vocab is not None and inputs.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{what}: inputs are {inputs.dtype}, but the embedding (nn.Embedding) takes token ids "
+                        "of torch.int64 or torch.int32: convert them with inputs.long()")
+    if inputs.dim() != 2 or inputs.shape[1] == 0:
+        hint = {1: ": one row? pass inputs[None]", 3: ": drop the last dimension"}.get(inputs.dim(), "")
+        raise ValueError(f"{what}: inputs have shape {tuple(inputs.shape)}, but they must be 2-D token ids "
+                         f"(rows, seq_len) with seq_len >= 1{hint}")
+    if targets.shape[:2] != inputs.shape:
+        raise ValueError(f"{what}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape: "
+                         "targets must be (rows, seq_len) like the inputs, one target per input token")
+    if vocab is not None and inputs.numel():
+        lo, hi = (int(v) for v in torch.aminmax(inputs))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(
+                f"{what}: inputs hold token id {lo if lo < 0 else hi}, outside the vocabulary of the embedding "
+                f"(nn.Embedding with {vocab} ids: 0 to {vocab - 1}); check the tokenizer against "
+                "the model's vocabulary size"
+            )

@@ -1,0 +1,161 @@
+"""The engine's options as four small policies, each checked where it is made.
+
+``TawPipe`` takes a model, a topology, the micro-batches and, besides the optimizer, four
+policies: what schedule runs (``SchedulePolicy``), in what precision (``PrecisionPolicy``), with
+what memory savers and budget (``MemoryPolicy``), and over which communication backend
+(``CommPolicy``). Each is a frozen dataclass whose ``__post_init__`` refuses a bad value with a
+ValueError naming the field and the fix, before anything is built or sent; ``tawpipe train``
+builds the same objects from its flags (``tawpipe.train.job``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cost.memory import AUTO
+from ..ops import SUPPORTED_DTYPES
+from ..plan import registry
+from ..plan.plan import GRAD_ROUTES
+from ..plan.schedule import RESIDENT
+from ..runtime import comm as comm_backends
+from ..runtime.comm import Comm
+from .precision import Precision
+
+RECOMPUTE = ("chunk", "none")
+OFFLOAD = (None, "host")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SchedulePolicy:
+    """Which schedule runs (``algo``: a name of ``tawpipe.plan.registry``) and how.
+
+    ``prefetch_depth`` fetches weights that many slots ahead (``"resident"``, with reuse: far
+    enough that every fetched chunk stays); ``mb_per_fetch`` runs each resident chunk for that
+    many micro-batches per fetch; ``reuse_weights`` skips the fetch of a chunk still in a staging
+    buffer. Each left ``"auto"`` is chosen by the cost model: the fewest inter-node bytes whose
+    memory fits ``MemoryPolicy.budget`` (design §7.3); the paper's schedule is ``mb_per_fetch=1,
+    prefetch_depth=1, reuse_weights=False``. ``replicas`` R splits the nodes into R pipelines of
+    whole nodes whose chunks' R owners add their gradients once per step (design §3.5).
+    ``grad_route``: the router of inter-node gradients, the owner's rail peer or local index 0.
+    """
+
+    algo: str = "tawpipe"
+    mb_per_fetch: int | str = AUTO
+    prefetch_depth: int | str = AUTO
+    reuse_weights: bool | str = AUTO
+    replicas: int = 1
+    grad_route: str = "rail"
+
+    def __post_init__(self) -> None:
+        registry.get(self.algo)  # a ValueError naming the registered schedules
+        if self.grad_route not in GRAD_ROUTES:
+            raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {self.grad_route!r}")
+        if not (self.mb_per_fetch == AUTO or (_whole(self.mb_per_fetch) and self.mb_per_fetch >= 1)):
+            raise ValueError(f"mb_per_fetch must be 'auto' or an integer >= 1, got {self.mb_per_fetch!r}")
+        if not (self.prefetch_depth in (AUTO, RESIDENT) or (_whole(self.prefetch_depth) and self.prefetch_depth >= 1)):
+            raise ValueError(f"prefetch_depth must be 'auto', {RESIDENT!r} or an integer >= 1, "
+                             f"got {self.prefetch_depth!r}")
+        if not (self.reuse_weights == AUTO or isinstance(self.reuse_weights, bool)):
+            raise ValueError(f"reuse_weights must be 'auto', True or False, got {self.reuse_weights!r}")
+        if not (_whole(self.replicas) and self.replicas >= 1):
+            raise ValueError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+
+    def plan_options(self) -> dict[str, Any]:
+        """The options as ``build_plan`` (and ``engine_plan``) take them."""
+        return dict(algo=self.algo, mb_per_fetch=self.mb_per_fetch, prefetch_depth=self.prefetch_depth,
+                    reuse_weights=self.reuse_weights, replicas=self.replicas, grad_route=self.grad_route)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The numerics (design §6.4): masters, optimizer state and accumulators are float32
+    whatever ``compute_dtype``. ``grad_wire_dtype`` (float32 or the compute dtype) is the dtype
+    gradients travel in, always accumulated in float32 by their owner. ``loss_scale``: "auto"
+    (dynamic for float16, none otherwise), None, a number, or "dynamic"; ``max_grad_norm`` clips
+    the global norm; ``nonfinite``: "skip" a step whose loss or gradients are not finite, or
+    "raise" FloatingPointError."""
+
+    compute_dtype: torch.dtype = torch.float32
+    grad_wire_dtype: torch.dtype = torch.float32
+    loss_scale: float | str | None = "auto"
+    max_grad_norm: float | None = None
+    nonfinite: str = "skip"
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"compute_dtype {self.compute_dtype} unsupported; use one of {SUPPORTED_DTYPES}")
+        if self.grad_wire_dtype not in (torch.float32, self.compute_dtype):
+            raise ValueError(f"grad_wire_dtype must be torch.float32 or the compute dtype {self.compute_dtype}, "
+                             f"got {self.grad_wire_dtype}")
+        self.numerics()  # loss_scale, max_grad_norm and nonfinite are checked by the numerics they make
+
+    def numerics(self) -> Precision:
+        """A fresh ``Precision``: the loss scale and the step counters of one engine."""
+        scale = self.loss_scale
+        if scale == "auto":
+            scale = "dynamic" if self.compute_dtype == torch.float16 else None
+        return Precision(scale, self.max_grad_norm, self.nonfinite)
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """What a rank keeps on its device, and the budget "auto" plans within. ``recompute``:
+    "chunk" keeps a chunk's input and runs it again in the backward (the paper's), "none" keeps
+    its graph (design §6.2). ``offload="host"`` keeps the own chunk's master, gradient
+    accumulator and optimizer state in pinned host memory (design §6.1). ``budget``: bytes per
+    rank that the "auto" schedule options must fit (None: the free memory less a margin).
+    ``chunked_loss``: the head and loss a slice of tokens at a time, never the whole [tokens,
+    vocabulary] float32 logits (the model's ``head_loss``, equal to the plain loss to ~1e-6)."""
+
+    recompute: str = "chunk"
+    offload: str | None = None
+    budget: float | None = None
+    chunked_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"offload must be None or 'host', got {self.offload!r}")
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
+                                        or not self.budget > 0):
+            raise ValueError(f"budget must be None (measure the free memory) or bytes per rank > 0, "
+                             f"got {self.budget!r}")
+        if not isinstance(self.chunked_loss, bool):
+            raise ValueError(f"chunked_loss must be True or False, got {self.chunked_loss!r}")
+
+
+@dataclass(frozen=True)
+class CommPolicy:
+    """How ranks talk: ``backend``, a name of ``tawpipe.runtime.comm`` ("torch": torch.distributed,
+    the default; "nccl-native": tawpipe's own NCCL) or a ``Comm`` built by hand; ``timeout``:
+    seconds any wait may take (None: ``TAWPIPE_TIMEOUT``, else 300); ``overlap``: communication
+    runs on its channels' threads beside compute (False: every transfer is waited for at once,
+    for measurements)."""
+
+    backend: str | Comm = "torch"
+    timeout: float | None = None
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, Comm) and self.backend not in comm_backends.names():
+            raise ValueError(f"backend must be a tawpipe.runtime.comm.Comm or one of {comm_backends.names()}, "
+                             f"got {self.backend!r}")
+        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and not isinstance(
+                self.timeout, bool) and math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
+
+    def supports_replicas(self) -> bool:
+        """Whether the backend has collectives across replicas (design §3.5)."""
+        return self.backend.supports_replicas if isinstance(self.backend, Comm) else \
+            comm_backends.backend(self.backend).supports_replicas
