@@ -218,7 +218,7 @@ def test_an_explicit_memory_budget_that_nothing_fits_is_refused_before_anything_
     with pytest.raises(NothingFits, match="no schedule fits within 0.0 MiB per rank \\(memory_budget\\)"):
         make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
                     memory_budget=1)
-    with pytest.raises(ValueError, match="memory_budget must be None .* or bytes per rank > 0"):
+    with pytest.raises(ValueError, match="budget must be None .* or bytes per rank > 0"):
         make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
                     memory_budget=0)
 

@@ -24,6 +24,8 @@ from tawpipe.plan.plan import Plan, Programs
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
 from tawpipe.plan.verify import verify
+from tawpipe.runtime import comm as comm_backends
+from tawpipe.runtime.comm.torch_dist import TorchDistComm
 from tawpipe.runtime.launch import run_local
 from test_engine import _check, _check_traffic
 
@@ -277,13 +279,27 @@ def test_a_plan_too_large_to_build_names_the_replicas_that_fit(capsys) -> None:
                              "--micro-batches", "64"))
 
 
+class _NoReplicas(TorchDistComm):
+    """A registered backend without collectives across replicas (as nccl-native is today)."""
+
+    supports_replicas = False
+
+    @classmethod
+    def create(cls, topology, timeout, device):
+        raise AssertionError("a backend was built: the refusal came too late")
+
+
 @pytest.mark.parametrize("options,message", [
     (dict(replicas=3), r"replicas=3 does not divide the 2 nodes.*\[1, 2\]"),
-    (dict(replicas=2, comm="nccl-native"), r"replicas=2 needs comm='torch'"),
+    (dict(replicas=2, comm="no-replicas"), r"replicas=2 needs comm='torch'"),
 ])
 def test_the_engine_refuses_replicas_it_cannot_run_before_connecting(options, message) -> None:
     from engine_cases import TinyLM, lm_loss
 
+    comm_backends.register("no-replicas", _NoReplicas)
     m = TinyLM(4)
-    with pytest.raises(ValueError, match=message):
-        make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=2, **options)
+    try:
+        with pytest.raises(ValueError, match=message):
+            make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=2, **options)
+    finally:
+        comm_backends.unregister("no-replicas")

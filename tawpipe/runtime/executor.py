@@ -8,6 +8,13 @@ dependencies are done, so no transfer waits behind an unrelated one (design §5.
 first waits for the dataflow dependencies ``plan.Hazards`` derives from the names it reads and
 writes; that is the only ordering there is, and it gives every action the inputs it would see if
 the list ran one action at a time (design §5.1).
+
+[Note: dataflow order] Exactness does not depend on timing. A unit waits for the last earlier
+unit that writes a name it reads (read after write), and for every earlier unit that reads or
+writes a name it writes (write after read, write after write): a staging buffer is refilled
+only once the compute that reads it is done, and a gradient is routed only once its backward
+has written it. So however the channels and the compute thread interleave, each action sees what
+it would see in list order, and ``verify`` proves that list order correct and deadlock-free.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from ..io import checkpoint
 from ..plan.topology import Topology
 from ..runtime.launch import JobFailed, JobStopped, init_distributed, run_local
 from .config import TrainConfig
-from .loop import TrainError, train_rank
+from .loop import TrainError, local_rank, train_rank
 from .preflight import Preflight, leader, under_torchrun, validate
 
 
@@ -35,10 +35,6 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Preflight]:
         raise UsageError(as_flags(str(e))) from None
     return replace(cfg, **pre.schedule), pre
 
-
-
-def _local_rank(rank: int, cfg: TrainConfig, auto: str | None) -> dict:
-    return train_rank(rank, cfg, Topology(nodes=cfg.nodes, per_node=cfg.per_node), torch.device("cpu"), auto)
 
 
 def _holding_save(cfg: TrainConfig) -> contextlib.AbstractContextManager:
@@ -80,7 +76,7 @@ def _run(cfg: TrainConfig, pre: Preflight) -> int:
               f"model {cfg.model}, {cfg.steps} steps{resumed}")
         print(f"tawpipe train: {pre.memory}", flush=True)
         try:
-            result = run_local(_local_rank, world, cfg, pre.auto)[0]
+            result = run_local(local_rank, world, cfg, pre.auto)[0]
         except JobStopped as e:
             if not e.complete or e.results[0] is None:
                 print(f"tawpipe train: {e}; nothing was saved after the last checkpoint", file=sys.stderr)

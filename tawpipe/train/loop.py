@@ -80,6 +80,11 @@ def train_rank(rank: int, cfg: TrainConfig, topology: Topology, device: torch.de
     return Loop(rank, cfg, topology, device, auto).run()
 
 
+def local_rank(rank: int, cfg: TrainConfig, auto: str | None) -> dict:
+    """A rank of the local emulated cluster (``run_local``'s worker): gloo, the CPU."""
+    return train_rank(rank, cfg, Topology(nodes=cfg.nodes, per_node=cfg.per_node), torch.device("cpu"), auto)
+
+
 class Loop:
     """This rank's run: its data, model, engine, metrics writer and progress bar."""
 
@@ -235,7 +240,8 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
         f"data: {src.description}: {len(src.train):,} training and {len(src.val):,} held-out tokens, "
         f"vocabulary {src.vocab_size}",
         f"model: {parts.description}: {psi:,} decoder parameters + {rep:,} replicated; compute {cfg.dtype}, "
-        "masters and optimizer state float32",
+        "masters and optimizer state float32; "
+        + ("chunked loss (the head a slice of tokens at a time)" if cfg.loss == "chunked" else "plain loss"),
         f"topology: {topo.nodes} node(s) x {topo.per_node} rank(s) = {topo.world_size} ranks"
         f"{f' in {plan.replicas} replicas of {plan.replica_size}' if plan.replicas > 1 else ''}, chunks of {layers} "
         f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.micro_batch_size} x {cfg.seq_len} tokens",

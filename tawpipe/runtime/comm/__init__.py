@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .base import P2P, ChannelQueue, Comm, CommTimeout, Handle
     from .instrument import CommRecord, DelayComm, RecordingComm
-    from .registry import backend, create, names, register
+    from .registry import backend, create, names, register, unregister
 
 _LAZY = {  # public name: the module of this package that defines it
     **dict.fromkeys(("P2P", "ChannelQueue", "Comm", "CommTimeout", "Handle"), "base"),
     **dict.fromkeys(("CommRecord", "DelayComm", "RecordingComm"), "instrument"),
-    **dict.fromkeys(("backend", "create", "names", "register"), "registry"),
+    **dict.fromkeys(("backend", "create", "names", "register", "unregister"), "registry"),
 }
 
 __all__ = sorted(_LAZY)

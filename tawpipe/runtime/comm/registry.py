@@ -31,6 +31,11 @@ def register(name: str, backend: type[Comm] | str) -> None:
     _BACKENDS[name] = backend
 
 
+def unregister(name: str) -> None:
+    """Forget the backend ``name`` (a test's, say)."""
+    _BACKENDS.pop(name, None)
+
+
 def names() -> tuple[str, ...]:
     """The registered backends, the default first."""
     return tuple(_BACKENDS)
