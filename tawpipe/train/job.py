@@ -13,7 +13,6 @@ import signal
 import sys
 from dataclasses import replace
 
-import torch
 import torch.distributed as dist
 
 from ..commands import UsageError, as_flags
