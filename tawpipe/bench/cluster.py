@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from ..commands import UsageError
-from ..cluster import (Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, describe_compute,
-                       spec_from_args, unavailable_reason)
+from ..cluster import (Cluster, ClusterError, ClusterSpec, LinkBytes, add_link_arguments, describe_compute, host,
+                       spec_from_args)
 from ..cost.traffic import crossover_tokens, estimate, fsdp_numel, plan_traffic
 from ..engine.engine import TawPipe
 from ..models.llama import block_forward, llama_loss
@@ -679,7 +679,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--compute-only {bad}: name tawpipe/WeiPipe methods that run ({names})")
     except ValueError as e:
         raise UsageError(str(e)) from None
-    reason = unavailable_reason(specs[0])
+    reason = host.unavailable_reason(specs[0])
     if reason:
         raise UsageError(reason)
     chosen = [v for m in (known[n] for n in names)
