@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tawpipe import cluster as cl
 from tawpipe.bench.baselines import RunConfig
 from tawpipe.bench import cluster as bench
+from tawpipe.bench.cluster import method, report
 from tawpipe.cluster import ClusterSpec, LinkBytes, command, host, netns
 from tawpipe.commands import UsageError
 from tawpipe.plan.topology import Topology
@@ -272,7 +273,7 @@ def test_a_larger_vocabulary_is_in_the_predictions_and_the_engines_loss(monkeypa
     cfg = RunConfig(vocab=1024, loss="chunked")
     dims = shape_dims(dataclasses.asdict(cfg))
     assert dims.decoder_numel + dims.replicated_numel == sum(p.numel() for p in Llama(cfg.model_config()).parameters())
-    monkeypatch.setattr(bench, "TawPipe", lambda *args, **kw: kw)
+    monkeypatch.setattr(method, "TawPipe", lambda *args, **kw: kw)
     model = baselines.build_model(cfg)
     assert bench.build_engine(model, cfg, cfg.topology, torch.device("cpu"))["head_loss"] is chunked_head_loss
 
@@ -331,7 +332,7 @@ def test_the_measured_crossover_is_where_the_time_ratio_crosses_one():
     assert c["predicted_seq"] == pytest.approx(bench.crossover_seq(cfg, 3.2e6))
     assert c["measured_over_predicted"] == pytest.approx(1024.0 / c["predicted_seq"])
     result["crossovers"] = [c]
-    text = "\n".join(bench._sweep_markdown(result))
+    text = "\n".join(report._sweep_markdown(result))
     assert "| 512 | 2.00 | 1.00 | 2.00 |" in text and "S = 1,024 (measured" in text
     never = {"shapes": [_sweep_shape(256, 2.0, 1.0), _sweep_shape(512, 1.5, 1.0)]}
     assert bench.sweep_crossovers(never)[0]["measured_seq"] is None
