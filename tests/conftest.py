@@ -2,10 +2,10 @@
 
 The emulated cluster (``tawpipe.cluster``) creates network namespaces, veth links and tc shapers
 on the machine. As root a test run would do that unasked, so here every check of whether the
-cluster can run (``tawpipe.cluster.unavailable_reason``, which the end-to-end tests skip on and
-``Cluster.up`` refuses on) also says no unless ``TAWPIPE_NETNS_TESTS=1`` is set. ``.ci/run`` sets
-it. Its real reasons (no root, no iproute2, no CAP_NET_ADMIN) come first: the variable cannot
-overrule them.
+cluster can run (``tawpipe.cluster.host.unavailable_reason``, which the end-to-end tests skip on,
+``Cluster.up`` refuses on and ``tawpipe.cluster.unavailable_reason`` forwards to) also says no
+unless ``TAWPIPE_NETNS_TESTS=1`` is set. ``.ci/run`` sets it. Its real reasons (no root, no
+iproute2, no CAP_NET_ADMIN) come first: the variable cannot overrule them.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def netns_asked() -> bool:
 
 
 def pytest_configure(config) -> None:
-    from tawpipe import cluster
+    from tawpipe.cluster import host
 
-    real = cluster.unavailable_reason
+    real = host.unavailable_reason
     if getattr(real, "_asks_first", False):  # configured twice (pytester): wrap once
         return
 
@@ -35,7 +35,7 @@ def pytest_configure(config) -> None:
         return NOT_ASKED if reason is None and not netns_asked() else reason
 
     unavailable_reason._asks_first = True
-    cluster.unavailable_reason = unavailable_reason
+    host.unavailable_reason = unavailable_reason
 
 
 # What each family of skipped tests needs (the words its skip reasons use), and how to run it

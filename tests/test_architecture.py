@@ -162,3 +162,61 @@ def test_the_reach_check_catches_what_it_should():
     passed = "engine.step(b)\nengine.__class__\nhandle._finish()\nself._comms"
     assert sum(map(_reaches_in, ast.walk(ast.parse(caught)))) == 4
     assert not any(map(_reaches_in, ast.walk(ast.parse(passed))))
+
+
+# A module over 700 lines or a function over 80 does more than one job: split it by job.
+MAX_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 80
+# Known exceptions, being split on other branches: each leaves this list when its split lands (the
+# test below fails on an entry that is no longer over its limit). A function is path::Class.name.
+SPLIT_ELSEWHERE = frozenset({
+    "tawpipe/engine/engine.py",
+    "tawpipe/engine/engine.py::TawPipe.__init__",
+    "tawpipe/plan/verify.py",
+    "tawpipe/plan/verify.py::_Screen.__call__",
+    "tawpipe/train/job.py::train_rank",
+})
+
+
+def _functions(node: ast.AST, prefix: str = "") -> list[tuple[str, ast.AST]]:
+    """(qualified name, node) of every function and method below ``node``, nested ones included."""
+    out = []
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = prefix + child.name
+            if not isinstance(child, ast.ClassDef):
+                out.append((name, child))
+            out += _functions(child, name + ".")
+        else:
+            out += _functions(child, prefix)
+    return out
+
+
+def _oversized() -> dict[str, int]:
+    """Every module and function of tawpipe/ over its limit, with its length in lines."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel, text = path.relative_to(ROOT).as_posix(), path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            found[rel] = len(text.splitlines())
+        for name, fn in _functions(ast.parse(text)):
+            if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES:
+                found[f"{rel}::{name}"] = fn.end_lineno - fn.lineno + 1
+    return found
+
+
+def test_no_module_or_function_is_too_long():
+    over = {k: v for k, v in _oversized().items() if k not in SPLIT_ELSEWHERE}
+    assert not over, (f"over {MAX_MODULE_LINES} lines (a module) or {MAX_FUNCTION_LINES} (a function, from its "
+                      f"def): split by job: {over}")
+
+
+def test_the_size_exceptions_are_still_over():
+    done = sorted(SPLIT_ELSEWHERE - _oversized().keys())
+    assert not done, f"within the limits now: take them out of SPLIT_ELSEWHERE: {done}"
+
+
+def test_the_size_check_measures_what_it_should():
+    tree = ast.parse("def f():\n    def g():\n        pass\nclass C:\n    async def m(self):\n        return 1\n")
+    assert [(name, fn.end_lineno - fn.lineno + 1) for name, fn in _functions(tree)] == [("f", 3), ("f.g", 2),
+                                                                                          ("C.m", 2)]

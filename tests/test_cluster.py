@@ -23,7 +23,8 @@ import torch.distributed as dist
 from tawpipe import cluster as cl
 from tawpipe.bench.baselines import RunConfig
 from tawpipe.bench import cluster as bench
-from tawpipe.cluster import ClusterSpec, LinkBytes
+from tawpipe.bench.cluster import method, report
+from tawpipe.cluster import ClusterSpec, LinkBytes, command, host, netns
 from tawpipe.commands import UsageError
 from tawpipe.plan.topology import Topology
 from tawpipe.simulate import shape_dims
@@ -154,9 +155,9 @@ def test_link_bytes_outside_a_cluster(monkeypatch):
 
 
 def test_unavailable_reason_names_the_problem(monkeypatch):
-    monkeypatch.setattr(cl.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(host.os, "geteuid", lambda: 1000)
     assert "needs root" in cl.unavailable_reason()
-    monkeypatch.setattr(cl.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(host.shutil, "which", lambda tool: None)
     assert "ip and tc" in cl.unavailable_reason()
     with pytest.raises(cl.ClusterUnavailable, match="iproute2"):
         cl.Cluster(spec()).up()
@@ -164,11 +165,11 @@ def test_unavailable_reason_names_the_problem(monkeypatch):
 
 def _as_root_with(monkeypatch, tmp_path, cap_eff: str) -> None:
     """As root with iproute2, and ``cap_eff`` as CapEff in /proc/self/status."""
-    monkeypatch.setattr(cl.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cl.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(host.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(host.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
     status = tmp_path / "status"
     status.write_text(f"Name:\tpython3\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff}\nCapBnd:\t000001ffffffffff\n")
-    monkeypatch.setattr(cl, "_PROC_STATUS", str(status))
+    monkeypatch.setattr(host, "_PROC_STATUS", str(status))
 
 
 def test_root_without_cap_net_admin_is_told_so(monkeypatch, tmp_path):
@@ -192,6 +193,13 @@ def test_network_changing_tests_run_only_when_asked(monkeypatch, tmp_path):
     assert f"set {NETNS_ENV}=1" in cl.unavailable_reason()
     with pytest.raises(cl.ClusterUnavailable, match=NETNS_ENV):
         cl.Cluster(spec()).up()  # nothing created
+    # every command that builds a cluster asks the same check (the one conftest.py wraps)
+    run = argparse.ArgumentParser()
+    cl.add_arguments(run)
+    with pytest.raises(UsageError, match=NETNS_ENV):
+        cl.main(run.parse_args(["run", "--nodes", "1", "--per-node", "1", "--", "true"]))
+    with pytest.raises(UsageError, match=NETNS_ENV):
+        bench.main(_parse("--nodes", "2", "--methods", "ddp"))
     monkeypatch.setenv(NETNS_ENV, "0")
     assert f"set {NETNS_ENV}=1" in cl.unavailable_reason()
     monkeypatch.setenv(NETNS_ENV, "1")
@@ -204,10 +212,10 @@ def test_run_needs_an_up_cluster():
 
 
 def test_resolve_function_or_command():
-    assert cl._resolve(["tawpipe.cluster:link_bytes"]) is cl.link_bytes
-    assert cl._resolve(["python", "-m", "tawpipe"]) is None
+    assert command._resolve(["tawpipe.cluster:link_bytes"]) is cl.link_bytes
+    assert command._resolve(["python", "-m", "tawpipe"]) is None
     with pytest.raises(UsageError, match="cannot import"):
-        cl._resolve(["tawpipe.cluster:nope"])
+        command._resolve(["tawpipe.cluster:nope"])
 
 
 # --------------------------------------------------------------------- the bench's pure parts
@@ -265,7 +273,7 @@ def test_a_larger_vocabulary_is_in_the_predictions_and_the_engines_loss(monkeypa
     cfg = RunConfig(vocab=1024, loss="chunked")
     dims = shape_dims(dataclasses.asdict(cfg))
     assert dims.decoder_numel + dims.replicated_numel == sum(p.numel() for p in Llama(cfg.model_config()).parameters())
-    monkeypatch.setattr(bench, "TawPipe", lambda *args, **kw: kw)
+    monkeypatch.setattr(method, "TawPipe", lambda *args, **kw: kw)
     model = baselines.build_model(cfg)
     assert bench.build_engine(model, cfg, cfg.topology, torch.device("cpu"))["head_loss"] is chunked_head_loss
 
@@ -324,7 +332,7 @@ def test_the_measured_crossover_is_where_the_time_ratio_crosses_one():
     assert c["predicted_seq"] == pytest.approx(bench.crossover_seq(cfg, 3.2e6))
     assert c["measured_over_predicted"] == pytest.approx(1024.0 / c["predicted_seq"])
     result["crossovers"] = [c]
-    text = "\n".join(bench._sweep_markdown(result))
+    text = "\n".join(report._sweep_markdown(result))
     assert "| 512 | 2.00 | 1.00 | 2.00 |" in text and "S = 1,024 (measured" in text
     never = {"shapes": [_sweep_shape(256, 2.0, 1.0), _sweep_shape(512, 1.5, 1.0)]}
     assert bench.sweep_crossovers(never)[0]["measured_seq"] is None
@@ -346,7 +354,7 @@ def test_each_shape_is_written_as_soon_as_it_is_measured(tmp_path, monkeypatch):
                 "failures": {m.name: ["rank 1 exited with code 1"] for m in here}, "calibration": CALIBRATION}
 
     monkeypatch.setattr(bench, "run_shape", run_shape)
-    monkeypatch.setattr(bench, "unavailable_reason", lambda spec=None: None)
+    monkeypatch.setattr(host, "unavailable_reason", lambda spec=None: None)
     with pytest.raises(KeyboardInterrupt):
         bench.main(_parse("--nodes", "2", "3", "--methods", "ddp", "hsdp", "--out", str(tmp_path)))
     saved = json.loads((tmp_path / "cluster.json").read_text())
@@ -545,7 +553,7 @@ def test_killed_launcher_leaves_no_workers_and_down_cleans():
         workers: list[str] = []
         while time.monotonic() < deadline and len(workers) < 2:
             names = [ns for ns in cl.list_namespaces() if ns.startswith(prefix) and "-n" in ns]
-            workers = [p for ns in names for p in cl._ip(["ip", "netns", "pids", ns], check=False).stdout.split()]
+            workers = [p for ns in names for p in netns.run_ip(["ip", "netns", "pids", ns], check=False).stdout.split()]
             time.sleep(0.2)
         assert len(workers) == 2, "the launcher did not start its workers"
         launcher.send_signal(signal.SIGKILL)

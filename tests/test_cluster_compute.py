@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tawpipe import cluster as cl
-from tawpipe.cluster import ClusterSpec
+from tawpipe.cluster import ClusterSpec, host
 
 
 def test_default_quota_is_the_machines_cores_over_the_ranks():
@@ -88,10 +88,10 @@ def test_stale_cgroups_are_those_of_dead_launchers(tmp_path):
 
 def test_fixed_compute_without_a_controller_names_the_shared_mode(monkeypatch):
     monkeypatch.setenv("TAWPIPE_NETNS_TESTS", "1")  # the check itself creates nothing (conftest.py)
-    monkeypatch.setattr(cl, "cpu_controller", lambda roots=(): None)
-    monkeypatch.setattr(cl.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cl, "_effective_capabilities", lambda: -1)
-    monkeypatch.setattr(cl.shutil, "which", lambda tool: f"/sbin/{tool}")
+    monkeypatch.setattr(host, "cpu_controller", lambda roots=(): None)
+    monkeypatch.setattr(host.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(host, "_effective_capabilities", lambda: -1)
+    monkeypatch.setattr(host.shutil, "which", lambda tool: f"/sbin/{tool}")
     reason = cl.unavailable_reason(ClusterSpec(2, 2))
     assert "cgroup cpu controller" in reason and "--compute shared" in reason
     assert cl.unavailable_reason(ClusterSpec(2, 2, compute="shared")) is None

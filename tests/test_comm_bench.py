@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from tawpipe.bench import comm
+from tawpipe.runtime import comm as comms
 from tawpipe.commands import UsageError
 from tawpipe.runtime.launch import free_port
 from tawpipe.plan.topology import Topology
@@ -21,10 +23,14 @@ from tawpipe.plan.topology import Topology
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _args(*argv: str) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     comm.add_arguments(p)
-    return p.parse_args(list(argv))
+    return p
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return _parser().parse_args(list(argv))
 
 
 def test_sizes_parse_like_nccl_tests() -> None:
@@ -40,7 +46,7 @@ def _expected_case(op: str, topo: Topology, rank: int, placement: str = "intra")
     team = None
     if placement != "both":
         ranks = next(r for r in layout[placement] if rank in r)
-        team = comm.Team(placement, ranks, ranks.index(rank), None)
+        team = comm.Team(placement, ranks, ranks.index(rank))
     case = comm._Case(op, team, topo, rank, 4096, torch.float32, torch.device("cpu"))
     pat = lambda r, n=case.count: comm._pattern(r, n, salt=3)  # noqa: E731
     if op == "all_reduce":
@@ -115,6 +121,36 @@ def test_runs_from_a_launchers_environment(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
-def test_nccl_backends_refuse_clearly_without_cuda() -> None:
-    with pytest.raises(UsageError, match="needs CUDA"):
-        comm.main(_args("--backend", "nccl"))
+@pytest.mark.parametrize("backend", ["nccl", "nccl-native"])
+def test_nccl_backends_refuse_clearly_without_cuda(backend: str) -> None:
+    with pytest.raises(UsageError, match=f"backend {backend} needs CUDA"):
+        comm.main(_args("--backend", backend))
+
+
+def test_backends_are_the_registrys_and_the_torch_backends_two_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(comms._BACKENDS, "mine", "somewhere:Mine")  # registered by a user, imported when used
+    choices = next(a.choices for a in _parser()._actions if a.dest == "backend")
+    assert list(choices) == [*comms.names(), "gloo", "nccl"] and "mine" in choices
+    # results keep today's names: the torch backend is gloo on the CPU and nccl on GPUs
+    assert comm.backend_choice(None, cuda=False) == comm.backend_choice("torch", cuda=False) == \
+        comm.backend_choice("gloo", cuda=True) == comm.Backend("torch", "cpu", "gloo")
+    assert comm.backend_choice(None, cuda=True) == comm.backend_choice("nccl", cuda=False) == \
+        comm.Backend("torch", "cuda", "nccl")
+    assert comm.backend_choice("nccl-native", cuda=True) == comm.Backend("nccl-native", "cuda", "nccl-native")
+    assert comm.backend_choice("mine", cuda=True) == comm.Backend("mine", "cuda", "mine")
+
+
+def test_a_backend_without_the_optional_collectives_names_itself() -> None:
+    class Minimal(comms.Comm):
+        send = recv = broadcast = reduce = all_reduce = channel_comm = None
+
+    with pytest.raises(NotImplementedError, match="Minimal has no all_gather"):
+        Minimal().all_gather(torch.empty(4), torch.empty(2), (0, 1))
+    with pytest.raises(NotImplementedError, match="Minimal has no reduce_scatter"):
+        Minimal().reduce_scatter(torch.empty(2), torch.empty(4), (0, 1))
+
+
+def test_the_bench_reaches_backends_through_the_registry_only() -> None:
+    """Nothing from inside a backend's module: Comm.create and the Comm methods are all it calls."""
+    source = (ROOT / "tawpipe" / "bench" / "comm.py").read_text()
+    assert not re.findall(r"nccl_native|torch_dist|runtime\.comm\.\w", source)

@@ -13,10 +13,13 @@ rank, which sends it by rail P2P to the owner in the next node).
 
 Ranks: spawned locally (``--nodes``/``--per-node``, the default), or under torchrun or
 ``tawpipe cluster`` (read from the environment: RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ...).
-Backends: gloo and NCCL through torch.distributed, and tawpipe's native NCCL backend. Every wait
-has a timeout (``-T``). Rank 0 prints the table and writes JSON and a PNG plot into ``--out``
-(default ``tawpipe-results/`` in the current directory; the committed results are rewritten only
-with ``--out benchmarks/results``).
+Backends: any registered in ``tawpipe.runtime.comm`` (torch.distributed with gloo or NCCL,
+tawpipe's native NCCL, or one a user registers), built by ``Comm.create`` and driven through the
+``Comm`` interface alone, as the engine drives it: every operation is one call of its method, so
+a backend whose calls return only once complete (nccl-native) is timed with that wait in each.
+Every wait has a timeout (``-T``). Rank 0 prints the table and writes JSON and a PNG plot into
+``--out`` (default ``tawpipe-results/`` in the current directory; the committed results are
+rewritten only with ``--out benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -36,18 +39,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..commands import UsageError
 from ..cluster import LINK_ENV
+from ..commands import UsageError
 from ..ops import DTYPES
 from ..plan.topology import Topology
-from ..runtime.comm.base import CommTimeout
+from ..runtime import comm as comms
+from ..runtime.comm import P2P, Comm, CommTimeout
 from ..runtime.launch import default_timeout, init_distributed, run_local
 from . import DEFAULT_OUT, provenance
 
 PRIMITIVES = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "sendrecv")
 COMPOSITES = ("chunk_fetch", "grad_route")
 OPS = PRIMITIVES + COMPOSITES
-BACKENDS = ("gloo", "nccl", "nccl-native")
+TORCH = "torch"  # the registry's torch.distributed backend: its process groups run gloo or NCCL
+TORCH_DEVICES = {"gloo": "cpu", "nccl": "cuda"}  # --backend gloo / nccl: the torch backend on that device
 # busbw = algbw x factor(n) (nccl-tests, doc/PERFORMANCE.md)
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "broadcast": lambda n: 1.0,
@@ -79,8 +84,37 @@ def parse_size(text: str) -> int:
 DESCRIPTION = (
     "Communication primitives in the style of nccl-tests: time, algbw, busbw and wrong elements per operation, "
     "placement (inside a node, across nodes on a rail) and size, including TawPipe's chunk fetch and gradient "
-    "route. Ranks are spawned locally or come from torchrun or tawpipe cluster; gloo, NCCL or tawpipe's native NCCL."
+    "route. Ranks are spawned locally or come from torchrun or tawpipe cluster; any registered comm backend: "
+    "torch.distributed (gloo, NCCL) or tawpipe's native NCCL."
 )
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What ``--backend`` names: a registered comm backend, the device it runs on, and the name
+    results carry (their "backend" and file name: gloo, nccl, nccl-native, ...)."""
+
+    name: str
+    device: str  # cpu | cuda
+    label: str
+
+
+def backend_choice(choice: str | None, cuda: bool) -> Backend:
+    """``--backend``'s meaning (None: the default) where CUDA is available or not. The torch
+    backend runs gloo on the CPU or NCCL on GPUs, named by that; every other one runs on GPUs."""
+    choice = choice or TORCH
+    if choice == TORCH:
+        choice = "nccl" if cuda else "gloo"
+    if choice in TORCH_DEVICES:
+        return Backend(TORCH, TORCH_DEVICES[choice], choice)
+    return Backend(choice, "cuda", choice)
+
+
+def _backend_help() -> str:
+    return (f"a comm backend of tawpipe.runtime.comm ({', '.join(comms.names())}), or gloo or nccl. {TORCH} (the "
+            "default): torch.distributed, on CUDA GPUs with NCCL where there are some, else on the CPU with gloo; "
+            f"gloo, nccl: {TORCH} on the CPU with gloo, or on CUDA GPUs with NCCL (results are named by these); "
+            "nccl-native: tawpipe's own NCCL, a grouped launch per call, on CUDA GPUs, as is any other backend")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds per measurement: fewer than -n iterations when the warm-up says they would "
                         "take longer (0: always -n)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
-    p.add_argument("--backend", choices=BACKENDS, default=None, help="default: nccl with CUDA, else gloo")
+    p.add_argument("--backend", choices=(*comms.names(), *TORCH_DEVICES), default=None, help=_backend_help())
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes when spawning locally")
     p.add_argument("--per-node", type=int, default=2, help="ranks per node when spawning locally")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
@@ -124,105 +158,11 @@ class Row:
 
 @dataclass(frozen=True)
 class Team:
-    """The ranks one operation runs over, in order, and the backend's handle for them."""
+    """The ranks one operation runs over, in order, and this rank's place among them."""
 
     placement: str
     ranks: tuple[int, ...]
     index: int
-    handle: Any
-
-
-# ---------------------------------------------------------------------------- backends
-
-
-class _TorchBackend:
-    """gloo or NCCL through torch.distributed process groups (one per node, one per rail)."""
-
-    def __init__(self, name: str, topo: Topology, rank: int, device: torch.device, timeout: float) -> None:
-        self.device, self.timeout = device, timeout
-        kind = "gloo" if name == "gloo" else "nccl"
-        td = timedelta(seconds=timeout)
-        self.world = dist.new_group(backend=kind, timeout=td)
-        self.teams: dict[str, Team] = {}
-        for placement, members in _team_layout(topo):
-            for ranks in members:
-                pg = dist.new_group(list(ranks), backend=kind, timeout=td)  # every rank, same order
-                if rank in ranks:
-                    self.teams[placement] = Team(placement, ranks, ranks.index(rank), pg)
-
-    def broadcast(self, team: Team, t: torch.Tensor, root: int) -> None:
-        dist.broadcast(t, src=team.ranks[root], group=team.handle)
-
-    def reduce(self, team: Team, t: torch.Tensor, root: int) -> None:
-        dist.reduce(t, dst=team.ranks[root], group=team.handle)
-
-    def all_reduce(self, team: Team, t: torch.Tensor) -> None:
-        dist.all_reduce(t, group=team.handle)
-
-    def all_gather(self, team: Team, out: torch.Tensor, inp: torch.Tensor) -> None:
-        dist.all_gather(list(out.chunk(len(team.ranks))), inp, group=team.handle)
-
-    def reduce_scatter(self, team: Team, out: torch.Tensor, inp: torch.Tensor) -> None:
-        dist.reduce_scatter(out, list(inp.chunk(len(team.ranks))), group=team.handle)
-
-    def p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> None:
-        works = dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer, group=self.world) for op, t, peer in ops]
-        )
-        for w in works:
-            w.wait()
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            _wait_event(self.device, self.timeout)
-
-
-class _NativeBackend:
-    """tawpipe's own NCCL communicators: the world and its splits per node and per rail. Ops are
-    queued (Batch.run(wait=False)); synchronize() bounds them with the timeout."""
-
-    def __init__(self, topo: Topology, rank: int, device: torch.device, timeout: float) -> None:
-        from ..runtime.comm import nccl_native as nn
-
-        self.nn, self.timeout = nn, timeout
-        self.world_comm = nn.Communicator.from_process_group(device=device.index, timeout=timeout)
-        self.comms = [self.world_comm]
-        self.teams = {}
-        for placement, members in _team_layout(topo):
-            color = next(i for i, ranks in enumerate(members) if rank in ranks)
-            comm = self.world_comm.split(color, rank)
-            self.comms.append(comm)
-            self.teams[placement] = Team(placement, members[color], members[color].index(rank), comm)
-
-    def _run(self, fill: Callable[[Any], Any]) -> None:
-        b = self.nn.Batch()
-        fill(b)
-        b.run(self.timeout, wait=False)
-
-    def broadcast(self, team: Team, t: torch.Tensor, root: int) -> None:
-        self._run(lambda b: b.broadcast(team.handle, t, root))
-
-    def reduce(self, team: Team, t: torch.Tensor, root: int) -> None:
-        self._run(lambda b: b.reduce(team.handle, t, root))
-
-    def all_reduce(self, team: Team, t: torch.Tensor) -> None:
-        self._run(lambda b: b.all_reduce(team.handle, t))
-
-    def all_gather(self, team: Team, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self._run(lambda b: b.all_gather(team.handle, out, inp))
-
-    def reduce_scatter(self, team: Team, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self._run(lambda b: b.reduce_scatter(team.handle, out, inp))
-
-    def p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> None:
-        def fill(b):
-            for op, t, peer in ops:
-                (b.send if op == "send" else b.recv)(self.world_comm, t, peer)
-
-        self._run(fill)
-
-    def synchronize(self) -> None:
-        self.nn.synchronize(self.comms, self.timeout)
 
 
 def _team_layout(topo: Topology) -> list[tuple[str, list[tuple[int, ...]]]]:
@@ -230,6 +170,23 @@ def _team_layout(topo: Topology) -> list[tuple[str, list[tuple[int, ...]]]]:
     nodes = [topo.group_ranks(g) for g in range(topo.nodes)]
     rails = [tuple(topo.rank_of(g, i) for g in range(topo.nodes)) for i in range(topo.per_node)]
     return [("intra", nodes), ("inter", rails)]
+
+
+def _connect(backend: Backend, topo: Topology, rank: int, device: torch.device,
+             timeout: float) -> tuple[Comm, dict[str, Team]]:
+    """The backend, able to run collectives over every team, and this rank's team per placement."""
+    comm = comms.create(backend.name, topo, timeout, device)
+    layout = _team_layout(topo)
+    comm.add_groups([ranks for _, members in layout for ranks in members])
+    teams = {placement: Team(placement, ranks, ranks.index(rank))
+             for placement, members in layout for ranks in members if rank in ranks}
+    return comm, teams
+
+
+def _synchronize(device: torch.device, timeout: float) -> None:
+    """The device's queued work done (the backend's calls may return before it is)."""
+    if device.type == "cuda":
+        _wait_event(device, timeout)
 
 
 def _wait_event(device: torch.device, timeout: float) -> None:
@@ -271,38 +228,38 @@ class _Case:
         self.a.copy_(_pattern(self.rank, self.a.numel(), salt))
         self.b.zero_()
 
-    def run(self, be) -> None:
+    def run(self, comm: Comm) -> None:
         op, team = self.op, self.team
         if op == "broadcast":
-            be.broadcast(team, self.a, 0)
+            comm.broadcast(self.a, team.ranks[0], team.ranks)
         elif op == "reduce":
-            be.reduce(team, self.a, 0)
+            comm.reduce(self.a, team.ranks[0], team.ranks)
         elif op == "all_reduce":
-            be.all_reduce(team, self.a)
+            comm.all_reduce(self.a, team.ranks)
         elif op == "all_gather":
-            be.all_gather(team, self.b, self.a)
+            comm.all_gather(self.b, self.a, team.ranks)
         elif op == "reduce_scatter":
-            be.reduce_scatter(team, self.b, self.a)
+            comm.reduce_scatter(self.b, self.a, team.ranks)
         elif op == "sendrecv":
             n, i = len(team.ranks), team.index
-            be.p2p([("send", self.a, team.ranks[(i + 1) % n]), ("recv", self.b, team.ranks[(i - 1) % n])])
+            comm.batch_p2p([P2P("send", self.a, team.ranks[(i + 1) % n]), P2P("recv", self.b, team.ranks[(i - 1) % n])])
         else:
-            self._composite(be)
+            self._composite(comm)
 
-    def _composite(self, be) -> None:
+    def _composite(self, comm: Comm) -> None:
         topo, rank = self.topo, self.rank
         g, nodes = topo.group_of(rank), topo.nodes
         router = topo.rank_of(g, 0)  # the rail-0 rank of this node
         prev, nxt = topo.rank_of((g - 1) % nodes, 0), topo.rank_of((g + 1) % nodes, 0)
-        intra = be.teams["intra"]
+        node = topo.group_ranks(g)
         if self.op == "chunk_fetch":  # a owns a chunk; b receives the next node's, then the node shares it
             if rank == router:
-                be.p2p([("send", self.a, prev), ("recv", self.b, nxt)])
-            be.broadcast(intra, self.b, 0)
+                comm.batch_p2p([P2P("send", self.a, prev), P2P("recv", self.b, nxt)])
+            comm.broadcast(self.b, router, node)
         else:  # grad_route: a is a gradient; reduce it in the node, route the sum to the next node's owner
-            be.reduce(intra, self.a, 0)
+            comm.reduce(self.a, router, node)
             if rank == router:
-                be.p2p([("send", self.a, nxt), ("recv", self.b, prev)])
+                comm.batch_p2p([P2P("send", self.a, nxt), P2P("recv", self.b, prev)])
 
     def wrong(self, salt: int) -> int:
         """Elements that differ from the expected result (recomputed here from every input)."""
@@ -349,13 +306,13 @@ def _sizes(a: dict) -> list[int]:
     return out
 
 
-def _plan(ops: Sequence[str], topo: Topology, backend: str) -> list[tuple[str, str]]:
+def _plan(ops: Sequence[str], topo: Topology, backend: Backend) -> list[tuple[str, str]]:
     """(op, placement) pairs to run, in print order; skipped ones with the reason."""
     runs = []
     for placement, n in (("intra", topo.per_node), ("inter", topo.nodes)):
         for op in ops:
             # torch.distributed refuses to send to its own rank; NCCL itself does it within a group
-            if op in PRIMITIVES and not (op == "sendrecv" and n == 1 and backend != "nccl-native"):
+            if op in PRIMITIVES and not (op == "sendrecv" and n == 1 and backend.name == TORCH):
                 runs.append((op, placement))
     if topo.nodes >= 2:
         runs += [(op, "both") for op in ops if op in COMPOSITES]
@@ -380,27 +337,27 @@ class _Control:
         return out
 
 
-def _measure(case: _Case, be, ctl: _Control, a: dict, salt: int) -> Row:
+def _measure(case: _Case, comm: Comm, ctl: _Control, a: dict, salt: int) -> Row:
     wrong = 0
     if a["check"]:
         case.fill(salt)
-        case.run(be)
-        be.synchronize()
+        case.run(comm)
+        _synchronize(case.device, ctl.timeout)
         wrong = case.wrong(salt)
     iters = a["iters"]
     if a["warmup_iters"]:
         t0 = time.perf_counter()
         for _ in range(a["warmup_iters"]):
-            case.run(be)
-        be.synchronize()
+            case.run(comm)
+        _synchronize(case.device, ctl.timeout)
         per_iter = ctl.reduce([(time.perf_counter() - t0) / a["warmup_iters"]], dist.ReduceOp.MAX)[0]
         if a["time_budget"] > 0:
             iters = max(1, min(iters, int(a["time_budget"] / max(per_iter, 1e-9))))
     ctl.reduce([0.0], dist.ReduceOp.SUM)  # a barrier: every rank starts the timed loop together
     t0 = time.perf_counter()
     for _ in range(iters):
-        case.run(be)
-    be.synchronize()
+        case.run(comm)
+    _synchronize(case.device, ctl.timeout)
     elapsed = (time.perf_counter() - t0) / iters
     if a["average"] == 0:
         t = ctl.reduce([elapsed if dist.get_rank() == 0 else 0.0], dist.ReduceOp.SUM)[0]
@@ -423,18 +380,18 @@ def _format(r: Row) -> str:
            f"{r.algbw:>11.3f} {r.busbw:>11.3f} {r.wrong:>6}"
 
 
-def _device_for(backend: str, rank: int, local_rank: int) -> torch.device:
-    if backend == "gloo":
+def _device_for(backend: Backend, local_rank: int) -> torch.device:
+    if backend.device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"backend {backend} needs CUDA; use --backend gloo on the CPU")
+        raise RuntimeError(f"backend {backend.label} needs CUDA; use --backend gloo on the CPU")
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
 def _bench_rank(rank: int, a: dict, topo: Topology, local_rank: int) -> dict | None:
     timeout = a["timeout"]
-    backend = a["backend"]
-    device = _device_for(backend, rank, local_rank)
+    backend = backend_choice(a["backend"], torch.cuda.is_available())  # a["backend"]: its label
+    device = _device_for(backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctl = _Control(timeout)
@@ -443,15 +400,14 @@ def _bench_rank(rank: int, a: dict, topo: Topology, local_rank: int) -> dict | N
         devices = ctl.gather(torch.cuda.get_device_properties(device).uuid.__str__())
         if len(set(devices)) != len(devices):
             raise RuntimeError(
-                f"backend {backend} needs one GPU per rank, but ranks share GPUs ({devices.count(devices[0])} on "
+                f"backend {backend.label} needs one GPU per rank, but ranks share GPUs ({devices.count(devices[0])} on "
                 f"the first): NCCL refuses two ranks on one GPU; use fewer ranks or --backend gloo"
             )
-    be = _NativeBackend(topo, rank, device, timeout) if backend == "nccl-native" else \
-        _TorchBackend(backend, topo, rank, device, timeout)
+    comm, teams = _connect(backend, topo, rank, device, timeout)
     dtype = DTYPES[a["datatype"]]
     rows = []
     if rank == 0:
-        print(f"# tawpipe bench comm: backend {backend}, {topo.nodes} nodes x {topo.per_node} ranks "
+        print(f"# tawpipe bench comm: backend {backend.label}, {topo.nodes} nodes x {topo.per_node} ranks "
               f"(hosts: {', '.join(sorted(set(hosts)))}), {a['datatype']}, up to {a['iters']} iterations "
               f"({'time budget %.2f s' % a['time_budget'] if a['time_budget'] else 'fixed'}), warm-up "
               f"{a['warmup_iters']}, check {'on' if a['check'] else 'off'}, -a {a['average']}", flush=True)
@@ -462,9 +418,9 @@ def _bench_rank(rank: int, a: dict, topo: Topology, local_rank: int) -> dict | N
         print(HEADER, flush=True)
     for op, placement in _plan(a["ops"], topo, backend):
         for salt, nbytes in enumerate(_sizes(a)):
-            team = be.teams[placement] if placement != "both" else None
+            team = teams[placement] if placement != "both" else None
             case = _Case(op, team, topo, rank, nbytes, dtype, device)
-            row = _measure(case, be, ctl, a, salt)
+            row = _measure(case, comm, ctl, a, salt)
             rows.append(row)
             if rank == 0:
                 print(_format(row), flush=True)
@@ -473,16 +429,14 @@ def _bench_rank(rank: int, a: dict, topo: Topology, local_rank: int) -> dict | N
     wrong = sum(r.wrong for r in rows)
     print(f"# out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     result = {
-        "benchmark": "comm", "backend": backend, "nodes": topo.nodes, "per_node": topo.per_node,
+        "benchmark": "comm", "backend": backend.label, "nodes": topo.nodes, "per_node": topo.per_node,
         "dtype": a["datatype"], "definitions": DEFINITIONS, "hosts": hosts,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
         **provenance(),
         "config": {k: v for k, v in a.items() if k not in ("json", "plot", "out")},
         "rows": [asdict(r) for r in rows], "wrong": wrong,
     }
-    if backend == "nccl-native":
-        result["nccl"] = be.nn.nccl_version()
-    elif backend == "nccl":
+    if device.type == "cuda":  # the NCCL torch loads: nccl-native refuses to run any other
         result["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return result
 
@@ -564,14 +518,14 @@ def _validated(args: argparse.Namespace) -> dict:
     except ValueError as e:
         raise UsageError(str(e)) from None
     a["timeout"] = a["timeout"] or default_timeout()
-    a["backend"] = a["backend"] or ("nccl" if torch.cuda.is_available() else "gloo")
-    if a["backend"] != "gloo" and not torch.cuda.is_available():
-        raise UsageError(f"backend {a['backend']} needs CUDA; use --backend gloo on the CPU")
-    if a["backend"] == "nccl-native":
-        try:
-            import tawpipe.runtime.comm.nccl_native
-        except ImportError as e:
-            raise UsageError(str(e)) from None
+    backend = backend_choice(a["backend"], torch.cuda.is_available())
+    if backend.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"backend {backend.label} needs CUDA; use --backend gloo on the CPU")
+    try:
+        comms.backend(backend.name)  # imported here: a backend this installation lacks is refused once
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    a["backend"] = backend.label  # what the results say (the ranks read the backend back from it)
     return a
 
 
@@ -580,7 +534,8 @@ def main(args: argparse.Namespace) -> int:
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_launcher:  # torchrun or tawpipe cluster: this process is one rank
         topo = Topology.from_env()
-        init_distributed(a["timeout"], cpu=a["backend"] == "gloo")
+        backend = backend_choice(a["backend"], torch.cuda.is_available())
+        init_distributed(a["timeout"], cpu=backend.device == "cpu")
         try:
             result = _bench_rank(dist.get_rank(), a, topo, int(os.environ.get("LOCAL_RANK", 0)))
             dist.barrier()  # nobody tears its connections down while a peer still uses them

@@ -1,4 +1,4 @@
-"""`tawpipe bench prefetch`: the host offload's streaming (tawpipe.engine.offload.HostOffload).
+"""`tawpipe bench prefetch`: the host offload's streaming (tawpipe.runtime.offload.HostOffload).
 
 Bandwidth: loading a float32 master from pinned host memory into a compute-dtype device buffer
 (copy + cast, piece by piece through two staging buffers), against one plain pinned copy of the
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from ..commands import UsageError
-from ..engine.offload import DEFAULT_PIECE_NUMEL, HostOffload
+from ..runtime.offload import DEFAULT_PIECE_NUMEL, HostOffload
 from ..ops import ShardLayout
 from . import DEFAULT_OUT, provenance
 

@@ -66,6 +66,17 @@ class Comm(abc.ABC):
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> None: ...
 
+    # Optional: the engine's plans never gather or scatter; ``tawpipe bench comm`` measures both.
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
+        """``output`` = every member's ``input``, concatenated in the order of their ranks
+        (``output`` holds len(group) times ``input``'s elements)."""
+        raise NotImplementedError(f"{type(self).__name__} has no all_gather")
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
+        """``output`` = this member's piece of the sum over ``group`` of ``input``, cut into
+        len(group) equal pieces in the order of the members' ranks."""
+        raise NotImplementedError(f"{type(self).__name__} has no reduce_scatter")
+
     def batch_p2p(self, ops: Sequence[P2P]) -> None:
         """Post every send and receive of ``ops`` at once; return when all have completed.
 

@@ -7,8 +7,9 @@ one call, with no per-call process-group bookkeeping.
 
 Bootstrap: rank 0 of a gloo group makes an ncclUniqueId and broadcasts it over that group (the
 CPU group torch.distributed already has); every rank then joins the world communicator on its
-device. Topology groups are ncclCommSplit's of it (color = node). ``channel_comm(name)`` splits
-a fresh world and group pair for each channel, so channels never share a communicator.
+device. Topology groups are ncclCommSplit's of it (color = node), and so is each group that
+``add_groups`` names (one split per group, members ordered by rank). ``channel_comm(name)`` splits
+a fresh world and set of groups for each channel, so channels never share a communicator.
 
 Blocking and timeouts: every communicator is non-blocking; each call polls
 ncclCommGetAsyncError and a CUDA event against the timeout, aborts its communicators on an error
@@ -37,7 +38,7 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from ...plan.actions import Channel
 from ...plan.topology import Topology
 from .base import P2P, Comm, CommTimeout, Group
-from .torch_dist import check_job
+from .torch_dist import check_job, check_same
 
 try:
     from tawpipe import _nccl
@@ -387,7 +388,9 @@ class _SizeCheck:
 class NcclComm(Comm):
     """The engine's Comm over tawpipe's own NCCL communicators (global ranks throughout)."""
 
-    supports_replicas = False  # no communicators across replicas yet
+    # add_groups makes a communicator for any group, but replicas on this backend (their channel,
+    # their all-reduces) have not run on GPUs: the engine keeps them to comm='torch'
+    supports_replicas = False
 
     @classmethod
     def create(cls, topology: Topology, timeout: float, device: torch.device) -> NcclComm:
@@ -418,7 +421,9 @@ class NcclComm(Comm):
         self.topology, self.timeout, self.name, self._check_mode = topology, timeout, _channel, check
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._world_ranks: Group = tuple(range(self.world_size))
+        self._topology_groups = tuple(topology.group_ranks(g) for g in range(topology.nodes))
         self._my_group: Group = topology.group_ranks(topology.group_of(self.rank))
+        self._added: dict[Group, Communicator | None] = {}  # add_groups' groups; None: not a member
         # CPU groups of this channel (every rank creates them, in the same order): the unique id
         # exchange and the size checks.
         td = timedelta(seconds=timeout)
@@ -438,10 +443,31 @@ class NcclComm(Comm):
 
     def channel_comm(self, name: str) -> Comm:
         if name not in self._channels:
-            self._channels[name] = NcclComm(
+            channel = NcclComm(
                 self.topology, self.timeout, device=self.device, check=self._check_mode, _channel=name, _parent=self
             )
+            channel._split(list(self._added))
+            self._channels[name] = channel
         return self._channels[name]
+
+    def add_groups(self, groups: Sequence[Group]) -> None:
+        if not groups:  # nothing to make (the engine's plans without replicas): no collective either
+            return
+        groups = [tuple(g) for g in groups]
+        check_same(self.rank, self.world_size, groups, "groups", "give every rank the same groups, in the same order")
+        for comm in self._channels.values():
+            comm._split(groups)
+
+    def _split(self, groups: Sequence[Group]) -> None:
+        """A communicator (and, with checks on, a gloo group) for each of ``groups`` beyond the world
+        and the topology's: one ncclCommSplit of the world each, which every rank joins."""
+        for g in groups:
+            if g == self._world_ranks or g in self._topology_groups or g in self._added:
+                continue
+            self._added[g] = self._world.split(0 if self.rank in g else None, self.rank)
+            if self._check is not None and len(g) > 1:
+                self._check.groups[g] = dist.new_group(list(g), timeout=timedelta(seconds=self.timeout),
+                                                       backend="gloo")
 
     def _resolve(self, group: Group, root: int | None, what: str) -> tuple[Communicator, int]:
         group = tuple(group)
@@ -449,13 +475,16 @@ class NcclComm(Comm):
             comm = self._world
         elif group == self._my_group:
             comm = self._group
-        elif self.rank not in group and any(group == self.topology.group_ranks(g) for g in range(self.topology.nodes)):
+        elif self._added.get(group) is not None:
+            comm = self._added[group]
+        elif self.rank not in group and (group in self._added or group in self._topology_groups):
             raise ValueError(f"{what}: rank {self.rank} is not in group {group}; only its members call it")
         else:
-            raise ValueError(f"{what}: group {group} is not a topology group or the world ({self.topology})")
+            raise ValueError(f"{what}: group {group} is not a topology group, the world or a group added with "
+                             f"add_groups ({self.topology})")
         if root is not None and root not in group:
             raise ValueError(f"{what}: root {root} is not in group {group}")
-        return comm, (group.index(root) if root is not None else 0)
+        return comm, (sorted(group).index(root) if root is not None else 0)
 
     def _p2p_rank(self, peer: int, what: str) -> int:
         if not isinstance(peer, int) or not 0 <= peer < self.world_size:
@@ -504,8 +533,20 @@ class NcclComm(Comm):
         self.batch([GroupOp("reduce", tensor, root, tuple(group))])
 
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> None:
-        comm, _ = self._resolve(group, None, "all_reduce")
-        b = Batch().all_reduce(comm, tensor)
+        self._rootless("all_reduce", group, tensor, lambda b, comm: b.all_reduce(comm, tensor))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
+        self._rootless("all_gather", group, input, lambda b, comm: b.all_gather(comm, output, input))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
+        self._rootless("reduce_scatter", group, input, lambda b, comm: b.reduce_scatter(comm, output, input))
+
+    def _rootless(self, what: str, group: Group, tensor: torch.Tensor, add: Callable[[Batch, Communicator], Batch]
+                  ) -> None:
+        """A collective of the whole ``group`` (``tensor``: what every member sends, the same size
+        everywhere), alone in one NCCL group; returns when done."""
+        comm, _ = self._resolve(group, None, what)
+        b = add(Batch(), comm)
         if self._check is not None:
-            self._check.collective("all_reduce", tensor, -1, tuple(group))
+            self._check.collective(what, tensor, -1, tuple(group))
         b.run(self.timeout)

@@ -3,7 +3,8 @@
 Process groups are created eagerly (every rank must create them in the same order): one world
 clone for point-to-point traffic, one subgroup per topology group and one per extra group the
 caller names (a plan's replica groups), per channel, so that each channel's operations never
-interleave with another channel's.
+interleave with another channel's. A topology group of one rank needs none; a group of one that
+the caller names gets one (``tawpipe bench comm`` times the backend's call over it).
 """
 
 from __future__ import annotations
@@ -40,50 +41,57 @@ class TorchDistComm(Comm):
 
     @classmethod
     def create(cls, topology: Topology, timeout: float, device: torch.device) -> TorchDistComm:
-        return cls(topology, timeout)
+        return cls(topology, timeout, backend=_backend_for(device))
 
     def __init__(self, topology: Topology, timeout: float, _channel: str = Channel.WEIGHTS,
-                 _groups: tuple[Group, ...] = ()) -> None:
+                 _groups: tuple[Group, ...] = (), *, backend: str | None = None) -> None:
+        """``backend``: the process groups' (gloo, nccl); None: the job's default."""
         check_job(topology)
         self.topology = topology
         self.timeout = timeout
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.name = _channel
+        self._backend = backend
         if _channel == Channel.WEIGHTS:  # the first channel: agree on the groups before creating them
-            _check_same(self.rank, self.world_size, (topology.nodes, topology.per_node), "topology",
-                        "give every rank the same Topology(nodes, per_node)")
+            check_same(self.rank, self.world_size, (topology.nodes, topology.per_node), "topology",
+                       "give every rank the same Topology(nodes, per_node)")
         td = timedelta(seconds=timeout)
         world = tuple(range(self.world_size))
-        self._groups: dict[Group, dist.ProcessGroup] = {world: dist.new_group(list(world), timeout=td)}
+        self._groups: dict[Group, dist.ProcessGroup] = {world: dist.new_group(list(world), timeout=td,
+                                                                              backend=backend)}
         self._extra: tuple[Group, ...] = ()  # groups added beyond the topology's
-        self._create((*self.topology_groups, *_groups))
+        self._create(self.topology_groups, own=True)
+        self._create(_groups)
         # Point-to-point messages from a lower to a higher rank go on one connection per pair, the
         # other way on a second: a connection then carries bulk data one way only. On one shared
         # connection, the control messages a transfer needs (gloo's "ready to receive") queue
         # behind the other direction's payload, and a two-way swap ran at half speed (design §5.2).
-        self._up, self._down = self._groups[world], dist.new_group(list(world), timeout=td)
+        self._up, self._down = self._groups[world], dist.new_group(list(world), timeout=td, backend=backend)
         self._channels: dict[str, Comm] = {_channel: self}
 
     def channel_comm(self, name: str) -> Comm:
         # Created on first use; every rank asks for the same channels in the same order.
         if name not in self._channels:
-            self._channels[name] = TorchDistComm(self.topology, self.timeout, _channel=name, _groups=self._extra)
+            self._channels[name] = TorchDistComm(self.topology, self.timeout, _channel=name, _groups=self._extra,
+                                                 backend=self._backend)
         return self._channels[name]
 
     def add_groups(self, groups: Sequence[Group]) -> None:
-        _check_same(self.rank, self.world_size, [tuple(g) for g in groups], "groups",
-                    "give every rank the same plan options (replicas)")
+        check_same(self.rank, self.world_size, [tuple(g) for g in groups], "groups",
+                   "give every rank the same plan options (replicas)")
         for comm in self._channels.values():
             comm._create(groups)
 
-    def _create(self, groups: Iterable[Group]) -> None:
-        """A process group for each of ``groups`` this comm lacks (every rank, the same order)."""
+    def _create(self, groups: Iterable[Group], own: bool = False) -> None:
+        """A process group for each of ``groups`` this comm lacks (every rank, the same order);
+        of the topology's ``own`` groups, only those of two ranks or more."""
         td = timedelta(seconds=self.timeout)
         for ranks in map(tuple, groups):
-            if len(ranks) > 1 and ranks not in self._groups:
-                self._groups[ranks] = dist.new_group(list(ranks), timeout=td)
-                self._extra += (ranks,) if ranks not in self.topology_groups else ()
+            if ranks in self._groups or (own and len(ranks) == 1):
+                continue
+            self._groups[ranks] = dist.new_group(list(ranks), timeout=td, backend=self._backend)
+            self._extra += () if own else (ranks,)
 
     @property
     def topology_groups(self) -> tuple[Group, ...]:
@@ -132,6 +140,28 @@ class TorchDistComm(Comm):
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._pg(group))
 
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
+        dist.all_gather(_pieces(output, input, group, "all_gather", "output"), input, group=self._pg(group))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
+        dist.reduce_scatter(output, _pieces(input, output, group, "reduce_scatter", "input"), op=dist.ReduceOp.SUM,
+                            group=self._pg(group))
+
+
+def _pieces(whole: torch.Tensor, piece: torch.Tensor, group: Group, what: str, name: str) -> list[torch.Tensor]:
+    """``whole`` as one view per member of ``group``, each the size of ``piece``."""
+    if whole.numel() != piece.numel() * len(group):
+        raise ValueError(f"{what}: {name} has {whole.numel()} elements, need {len(group)} x {piece.numel()} "
+                         "(group size x per-rank elements)")
+    return list(whole.view(-1).split(piece.numel()))
+
+
+def _backend_for(device: torch.device) -> str | None:
+    """The process groups' backend for tensors on ``device``: the job's default where it serves
+    them (None), else gloo for the CPU or NCCL for CUDA (a local job's gloo with GPU tensors)."""
+    want = "nccl" if device.type == "cuda" else "gloo"
+    return None if want in dist.get_backend() else want
+
 
 class _Posted:
     """A posted torch.distributed message whose wait has a limit."""
@@ -149,7 +179,7 @@ class _Posted:
                               "(raise the timeout with TAWPIPE_TIMEOUT for slow links)") from e
 
 
-def _check_same(rank: int, world: int, mine: object, what: str, fix: str) -> None:
+def check_same(rank: int, world: int, mine: object, what: str, fix: str) -> None:
     """Every rank creates the same process groups in the same order; ranks that disagree on them
     would create different groups and hang, so compare first (one small all-gather)."""
     seen: list = [None] * world
