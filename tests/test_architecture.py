@@ -167,15 +167,6 @@ def test_the_reach_check_catches_what_it_should():
 # A module over 700 lines or a function over 80 does more than one job: split it by job.
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80
-# Known exceptions, being split on other branches: each leaves this list when its split lands (the
-# test below fails on an entry that is no longer over its limit). A function is path::Class.name.
-SPLIT_ELSEWHERE = frozenset({
-    "tawpipe/engine/engine.py",
-    "tawpipe/engine/engine.py::TawPipe.__init__",
-    "tawpipe/plan/verify.py",
-    "tawpipe/plan/verify.py::_Screen.__call__",
-    "tawpipe/train/job.py::train_rank",
-})
 
 
 def _functions(node: ast.AST, prefix: str = "") -> list[tuple[str, ast.AST]]:
@@ -206,14 +197,9 @@ def _oversized() -> dict[str, int]:
 
 
 def test_no_module_or_function_is_too_long():
-    over = {k: v for k, v in _oversized().items() if k not in SPLIT_ELSEWHERE}
+    over = _oversized()
     assert not over, (f"over {MAX_MODULE_LINES} lines (a module) or {MAX_FUNCTION_LINES} (a function, from its "
                       f"def): split by job: {over}")
-
-
-def test_the_size_exceptions_are_still_over():
-    done = sorted(SPLIT_ELSEWHERE - _oversized().keys())
-    assert not done, f"within the limits now: take them out of SPLIT_ELSEWHERE: {done}"
 
 
 def test_the_size_check_measures_what_it_should():

@@ -14,7 +14,8 @@ from tawpipe.plan.actions import OPS, Op, PlanError
 from tawpipe.plan.plan import Plan
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
-from tawpipe.plan.verify import _check_rank, _Screen, verify
+from tawpipe.plan.screen import _check_rank, _Screen
+from tawpipe.plan.verify import verify
 
 
 # -------------------------------------------------------------------------------- property matrix
@@ -250,7 +251,8 @@ def test_names_asked_once_per_key_are_the_names_of_every_action():
     """verify asks ``plan.reads``/``plan.writes`` once per ``_names_key`` (``OpSpec``): on every op
     of the table, in iterations, replicas and the small programs, the key decides the names."""
     from tawpipe.plan.programs import eval_program, gather_program, setup_program
-    from tawpipe.plan.verify import Verifier, _names_key
+    from tawpipe.plan.screen import _names_key
+    from tawpipe.plan.verify import Verifier
 
     asked = set()
     for plan in (build_plan(Topology(2, 2), 5, 2, layer_numel=3, replicated_numel=2),

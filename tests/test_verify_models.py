@@ -17,7 +17,8 @@ from tawpipe.plan.actions import OPS, REP, Channel, Hazards, Op, PlanError, batc
 from tawpipe.plan.plan import Plan
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
-from tawpipe.plan.verify import Verifier, _check_static, verify
+from tawpipe.plan.screen import _check_static
+from tawpipe.plan.verify import Verifier, verify
 
 verify_module = importlib.import_module("tawpipe.plan.verify")  # the module: ``tawpipe.plan.verify`` names the function
 

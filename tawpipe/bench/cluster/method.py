@@ -11,6 +11,8 @@ import torch
 
 from ...cost.traffic import estimate, fsdp_numel, plan_traffic
 from ...engine.engine import TawPipe
+from ...engine.policy import MemoryPolicy, SchedulePolicy
+from ...models.parts import ModelParts
 from ...models.llama import block_forward, llama_loss
 from ...plan.schedule import RESIDENT
 from ...plan.topology import Topology
@@ -76,14 +78,16 @@ def for_shape(m: Method, nodes: int, per_node: int) -> Method | None:
 
 def build_engine(model: Any, cfg: RunConfig, topology: Topology, device: torch.device, **options: Any) -> TawPipe:
     """The one place the bench builds a TawPipe/WeiPipe engine, as ``tawpipe train`` does, with the
-    head and loss of ``cfg.loss``; ``options`` (algo, mb_per_fetch, prefetch_depth, ...) go to the
-    engine as they are."""
-    return TawPipe(
-        model.blocks, model.embed, model.head, llama_loss, topology=topology,
-        micro_batches=cfg.micro_batches, optimizer=functools.partial(baselines.make_optimizer, cfg),
-        block_forward=block_forward, block_context=lambda t: model.block_context(t.shape[1], device),
-        device=device, head_loss=baselines.head_loss(cfg), **options,
-    )
+    head and loss of ``cfg.loss`` (``baselines.head_loss``, plain or chunked, every method's);
+    ``options``: the schedule's (algo, mb_per_fetch, prefetch_depth, reuse_weights, replicas) and
+    ``recompute``."""
+    parts = ModelParts(model.blocks, model.embed, model.head, llama_loss, block_forward=block_forward,
+                       block_context=lambda t: model.block_context(t.shape[1], device),
+                       head_loss=baselines.head_loss(cfg))
+    return TawPipe(parts, topology=topology, micro_batches=cfg.micro_batches,
+                   optimizer=functools.partial(baselines.make_optimizer, cfg), device=device,
+                   schedule=SchedulePolicy(**{k: v for k, v in options.items() if k != "recompute"}),
+                   memory=MemoryPolicy(recompute=options.get("recompute", "chunk"), chunked_loss=True))
 
 
 def engine_rank(rank: int, cfg: RunConfig, options: dict[str, Any]) -> dict[str, Any]:
