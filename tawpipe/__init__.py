@@ -19,6 +19,7 @@ import importlib.machinery
 import sys
 from typing import TYPE_CHECKING, Any
 
+from .lazy import lazy
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -32,34 +33,14 @@ if TYPE_CHECKING:
 __all__ = ["CommPolicy", "MemoryPolicy", "ModelParts", "Plan", "Precision", "PrecisionPolicy", "SchedulePolicy",
            "TawPipe", "Topology", "__version__", "build_plan", "ops", "verify"]
 
-_LAZY = {  # public name: (module, attribute; None for the module itself)
-    "TawPipe": ("tawpipe.engine", "TawPipe"),
-    "Precision": ("tawpipe.engine.precision", "Precision"),
-    "ModelParts": ("tawpipe.models.parts", "ModelParts"),
-    **{name: ("tawpipe.engine.policy", name) for name in ("CommPolicy", "MemoryPolicy", "PrecisionPolicy",
-                                                         "SchedulePolicy")},
-    "Plan": ("tawpipe.plan", "Plan"),
-    "Topology": ("tawpipe.plan", "Topology"),
-    "build_plan": ("tawpipe.plan", "build_plan"),
-    "verify": ("tawpipe.plan", "verify"),
-    "ops": ("tawpipe.ops", None),
-}
-
-
-def __getattr__(name: str) -> Any:
-    try:
-        module, attribute = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = importlib.import_module(module)
-    if attribute is not None:
-        value = getattr(value, attribute)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy(__name__, {
+    "TawPipe": "tawpipe.engine",
+    "Precision": "tawpipe.engine.precision",
+    "ModelParts": "tawpipe.models.parts",
+    **dict.fromkeys(("CommPolicy", "MemoryPolicy", "PrecisionPolicy", "SchedulePolicy"), "tawpipe.engine.policy"),
+    **dict.fromkeys(("Plan", "Topology", "build_plan", "verify"), "tawpipe.plan"),
+    "ops": "tawpipe.ops",
+})
 
 
 class _OpsOnceTorchLoads(importlib.abc.MetaPathFinder):

@@ -13,8 +13,9 @@ torch-free layers read, cost no torch import.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy
 
 if TYPE_CHECKING:
     from .llama import (Block, Llama, LlamaConfig, block_forward, block_numel, embed_head_numel, llama_loss,
@@ -24,27 +25,14 @@ if TYPE_CHECKING:
     from .shape import ModelDims
     from .spec import check, check_weights, dims, load, meta_model
 
-_LAZY = {  # public name: the module of this package that defines it
-    "PRESETS": "presets",
-    "ModelDims": "shape",
-    "ModelParts": "parts",
-    **dict.fromkeys(("check", "check_weights", "dims", "load", "meta_model"), "spec"),
+_NAMES = {  # public name: the module of this package that defines it
+    "PRESETS": f"{__name__}.presets",
+    "ModelDims": f"{__name__}.shape",
+    "ModelParts": f"{__name__}.parts",
+    **dict.fromkeys(("check", "check_weights", "dims", "load", "meta_model"), f"{__name__}.spec"),
     **dict.fromkeys(("Block", "Llama", "LlamaConfig", "block_forward", "block_numel", "embed_head_numel",
-                     "llama_loss", "llama_parts", "num_params"), "llama"),
+                     "llama_loss", "llama_parts", "num_params"), f"{__name__}.llama"),
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    try:
-        module = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__ = sorted(_NAMES)
+__getattr__, __dir__ = lazy(__name__, _NAMES)

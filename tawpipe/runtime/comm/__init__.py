@@ -5,32 +5,20 @@ The names below are loaded on first use (PEP 562): the registry's names cost no 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy
 
 if TYPE_CHECKING:
     from .base import P2P, ChannelQueue, Comm, CommTimeout, Handle
     from .instrument import CommRecord, DelayComm, RecordingComm
     from .registry import backend, create, names, register, unregister
 
-_LAZY = {  # public name: the module of this package that defines it
-    **dict.fromkeys(("P2P", "ChannelQueue", "Comm", "CommTimeout", "Handle"), "base"),
-    **dict.fromkeys(("CommRecord", "DelayComm", "RecordingComm"), "instrument"),
-    **dict.fromkeys(("backend", "create", "names", "register", "unregister"), "registry"),
+_NAMES = {  # public name: the module of this package that defines it
+    **dict.fromkeys(("P2P", "ChannelQueue", "Comm", "CommTimeout", "Handle"), f"{__name__}.base"),
+    **dict.fromkeys(("CommRecord", "DelayComm", "RecordingComm"), f"{__name__}.instrument"),
+    **dict.fromkeys(("backend", "create", "names", "register", "unregister"), f"{__name__}.registry"),
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    try:
-        module = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__ = sorted(_NAMES)
+__getattr__, __dir__ = lazy(__name__, _NAMES)
