@@ -273,9 +273,10 @@ def test_a_larger_vocabulary_is_in_the_predictions_and_the_engines_loss(monkeypa
     cfg = RunConfig(vocab=1024, loss="chunked")
     dims = shape_dims(dataclasses.asdict(cfg))
     assert dims.decoder_numel + dims.replicated_numel == sum(p.numel() for p in Llama(cfg.model_config()).parameters())
-    monkeypatch.setattr(method, "TawPipe", lambda *args, **kw: kw)
+    monkeypatch.setattr(method, "TawPipe", lambda parts, **kw: (parts, kw))
     model = baselines.build_model(cfg)
-    assert bench.build_engine(model, cfg, cfg.topology, torch.device("cpu"))["head_loss"] is chunked_head_loss
+    parts, kw = bench.build_engine(model, cfg, cfg.topology, torch.device("cpu"))
+    assert parts.head_loss is chunked_head_loss and kw["memory"].chunked_loss
 
 
 def test_bound_pairs_each_method_with_its_unlimited_run():

@@ -127,9 +127,12 @@ def test_nccl_backends_refuse_clearly_without_cuda(backend: str) -> None:
         comm.main(_args("--backend", backend))
 
 
-def test_backends_are_the_registrys_and_the_torch_backends_two_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(comms._BACKENDS, "mine", "somewhere:Mine")  # registered by a user, imported when used
-    choices = next(a.choices for a in _parser()._actions if a.dest == "backend")
+def test_backends_are_the_registrys_and_the_torch_backends_two_spellings() -> None:
+    comms.register("mine", "somewhere:Mine")  # registered by a user, imported when used
+    try:
+        choices = next(a.choices for a in _parser()._actions if a.dest == "backend")
+    finally:
+        comms.unregister("mine")
     assert list(choices) == [*comms.names(), "gloo", "nccl"] and "mine" in choices
     # results keep today's names: the torch backend is gloo on the CPU and nccl on GPUs
     assert comm.backend_choice(None, cuda=False) == comm.backend_choice("torch", cuda=False) == \
