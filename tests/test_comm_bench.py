@@ -130,10 +130,10 @@ def test_nccl_backends_refuse_clearly_without_cuda(backend: str) -> None:
 def test_backends_are_the_registrys_and_the_torch_backends_two_spellings() -> None:
     comms.register("mine", "somewhere:Mine")  # registered by a user, imported when used
     try:
-        choices = next(a.choices for a in _parser()._actions if a.dest == "backend")
+        choices, names = next(a.choices for a in _parser()._actions if a.dest == "backend"), comms.names()
     finally:
         comms.unregister("mine")
-    assert list(choices) == [*comms.names(), "gloo", "nccl"] and "mine" in choices
+    assert list(choices) == [*names, "gloo", "nccl"] and "mine" in choices
     # results keep today's names: the torch backend is gloo on the CPU and nccl on GPUs
     assert comm.backend_choice(None, cuda=False) == comm.backend_choice("torch", cuda=False) == \
         comm.backend_choice("gloo", cuda=True) == comm.Backend("torch", "cpu", "gloo")
