@@ -54,7 +54,7 @@ def _make(layers=4, topo=Topology(2, 2), comm=None, **kw):
     (dict(layers=3), "layers"),
     (dict(acc=0), "micro"),
     (dict(compute_dtype=torch.float64), "compute_dtype"),
-    (dict(recompute="layer"), "recompute"),
+    (dict(recompute="selective"), "recompute"),
     (dict(max_grad_norm=-1.0), "max_grad_norm"),
     (dict(loss_scale="sometimes"), "loss_scale"),
     (dict(loss_scale=float("inf")), "loss_scale"),

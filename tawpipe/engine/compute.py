@@ -6,7 +6,9 @@ from the embedding, the last position ends in the head and the loss, whose backw
 once so the micro-batch's backward can start in the next slot.
 
 Recompute (design §6.2): with ``recompute="chunk"`` (the paper's setting) a forward keeps only the
-chunk's input and the backward re-runs it with gradients on the weights then resident. With
+chunk's input and the backward re-runs it with gradients on the weights then resident; with
+``recompute="layer"`` the backward re-runs the chunk keeping only the layers' inputs, then
+re-runs and back-propagates one layer at a time, so one layer's activations are alive at a time. With
 ``recompute="none"`` the forward keeps its graph; tensors it saves that alias its weight buffer
 are stored as (offset, size, stride) and re-read at backward time from the buffer the plan names
 for that backward, which holds the same chunk by then. No weight copy is kept and no saved tensor
@@ -154,24 +156,43 @@ class ChunkCompute:
         pos, m = self.s.position[a.chunk], a.mb
         if self.s.scratch is not None or not a.accumulate:
             self.s.grad_target(a.grad_buf, a.chunk).zero_()
-        if self.recompute == "none":
-            x, y = st.graphs.pop((pos, m))
-            st.x.pop((pos, m))
-            self._backward_buf = self.s.bufs[a.buf]
+        if self.recompute == "layer":
+            dx = self._backward_by_layer(a, st.x.pop((pos, m)), st.dy.pop((pos, m)), st.ctx[m])
         else:
-            x = st.x.pop((pos, m)).detach().requires_grad_()
+            if self.recompute == "none":
+                x, y = st.graphs.pop((pos, m))
+                st.x.pop((pos, m))
+                self._backward_buf = self.s.bufs[a.buf]
+            else:
+                x = st.x.pop((pos, m)).detach().requires_grad_()
+                with torch.enable_grad():
+                    y = self._run(a.chunk, x, self.s.leaves(a.buf, a.grad_buf, a.chunk), st.ctx[m])
             with torch.enable_grad():
-                y = self._run(a.chunk, x, self.s.leaves(a.buf, a.grad_buf, a.chunk), st.ctx[m])
-        with torch.enable_grad():
-            torch.autograd.backward(y, st.dy.pop((pos, m)))
+                torch.autograd.backward(y, st.dy.pop((pos, m)))
+            dx = x.grad
         self.s.harvest(a.grad_buf, a.chunk, a.accumulate)
         if pos > 0:
-            st.dy[(pos - 1, m)] = x.grad
+            st.dy[(pos - 1, m)] = dx
             return
         with torch.enable_grad():
             e = self.embed(st.inputs[m]).to(self.dtype)
             if e.requires_grad:
-                e.backward(x.grad)
+                e.backward(dx)
+
+    def _backward_by_layer(self, a: Action, x: torch.Tensor, dy: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+        """``recompute="layer"``: the chunk's forward again without gradients, keeping only each
+        layer's input, then each layer, last first, run with gradients and back-propagated at once;
+        the gradient of the chunk's input. Only one layer's activations are alive at a time."""
+        run = self.s.layer_runner
+        inputs = [x]
+        for params in self.s.layer_params(self.s.weights(a.buf, a.chunk))[:-1]:
+            inputs.append(functional_call(run, params, (inputs[-1], ctx)))
+        for j, params in reversed(list(enumerate(self.s.layer_params(self.s.leaves(a.buf, a.grad_buf, a.chunk))))):
+            xj = inputs.pop().detach().requires_grad_()
+            with torch.enable_grad():
+                torch.autograd.backward(functional_call(run, params, (xj, ctx)), dy)
+            dy = xj.grad
+        return dy
 
     @torch.no_grad()
     def evaluate(self, a: Action, st: EvalState) -> None:

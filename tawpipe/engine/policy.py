@@ -25,7 +25,7 @@ from ..runtime import comm as comm_backends
 from ..runtime.comm import Comm
 from .precision import Precision
 
-RECOMPUTE = ("chunk", "none")
+RECOMPUTE = ("chunk", "layer", "none")
 OFFLOAD = (None, "host")
 
 
@@ -108,8 +108,10 @@ class PrecisionPolicy:
 @dataclass(frozen=True)
 class MemoryPolicy:
     """What a rank keeps on its device, and the budget "auto" plans within. ``recompute``:
-    "chunk" keeps a chunk's input and runs it again in the backward (the paper's), "none" keeps
-    its graph (design §6.2). ``offload="host"`` keeps the own chunk's master, gradient
+    "chunk" keeps a chunk's input and runs it again in the backward (the paper's); "layer" does
+    too, but the backward runs the chunk again keeping only its layers' inputs and then one layer
+    at a time, so one layer's activations are alive at once whatever the chunk's size; "none"
+    keeps the forward's graph (design §6.2). ``offload="host"`` keeps the own chunk's master, gradient
     accumulator and optimizer state in pinned host memory (design §6.1). ``budget``: bytes per
     rank that the "auto" schedule options must fit (None: the free memory less a margin).
     ``chunked_loss``: the head and loss a slice of tokens at a time, never the whole [tokens,

@@ -99,6 +99,10 @@ class ChunkStorage:
                 stack = nn.ModuleList(blocks[start:stop])
                 self.layouts[n] = ShardLayout.from_module(stack, align=1)
                 self.runners[n] = ChunkRunner(copy.deepcopy(stack).to("meta"), block_forward)
+        # one block, for recomputing a chunk a layer at a time (design §6.2): every block has its
+        # structure, so every layer runs through it with that layer's slice of the chunk's tensors
+        self.layer_runner = ChunkRunner(nn.ModuleList([copy.deepcopy(blocks[0]).to("meta")]), block_forward)
+        self.layer_names = [f"blocks.0.{name}" for name, _ in blocks[0].named_parameters()]
         self.decoder_params = sum(p.numel() for b in blocks for p in b.parameters())
         self._init_own(blocks, block_prefix, materialize, offload, timeout)
         self._init_replicated(replicated)
@@ -189,6 +193,12 @@ class ChunkStorage:
                 leaf.grad = g
             self._leaves[key] = leaves
         return leaves
+
+    def layer_params(self, tensors: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """A chunk's per-parameter ``tensors`` (``weights`` or ``leaves``, in layer order) as each
+        layer's parameters of ``layer_runner``."""
+        per = len(self.layer_names)
+        return [dict(zip(self.layer_names, tensors[j:j + per])) for j in range(0, len(tensors), per)]
 
     def load_master(self, buf: str, chunk: int) -> None:
         """LOAD_W: the own master, cast into a staging buffer."""

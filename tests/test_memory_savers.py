@@ -1,0 +1,65 @@
+"""What the memory savers keep alive, measured in one process: recomputing a chunk a layer at a
+time holds one layer's activations in its backward, where recomputing the whole chunk holds every
+layer's (design §6.2). Exactness against single-process training is in test_engine and
+test_replicas."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+
+from tawpipe.plan.topology import Topology
+
+from engine_cases import MB_ROWS, TinyLM, global_batch, lm_loss, make_engine
+from test_engine_errors import NoComm
+
+
+class SavedBytes:
+    """Saved-for-backward tensors of the blocks, each a copy owned by autograd alone, counted
+    while alive: the peak is what a backward holds at once."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        owned = t.detach().clone()
+        self.live += owned.nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(owned, self._freed, owned.nbytes)
+        return owned
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def block_forward(self, block, hidden, **ctx):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            return block(hidden, **ctx)
+
+
+def _peak(recompute: str, layers: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """The peak saved bytes of one step on one rank whose one chunk has ``layers`` layers, and
+    the parameters after it."""
+    torch.manual_seed(0)
+    model = TinyLM(layers)
+    saved = SavedBytes()
+    engine = make_engine(copy.deepcopy(model).blocks, model.embed, model.head, lm_loss, topology=Topology(1, 1),
+                         micro_batches=2, comm=NoComm(1), block_context=model.context,
+                         block_forward=saved.block_forward, recompute=recompute)
+    x, y = global_batch(0, 2 * MB_ROWS)
+    engine.step((x, y))
+    params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    engine.close()
+    return saved.peak, params
+
+
+def test_a_layer_at_a_time_holds_one_layers_activations():
+    layers = 8
+    chunk, chunk_params = _peak("chunk", layers)
+    layer, layer_params = _peak("layer", layers)
+    one_layer = chunk / layers  # the blocks are alike: each saves the same
+    assert layer == pytest.approx(one_layer, rel=0.05), (chunk, layer)
+    for name, p in chunk_params.items():  # the same update, computed a layer at a time
+        torch.testing.assert_close(layer_params[name], p, rtol=1e-6, atol=1e-7)
