@@ -82,7 +82,7 @@ _CALLS = {
 # case keys passed to the engine as they are
 _ENGINE_OPTIONS = ("grad_route", "overlap", "recompute", "algo", "prefetch_depth", "mb_per_fetch",
                    "reuse_weights",
-                   "grad_wire_dtype", "offload", "replicas")
+                   "grad_wire_dtype", "offload_state", "offload_activations", "replicas")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,8 @@ _POLICIES = {
     "precision": (PrecisionPolicy, {"compute_dtype": "compute_dtype", "grad_wire_dtype": "grad_wire_dtype",
                                     "loss_scale": "loss_scale", "max_grad_norm": "max_grad_norm",
                                     "nonfinite": "nonfinite"}),
-    "memory": (MemoryPolicy, {"recompute": "recompute", "offload": "offload", "memory_budget": "budget",
+    "memory": (MemoryPolicy, {"recompute": "recompute", "offload_state": "offload_state",
+                              "offload_activations": "offload_activations", "memory_budget": "budget",
                               "chunked_loss": "chunked_loss"}),
     "comm": (CommPolicy, {"comm": "backend", "timeout": "timeout", "overlap": "overlap"}),
 }

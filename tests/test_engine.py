@@ -70,12 +70,17 @@ CI_CASES = {
         dict(nodes=2, acc=2, layers=4, prefetch_depth=2, recompute="none", overlap=False),
         dict(nodes=1, acc=2, layers=5, algo="weipipe"),
         dict(nodes=2, acc=3, layers=4, algo="weipipe", recompute="none"),
-        dict(nodes=2, acc=2, layers=5, offload="host", max_grad_norm=0.05),  # state in host memory
-        dict(nodes=1, acc=2, layers=4, offload="host", algo="weipipe"),
+        dict(nodes=2, acc=2, layers=5, offload_state=True, max_grad_norm=0.05),  # state in host memory
+        dict(nodes=1, acc=2, layers=4, offload_state=True, algo="weipipe"),
         # a layer at a time in the backward: chunks of 3 and 2 layers, with k > 1 and clipping, WeiPipe
         dict(nodes=2, acc=2, layers=9, recompute="layer"),
         dict(nodes=2, acc=4, layers=8, recompute="layer", mb_per_fetch=2, max_grad_norm=0.05),
         dict(nodes=1, acc=2, layers=9, recompute="layer", algo="weipipe"),
+        # the chunk inputs in host memory between forward and backward, with either recompute
+        dict(nodes=2, acc=2, layers=5, offload_activations=True, max_grad_norm=0.05),
+        dict(nodes=2, acc=4, layers=8, offload_activations=True, recompute="layer", mb_per_fetch=2,
+             offload_state=True),
+        dict(nodes=1, acc=2, layers=4, offload_activations=True, algo="weipipe"),
     ],
     6: [dict(nodes=3, acc=2, layers=7),
         dict(nodes=3, acc=2, layers=6, mb_per_fetch=2, prefetch_depth="resident", reuse_weights=True)],
@@ -115,7 +120,8 @@ def test_low_precision_loss_trajectory_follows_fp32() -> None:
     # gradients on the wire in the compute dtype (still accumulated in float32 by the owner)
     cases.append(dict(nodes=2, acc=2, layers=4, steps=6, dtype=torch.bfloat16, grad_wire_dtype=torch.bfloat16,
                       mb_per_fetch=2))
-    cases.append(dict(nodes=2, acc=2, layers=8, steps=6, dtype=torch.bfloat16, recompute="layer"))
+    cases.append(dict(nodes=2, acc=2, layers=8, steps=6, dtype=torch.bfloat16, recompute="layer",
+                      offload_activations=True))
     results = run_local(exactness, 4, cases, timeout=240)
     for r in results[0]:
         diffs = [abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])]

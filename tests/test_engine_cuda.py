@@ -22,7 +22,7 @@ CASES = [
     dict(),
     dict(mb_per_fetch=2, prefetch_depth=2),
     dict(recompute="none"),
-    dict(offload="host"),
+    dict(offload_state=True),
     dict(overlap=False, max_grad_norm=0.05),
     dict(comm="nccl-native"),
 ]

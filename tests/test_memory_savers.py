@@ -1,7 +1,7 @@
-"""What the memory savers keep alive, measured in one process: recomputing a chunk a layer at a
-time holds one layer's activations in its backward, where recomputing the whole chunk holds every
-layer's (design §6.2). Exactness against single-process training is in test_engine and
-test_replicas."""
+"""What the memory savers keep alive and what they move: recomputing a chunk a layer at a time
+holds one layer's activations in its backward, where recomputing the whole chunk holds every
+layer's (design §6.2); the bytes host offload moves are the cost model's. Exactness against
+single-process training is in test_engine and test_replicas."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from tawpipe.plan.topology import Topology
 
-from engine_cases import MB_ROWS, TinyLM, global_batch, lm_loss, make_engine
+from engine_cases import HIDDEN, MB_ROWS, TinyLM, global_batch, lm_loss, make_engine
 from test_engine_errors import NoComm
 
 
@@ -63,3 +63,37 @@ def test_a_layer_at_a_time_holds_one_layers_activations():
     assert layer == pytest.approx(one_layer, rel=0.05), (chunk, layer)
     for name, p in chunk_params.items():  # the same update, computed a layer at a time
         torch.testing.assert_close(layer_params[name], p, rtol=1e-6, atol=1e-7)
+
+
+def _moved(rank: int, case: dict) -> dict:
+    """One step with host offload: the bytes the engine moved with the host, and the cost model's."""
+    from tawpipe.cost.memory import Savers, host_bytes
+
+    world = torch.distributed.get_world_size()
+    topo = Topology(2, world // 2)
+    torch.manual_seed(0)
+    model = TinyLM(case["layers"])
+    engine = make_engine(model.blocks, model.embed, model.head, lm_loss, topology=topo, micro_batches=case["acc"],
+                         block_context=model.context, **case["options"])
+    rows = case["acc"] * MB_ROWS
+    x, y = global_batch(0, world * rows)
+    engine.step((x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]))
+    moved = engine.host_traffic()
+    savers = Savers(**{k: v for k, v in case["options"].items() if k != "mb_per_fetch"})
+    own = sum(p.numel() for _, p in engine.own_parameters())
+    inputs = MB_ROWS * x.shape[1] * HIDDEN * 4  # a chunk input: rows x seq x hidden, float32
+    expected = host_bytes(engine.plan, rank, own_numel=own, grad_bytes=4, input_bytes=inputs, savers=savers)
+    engine.close()
+    return {"moved": moved, "expected": expected}
+
+
+@pytest.mark.parametrize("options", [dict(offload_state=True), dict(offload_activations=True),
+                                     dict(offload_state=True, offload_activations=True, recompute="layer",
+                                          mb_per_fetch=2)])
+def test_the_bytes_moved_with_the_host_are_the_cost_models(options):
+    from tawpipe.runtime.launch import run_local
+
+    results = run_local(_moved, 4, dict(layers=6, acc=2, options=options), timeout=240)
+    for r in results:
+        assert r["moved"][0] > 0 and r["moved"][1] > 0
+        assert r["moved"] == pytest.approx(r["expected"], rel=0, abs=0), r

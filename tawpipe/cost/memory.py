@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,17 +30,46 @@ from .units import decimal, gib
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per rank. ``activations`` = saved chunk inputs (exact) + the recompute working set of
-    one chunk for one micro-batch (estimated, see ``working_set_bytes``)."""
+    one chunk for one micro-batch (estimated, see ``working_set_bytes``). ``host``: what the memory
+    savers keep in host memory instead (``Savers``); not part of ``total``, the device's."""
 
     persistent: float  # float32 master, two AdamW moments, float32 gradient accumulator
     staging: float  # the plan's weight and gradient buffers
     replicated: float  # embedding/head/norm: parameters, gradients, AdamW moments (float32)
     activations: float
     transient: float = 0.0  # held only during a step's end: the gradient norm's float64 copies
+    host: float = 0.0
 
     @property
     def total(self) -> float:
         return self.persistent + self.staging + self.replicated + self.activations + self.transient
+
+
+@dataclass(frozen=True)
+class Savers:
+    """The memory savers a rank runs with, as the cost model counts them (the engine's
+    ``MemoryPolicy``, design §6.2): ``recompute`` "chunk" keeps each chunk's input and runs the
+    chunk again in its backward, "layer" the same a layer at a time (one layer's working set and
+    the layers' inputs), "none" keeps every forward's graph; ``offload_state`` keeps the own
+    chunk's 16 B per parameter on the host; ``offload_activations`` the chunk inputs, of which the
+    device then holds the ones in transit (a slot's k) and two fetched back."""
+
+    recompute: str = "chunk"
+    offload_state: bool = False
+    offload_activations: bool = False
+
+    def activations(self, inputs: int, k: int, input_bytes: float, chunk_layers: int,
+                    working: Callable[[int], float]) -> tuple[float, float]:
+        """(device, host) bytes of activations: ``inputs`` chunk inputs of ``input_bytes`` waiting
+        for their backwards, and the backward's working set (``working(layers)``)."""
+        if self.recompute == "none":  # every forward's graph, kept whole
+            return inputs * working(chunk_layers), 0.0
+        kept, host = inputs * input_bytes, 0.0
+        if self.offload_activations:
+            kept, host = min(inputs, k + 2) * input_bytes, kept
+        if self.recompute == "layer":
+            return kept + (chunk_layers - 1) * input_bytes + working(1), host
+        return kept + working(chunk_layers), host
 
 
 def logits_bytes(dims: ModelDims) -> float:
@@ -66,18 +96,18 @@ def _working_set(s: int, b: int, h: int, a: int, layers: int, dtype_bytes: int) 
     return layers * s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2
 
 
-def memory_per_rank(plan: Plan, dims: ModelDims) -> MemoryEstimate:
+def memory_per_rank(plan: Plan, dims: ModelDims, savers: Savers = Savers()) -> MemoryEstimate:
     """The busiest rank's memory for ``plan`` on a model of ``dims`` (same layers as the plan)."""
     programs = plan.actions[:plan.replica_size]  # every replica runs the same lists
     weight_bufs = max(len({a.buf for a in acts if a.op in WEIGHT_OPS}) for acts in programs)
     grad_bufs = max(len({a.grad_buf if a.op is Op.B else a.buf for a in acts
                          if a.op is Op.B or a.op in GRAD_OPS}) for acts in programs)
     return _layout(dims, max(stop - start for start, stop in plan.chunk_layers), plan.replica_size,
-                   int(plan.options.get("mb_per_fetch", 1)), weight_bufs, grad_bufs)
+                   int(plan.options.get("mb_per_fetch", 1)), weight_bufs, grad_bufs, savers)
 
 
 def estimate_memory(dims: ModelDims, topology: Topology, *, replicas: int = 1, prefetch_depth: int = 1,
-                    mb_per_fetch: int = 1, algo: str = "tawpipe") -> MemoryEstimate:
+                    mb_per_fetch: int = 1, algo: str = "tawpipe", savers: Savers = Savers()) -> MemoryEstimate:
     """What ``memory_per_rank`` counts for a plan of ``algo`` without reuse, from the shapes
     alone: for clusters whose plans are too large to build once per choice (``tawpipe plan``
     advising R). The staging buffers are the schedule's closed-form layout (``Schedule.staging``;
@@ -85,25 +115,29 @@ def estimate_memory(dims: ModelDims, topology: Topology, *, replicas: int = 1, p
     from other nodes of its replica, ``verify``'s bound)."""
     n = topology.world_size // replicas
     weight_bufs, grad_bufs = registry.get(algo).staging(prefetch_depth, topology.nodes // replicas > 1)
-    return _layout(dims, -(-dims.layers // n), n, mb_per_fetch, weight_bufs, grad_bufs)
+    return _layout(dims, -(-dims.layers // n), n, mb_per_fetch, weight_bufs, grad_bufs, savers)
 
 
-def _layout(dims: ModelDims, chunk_layers: int, chunks: int, k: int, weight_bufs: int,
-            grad_bufs: int) -> MemoryEstimate:
+def _layout(dims: ModelDims, chunk_layers: int, chunks: int, k: int, weight_bufs: int, grad_bufs: int,
+            savers: Savers) -> MemoryEstimate:
     """A rank's memory with the largest chunk of ``chunk_layers`` layers, the given staging buffers
     and the inputs of ``chunks`` chunks for ``k`` micro-batches."""
     chunk = chunk_layers * dims.layer_numel
+    state = 16 * chunk
+    activations, offloaded = savers.activations(chunks * k, k, dims.activation_numel * dims.dtype_bytes,
+                                                chunk_layers, lambda layers: working_set_bytes(dims, layers))
     return MemoryEstimate(
-        persistent=16 * chunk,
+        persistent=0.0 if savers.offload_state else state,
         staging=chunk * (weight_bufs * dims.dtype_bytes + grad_bufs * dims.grad_bytes),
         replicated=16 * dims.replicated_numel,
-        activations=chunks * k * dims.activation_numel * dims.dtype_bytes + working_set_bytes(dims, chunk_layers),
+        activations=activations,
+        host=(state if savers.offload_state else 0.0) + offloaded,
     )
 
 
 def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated_numel: int, weight_bytes: int,
                 grad_bytes: int, scratch_bytes: int, seq: int = 0, micro_batch: int = 0, hidden: int = 0,
-                heads: int = 1, vocab: int = 0) -> MemoryEstimate:
+                heads: int = 1, vocab: int = 0, savers: Savers = Savers()) -> MemoryEstimate:
     """``rank``'s memory as the engine lays it out for ``plan`` (``tawpipe.engine.storage``): its
     own chunk's float32 master, gradient accumulator and AdamW moments (16 B per parameter, counted
     from ``chunk_numel``, each chunk's parameters); one staging buffer of the largest chunk per
@@ -113,21 +147,43 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     gradient accumulator and its square that the gradient norm takes (``Precision.local_stats``).
     Activations are estimated: the saved chunk inputs, one chunk's working set
     (``working_set_bytes``) and the head's float32 logits, their log-softmax and gradient; none
-    where the batch is not known (``seq`` 0: the engine before its first batch)."""
+    where the batch is not known (``seq`` 0: the engine before its first batch). ``savers`` move
+    the own chunk's state and the chunk inputs to ``host``."""
     own = chunk_numel[plan.own_chunk(rank)]
     largest = max(chunk_numel)
     names = {b for a in plan.actions[rank] for b in (a.buf, a.grad_buf) if b}
     per_element = {BufKind.WEIGHTS: weight_bytes, BufKind.GRADS: grad_bytes, BufKind.STATE: 4}
     staging = largest * (sum(per_element[buf_kind(b)] for b in names) + scratch_bytes)
-    activations = 0.0
+    activations = offloaded = 0.0
     if seq:
         k = int(plan.options.get("mb_per_fetch", 1))
         chunk_layers = max(b - a for a, b in plan.chunk_layers)
-        boundary = plan.replica_size * k * micro_batch * seq * hidden * weight_bytes
-        logits = _logits(micro_batch, seq, vocab)
-        activations = boundary + _working_set(seq, micro_batch, hidden, heads, chunk_layers, weight_bytes) + logits
-    return MemoryEstimate(persistent=16 * own, staging=staging, replicated=16 * replicated_numel,
-                          activations=activations, transient=16 * own)
+        activations, offloaded = savers.activations(
+            plan.replica_size * k, k, micro_batch * seq * hidden * weight_bytes, chunk_layers,
+            lambda layers: _working_set(seq, micro_batch, hidden, heads, layers, weight_bytes))
+        activations += _logits(micro_batch, seq, vocab)
+    state = 0.0 if savers.offload_state else 16 * own
+    return MemoryEstimate(persistent=state, staging=staging, replicated=16 * replicated_numel,
+                          activations=activations, transient=state,
+                          host=(0.0 if state else 32 * own) + offloaded)
+
+
+def host_bytes(plan: Plan, rank: int, *, own_numel: int, grad_bytes: int, input_bytes: float,
+               savers: Savers) -> tuple[float, float]:
+    """Bytes ``rank`` moves to and from host memory in one iteration of ``plan``: with
+    ``offload_state`` each of its LOAD_W reads the own float32 master (4 B per own parameter, cast
+    on the device) and each ACC_G sends a gradient (``grad_bytes`` per own parameter); with
+    ``offload_activations`` each forward stores its chunk input (``input_bytes``: B·S·H in the
+    compute dtype) and each backward fetches it back."""
+    count = Counter(a.op for a in plan.actions[rank])
+    to_host = from_host = 0.0
+    if savers.offload_state:
+        to_host += count[Op.ACC_G] * grad_bytes * own_numel
+        from_host += count[Op.LOAD_W] * 4 * own_numel
+    if savers.offload_activations:
+        to_host += count[Op.F] * input_bytes
+        from_host += count[Op.B] * input_bytes
+    return to_host, from_host
 
 
 def busiest_rank_memory(plan: Plan, **sizes: Any) -> MemoryEstimate:

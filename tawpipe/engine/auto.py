@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..cost.memory import AUTO, MARGIN, MemoryEstimate, auto_plan, busiest_rank_memory
+from ..cost.memory import AUTO, MARGIN, MemoryEstimate, Savers, auto_plan, busiest_rank_memory
 from ..cost.units import gib
 from ..plan.plan import Plan
 from ..plan.topology import Topology
@@ -74,14 +74,14 @@ def host_available() -> tuple[int, str] | None:
 
 def engine_plan(topology: Topology, num_layers: int, micro_batches: int, *, device: torch.device,
                 budget: float | None, mb_per_fetch: int | str, prefetch_depth: int | str, reuse_weights: bool | str,
-                reserve: float = 0.0, batch: Mapping[str, int] | None = None,
+                reserve: float = 0.0, batch: Mapping[str, int] | None = None, savers: Savers = Savers(),
                 **plan_args: Any) -> tuple[Plan, str | None]:
     """The engine's plan, its ``"auto"`` options chosen within ``budget`` bytes per rank (None:
     ``memory_budget``'s measure less ``reserve``, the rank's own bytes besides the model, which may
     fall back to the least memory where nothing fits). The memory counted is the own chunk's state,
     the staging buffers and the replicated parameters (``rank_memory``): what the engine holds
     before it sees a batch; and the activations of ``batch`` (seq, micro_batch, hidden, heads,
-    vocab) where the caller knows it (``tawpipe train``)."""
+    vocab) where the caller knows it (``tawpipe train``); all as the memory ``savers`` leave it."""
     asked = dict(mb_per_fetch=mb_per_fetch, prefetch_depth=prefetch_depth, reuse_weights=reuse_weights)
     if budget is not None:
         measured, where = float(budget), "memory_budget"
@@ -93,7 +93,7 @@ def engine_plan(topology: Topology, num_layers: int, micro_batches: int, *, devi
         measured, where = math.inf, ""
     wb, gb, layer = plan_args["weight_bytes"], plan_args["grad_bytes"], plan_args["layer_numel"]
     sizes = dict(replicated_numel=plan_args["replicated_numel"], weight_bytes=wb, grad_bytes=gb,
-                 scratch_bytes=wb if gb != wb else 0, **(batch or {}))
+                 scratch_bytes=wb if gb != wb else 0, savers=savers, **(batch or {}))
 
     def memory(plan: Plan) -> MemoryEstimate:
         return busiest_rank_memory(plan, chunk_numel=[(b - a) * layer for a, b in plan.chunk_layers], **sizes)

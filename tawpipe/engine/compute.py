@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from ..plan.actions import Action
+from .activations import ActivationOffload
 from .storage import ChunkStorage
 
 Activation = tuple[int, int]  # (position in the model, micro-batch): where a chunk input or graph is kept
@@ -103,8 +104,10 @@ class ChunkCompute:
     def __init__(self, storage: ChunkStorage, embed: nn.Module, head: nn.Module,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  compute_dtype: torch.dtype, recompute: str, backward_of: dict[ChunkMb, Action],
-                 head_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 head_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 activations: ActivationOffload | None = None) -> None:
         self.s, self.embed, self.head = storage, embed, head
+        self.activations = activations  # where chunk inputs wait for their backward: None, the device
         # the head and the loss in one call: the user's fused one, or loss_fn of the head's logits
         self.head_loss = (functools.partial(head_loss, head) if head_loss is not None
                           else lambda hidden, targets: loss_fn(head(hidden), targets))
@@ -140,6 +143,8 @@ class ChunkCompute:
             st.graphs[(pos, m)] = (x, y)
         else:
             y = self._run(a.chunk, x, self.s.weights(a.buf, a.chunk), st.ctx[m])
+            if self.activations is not None:  # read: to the host until its backward
+                self.activations.store((pos, m), st.x.pop((pos, m)))
         if pos < self.last:
             st.x[(pos + 1, m)] = y.detach()
             return
@@ -157,14 +162,14 @@ class ChunkCompute:
         if self.s.scratch is not None or not a.accumulate:
             self.s.grad_target(a.grad_buf, a.chunk).zero_()
         if self.recompute == "layer":
-            dx = self._backward_by_layer(a, st.x.pop((pos, m)), st.dy.pop((pos, m)), st.ctx[m])
+            dx = self._backward_by_layer(a, self._input((pos, m), st), st.dy.pop((pos, m)), st.ctx[m])
         else:
             if self.recompute == "none":
                 x, y = st.graphs.pop((pos, m))
                 st.x.pop((pos, m))
                 self._backward_buf = self.s.bufs[a.buf]
             else:
-                x = st.x.pop((pos, m)).detach().requires_grad_()
+                x = self._input((pos, m), st).detach().requires_grad_()
                 with torch.enable_grad():
                     y = self._run(a.chunk, x, self.s.leaves(a.buf, a.grad_buf, a.chunk), st.ctx[m])
             with torch.enable_grad():
@@ -178,6 +183,10 @@ class ChunkCompute:
             e = self.embed(st.inputs[m]).to(self.dtype)
             if e.requires_grad:
                 e.backward(dx)
+
+    def _input(self, key: Activation, st: StepState) -> torch.Tensor:
+        """The chunk input a backward re-runs from: kept on the device, or back from the host."""
+        return self.activations.take(key) if self.activations is not None else st.x.pop(key)
 
     def _backward_by_layer(self, a: Action, x: torch.Tensor, dy: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
         """``recompute="layer"``: the chunk's forward again without gradients, keeping only each

@@ -39,6 +39,7 @@ from ..runtime.executor import Executor, Messages
 from ..runtime.timeout import default_timeout
 from . import fingerprint
 from .auto import engine_plan
+from .activations import ActivationOffload
 from .compute import ChunkCompute, EvalState, StepState
 from .precision import Precision
 from .inputs import (check_micro_batches, check_model, check_optimizer, check_policies, check_replicated,
@@ -107,7 +108,7 @@ class TawPipe:
         self.plan: Plan
         self.auto_reason: str | None  # why "auto" chose the options it did; None: all were given
         self.plan, self.auto_reason = engine_plan(
-            topology, len(blocks), micro_batches, device=self.device, budget=memory.budget,
+            topology, len(blocks), micro_batches, device=self.device, budget=memory.budget, savers=memory.savers(),
             layer_numel=sum(p.numel() for p in blocks[0].parameters()),
             weight_bytes=precision.compute_dtype.itemsize, grad_bytes=precision.grad_wire_dtype.itemsize,
             replicated_numel=sum(p.numel() for _, p in replicated) + 1,  # + the loss sum
@@ -130,10 +131,13 @@ class TawPipe:
         _, precision, memory, comm = self.policies
         self.storage = ChunkStorage(self.plan, self.rank, blocks, replicated, model.block_forward, model.names[1],
                                     precision.compute_dtype, precision.grad_wire_dtype, self.device,
-                                    model.materialize, memory.offload, self.timeout)
-        backward_of = {(a.chunk, a.mb): a for a in self.plan.actions[self.rank] if a.op is Op.B}
+                                    model.materialize, memory.offload_state, self.timeout)
+        backwards = [a for a in self.plan.actions[self.rank] if a.op is Op.B]
+        activations = ActivationOffload(self.device, [(self.storage.position[a.chunk], a.mb) for a in backwards]) \
+            if memory.offload_activations else None
         self.compute = ChunkCompute(self.storage, model.embed, model.head, model.loss_fn, precision.compute_dtype,
-                                    memory.recompute, backward_of, model.head_loss if memory.chunked_loss else None)
+                                    memory.recompute, {(a.chunk, a.mb): a for a in backwards},
+                                    model.head_loss if memory.chunked_loss else None, activations)
         self.optimizer = optimizer([p for _, p in self.storage.own_params] + [p for _, p in replicated])
         check_optimizer(self.optimizer)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -261,6 +265,14 @@ class TawPipe:
 
     def memory_report(self) -> MemoryReport:
         return self.storage.memory_report(self.optimizer)
+
+    def host_traffic(self) -> tuple[int, int]:
+        """Bytes this rank moved to and from host memory since it was built: the own chunk's
+        gradients and master with ``offload_state``, the chunk inputs with
+        ``offload_activations`` (``cost.memory.host_bytes`` counts the same from the plan)."""
+        a = self.compute.activations
+        to_host = self.storage.to_host + (a.stored_bytes if a is not None else 0)
+        return to_host, self.storage.from_host + (a.fetched_bytes if a is not None else 0)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters (own chunk and replicated) under the original names."""

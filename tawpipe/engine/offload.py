@@ -1,4 +1,4 @@
-"""The engine's host offload (``offload="host"``): a chunk owner's float32 master and gradient
+"""The engine's host offload (``MemoryPolicy(offload_state=True)``): a chunk owner's float32 master and gradient
 accumulator live in pinned host memory, in a ``tawpipe.runtime.offload.HostOffload`` (public API,
 where its interface is described); the device holds only compute-dtype weights and incoming
 gradients.

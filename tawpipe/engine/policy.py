@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..cost.memory import AUTO
+from ..cost.memory import AUTO, Savers
 from ..ops import SUPPORTED_DTYPES
 from ..plan import registry
 from ..plan.plan import GRAD_ROUTES
@@ -26,7 +26,6 @@ from ..runtime.comm import Comm
 from .precision import Precision
 
 RECOMPUTE = ("chunk", "layer", "none")
-OFFLOAD = (None, "host")
 
 
 def _whole(value: Any) -> bool:
@@ -111,28 +110,38 @@ class MemoryPolicy:
     "chunk" keeps a chunk's input and runs it again in the backward (the paper's); "layer" does
     too, but the backward runs the chunk again keeping only its layers' inputs and then one layer
     at a time, so one layer's activations are alive at once whatever the chunk's size; "none"
-    keeps the forward's graph (design §6.2). ``offload="host"`` keeps the own chunk's master, gradient
+    keeps the forward's graph (design §6.2). ``offload_state`` keeps the own chunk's master, gradient
     accumulator and optimizer state in pinned host memory (design §6.1). ``budget``: bytes per
     rank that the "auto" schedule options must fit (None: the free memory less a margin).
     ``chunked_loss``: the head and loss a slice of tokens at a time, never the whole [tokens,
-    vocabulary] float32 logits (the model's ``head_loss``, equal to the plain loss to ~1e-6)."""
+    vocabulary] float32 logits (the model's ``head_loss``, equal to the plain loss to ~1e-6).
+    ``offload_activations``: the chunk inputs a forward keeps for its backward wait in pinned host
+    memory, stored as soon as the forward is done and fetched back ahead of the backward (with
+    recompute "chunk" or "layer"; ``tawpipe.engine.activations``)."""
 
     recompute: str = "chunk"
-    offload: str | None = None
+    offload_state: bool = False
+    offload_activations: bool = False
     budget: float | None = None
     chunked_loss: bool = False
+
+    def savers(self) -> Savers:
+        """These options as the cost model counts them."""
+        return Savers(self.recompute, self.offload_state, self.offload_activations)
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
-        if self.offload not in OFFLOAD:
-            raise ValueError(f"offload must be None or 'host', got {self.offload!r}")
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
                                         or not self.budget > 0):
             raise ValueError(f"budget must be None (measure the free memory) or bytes per rank > 0, "
                              f"got {self.budget!r}")
-        if not isinstance(self.chunked_loss, bool):
-            raise ValueError(f"chunked_loss must be True or False, got {self.chunked_loss!r}")
+        for name in ("chunked_loss", "offload_state", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.offload_activations and self.recompute == "none":
+            raise ValueError("offload_activations keeps a chunk's input on the host, which recompute='none' does not "
+                             "run from (it keeps the whole graph): use recompute='chunk' or 'layer'")
 
 
 @dataclass(frozen=True)

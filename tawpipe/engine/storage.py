@@ -1,7 +1,7 @@
 """What one rank stores (design §6.1): its own chunk, the replicated modules, the staging buffers.
 
 Device-bound storage: the own chunk's float32 master and float32 gradient accumulator are flat
-buffers whose views are the optimizer's parameters and their ``.grad``; with ``offload="host"``
+buffers whose views are the optimizer's parameters and their ``.grad``; with ``offload_state``
 they live in (pinned) host memory and stream to and from the device (``tawpipe.engine.offload``). The replicated modules
 (embedding, head) keep their own parameters, whose ``.grad`` are views of one flat buffer
 ``rep`` that also holds this rank's loss sum, so the replicated all-reduce is one collective on
@@ -86,7 +86,7 @@ class ChunkStorage:
                  replicated: list[tuple[str, nn.Parameter]], block_forward: BlockForward,
                  block_prefix: str, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
                  device: torch.device, materialize: Materialize | None = None,
-                 offload: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+                 offload: bool = False, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.plan, self.rank, self.device = plan, rank, device
         self.compute_dtype, self.grad_dtype = compute_dtype, grad_dtype
         self.own_chunk = plan.own_chunk(rank)
@@ -108,9 +108,10 @@ class ChunkStorage:
         self._init_replicated(replicated)
         self._init_staging()
         self._leaves: dict[tuple[str, str, int], list[torch.Tensor]] = {}
+        self.to_host = self.from_host = 0  # bytes the own chunk's state moved with the host (offload)
 
     def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None,
-                  offload: str | None, timeout: float) -> None:
+                  offload: bool, timeout: float) -> None:
         start, stop = self.plan.chunk_layers[self.own_chunk]
         layout = self.layouts[stop - start]
         own = []
@@ -125,9 +126,9 @@ class ChunkStorage:
                     raise ValueError(f"materialize(block, {i}) must return the block with real weights")
             own.append(block)
         modules = nn.ModuleList(own)
-        master = layout.new_flat(torch.float32, self.device if offload is None else "cpu")
+        master = layout.new_flat(torch.float32, "cpu" if offload else self.device)
         layout.pack([p.detach().to(master.device) for p in modules.parameters()], master)
-        if offload is None:
+        if not offload:
             self.offload, self.master, self.grad_acc = None, master, torch.zeros_like(master)
         else:  # master and accumulator in (pinned) host memory, streamed in pieces (design §6.1)
             self.offload = HostOffload(layout, self.device, init=master, timeout=timeout)
@@ -207,6 +208,7 @@ class ChunkStorage:
             dst.copy_(self.master)
         else:
             self.offload.load_weights_into(dst)
+            self.from_host += self.master.nbytes  # the float32 master crosses, cast on the device
 
     def accumulate(self, buf: str, chunk: int) -> None:
         """ACC_G: a gradient buffer added into the own float32 accumulator."""
@@ -215,6 +217,7 @@ class ChunkStorage:
             self.grad_acc.add_(src)
         else:
             self.offload.accumulate_grad(src)
+            self.to_host += src.nbytes
 
     def harvest(self, grad_buf: str, chunk: int, accumulate: bool) -> None:
         """Move a backward's gradient from the scratch into the plan's buffer (dtype differs)."""

@@ -57,6 +57,9 @@ class TrainConfig:
     replicas: int = 1
     grad_wire_dtype: str = "float32"
     loss: str = "plain"
+    recompute: str = "chunk"
+    offload_state: bool = False
+    offload_activations: bool = False
     comm: str = "torch"
     seed: int = 0
     save: str | None = None
@@ -79,7 +82,7 @@ class TrainConfig:
 # may change on resume: they do not change what is trained
 NOT_TRAINING = ("save", "save_every", "resume", "export", "val_every", "val_batches", "metrics", "tensorboard",
                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "memory_budget", "replicas",
-                "max_skipped_in_a_row", "loss", "comm")
+                "max_skipped_in_a_row", "loss", "comm", "recompute", "offload_state", "offload_activations")
 
 
 def flag(name: str) -> str:
@@ -135,6 +138,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunked: the head and cross-entropy a slice of tokens at a time, never the whole "
                         "[tokens, vocabulary] float32 logits (equal to plain to ~1e-6; for long sequences; "
                         "built-in models)")
+    p.add_argument("--recompute", choices=("chunk", "layer", "none"), default=d.recompute,
+                   help="what a backward runs again: the chunk from its input (the paper's), the same a layer at a "
+                        "time (one layer's activations alive at once), or nothing (every forward's graph kept)")
+    p.add_argument("--offload-state", action="store_true",
+                   help="keep the own chunk's float32 master, gradients and optimizer state in host memory")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="keep the chunk inputs a forward saves for its backward in host memory until then")
     p.add_argument("--comm", choices=comm_names(), default=d.comm,
                    help="the communication backend: torch (torch.distributed: gloo, or NCCL on GPUs) or another "
                         "registered one (nccl-native: tawpipe's own NCCL, GPUs under torchrun)")

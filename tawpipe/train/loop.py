@@ -65,7 +65,7 @@ def build_engine(cfg: TrainConfig, parts: models.ModelParts, topology: Topology,
                                 cfg.grad_route),
         precision=PrecisionPolicy(dtype, torch.float32 if cfg.grad_wire_dtype == "float32" else dtype,
                                   max_grad_norm=cfg.max_grad_norm),
-        memory=MemoryPolicy(chunked_loss=cfg.loss == "chunked"),
+        memory=MemoryPolicy(cfg.recompute, cfg.offload_state, cfg.offload_activations, chunked_loss=cfg.loss == "chunked"),
         comm=CommPolicy(cfg.comm),
     )
 

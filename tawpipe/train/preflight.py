@@ -20,7 +20,7 @@ import torch
 
 from .. import models
 from ..commands import as_flags
-from ..cost.memory import AUTO, MemoryEstimate, describe, rank_memory
+from ..cost.memory import AUTO, MemoryEstimate, Savers, describe, rank_memory
 from ..cost.units import gib
 from ..engine.auto import engine_plan, host_available
 from ..io import checkpoint
@@ -142,7 +142,8 @@ def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], e
     batch = {k: sizes[k] for k in ("seq", "micro_batch", "hidden", "heads", "vocab")}
     plan, why = engine_plan(topology, len(blocks), cfg.micro_batches, device=device,
                             budget=None if cfg.memory_budget is None else cfg.memory_budget * GiB,
-                            reserve=RUNTIME_BYTES, batch=batch, grad_route=cfg.grad_route, algo=cfg.algo,
+                            reserve=RUNTIME_BYTES, batch=batch, savers=sizes["savers"], grad_route=cfg.grad_route,
+                            algo=cfg.algo,
                             mb_per_fetch=cfg.mb_per_fetch, prefetch_depth=cfg.prefetch_depth,
                             reuse_weights=cfg.reuse_weights, replicas=cfg.replicas,
                             layer_numel=sum(p.numel() for p in blocks[0].parameters()), weight_bytes=weight_bytes,
@@ -157,13 +158,14 @@ def _wire_bytes(cfg: TrainConfig) -> tuple[int, int]:
 
 
 def _rank_sizes(cfg: TrainConfig, blocks: list[torch.nn.Module], embed: torch.nn.Module, head: torch.nn.Module,
-                shape: models.ModelDims) -> dict[str, int]:
+                shape: models.ModelDims) -> dict[str, Any]:
     """``rank_memory``'s sizes but the chunks' (``_chunk_numel``, which depend on the plan)."""
     weight_bytes, grad_bytes = _wire_bytes(cfg)
     return dict(replicated_numel=sum({id(p): p.numel() for m in (embed, head) for p in m.parameters()}.values()),
                 weight_bytes=weight_bytes, grad_bytes=grad_bytes,
                 scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0, seq=cfg.seq_len,
-                micro_batch=cfg.micro_batch_size, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab)
+                micro_batch=cfg.micro_batch_size, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
+                savers=Savers(cfg.recompute, cfg.offload_state, cfg.offload_activations))
 
 
 def _chunk_numel(plan: Plan, blocks: list[torch.nn.Module]) -> list[int]:
@@ -244,8 +246,8 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
         free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))
         need, available, where = busiest.total + RUNTIME_BYTES, free, "free on this rank's GPU"
         ranks = "this rank"
-    else:
-        need = sum(m.total for m in per_rank) + len(per_rank) * RUNTIME_BYTES
+    else:  # the ranks' devices are this host's memory, and so is what they offload
+        need = sum(m.total + m.host for m in per_rank) + len(per_rank) * RUNTIME_BYTES
         available, where = host_available() or (None, "")
         ranks = f"{len(per_rank)} rank(s) on this host"
     detail = (f"{gib(need)} for {ranks}; per rank up to {gib(busiest.total + RUNTIME_BYTES)}: {_breakdown(busiest)}")
@@ -254,7 +256,8 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
                 f"more machines under torchrun (this host runs all {topology.world_size} ranks)")
         raise ValueError(f"not enough memory: the run needs about {detail}; {gib(available)} is available ({where}): "
                          f"use {more}, a smaller --prefetch-depth or --mb-per-fetch (fewer staging buffers), "
-                         "--dtype bfloat16, a smaller --micro-batch-size or --seq-len, or a smaller model "
+                         "--recompute layer, --offload-activations or --offload-state (on a GPU: device memory to "
+                         "the host), --dtype bfloat16, a smaller --micro-batch-size or --seq-len, or a smaller model "
                          "(--model, --layers)")
     return f"memory estimate: {detail}" + (f"; {gib(available)} available ({where})" if available is not None else "")
 
@@ -262,7 +265,8 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
 def _breakdown(m: MemoryEstimate) -> str:
     return (f"own chunk {gib(m.persistent)} (16 B per parameter: float32 master, gradient accumulator, AdamW), "
             f"staging {gib(m.staging)}, replicated {gib(m.replicated)}, activations ~{gib(m.activations)}, "
-            f"gradient norm {gib(m.transient)}, runtime ~{gib(RUNTIME_BYTES)}")
+            f"gradient norm {gib(m.transient)}, runtime ~{gib(RUNTIME_BYTES)}"
+            + (f"; in host memory {gib(m.host)} (offloaded)" if m.host else ""))
 
 
 def _vocab(cfg: TrainConfig) -> int:
