@@ -10,12 +10,13 @@
 #   3. runs benchmarks/ops_bench.py on the GPU (pack/unpack vs D2D copy and _foreach_copy_);
 #   4. runs `tawpipe bench prefetch` (targets: >= 90% of pinned-copy bandwidth, overlap <= 1.1);
 #   5. runs `tawpipe bench comm` at world size 1 with the nccl and nccl-native backends;
-#   6. calibrates the simulator on the GPU (`tawpipe simulate --calibrate --calibrate-on cuda`) at
+#   6. runs benchmarks/memory_bench.py: the memory savers against plain torch, and 2x2 on the one GPU;
+#   7. calibrates the simulator on the GPU (`tawpipe simulate --calibrate --calibrate-on cuda`) at
 #      the paper's model (S = 4096 and 16384) and LLaMA-7B's (S = 4096): device_cuda_*.json.
 #
 # Everything lands in $OUT if set, else benchmarks/results/: gpu_check.json (summary with the GPU
 # name), gpu_env.txt, build.log, tests.xml/tests.log, prefetch_cuda.json, comm_nccl_1x1.{json,png},
-# comm_nccl-native_1x1.{json,png}, device_cuda_*.json and their logs. Each step has a time limit; a failing step does
+# comm_nccl-native_1x1.{json,png}, memory_bench_<gpu>.json, device_cuda_*.json and their logs. Each step has a time limit; a failing step does
 # not stop the others; the exit code is non-zero if any failed. About 4-8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +34,7 @@ declare -A STATUS
 
 # GPU_CHECK_STEPS picks steps (default: all), so that the check fits commands of limited length:
 # e.g. GPU_CHECK_STEPS="build tests", then GPU_CHECK_STEPS="ops_bench prefetch comm".
-STEPS=" ${GPU_CHECK_STEPS:-build tests ops_bench prefetch comm calibrate} "
+STEPS=" ${GPU_CHECK_STEPS:-build tests ops_bench prefetch comm memory calibrate} "
 
 step() {  # step NAME SECONDS LOG COMMAND...: run with a time limit, record the exit code
   local name=$1 limit=$2 log=$3
@@ -75,6 +76,9 @@ for backend in nccl nccl-native; do
   step "comm_$backend" 150 "$DEST/comm_$backend.log" "$PY" -m tawpipe bench comm --backend "$backend" \
     --nodes 1 --per-node 1 -b 1K -e 256M -f 4 -n 20 -w 5 --json "$DEST/comm_${backend}_1x1.json"
 done
+
+# Memory savers against plain torch (world size 1) and a 2x2 job as 4 processes on the GPU (#35).
+step memory 540 "$DEST/memory.log" "$PY" benchmarks/memory_bench.py --out "$DEST"
 
 for shape in "paper 4096" "paper 16384" "7b 4096"; do
   set -- $shape

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tawpipe.runtime import comm as comms
 from tawpipe.runtime.comm import RecordingComm
 from tawpipe.runtime.comm.torch_dist import TorchDistComm
 from tawpipe.engine.engine import TawPipe, default_optimizer
@@ -173,7 +174,7 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
         model = TinyLM(layers)
         ref, ref_losses = reference_run(model, world * acc * MB_ROWS, steps, clip)
         log: list = []
-        comm = RecordingComm(TorchDistComm(topo, timeout=120))
+        comm = RecordingComm(comms.create(case.get("comm", "torch"), topo, 120.0, torch.device("cpu")))
         comm.log = log
         eng_model = copy.deepcopy(model)
         options = {k: case[k] for k in _ENGINE_OPTIONS if k in case}

@@ -75,7 +75,7 @@ def test_bad_arguments(kwargs, message) -> None:
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(topology=(2, 2)), TypeError, "topology must be a tawpipe.Topology"),
-    (dict(comm="gloo"), ValueError, r"backend must be a tawpipe.runtime.comm.Comm or one of \(.torch., .nccl-native.\)"),
+    (dict(comm="gloo"), ValueError, r"backend must be a tawpipe.runtime.comm.Comm or one of \(.torch., .nccl-native., .gloo-staged.\)"),
     (dict(loss_fn=None), TypeError, "loss_fn is required"),
     (dict(optimizer=torch.optim.AdamW([torch.zeros(1, requires_grad=True)])), TypeError, "optimizer must be callable"),
     (dict(block_context="rope"), TypeError, "block_context must be callable"),

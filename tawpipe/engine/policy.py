@@ -147,7 +147,8 @@ class MemoryPolicy:
 @dataclass(frozen=True)
 class CommPolicy:
     """How ranks talk: ``backend``, a name of ``tawpipe.runtime.comm`` ("torch": torch.distributed,
-    the default; "nccl-native": tawpipe's own NCCL) or a ``Comm`` built by hand; ``timeout``:
+    the default; "nccl-native": tawpipe's own NCCL; "gloo-staged": gloo with GPU tensors staged
+    through pinned host memory, for several ranks on one GPU) or a ``Comm`` built by hand; ``timeout``:
     seconds any wait may take (None: ``TAWPIPE_TIMEOUT``, else 300); ``overlap``: communication
     runs on its channels' threads beside compute (False: every transfer is waited for at once,
     for measurements)."""

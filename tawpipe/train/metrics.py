@@ -35,7 +35,9 @@ def peak_device_bytes(device: torch.device) -> int:
 
 def gather_peaks(device: torch.device) -> list[dict[str, int]]:
     """Every rank's peak host and device bytes (a collective: call it on every rank)."""
-    mine = torch.tensor([peak_host_bytes(), peak_device_bytes(device)], dtype=torch.int64, device=device)
+    # on the device only where the job's collectives need it there (NCCL; gloo takes host tensors)
+    where = device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor([peak_host_bytes(), peak_device_bytes(device)], dtype=torch.int64, device=where)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         rows = [mine]
     else:

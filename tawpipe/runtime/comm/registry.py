@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 _BACKENDS: dict[str, type[Comm] | str] = {
     "torch": "tawpipe.runtime.comm.torch_dist:TorchDistComm",  # torch.distributed: gloo, or NCCL on GPUs
     "nccl-native": "tawpipe.runtime.comm.nccl_native:NcclComm",  # tawpipe's own NCCL: a grouped launch per batch
+    # gloo with GPU tensors staged through pinned host memory: several ranks sharing one GPU
+    "gloo-staged": "tawpipe.runtime.comm.staged:StagedComm",
 }
 
 

@@ -73,8 +73,8 @@ class TorchDistComm(Comm):
     def channel_comm(self, name: str) -> Comm:
         # Created on first use; every rank asks for the same channels in the same order.
         if name not in self._channels:
-            self._channels[name] = TorchDistComm(self.topology, self.timeout, _channel=name, _groups=self._extra,
-                                                 backend=self._backend)
+            self._channels[name] = type(self)(self.topology, self.timeout, _channel=name, _groups=self._extra,
+                                              backend=self._backend)
         return self._channels[name]
 
     def add_groups(self, groups: Sequence[Group]) -> None:

@@ -1,0 +1,362 @@
+"""Device memory and time of the engine's memory savers against plain torch, on one GPU (#35).
+
+    python benchmarks/memory_bench.py                        # both parts, S = 8192 and 32768, cuda:0
+    python benchmarks/memory_bench.py --parts single --seq 8192
+    python benchmarks/memory_bench.py --device cpu --small   # every code path on the CPU, in seconds
+
+Part ``single`` (world size 1), at each ``--seq``: the built-in LLaMA (L=8, H=2048, 16 heads,
+V=32000: 403 M block parameters), 4 micro-batches of 1 x S per iteration, bf16 compute, float32
+weights and AdamW, the chunked loss (``linear_cross_entropy``) in every row, so that the logits
+do not hide the difference. Rows:
+
+- ``torch``: a plain loop, autocast to bf16, ``torch.utils.checkpoint`` around every block;
+- ``chunk``, ``layer``: the engine recomputing a chunk whole, or a layer at a time;
+- ``layer+state``: ``layer`` with the own chunk's weights, gradients and AdamW state on the host.
+
+Targets: ``layer`` peaks at <= 1.10x torch's in <= 1.05x its time; ``layer+state`` takes at
+least 90% of the own chunk's 16 B per parameter off the peak, in <= 1.15x ``layer``'s time.
+
+Part ``shared``: a 2x2 topology as 4 processes on the one GPU, their transfers over gloo staged
+through pinned host memory (``CommPolicy("gloo-staged")``), ``recompute="layer"`` with and without
+``offload_activations``. First a small float32 model checks that every rank's update equals
+single-device training; then, at the first ``--seq``, each rank's peak and time: the peak must
+drop by at least 90% of the saved-input bytes the cost model moves off the device, in <= 1.10x
+the time without offload. The ranks share the GPU's time, so only that ratio means anything.
+
+Peaks are ``torch.cuda.max_memory_allocated`` over the timed iterations (per process); times the
+median of ``--iters`` iterations after ``--warmup``. Writes ``<out>/memory_bench_<device>.json``
+(default ``tawpipe-results/``) and prints a table. Exit status 1 if a target or check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from tawpipe.cost.memory import Savers, memory_per_rank
+from tawpipe.engine import TawPipe
+from tawpipe.engine.engine import default_optimizer
+from tawpipe.engine.policy import CommPolicy, MemoryPolicy, PrecisionPolicy
+from tawpipe.models.llama import Llama, LlamaConfig, block_forward, chunked_head_loss, llama_loss, llama_parts
+from tawpipe.plan.topology import Topology
+from tawpipe.runtime.launch import free_port, run_local
+
+SEED = 0
+ROWS = {  # row: the engine's MemoryPolicy (None: plain torch)
+    "torch": None,
+    "chunk": dict(recompute="chunk"),
+    "layer": dict(recompute="layer"),
+    "layer+state": dict(recompute="layer", offload_state=True),
+}
+TARGETS = {"layer_peak": 1.10, "layer_time": 1.05, "state_time": 1.15, "offload_time": 1.10, "dropped": 0.90,
+           "update_err": 1e-5}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model and batch every row trains."""
+
+    layers: int = 8
+    hidden: int = 2048
+    heads: int = 16
+    vocab: int = 32000
+    seq: int = 8192
+    micro_batches: int = 4
+
+    def model(self) -> LlamaConfig:
+        return LlamaConfig(vocab_size=self.vocab, hidden=self.hidden, n_layers=self.layers, n_heads=self.heads,
+                           n_kv_heads=self.heads, max_seq_len=self.seq, tie_embeddings=False)
+
+
+SMALL = Shape(layers=8, hidden=64, heads=4, vocab=512, seq=64)
+
+
+def tokens(shape: Shape, rows: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` random sequences of step ``step`` (the same on every rank), inputs and targets."""
+    g = torch.Generator().manual_seed(1000 + step)
+    t = torch.randint(0, shape.vocab, (rows, shape.seq + 1), generator=g)
+    return t[:, :-1].to(device), t[:, 1:].to(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def timed(step, device: torch.device, warmup: int, iters: int) -> dict:
+    """Median seconds of ``iters`` calls of ``step(i)`` after ``warmup``, and the peak over them."""
+    for i in range(warmup):
+        step(i)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(warmup, warmup + iters):
+        t0 = time.perf_counter()
+        step(i)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(times), "peak_bytes": peak_bytes(device)}
+
+
+# ------------------------------------------------------------------ world size 1
+
+
+def torch_row(shape: Shape, device: torch.device, warmup: int, iters: int) -> dict:
+    """Plain torch: autocast to bf16, a checkpoint around every block, the chunked loss."""
+    model = Llama(shape.model(), SEED).to(device)
+    opt = default_optimizer(list(model.parameters()))
+    ctx = model.block_context(shape.seq, device)
+
+    def step(i: int) -> None:
+        x, y = tokens(shape, shape.micro_batches, i, device)
+        for m in range(shape.micro_batches):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                h = model.embed(x[m:m + 1])
+                for block in model.blocks:
+                    h = checkpoint(block_forward, block, h, use_reentrant=False, **ctx)
+                loss = chunked_head_loss(model.head, h, y[m:m + 1]) / shape.micro_batches
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out = timed(step, device, warmup, iters)
+    return {**out, "own_params": None, "staging_bytes": {}}
+
+
+def engine(shape: Shape, device: torch.device, topology: Topology, memory: dict, dtype: torch.dtype,
+           comm: str = "torch") -> TawPipe:
+    parts = llama_parts(shape.model(), seed=SEED, device=device, compute_dtype=dtype)
+    return TawPipe(parts, topology=topology, micro_batches=shape.micro_batches, device=device,
+                   precision=PrecisionPolicy(compute_dtype=dtype),
+                   memory=MemoryPolicy(chunked_loss=True, **memory), comm=CommPolicy(comm))
+
+
+def own_params(eng: TawPipe) -> int:
+    return eng.memory_report().master // 4
+
+
+def engine_row(shape: Shape, device: torch.device, memory: dict, warmup: int, iters: int) -> dict:
+    eng = engine(shape, device, Topology(1, 1), memory, torch.bfloat16)
+    try:
+        out = timed(lambda i: eng.step(tokens(shape, shape.micro_batches, i, device)), device, warmup, iters)
+        # the plan's weight and gradient buffers: what the engine stages beyond torch's autocast copies
+        return {**out, "own_params": own_params(eng), "staging_bytes": eng.memory_report().staging}
+    finally:
+        eng.close()
+
+
+def single(shape: Shape, device: torch.device, warmup: int, iters: int) -> dict:
+    """Every row of part ``single`` at ``shape.seq``, and the targets' ratios."""
+    rows = {}
+    for name, memory in ROWS.items():
+        rows[name] = (torch_row(shape, device, warmup, iters) if memory is None
+                      else engine_row(shape, device, memory, warmup, iters))
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"  S={shape.seq} {name}: {rows[name]['seconds']:.3f} s, peak {_gib(rows[name]['peak_bytes'])}",
+              flush=True)
+    out = {"seq": shape.seq, "rows": rows, "checks": {}}
+    if device.type == "cuda":
+        t, lay, st = rows["torch"], rows["layer"], rows["layer+state"]
+        state_bytes = 16 * lay["own_params"]
+        dropped = (lay["peak_bytes"] - st["peak_bytes"]) / state_bytes
+        out["ratios"] = {"layer_peak_vs_torch": lay["peak_bytes"] / t["peak_bytes"],
+                         "layer_time_vs_torch": lay["seconds"] / t["seconds"],
+                         "state_dropped_of_16B_per_param": dropped,
+                         "state_time_vs_layer": st["seconds"] / lay["seconds"]}
+        r = out["ratios"]
+        out["checks"] = {"layer_peak": r["layer_peak_vs_torch"] <= TARGETS["layer_peak"],
+                         "layer_time": r["layer_time_vs_torch"] <= TARGETS["layer_time"],
+                         "state_dropped": dropped >= TARGETS["dropped"],
+                         "state_time": r["state_time_vs_layer"] <= TARGETS["state_time"]}
+    return out
+
+
+def _single_process(port: int, shape: Shape, seqs: list[int], device: torch.device, warmup: int,
+                    iters: int) -> list[dict]:
+    """Part ``single`` in one process joined as a job of one (the engine's comm needs a job)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=300), **({"device_id": device} if cuda else {}))
+    try:
+        return [single(replace(shape, seq=s), device, warmup, iters) for s in seqs]
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ 2x2 on one GPU
+
+
+def _device(kind: str) -> torch.device:
+    if kind == "cuda":
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def shared_exactness(rank: int, kind: str, shape: Shape) -> float | None:
+    """One float32 step on a 2x2 job over gloo-staged with every saver; rank 0 compares the
+    gathered model with single-device training on the whole global batch (rel. error, worst)."""
+    device, world = _device(kind), dist.get_world_size()
+    memory = dict(recompute="layer", offload_activations=True, offload_state=True)
+    eng = engine(shape, device, Topology(2, 2), memory, torch.float32, comm="gloo-staged")
+    rows = shape.micro_batches
+    x, y = tokens(shape, world * rows, 0, device)
+    eng.step((x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]))
+    full = eng.full_state_dict()
+    eng.close()
+    if rank != 0:
+        return None
+    ref = Llama(shape.model(), SEED).to(device)
+    opt = default_optimizer(list(ref.parameters()))
+    llama_loss(ref(x), y).backward()
+    opt.step()
+    want = dict(ref.named_parameters())
+    return max(((full[n].to(device) - p).norm() / p.norm()).item() for n, p in want.items())
+
+
+def shared_rank(rank: int, kind: str, shape: Shape, offload: bool, warmup: int, iters: int) -> dict:
+    """One rank of the 2x2 job at ``shape``: its peak and time, and what the cost model says
+    activation offload moves off its device."""
+    device, world = _device(kind), dist.get_world_size()
+    eng = engine(shape, device, Topology(2, 2), dict(recompute="layer", offload_activations=offload),
+                 torch.bfloat16, comm="gloo-staged")
+    rows = shape.micro_batches
+
+    def step(i: int) -> None:
+        x, y = tokens(shape, world * rows, i, device)
+        eng.step((x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]))
+
+    try:
+        out = timed(step, device, warmup, iters)
+        dims = shape.model().dims(seq=shape.seq, micro_batch=1, dtype_bytes=2, scores=False)
+        kept = [memory_per_rank(eng.plan, dims, Savers("layer", offload_activations=o)).activations
+                for o in (False, True)]
+        return {**out, "rank": rank, "cost_model_moved_off_bytes": kept[0] - kept[1],
+                "host_traffic_bytes": list(eng.host_traffic())}
+    finally:
+        eng.close()
+
+
+def shared(kind: str, shape: Shape, small: Shape, warmup: int, iters: int) -> dict:
+    err = run_local(shared_exactness, 4, kind, small, timeout=600)[0]
+    print(f"  2x2 on one {kind}: worst relative parameter error after a step {err:.2e}", flush=True)
+    runs = {}
+    for offload in (False, True):
+        runs[offload] = run_local(shared_rank, 4, kind, shape, offload, warmup, iters, timeout=600)
+        print(f"  2x2 S={shape.seq} offload_activations={offload}: "
+              + ", ".join(f"rank {r['rank']} {r['seconds']:.2f} s {_gib(r['peak_bytes'])}" for r in runs[offload]),
+              flush=True)
+    out = {"seq": shape.seq, "update_err": err, "without": runs[False], "with": runs[True],
+           "checks": {"exact": err <= TARGETS["update_err"]}}
+    if kind == "cuda":
+        dropped = [(a["peak_bytes"] - b["peak_bytes"]) / b["cost_model_moved_off_bytes"]
+                   for a, b in zip(runs[False], runs[True])]
+        time_ratio = max(b["seconds"] for b in runs[True]) / max(a["seconds"] for a in runs[False])
+        out["ratios"] = {"dropped_of_cost_model": dropped, "time_with_vs_without": time_ratio}
+        out["checks"].update(dropped=min(dropped) >= TARGETS["dropped"], time=time_ratio <= TARGETS["offload_time"])
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def table(result: dict) -> str:
+    lines = [f"# memory_bench on {result['device_name']} (torch {result['torch']})", "",
+             "| part | S | row | s/iteration | peak | ratio |", "|---|---|---|---|---|---|"]
+    for part in result.get("single", []):
+        base = part["rows"]["torch"]
+        for name, r in part["rows"].items():
+            ratio = (f"{r['seconds'] / base['seconds']:.2f}x time, {r['peak_bytes'] / base['peak_bytes']:.2f}x peak"
+                     if r["peak_bytes"] and base["peak_bytes"] else "")
+            lines.append(f"| single | {part['seq']} | {name} | {r['seconds']:.3f} | {_gib(r['peak_bytes'])} | {ratio} |")
+        staged = part["rows"]["layer"]["staging_bytes"]
+        lines.append("| | | (engine staging: " + ", ".join(f"{k} {_gib(v)}" for k, v in sorted(staged.items())) + ") | | | |")
+    sh = result.get("shared")
+    if sh:
+        for label, key in (("2x2, no offload", "without"), ("2x2, activation offload", "with")):
+            worst = max(sh[key], key=lambda r: r["seconds"])
+            peak = max((r["peak_bytes"] or 0) for r in sh[key]) or None
+            lines.append(f"| shared | {sh['seq']} | {label} | {worst['seconds']:.3f} | {_gib(peak)} (worst rank) | |")
+        lines.append(f"\n2x2 update error against single-device training: {sh['update_err']:.2e}")
+        if "ratios" in sh:
+            r = sh["ratios"]
+            lines.append("activation offload: peak drop / cost model's bytes per rank "
+                         + ", ".join(f"{d:.2f}" for d in r["dropped_of_cost_model"])
+                         + f"; time with / without {r['time_with_vs_without']:.2f} (shared GPU: only this ratio)")
+    for part in result.get("single", []):
+        if "ratios" in part:
+            r = part["ratios"]
+            lines.append(f"S={part['seq']}: layer {r['layer_peak_vs_torch']:.2f}x torch's peak in "
+                         f"{r['layer_time_vs_torch']:.2f}x its time; state offload took "
+                         f"{r['state_dropped_of_16B_per_param']:.0%} of 16 B/param off in "
+                         f"{r['state_time_vs_layer']:.2f}x layer's time")
+    failed = [f"{p}:{c}" for p, checks in result["checks"].items() for c, ok in checks.items() if not ok]
+    lines.append("targets and checks: " + ("all met" if not failed else "NOT MET: " + ", ".join(failed)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="single,shared", help="comma-separated: single, shared (both)")
+    p.add_argument("--seq", default="8192,32768", help="sequence lengths of part single; shared uses the first")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--small", action="store_true", help="a small model and sequence: a smoke run of every path")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--out", default="tawpipe-results")
+    args = p.parse_args(argv)
+    parts = args.parts.split(",")
+    if not set(parts) <= {"single", "shared"}:
+        p.error(f"--parts: unknown {sorted(set(parts) - {'single', 'shared'})}; choose from single, shared")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here; use --device cpu --small for a smoke run")
+    shape = SMALL if args.small else Shape()
+    seqs = [shape.seq] if args.small else [int(s) for s in args.seq.split(",")]
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else f"cpu ({platform.processor() or 'host'})"
+    result: dict = {"device_name": name, "torch": torch.__version__, "shape": asdict(shape), "seqs": seqs,
+                    "warmup": args.warmup, "iters": args.iters, "targets": TARGETS, "checks": {},
+                    "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
+    if "single" in parts:
+        result["single"] = _single_process(free_port(), shape, seqs, device, args.warmup, args.iters)
+        for part in result["single"]:
+            result["checks"][f"single S={part['seq']}"] = part["checks"]
+    if "shared" in parts:
+        result["shared"] = shared(args.device, replace(shape, seq=seqs[0]), SMALL, args.warmup, args.iters)
+        result["checks"]["shared"] = result["shared"]["checks"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    label = "cpu" if args.device == "cpu" else name.lower().replace("nvidia ", "").replace(" ", "_")
+    path = out / f"memory_bench_{label}{'_small' if args.small else ''}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
+    print(table(result))
+    print(f"wrote {path}")
+    return 0 if all(ok for checks in result["checks"].values() for ok in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

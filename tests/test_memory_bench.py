@@ -1,0 +1,33 @@
+"""benchmarks/memory_bench.py on the CPU, small: every row and both parts run, the 2x2 job over
+gloo-staged equals single-device training, and the JSON and table say what ran (the GPU figures
+come from the same script with no arguments)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_memory_benchmark_runs_every_row_and_checks_the_shared_job(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory_bench.py"), "--device", "cpu", "--small",
+           "--warmup", "1", "--iters", "1", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    doc = json.loads((tmp_path / "memory_bench_cpu_small.json").read_text())
+    (part,) = doc["single"]
+    assert list(part["rows"]) == ["torch", "chunk", "layer", "layer+state"]
+    assert all(r["seconds"] > 0 for r in part["rows"].values())
+    layers, hidden = doc["shape"]["layers"], doc["shape"]["hidden"]
+    assert part["rows"]["layer"]["own_params"] > layers * 4 * hidden * hidden  # the whole decoder at world size 1
+    shared = doc["shared"]
+    assert shared["update_err"] < 1e-5 and shared["checks"] == {"exact": True}
+    assert [r["rank"] for r in shared["with"]] == [0, 1, 2, 3]
+    for r in shared["with"]:  # the chunk inputs went to the host and came back, as the cost model counts
+        to_host, from_host = r["host_traffic_bytes"]
+        assert to_host == from_host > 0 and r["cost_model_moved_off_bytes"] > 0
+    assert all(r["host_traffic_bytes"] == [0, 0] for r in shared["without"])
+    assert "| single | 64 | layer+state |" in run.stdout and "targets and checks: all met" in run.stdout
