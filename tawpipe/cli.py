@@ -18,7 +18,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .commands import Parser, UsageError, as_flags, delegate, refuse
-from .cost.memory import Choice, MemoryEstimate, NothingFits, auto_plan, estimate_memory, fitting, memory_per_rank
+from .cost.memory import (AUTO, Choice, MemoryEstimate, NothingFits, Savers, auto_savers_plan, estimate_memory,
+                          fitting, memory_per_rank, savers_ladder)
 from . import models
 from .cost.traffic import KINDS, LAYER_KINDS, estimate, methods, plan_traffic
 from .models.presets import PRESETS
@@ -77,6 +78,12 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                    help="GiB per rank: suggest the largest k, and the k and prefetch depth with the "
                         "fewest inter-node bytes, whose estimated memory fits; and what 'auto' (the default of "
                         "tawpipe train and the engine) chooses within it")
+    m.add_argument("--recompute", choices=("chunk", "layer", "block", "none", "auto"), default="chunk",
+                   help="what the memory counts a backward running again (as tawpipe train's flag); auto, with "
+                        "--memory-budget: the fastest memory savers that fit, offloads included")
+    m.add_argument("--offload-state", action="store_true", help="count the own chunk's 16 B per parameter on the host")
+    m.add_argument("--offload-activations", action="store_true",
+                   help="count what the forwards keep for their backwards on the host")
     p.set_defaults(run=functools.partial(_run_plan, p))
 
 
@@ -209,7 +216,7 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..
             choice = (k, int(plan_k.options["prefetch_depth"]), reuse)
             if choice in options:  # the given depth is the resident one
                 continue
-            inter, e = max(plan_traffic(plan_k).per_node()), memory_per_rank(plan_k, dims)
+            inter, e = max(plan_traffic(plan_k).per_node()), memory_per_rank(plan_k, dims, _savers(args))
             options[choice] = (inter, e)
             print(f"{k:>4}  {_depth_label(choice, depth):>16}  {inter / 1e9:>28.3f} GB  "
                   f"{e.staging / 2**30:>9.3f} GiB  {e.activations / 2**30:>13.3f} GiB  {e.total / 2**30:>8.3f} GiB")
@@ -224,14 +231,23 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..
         _print_auto(args, dims)
 
 
+def _savers(args: argparse.Namespace) -> Savers:
+    """The memory savers the flags name ("auto": the given offloads, recompute "chunk")."""
+    return Savers("chunk" if args.recompute == AUTO else args.recompute, args.offload_state, args.offload_activations)
+
+
 def _print_auto(args: argparse.Namespace, dims: ModelDims) -> None:
     """What "auto" (the default of ``tawpipe train`` and the engine) chooses within --memory-budget,
-    on this command's estimate of the memory (design §7.3)."""
+    on this command's estimate of the memory (design §7.3); with --recompute auto, the memory
+    savers too (``savers_ladder``)."""
+    ladder = (savers_ladder(offload_state=args.offload_state, offload_activations=args.offload_activations)
+              if args.recompute == AUTO else (_savers(args),))
     try:
-        _, why = auto_plan(Topology(args.nodes, args.per_node), args.layers, args.micro_batches,
-                           memory=lambda plan: memory_per_rank(plan, dims), budget=args.memory_budget * 2**30,
-                           budget_text="--memory-budget", grad_route=args.grad_route, replicas=args.replicas,
-                           **_dims_and_sizes(args)[1])
+        _, _, why = auto_savers_plan(ladder, functools.partial(memory_per_rank, dims=dims),
+                                     topology=Topology(args.nodes, args.per_node), num_layers=args.layers,
+                                     micro_batches=args.micro_batches, budget=args.memory_budget * 2**30,
+                                     budget_text="--memory-budget", grad_route=args.grad_route,
+                                     replicas=args.replicas, **_dims_and_sizes(args)[1])
     except NothingFits as e:
         why = str(e)
     print(f"auto (tawpipe train's default): {why}")
@@ -255,7 +271,7 @@ def _print_replicas(args: argparse.Namespace, dims: ModelDims, topo: Topology) -
             print(f"{r:>5}  {size:>14}  {'':>27}  {'':>9}  {'':>12}  no: {args.layers} layers < {size} ranks")
             continue
         inter = estimate("tawpipe", dims, topo, args.micro_batches, replicas=r).inter_node_per_node
-        mem = estimate_memory(dims, topo, replicas=r, prefetch_depth=depth, mb_per_fetch=k).total
+        mem = estimate_memory(dims, topo, replicas=r, prefetch_depth=depth, mb_per_fetch=k, savers=_savers(args)).total
         fits = budget is None or mem <= budget
         if fits and (best is None or inter < best[1]):
             best = (r, inter)

@@ -4,7 +4,9 @@ checkpoints and in ``tawpipe train``'s summary."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+from dataclasses import replace
 import re
 import math
 import os
@@ -18,16 +20,18 @@ import torch
 from cli_cases import refused
 from engine_cases import MB_ROWS, TinyLM, _engine, adamw, global_batch, lm_loss, make_engine, reference_run, rel_err
 from tawpipe.cost import memory as cost_memory
-from tawpipe.cost.memory import (MemoryEstimate, NothingFits, auto_plan, busiest_rank_memory, candidates,
-                                 choose, memory_per_rank)
+from tawpipe.cost.memory import (MemoryEstimate, NothingFits, Savers, auto_plan, auto_savers_plan,
+                                 busiest_rank_memory, candidates, choose, memory_per_rank, savers_ladder)
 from tawpipe.models.shape import ModelDims
 from tawpipe.engine import fingerprint
 from tawpipe.engine.auto import memory_budget
 from tawpipe.io import checkpoint
-from tawpipe.plan.schedule import RESIDENT
+from tawpipe.cost.traffic import plan_traffic
+from tawpipe.plan.schedule import RESIDENT, build_plan
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.launch import run_local
 from tawpipe.train import TrainConfig, job, preflight
+from tawpipe.train.config import add_arguments
 from test_engine_errors import NoComm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +129,53 @@ def test_large_plans_are_built_in_the_closed_form_order_until_one_fits(monkeypat
     assert (plan.options["mb_per_fetch"], plan.options["prefetch_depth"]) == (2, 3) and len(built) == 1
     assert why.endswith("(a large plan: candidates built in the closed form's order of bytes, the first that fits "
                         "taken)")
+
+
+def test_the_savers_ladder_runs_fastest_first_and_keeps_what_is_given():
+    ladder = savers_ladder()
+    assert [str(s) for s in ladder[:3]] == ["recompute none", "recompute chunk", "recompute block"]
+    assert ladder.index(Savers("block", offload_activations=True)) < ladder.index(Savers("layer"))
+    assert not any(s.offload_state for s in ladder[:7]) and all(s.offload_state for s in ladder[7:])
+    assert all(s.offload_activations for s in savers_ladder(offload_activations=True))
+    assert all(s.offload_state for s in savers_ladder(offload_state=True))
+    # on the CPU the device is the host: an offload would free nothing, so none but those given
+    assert not any(s.offload_state or s.offload_activations for s in savers_ladder(host_is_device=True))
+
+
+SAVERS_DIMS = ModelDims(hidden=256, layers=8, heads=8, vocab=512, seq=4096, dtype_bytes=2, grad_bytes=4)
+SAVERS_SIZES = dict(layer_numel=SAVERS_DIMS.layer_numel, weight_bytes=2, grad_bytes=4,
+                    replicated_numel=SAVERS_DIMS.replicated_numel)
+
+
+def _savers_auto(budget: float):
+    return auto_savers_plan(savers_ladder(), lambda plan, savers: memory_per_rank(plan, SAVERS_DIMS, savers),
+                            topology=Topology(2, 2), num_layers=8, micro_batches=2, budget=budget, **SAVERS_SIZES)
+
+
+def _memory(savers: Savers, **options) -> float:
+    plan = build_plan(Topology(2, 2), 8, 2, **SAVERS_SIZES, **options)
+    return memory_per_rank(plan, SAVERS_DIMS, savers).total
+
+
+def test_auto_takes_the_savers_whose_schedule_moves_fewest_bytes_then_the_fastest():
+    plan, savers, why = _savers_auto(math.inf)
+    assert savers == Savers("none") and why.startswith("recompute none: of the memory savers that fit")
+    fewest = max(plan_traffic(plan).per_node())
+    resident = dict(mb_per_fetch=2, prefetch_depth=RESIDENT, reuse_weights=True)
+    # every graph kept no longer fits with every chunk resident: recompute does, at the same bytes
+    budget = _memory(Savers("none"), **resident) * 0.99
+    plan, savers, _ = _savers_auto(budget)
+    assert savers == Savers("chunk") and max(plan_traffic(plan).per_node()) == fewest
+    # nothing without the host's optimizer step fits even the smallest schedule: then it counts
+    least = dict(mb_per_fetch=1, prefetch_depth=1, reuse_weights=False)
+    lean = min(_memory(s, **least) for s in savers_ladder() if not s.offload_state)
+    leaner = min(_memory(s, **least) for s in savers_ladder() if s.offload_state)
+    assert leaner < lean  # 16 B per own parameter on the host
+    plan, savers, _ = _savers_auto((lean + leaner) / 2)
+    assert savers.offload_state and memory_per_rank(plan, SAVERS_DIMS, savers).total <= (lean + leaner) / 2
+    with pytest.raises(NothingFits, match=r"^even with recompute layer, activations on the host, optimizer state on "
+                                          r"the host: no schedule fits"):
+        _savers_auto(1.0)
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -267,7 +318,8 @@ def test_a_checkpoint_records_the_choice_and_a_resume_makes_it_again(tmp_path):
 
 def test_train_defaults_choose_and_the_budget_is_a_flag(monkeypatch, capsys):
     pre = preflight.validate(TrainConfig())
-    assert pre.schedule == {"mb_per_fetch": 2, "prefetch_depth": 3, "reuse_weights": True}
+    assert pre.schedule == {"mb_per_fetch": 2, "prefetch_depth": 3, "reuse_weights": True, "loss": "plain",
+                            "recompute": "chunk", "offload_state": False, "offload_activations": False}
     assert pre.auto.startswith("k=2, resident depth 3, reuse — the fewest inter-node bytes (")
     assert "shared by 4 rank(s), less 10%, less 384.0 MiB of runtime" in pre.auto
     pre = preflight.validate(TrainConfig(memory_budget=0.036))  # the own memory estimate of k=1, depth 1, reuse: 36.2 MiB
@@ -276,6 +328,35 @@ def test_train_defaults_choose_and_the_budget_is_a_flag(monkeypatch, capsys):
     assert re.match(r"tawpipe train: schedule: no schedule fits within 1\.0 MiB per rank \(--memory-budget\): "
                     r".*say how much with --memory-budget, or give --mb-per-fetch, --prefetch-depth and "
                     r"--reuse-weights yourself", refused(capsys, "train", "--memory-budget", "0.001"))
+
+
+def test_train_chunks_the_loss_where_the_logits_outweigh_a_layer():
+    """--loss auto (the default): plain for a small vocabulary, chunked for a LLaMA-sized one
+    (the paper's model: 32,000 against hidden 1,024), plain for a Hugging Face model (no chunked loss)."""
+    from tawpipe.models import dims
+
+    assert preflight.validate(TrainConfig()).schedule["loss"] == "plain"  # tiny: vocabulary 256, hidden 128
+    assert preflight.validate(TrainConfig(loss="chunked")).schedule["loss"] == "chunked"  # as given
+    assert preflight._loss("preset", dims("paper", seq=8192)) == "chunked"
+    assert preflight._loss("preset", dims("7b", seq=512)) == "chunked"
+    assert preflight._loss("hf-dir", dims("paper", seq=8192)) == "plain"
+    # the byte corpus trains a built-in model with a vocabulary of 256: its logits are small
+    assert preflight._loss("preset", replace(dims("paper", seq=8192), vocab=256)) == "plain"
+
+
+def test_train_chooses_the_memory_savers_with_recompute_auto():
+    """The fastest savers whose schedule moves the fewest bytes within the budget; on the CPU no
+    offload (the device is the host); what it chose is what the run trains with."""
+    pre = preflight.validate(TrainConfig(recompute="auto"))
+    assert pre.schedule["recompute"] == "none" and pre.auto.startswith("recompute none: of the memory savers that fit")
+    pre = preflight.validate(TrainConfig(recompute="auto", memory_budget=0.05))
+    assert pre.schedule["recompute"] in ("chunk", "block", "layer") and not pre.schedule["offload_state"]
+    assert pre.auto.startswith(f"recompute {pre.schedule['recompute']}: ") and "(--memory-budget)" in pre.auto
+    assert preflight.validate(TrainConfig(recompute="auto", offload_activations=True)).schedule["offload_activations"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg, _ = job._config(parser.parse_args(["--recompute", "auto", "--memory-budget", "0.05"]))
+    assert cfg.recompute == pre.schedule["recompute"]
 
 
 def test_train_prints_what_auto_chose_and_why():

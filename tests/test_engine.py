@@ -76,6 +76,10 @@ CI_CASES = {
         dict(nodes=2, acc=2, layers=9, recompute="layer"),
         dict(nodes=2, acc=4, layers=8, recompute="layer", mb_per_fetch=2, max_grad_norm=0.05),
         dict(nodes=1, acc=2, layers=9, recompute="layer", algo="weipipe"),
+        # every layer's input kept by the forward (per-block checkpointing), alone, offloaded, WeiPipe
+        dict(nodes=2, acc=2, layers=9, recompute="block", max_grad_norm=0.05),
+        dict(nodes=2, acc=4, layers=8, recompute="block", offload_activations=True, mb_per_fetch=2),
+        dict(nodes=1, acc=2, layers=6, recompute="block", algo="weipipe", offload_state=True),
         # the chunk inputs in host memory between forward and backward, with either recompute
         dict(nodes=2, acc=2, layers=5, offload_activations=True, max_grad_norm=0.05),
         dict(nodes=2, acc=4, layers=8, offload_activations=True, recompute="layer", mb_per_fetch=2,
@@ -121,6 +125,8 @@ def test_low_precision_loss_trajectory_follows_fp32() -> None:
     cases.append(dict(nodes=2, acc=2, layers=4, steps=6, dtype=torch.bfloat16, grad_wire_dtype=torch.bfloat16,
                       mb_per_fetch=2))
     cases.append(dict(nodes=2, acc=2, layers=8, steps=6, dtype=torch.bfloat16, recompute="layer",
+                      offload_activations=True))
+    cases.append(dict(nodes=2, acc=2, layers=8, steps=6, dtype=torch.bfloat16, recompute="block",
                       offload_activations=True))
     results = run_local(exactness, 4, cases, timeout=240)
     for r in results[0]:

@@ -28,6 +28,7 @@ CASES = [
     dict(recompute="layer", max_grad_norm=0.05),
     dict(offload_activations=True),
     dict(offload_activations=True, recompute="layer", offload_state=True, mb_per_fetch=2),
+    dict(recompute="block", offload_activations=True),
 ]
 
 

@@ -246,11 +246,11 @@ def test_a_wrong_plan_is_refused_before_anything_is_sent(monkeypatch) -> None:
     real = engine_module.engine_plan
 
     def broken(*args, **kwargs):
-        plan, why = real(*args, **kwargs)
+        plan, savers, why = real(*args, **kwargs)
         acts = list(plan.actions[1])
         i = next(i for i, a in enumerate(acts) if a.op is Op.F and a.chunk == 1)
         acts[i] = dataclasses.replace(acts[i], buf="w0" if acts[i].buf != "w0" else "w1")  # reads the other buffer
-        return dataclasses.replace(plan, actions=(plan.actions[0], tuple(acts), *plan.actions[2:])), why
+        return dataclasses.replace(plan, actions=(plan.actions[0], tuple(acts), *plan.actions[2:])), savers, why
 
     monkeypatch.setattr(engine_module, "engine_plan", broken)
     m = TinyLM(4)

@@ -19,7 +19,7 @@ def test_the_memory_benchmark_runs_every_row_and_checks_the_shared_job(tmp_path:
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     doc = json.loads((tmp_path / "memory_bench_cpu_small.json").read_text())
     (part,) = doc["single"]
-    assert list(part["rows"]) == ["torch", "chunk", "layer", "layer+state"]
+    assert list(part["rows"]) == ["torch", "chunk", "layer", "block", "layer+state"]
     assert all(r["seconds"] > 0 for r in part["rows"].values())
     layers, hidden = doc["shape"]["layers"], doc["shape"]["hidden"]
     assert part["rows"]["layer"]["own_params"] > layers * 4 * hidden * hidden  # the whole decoder at world size 1

@@ -55,10 +55,13 @@ def _peak(recompute: str, layers: int) -> tuple[float, dict[str, torch.Tensor]]:
     return saved.peak, params
 
 
-def test_a_layer_at_a_time_holds_one_layers_activations():
+@pytest.mark.parametrize("recompute", ["layer", "block"])
+def test_a_layer_at_a_time_holds_one_layers_activations(recompute):
+    """"layer" re-runs the chunk for its layers' inputs, "block" kept them from the forward:
+    either way the backward holds one layer's activations."""
     layers = 8
     chunk, chunk_params = _peak("chunk", layers)
-    layer, layer_params = _peak("layer", layers)
+    layer, layer_params = _peak(recompute, layers)
     one_layer = chunk / layers  # the blocks are alike: each saves the same
     assert layer == pytest.approx(one_layer, rel=0.05), (chunk, layer)
     for name, p in chunk_params.items():  # the same update, computed a layer at a time
@@ -89,7 +92,8 @@ def _moved(rank: int, case: dict) -> dict:
 
 @pytest.mark.parametrize("options", [dict(offload_state=True), dict(offload_activations=True),
                                      dict(offload_state=True, offload_activations=True, recompute="layer",
-                                          mb_per_fetch=2)])
+                                          mb_per_fetch=2),
+                                     dict(offload_activations=True, recompute="block")])  # every layer's input
 def test_the_bytes_moved_with_the_host_are_the_cost_models(options):
     from tawpipe.runtime.launch import run_local
 

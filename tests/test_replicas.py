@@ -240,7 +240,8 @@ CASES = {
         dict(nodes=2, acc=4, layers=2, replicas=2, mb_per_fetch=2, prefetch_depth="resident", reuse_weights=True),
         dict(nodes=2, acc=2, layers=3, replicas=2, algo="weipipe"),
         dict(nodes=2, acc=2, layers=6, replicas=2, recompute="layer", max_grad_norm=0.05),  # chunks of 3 layers
-        dict(nodes=2, acc=2, layers=4, replicas=2, offload_activations=True, mb_per_fetch=2)],
+        dict(nodes=2, acc=2, layers=4, replicas=2, offload_activations=True, mb_per_fetch=2),
+        dict(nodes=2, acc=2, layers=6, replicas=2, recompute="block", offload_activations=True)],
     6: [dict(nodes=3, acc=2, layers=3, replicas=3, max_grad_norm=0.05),
         dict(nodes=3, acc=1, layers=2, replicas=3, algo="weipipe", offload_state=True)],
     8: [dict(nodes=4, acc=2, layers=5, replicas=2, mb_per_fetch=2)],  # two replicas of 2 x 2

@@ -50,7 +50,8 @@ class Savers:
     """The memory savers a rank runs with, as the cost model counts them (the engine's
     ``MemoryPolicy``, design §6.2): ``recompute`` "chunk" keeps each chunk's input and runs the
     chunk again in its backward, "layer" the same a layer at a time (one layer's working set and
-    the layers' inputs), "none" keeps every forward's graph; ``offload_state`` keeps the own
+    the layers' inputs), "block" keeps every layer's input from the forward (a chunk's layers
+    times the inputs, one layer's working set), "none" keeps every forward's graph; ``offload_state`` keeps the own
     chunk's 16 B per parameter on the host; ``offload_activations`` the chunk inputs, of which the
     device then holds the ones in transit (a slot's k) and two fetched back."""
 
@@ -64,12 +65,83 @@ class Savers:
         for their backwards, and the backward's working set (``working(layers)``)."""
         if self.recompute == "none":  # every forward's graph, kept whole
             return inputs * working(chunk_layers), 0.0
-        kept, host = inputs * input_bytes, 0.0
+        each = self.kept_per_forward(chunk_layers) * input_bytes
+        kept, host = inputs * each, 0.0
         if self.offload_activations:
-            kept, host = min(inputs, k + 2) * input_bytes, kept
+            kept, host = min(inputs, k + 2) * each, kept
         if self.recompute == "layer":
             return kept + (chunk_layers - 1) * input_bytes + working(1), host
+        if self.recompute == "block":
+            return kept + working(1), host
         return kept + working(chunk_layers), host
+
+    def __str__(self) -> str:
+        return ", ".join([f"recompute {self.recompute}"] + ["activations on the host"] * self.offload_activations
+                         + ["optimizer state on the host"] * self.offload_state)
+
+    def kept_per_forward(self, chunk_layers: int) -> int:
+        """Inputs of B·S·H a forward of a chunk of ``chunk_layers`` keeps for its backward."""
+        return chunk_layers if self.recompute == "block" else 1
+
+
+# The savers "auto" weighs, fastest first: no recompute; recompute from the chunk's input or from
+# every layer's (the same compute, different memory); the same with what the forwards keep on the
+# host (copies beside compute); a layer at a time (one more forward per chunk); then each of these
+# with the optimizer state on the host (the host steps it).
+_BY_TIME = (("none", False), ("chunk", False), ("block", False), ("chunk", True), ("block", True),
+            ("layer", False), ("layer", True))
+
+
+def savers_ladder(*, offload_state: bool = False, offload_activations: bool = False,
+                  host_is_device: bool = False) -> tuple[Savers, ...]:
+    """The memory savers ``auto_savers_plan`` weighs, fastest first; an offload given is in every
+    one. ``host_is_device`` (a run on the CPU): no offload but those given, since moving bytes
+    from the device to the host then frees nothing."""
+    states = (True,) if offload_state else (False,) if host_is_device else (False, True)
+    return tuple(Savers(r, s, a) for s in states for r, a in _BY_TIME
+                 if a == offload_activations or (a and not host_is_device))
+
+
+def auto_savers_plan(ladder: Sequence[Savers], memory: Callable[[Plan, Savers], MemoryEstimate], *, budget: float,
+                     budget_text: str = "", strict: bool = True, **auto_args: Any) -> tuple[Plan, Savers, str | None]:
+    """``auto_plan`` with the memory savers as one more choice (``memory(plan, savers)``): for each
+    of ``ladder`` (fastest first) the schedule ``auto_plan`` chooses within ``budget``; of the
+    savers with which one fits, those whose schedule sends the fewest inter-node bytes, then the
+    fastest. The host's optimizer step is the last resort: savers with ``offload_state`` count
+    only where none without it fits. Every plan is built once, whatever the savers. Where none
+    fits: NothingFits if ``strict``, else the last savers (the leanest) with their least memory."""
+    if not ladder:
+        raise ValueError("auto_savers_plan needs at least one choice of memory savers")
+    built: dict = {}
+    for tier in (t for t in ([s for s in ladder if not s.offload_state], [s for s in ladder if s.offload_state]) if t):
+        fits = []
+        for rank, savers in enumerate(tier):
+            try:
+                plan, why = auto_plan(memory=functools.partial(memory, savers=savers), budget=budget,
+                                      budget_text=budget_text, built=built, **auto_args)
+            except NothingFits:
+                continue
+            fits.append((_inter_node(built, plan), rank, plan, savers, why))
+        if fits:
+            _, _, plan, savers, why = min(fits, key=lambda f: f[:2])
+            if len(ladder) > 1:
+                why = (f"{savers}: of the memory savers that fit, the fewest inter-node bytes, then the fastest; "
+                       f"{why or 'the schedule as given'}")
+            return plan, savers, why
+    leanest = ladder[-1]
+    try:
+        plan, why = auto_plan(memory=functools.partial(memory, savers=leanest), budget=budget,
+                              budget_text=budget_text, strict=strict, built=built, **auto_args)
+    except NothingFits as e:
+        raise (NothingFits(f"even with {leanest}: {e}", e.least) if len(ladder) > 1 else e) from None
+    return plan, leanest, (f"{leanest}: the leanest; {why}" if len(ladder) > 1 else why)
+
+
+def _inter_node(built: dict, plan: Plan) -> float:
+    """The busiest node's inter-node bytes per iteration of ``plan``, counted once per plan."""
+    if ("traffic", id(plan)) not in built:
+        built[("traffic", id(plan))] = max(plan_traffic(plan).per_node())
+    return built[("traffic", id(plan))]
 
 
 def logits_bytes(dims: ModelDims) -> float:
@@ -173,16 +245,19 @@ def host_bytes(plan: Plan, rank: int, *, own_numel: int, grad_bytes: int, input_
     """Bytes ``rank`` moves to and from host memory in one iteration of ``plan``: with
     ``offload_state`` each of its LOAD_W reads the own float32 master (4 B per own parameter, cast
     on the device) and each ACC_G sends a gradient (``grad_bytes`` per own parameter); with
-    ``offload_activations`` each forward stores its chunk input (``input_bytes``: B·S·H in the
-    compute dtype) and each backward fetches it back."""
+    ``offload_activations`` each forward stores what it keeps (its chunk input, or with
+    ``recompute="block"`` every layer's; ``input_bytes``: B·S·H in the compute dtype) and each
+    backward fetches it back."""
     count = Counter(a.op for a in plan.actions[rank])
     to_host = from_host = 0.0
     if savers.offload_state:
         to_host += count[Op.ACC_G] * grad_bytes * own_numel
         from_host += count[Op.LOAD_W] * 4 * own_numel
-    if savers.offload_activations:
-        to_host += count[Op.F] * input_bytes
-        from_host += count[Op.B] * input_bytes
+    if savers.offload_activations:  # what each forward keeps goes, and comes back for its backward
+        kept = sum(savers.kept_per_forward(plan.chunk_layers[a.chunk][1] - plan.chunk_layers[a.chunk][0])
+                   for a in plan.actions[rank] if a.op is Op.F) * input_bytes
+        to_host += kept
+        from_host += kept
     return to_host, from_host
 
 
@@ -280,7 +355,7 @@ def candidates(micro_batches: int, *, mb_per_fetch: int | str = AUTO, prefetch_d
 
 def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory: Callable[[Plan], MemoryEstimate],
               budget: float, budget_text: str = "", strict: bool = True, mb_per_fetch: int | str = AUTO,
-              prefetch_depth: int | str = AUTO, reuse_weights: bool | str = AUTO,
+              prefetch_depth: int | str = AUTO, reuse_weights: bool | str = AUTO, built: dict | None = None,
               **plan_args: Any) -> tuple[Plan, str | None]:
     """``build_plan(topology, num_layers, micro_batches, **plan_args)`` with the options left
     ``"auto"`` chosen by ``choose`` among ``candidates``: each candidate's plan is built, its
@@ -289,17 +364,27 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
     bytes, (f_w·b_w + b_g)/k (design §7.4), until one fits. Returns the plan and why it was
     chosen (None: every option was given). Where nothing fits, NothingFits if ``strict`` (a
     budget the user gave); otherwise the least memory, for the caller's own check to judge. Every
-    option given and a ``strict`` budget they exceed: ValueError."""
-    build = functools.partial(build_plan, topology, num_layers, micro_batches, **plan_args)
+    option given and a ``strict`` budget they exceed: NothingFits too. ``built``: plans and their
+    traffic already counted, by options, shared between calls that differ in ``memory`` only."""
+    built = {} if built is None else built
+
+    def build(**options: Any) -> Plan:
+        key = tuple(sorted(options.items()))
+        if key not in built:
+            built[key] = build_plan(topology, num_layers, micro_batches, **plan_args, **options)
+        return built[key]
+
+
     asked = {"mb_per_fetch": mb_per_fetch, "prefetch_depth": prefetch_depth, "reuse_weights": reuse_weights}
     given = {name: v for name, v in asked.items() if v != AUTO}
     if len(given) == len(asked):
         plan = build(**given)
         if strict and (need := memory(plan).total) > budget:
-            raise ValueError(f"mb_per_fetch={mb_per_fetch}, prefetch_depth={prefetch_depth}, "
-                             f"reuse_weights={reuse_weights} take {gib(need)} per rank, more than "
-                             f"{_within(budget, budget_text).removeprefix('within ')}: leave them \"auto\" to "
-                             "choose what fits, or give a larger memory_budget")
+            raise NothingFits(f"mb_per_fetch={mb_per_fetch}, prefetch_depth={prefetch_depth}, "
+                              f"reuse_weights={reuse_weights} take {gib(need)} per rank, more than "
+                              f"{_within(budget, budget_text).removeprefix('within ')}: leave them \"auto\" to "
+                              "choose what fits, or give a larger memory_budget",
+                              (mb_per_fetch, prefetch_depth, reuse_weights))
         return plan, None
     shown = {"mb_per_fetch": f"k={mb_per_fetch}", "prefetch_depth": f"depth {prefetch_depth}",
              "reuse_weights": "reuse" if reuse_weights is True else "no reuse"}
@@ -321,7 +406,7 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
         plan = build(mb_per_fetch=k, prefetch_depth=d, reuse_weights=r)
         choice = (k, int(plan.options["prefetch_depth"]), r)
         if choice not in options:  # the resident depth may be a depth already weighed
-            options[choice], plans[choice] = (max(plan_traffic(plan).per_node()), memory(plan)), plan
+            options[choice], plans[choice] = (_inter_node(built, plan), memory(plan)), plan
         if large and options[choice][1].total <= budget:
             break
     resident = resident_depth(Topology(topology.nodes // plan_args.get("replicas", 1), topology.per_node))

@@ -1,8 +1,8 @@
-"""The chunk inputs a forward keeps for its backward, in pinned host memory in between.
+"""What a forward keeps for its backward, in pinned host memory in between.
 
-Under recompute a forward keeps only its chunk's input, B·S·H elements per chunk and micro-batch,
-and a rank runs every chunk for every micro-batch: N·acc of them wait on the device for their
-backwards. With ``MemoryPolicy(offload_activations=True)`` each goes to pinned host memory as soon
+Under recompute a forward keeps only its chunk's input (with ``recompute="block"`` each layer's):
+B·S·H elements per chunk (or layer) and micro-batch. A rank runs every chunk for every
+micro-batch, so N·acc of them wait on the device for their backwards. With ``MemoryPolicy(offload_activations=True)`` each goes to pinned host memory as soon
 as the forward that read it is done, and comes back ahead of the backward that reads it: when a
 backward takes its input, the next backward's (in the rank's plan order) starts coming back, so
 at most two fetched inputs are on the device at once. Stores and fetches run on streams of their
@@ -25,68 +25,74 @@ Key = tuple[int, int]  # (position in the model, micro-batch)
 
 
 class ActivationOffload:
-    """Chunk inputs by (position, micro-batch): ``store`` after the forward that read one,
+    """What forwards keep, by (position, micro-batch): ``store`` after the forward that read it,
     ``take`` before the backward that reads it (which also starts fetching the next)."""
 
     def __init__(self, device: torch.device, order: list[Key]) -> None:
         self.device, self.cuda = device, device.type == "cuda"
         self.next = dict(zip(order, order[1:]))  # the backward after each, in the rank's plan order
         self.stored_bytes = self.fetched_bytes = 0
-        self._host: dict[Key, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
-        self._back: dict[Key, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._host: dict[Key, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
+        self._back: dict[Key, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
         self._pool: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # pinned buffers free again
         self._lent: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # read by a fetch in flight
         if self.cuda:
             self._store_stream, self._fetch_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
-    def store(self, key: Key, x: torch.Tensor) -> None:
-        """``x`` to the host, after the compute queued so far (which read it); the device's copy
-        is freed once the copy is done."""
-        host = self._buffer(x)
+    def store(self, key: Key, kept: list[torch.Tensor]) -> None:
+        """What a forward keeps for ``key``'s backward (its chunk input, or every layer's) to the
+        host, after the compute queued so far (which read it); the device's copies are freed once
+        the copies are done."""
+        hosts = [self._buffer(x) for x in kept]
         event = None
         if self.cuda:
             self._store_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._store_stream):
-                host.copy_(x, non_blocking=True)
+                for host, x in zip(hosts, kept):
+                    host.copy_(x, non_blocking=True)
+                    x.record_stream(self._store_stream)  # its memory waits for the copy, not for us
                 event = torch.cuda.Event()
                 event.record()
-            x.record_stream(self._store_stream)  # its memory waits for the copy, not for us
         else:
-            host.copy_(x)
-        self._host[key] = (host, event)
-        self.stored_bytes += x.nbytes
+            for host, x in zip(hosts, kept):
+                host.copy_(x)
+        self._host[key] = (hosts, event)
+        self.stored_bytes += sum(x.nbytes for x in kept)
 
-    def take(self, key: Key) -> torch.Tensor:
-        """``key``'s input on the device, for the compute stream; the next backward's starts coming."""
+    def take(self, key: Key) -> list[torch.Tensor]:
+        """``key``'s kept tensors on the device, for the compute stream; the next backward's start
+        coming."""
         self._fetch(key)
-        x, event = self._back.pop(key)
+        kept, event = self._back.pop(key)
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
-            x.record_stream(current)
+            for x in kept:
+                x.record_stream(current)
         if key in self.next:
             self._fetch(self.next[key])
-        return x
+        return kept
 
     def _fetch(self, key: Key) -> None:
         """Start bringing ``key`` back (once)."""
         if key in self._back or key not in self._host:
             return
-        host, stored = self._host.pop(key)
+        hosts, stored = self._host.pop(key)
         event = None
         if self.cuda:
             with torch.cuda.stream(self._fetch_stream):
                 if stored is not None:
                     self._fetch_stream.wait_event(stored)
-                x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-                x.copy_(host, non_blocking=True)
+                kept = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in hosts]
+                for x, h in zip(kept, hosts):
+                    x.copy_(h, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
         else:
-            x = host.clone()
-        self._lent.append((host, event))
-        self._back[key] = (x, event)
-        self.fetched_bytes += x.nbytes
+            kept = [h.clone() for h in hosts]
+        self._lent += [(h, event) for h in hosts]
+        self._back[key] = (kept, event)
+        self.fetched_bytes += sum(x.nbytes for x in kept)
 
     def _buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer shaped as ``like``: a pooled one whose fetch is done, else a new one."""
@@ -102,5 +108,5 @@ class ActivationOffload:
 
     def host_bytes(self) -> int:
         """Host memory this holds: stored inputs and pooled buffers."""
-        return sum(h.nbytes for h, _ in self._host.values()) + sum(
+        return sum(h.nbytes for hosts, _ in self._host.values() for h in hosts) + sum(
             h.nbytes for free in self._pool.values() for h in free) + sum(h.nbytes for h, _ in self._lent)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..cost.memory import AUTO, MARGIN, MemoryEstimate, Savers, auto_plan, busiest_rank_memory
+from ..cost.memory import AUTO, MARGIN, MemoryEstimate, Savers, auto_savers_plan, busiest_rank_memory
 from ..cost.units import gib
 from ..plan.plan import Plan
 from ..plan.topology import Topology
@@ -74,18 +74,25 @@ def host_available() -> tuple[int, str] | None:
 
 def engine_plan(topology: Topology, num_layers: int, micro_batches: int, *, device: torch.device,
                 budget: float | None, mb_per_fetch: int | str, prefetch_depth: int | str, reuse_weights: bool | str,
-                reserve: float = 0.0, batch: Mapping[str, int] | None = None, savers: Savers = Savers(),
-                **plan_args: Any) -> tuple[Plan, str | None]:
+                reserve: float = 0.0, batch: Mapping[str, int] | None = None,
+                savers: Savers | Sequence[Savers] = Savers(), **plan_args: Any) -> tuple[Plan, Savers, str | None]:
     """The engine's plan, its ``"auto"`` options chosen within ``budget`` bytes per rank (None:
     ``memory_budget``'s measure less ``reserve``, the rank's own bytes besides the model, which may
     fall back to the least memory where nothing fits). The memory counted is the own chunk's state,
     the staging buffers and the replicated parameters (``rank_memory``): what the engine holds
     before it sees a batch; and the activations of ``batch`` (seq, micro_batch, hidden, heads,
-    vocab) where the caller knows it (``tawpipe train``); all as the memory ``savers`` leave it."""
+    vocab) where the caller knows it (``tawpipe train``); all as the memory ``savers`` leave it.
+    Several ``savers`` (``cost.memory.savers_ladder``, fastest first): the first with which a
+    schedule fits, returned with the plan; only where ``batch`` is known, since what they save is
+    mostly activations. Returns the plan, the savers and why (None: nothing was left to choose)."""
     asked = dict(mb_per_fetch=mb_per_fetch, prefetch_depth=prefetch_depth, reuse_weights=reuse_weights)
+    ladder = (savers,) if isinstance(savers, Savers) else tuple(savers)
+    if len(ladder) > 1 and not batch:
+        raise ValueError("choosing the memory savers needs the batch (seq, micro_batch, ...): their savings are "
+                         "activations")
     if budget is not None:
         measured, where = float(budget), "memory_budget"
-    elif AUTO in asked.values():
+    elif AUTO in asked.values() or len(ladder) > 1:
         measured, where = memory_budget(device, local_ranks(topology), host_available())
         if reserve:
             measured, where = measured - reserve, f"{where}, less {gib(reserve)} of runtime"
@@ -93,10 +100,11 @@ def engine_plan(topology: Topology, num_layers: int, micro_batches: int, *, devi
         measured, where = math.inf, ""
     wb, gb, layer = plan_args["weight_bytes"], plan_args["grad_bytes"], plan_args["layer_numel"]
     sizes = dict(replicated_numel=plan_args["replicated_numel"], weight_bytes=wb, grad_bytes=gb,
-                 scratch_bytes=wb if gb != wb else 0, savers=savers, **(batch or {}))
+                 scratch_bytes=wb if gb != wb else 0, **(batch or {}))
 
-    def memory(plan: Plan) -> MemoryEstimate:
-        return busiest_rank_memory(plan, chunk_numel=[(b - a) * layer for a, b in plan.chunk_layers], **sizes)
+    def memory(plan: Plan, savers: Savers) -> MemoryEstimate:
+        return busiest_rank_memory(plan, chunk_numel=[(b - a) * layer for a, b in plan.chunk_layers], savers=savers,
+                                   **sizes)
 
-    return auto_plan(topology, num_layers, micro_batches, memory=memory, budget=measured, budget_text=where,
-                     strict=budget is not None, **asked, **plan_args)
+    return auto_savers_plan(ladder, memory, topology=topology, num_layers=num_layers, micro_batches=micro_batches,
+                            budget=measured, budget_text=where, strict=budget is not None, **asked, **plan_args)

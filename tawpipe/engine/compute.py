@@ -8,7 +8,9 @@ once so the micro-batch's backward can start in the next slot.
 Recompute (design §6.2): with ``recompute="chunk"`` (the paper's setting) a forward keeps only the
 chunk's input and the backward re-runs it with gradients on the weights then resident; with
 ``recompute="layer"`` the backward re-runs the chunk keeping only the layers' inputs, then
-re-runs and back-propagates one layer at a time, so one layer's activations are alive at a time. With
+re-runs and back-propagates one layer at a time, so one layer's activations are alive at a time;
+with ``recompute="block"`` the forward keeps every layer's input and the backward only re-runs
+and back-propagates one layer at a time (torch's per-block checkpointing). With
 ``recompute="none"`` the forward keeps its graph; tensors it saves that alias its weight buffer
 are stored as (offset, size, stride) and re-read at backward time from the buffer the plan names
 for that backward, which holds the same chunk by then. No weight copy is kept and no saved tensor
@@ -42,7 +44,8 @@ class StepState:
     targets: list[torch.Tensor]
     ctx: list[dict[str, Any]]
     grad_scale: float  # loss scale / (N x micro-batches): the step's loss is a global mean
-    x: dict[Activation, torch.Tensor] = field(default_factory=dict)  # chunk inputs
+    x: dict[Activation, torch.Tensor] = field(default_factory=dict)  # chunk inputs, until their forward
+    kept: dict[Activation, list[torch.Tensor]] = field(default_factory=dict)  # what a forward keeps for its backward
     dy: dict[Activation, torch.Tensor] = field(default_factory=dict)  # gradients of chunk outputs
     graphs: dict[Activation, tuple] = field(default_factory=dict)  # recompute="none"
 
@@ -132,7 +135,7 @@ class ChunkCompute:
         pos, m = self.s.position[a.chunk], a.mb
         if pos == 0:
             st.x[(0, m)] = self.embed(st.inputs[m]).to(self.dtype)
-        x = st.x[(pos, m)]
+        x = st.x.pop((pos, m))
         if self.recompute == "none":
             b = self._backward_of[(a.chunk, m)]
             leaves = self.s.leaves(a.buf, b.grad_buf, a.chunk)
@@ -142,9 +145,16 @@ class ChunkCompute:
                 y = self._run(a.chunk, x, leaves, st.ctx[m])
             st.graphs[(pos, m)] = (x, y)
         else:
-            y = self._run(a.chunk, x, self.s.weights(a.buf, a.chunk), st.ctx[m])
+            weights = self.s.weights(a.buf, a.chunk)
+            if self.recompute == "block":  # every layer's input, kept: the backward need not re-run the chunk
+                kept = self._layer_inputs(weights, x, st.ctx[m], last=True)
+                y = kept.pop()
+            else:
+                y, kept = self._run(a.chunk, x, weights, st.ctx[m]), [x]
             if self.activations is not None:  # read: to the host until its backward
-                self.activations.store((pos, m), st.x.pop((pos, m)))
+                self.activations.store((pos, m), kept)
+            else:
+                st.kept[(pos, m)] = kept
         if pos < self.last:
             st.x[(pos + 1, m)] = y.detach()
             return
@@ -161,15 +171,14 @@ class ChunkCompute:
         pos, m = self.s.position[a.chunk], a.mb
         if self.s.scratch is not None or not a.accumulate:
             self.s.grad_target(a.grad_buf, a.chunk).zero_()
-        if self.recompute == "layer":
-            dx = self._backward_by_layer(a, self._input((pos, m), st), st.dy.pop((pos, m)), st.ctx[m])
+        if self.recompute in ("layer", "block"):
+            dx = self._backward_by_layer(a, self._kept((pos, m), st), st.dy.pop((pos, m)), st.ctx[m])
         else:
             if self.recompute == "none":
                 x, y = st.graphs.pop((pos, m))
-                st.x.pop((pos, m))
                 self._backward_buf = self.s.bufs[a.buf]
             else:
-                x = self._input((pos, m), st).detach().requires_grad_()
+                x = self._kept((pos, m), st)[0].detach().requires_grad_()
                 with torch.enable_grad():
                     y = self._run(a.chunk, x, self.s.leaves(a.buf, a.grad_buf, a.chunk), st.ctx[m])
             with torch.enable_grad():
@@ -184,19 +193,30 @@ class ChunkCompute:
             if e.requires_grad:
                 e.backward(dx)
 
-    def _input(self, key: Activation, st: StepState) -> torch.Tensor:
-        """The chunk input a backward re-runs from: kept on the device, or back from the host."""
-        return self.activations.take(key) if self.activations is not None else st.x.pop(key)
+    def _kept(self, key: Activation, st: StepState) -> list[torch.Tensor]:
+        """What the forward kept for this backward: on the device, or back from the host."""
+        return self.activations.take(key) if self.activations is not None else st.kept.pop(key)
 
-    def _backward_by_layer(self, a: Action, x: torch.Tensor, dy: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
-        """``recompute="layer"``: the chunk's forward again without gradients, keeping only each
-        layer's input, then each layer, last first, run with gradients and back-propagated at once;
+    def _layer_inputs(self, weights: list[torch.Tensor], x: torch.Tensor, ctx: dict[str, Any],
+                      last: bool) -> list[torch.Tensor]:
+        """``x`` and each layer's output in turn, without gradients: every layer's input, and the
+        chunk's output too where ``last``."""
+        inputs = [x]
+        layers = self.s.layer_params(weights)
+        for params in layers if last else layers[:-1]:
+            inputs.append(functional_call(self.s.layer_runner, params, (inputs[-1], ctx)))
+        return inputs
+
+    def _backward_by_layer(self, a: Action, kept: list[torch.Tensor], dy: torch.Tensor,
+                           ctx: dict[str, Any]) -> torch.Tensor:
+        """``recompute="layer"``: the chunk's forward again without gradients from its input (the
+        one tensor ``kept``), keeping each layer's input; ``"block"``: those inputs, as the forward
+        kept them. Then each layer, last first, run with gradients and back-propagated at once;
         the gradient of the chunk's input. Only one layer's activations are alive at a time."""
         run = self.s.layer_runner
-        inputs = [x]
-        for params in self.s.layer_params(self.s.weights(a.buf, a.chunk))[:-1]:
-            inputs.append(functional_call(run, params, (inputs[-1], ctx)))
-        for j, params in reversed(list(enumerate(self.s.layer_params(self.s.leaves(a.buf, a.grad_buf, a.chunk))))):
+        inputs = kept if self.recompute == "block" else self._layer_inputs(self.s.weights(a.buf, a.chunk), kept[0],
+                                                                            ctx, last=False)
+        for params in reversed(self.s.layer_params(self.s.leaves(a.buf, a.grad_buf, a.chunk))):
             xj = inputs.pop().detach().requires_grad_()
             with torch.enable_grad():
                 torch.autograd.backward(functional_call(run, params, (xj, ctx)), dy)

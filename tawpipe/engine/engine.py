@@ -109,7 +109,7 @@ class TawPipe:
         replicated = unique_params([(model.names[0], model.embed), (model.names[2], model.head)])
         self.plan: Plan
         self.auto_reason: str | None  # why "auto" chose the options it did; None: all were given
-        self.plan, self.auto_reason = engine_plan(
+        self.plan, _, self.auto_reason = engine_plan(
             topology, len(blocks), micro_batches, device=self.device, budget=memory.budget, savers=memory.savers(),
             layer_numel=sum(p.numel() for p in blocks[0].parameters()),
             weight_bytes=precision.compute_dtype.itemsize, grad_bytes=precision.grad_wire_dtype.itemsize,

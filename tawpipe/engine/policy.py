@@ -25,7 +25,7 @@ from ..runtime import comm as comm_backends
 from ..runtime.comm import Comm
 from .precision import Precision
 
-RECOMPUTE = ("chunk", "layer", "none")
+RECOMPUTE = ("chunk", "layer", "block", "none")
 
 
 def _whole(value: Any) -> bool:
@@ -109,15 +109,17 @@ class MemoryPolicy:
     """What a rank keeps on its device, and the budget "auto" plans within. ``recompute``:
     "chunk" keeps a chunk's input and runs it again in the backward (the paper's); "layer" does
     too, but the backward runs the chunk again keeping only its layers' inputs and then one layer
-    at a time, so one layer's activations are alive at once whatever the chunk's size; "none"
-    keeps the forward's graph (design §6.2). ``offload_state`` keeps the own chunk's master, gradient
+    at a time, so one layer's activations are alive at once whatever the chunk's size; "block"
+    keeps every layer's input from the forward (torch's per-block checkpointing: no second run of
+    the chunk, the chunk's layers times the inputs kept); "none" keeps the forward's graph (design
+    §6.2). ``offload_state`` keeps the own chunk's master, gradient
     accumulator and optimizer state in pinned host memory (design §6.1). ``budget``: bytes per
     rank that the "auto" schedule options must fit (None: the free memory less a margin).
     ``chunked_loss``: the head and loss a slice of tokens at a time, never the whole [tokens,
     vocabulary] float32 logits (the model's ``head_loss``, equal to the plain loss to ~1e-6).
     ``offload_activations``: the chunk inputs a forward keeps for its backward wait in pinned host
     memory, stored as soon as the forward is done and fetched back ahead of the backward (with
-    recompute "chunk" or "layer"; ``tawpipe.engine.activations``)."""
+    recompute "chunk", "layer" or "block"; ``tawpipe.engine.activations``)."""
 
     recompute: str = "chunk"
     offload_state: bool = False
@@ -141,7 +143,7 @@ class MemoryPolicy:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.offload_activations and self.recompute == "none":
             raise ValueError("offload_activations keeps a chunk's input on the host, which recompute='none' does not "
-                             "run from (it keeps the whole graph): use recompute='chunk' or 'layer'")
+                             "run from (it keeps the whole graph): use recompute='chunk', 'layer' or 'block'")
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class TrainConfig:
     memory_budget: float | None = None
     replicas: int = 1
     grad_wire_dtype: str = "float32"
-    loss: str = "plain"
+    loss: str = "auto"
     recompute: str = "chunk"
     offload_state: bool = False
     offload_activations: bool = False
@@ -134,13 +134,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "owners add their gradients once per step (see tawpipe plan --replicas)")
     p.add_argument("--grad-wire-dtype", choices=("float32", "compute"), default=d.grad_wire_dtype,
                    help="dtype gradients travel in; the owner accumulates in float32 either way")
-    p.add_argument("--loss", choices=("plain", "chunked"), default=d.loss,
+    p.add_argument("--loss", choices=("plain", "chunked", "auto"), default=d.loss,
                    help="chunked: the head and cross-entropy a slice of tokens at a time, never the whole "
-                        "[tokens, vocabulary] float32 logits (equal to plain to ~1e-6; for long sequences; "
-                        "built-in models)")
-    p.add_argument("--recompute", choices=("chunk", "layer", "none"), default=d.recompute,
+                        "[tokens, vocabulary] float32 logits (equal to plain to ~1e-6; built-in models); auto: "
+                        "chunked where a built-in model's logits would outweigh a layer's activations")
+    p.add_argument("--recompute", choices=("chunk", "layer", "block", "none", "auto"), default=d.recompute,
                    help="what a backward runs again: the chunk from its input (the paper's), the same a layer at a "
-                        "time (one layer's activations alive at once), or nothing (every forward's graph kept)")
+                        "time (one layer's activations alive at once), each layer from its input kept by the "
+                        "forward (torch's per-block checkpointing: no second run), or nothing (every forward's "
+                        "graph kept); auto: the fastest memory savers that fit the memory (recompute, and on a "
+                        "GPU the offloads too), an offload flag given kept")
     p.add_argument("--offload-state", action="store_true",
                    help="keep the own chunk's float32 master, gradients and optimizer state in host memory")
     p.add_argument("--offload-activations", action="store_true",

@@ -20,7 +20,8 @@ import torch
 
 from .. import models
 from ..commands import as_flags
-from ..cost.memory import AUTO, MemoryEstimate, Savers, describe, rank_memory
+from ..cost.memory import (AUTO, MemoryEstimate, Savers, describe, logits_bytes, rank_memory, savers_ladder,
+                           working_set_bytes)
 from ..cost.units import gib
 from ..engine.auto import engine_plan, host_available
 from ..io import checkpoint
@@ -92,8 +93,12 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     manifest = _check_resume(cfg, parts_signature(blocks, embed, head)) if cfg.resume is not None else None
     ran = _as_it_ran(cfg, topology, manifest)
     shape = replace(models.dims(cfg.model), layers=len(blocks), vocab=model_vocab)
+    if cfg.loss == AUTO:
+        cfg = replace(cfg, loss=_loss(kind, replace(shape, seq=cfg.seq_len, micro_batch=cfg.micro_batch_size)))
     try:
-        plan, auto = _plan(replace(cfg, **ran), topology, blocks, embed, head, shape)
+        plan, savers, auto = _plan(replace(cfg, **ran), topology, blocks, embed, head, shape)
+        cfg = replace(cfg, recompute=savers.recompute, offload_state=savers.offload_state,
+                      offload_activations=savers.offload_activations)
     except ValueError as e:
         raise ValueError(f"schedule: {e}") from None
     if ran:
@@ -108,6 +113,8 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     params = sum({id(p): p.numel() for m in (*blocks, embed, head) for p in m.parameters()}.values())
     _check_writable(cfg, params)
     schedule = {name: plan.options[name] for name in ("mb_per_fetch", "prefetch_depth", "reuse_weights")}
+    schedule.update(loss=cfg.loss, recompute=cfg.recompute, offload_state=cfg.offload_state,
+                    offload_activations=cfg.offload_activations)
     if cfg.prefetch_depth == "resident":
         schedule["prefetch_depth"] = cfg.prefetch_depth  # as asked: the summary names it
     return Preflight(memory=memory, resumed_from=manifest["step"] if manifest else None, schedule=schedule, auto=auto)
@@ -130,25 +137,37 @@ def _as_it_ran(cfg: TrainConfig, topology: Topology, manifest: dict[str, Any] | 
 
 
 def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], embed: torch.nn.Module,
-          head: torch.nn.Module, shape: models.ModelDims) -> tuple[Plan, str | None]:
+          head: torch.nn.Module, shape: models.ModelDims) -> tuple[Plan, Savers, str | None]:
     """The run's plan, as the engine builds it, with the "auto" options chosen (design §7.3) on the
     busiest rank's estimate with this run's batch (the same on every rank) within --memory-budget,
-    or within what a rank of this host has less the runtime's own. Where nothing fits that
-    measure, the least memory: ``_check_memory`` then says what the run needs."""
+    or within what a rank of this host has less the runtime's own; with --recompute auto, the
+    memory savers too (``savers_ladder``: on the CPU, no offload, which would free nothing). Where
+    nothing fits that measure, the least memory: ``_check_memory`` then says what the run needs."""
     weight_bytes, grad_bytes = _wire_bytes(cfg)
     sizes = _rank_sizes(cfg, blocks, embed, head, shape)
     gpu = under_torchrun() and torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     batch = {k: sizes[k] for k in ("seq", "micro_batch", "hidden", "heads", "vocab")}
-    plan, why = engine_plan(topology, len(blocks), cfg.micro_batches, device=device,
-                            budget=None if cfg.memory_budget is None else cfg.memory_budget * GiB,
-                            reserve=RUNTIME_BYTES, batch=batch, savers=sizes["savers"], grad_route=cfg.grad_route,
-                            algo=cfg.algo,
-                            mb_per_fetch=cfg.mb_per_fetch, prefetch_depth=cfg.prefetch_depth,
-                            reuse_weights=cfg.reuse_weights, replicas=cfg.replicas,
-                            layer_numel=sum(p.numel() for p in blocks[0].parameters()), weight_bytes=weight_bytes,
-                            grad_bytes=grad_bytes, replicated_numel=sizes["replicated_numel"] + 1)  # + the loss sum
-    return plan, why and as_flags(why)
+    savers = savers_ladder(offload_state=cfg.offload_state, offload_activations=cfg.offload_activations,
+                           host_is_device=device.type == "cpu") if cfg.recompute == AUTO else sizes["savers"]
+    plan, chosen, why = engine_plan(
+        topology, len(blocks), cfg.micro_batches, device=device,
+        budget=None if cfg.memory_budget is None else cfg.memory_budget * GiB, reserve=RUNTIME_BYTES, batch=batch,
+        savers=savers, grad_route=cfg.grad_route, algo=cfg.algo, mb_per_fetch=cfg.mb_per_fetch,
+        prefetch_depth=cfg.prefetch_depth, reuse_weights=cfg.reuse_weights, replicas=cfg.replicas,
+        layer_numel=sum(p.numel() for p in blocks[0].parameters()), weight_bytes=weight_bytes, grad_bytes=grad_bytes,
+        replicated_numel=sizes["replicated_numel"] + 1)  # + the loss sum
+    return plan, chosen, why and as_flags(why)
+
+
+def _loss(kind: str, shape: models.ModelDims) -> str:
+    """--loss auto: chunked where the model has a chunked loss (built-in ones) and a micro-batch's
+    float32 logits, with their softmax and gradient, would outweigh one layer's activations without
+    attention scores (12·V against 17·H·dtype bytes per token: LLaMA-sized vocabularies); plain
+    otherwise."""
+    builtin = not kind.startswith("hf")
+    layer = working_set_bytes(replace(shape, scores=False), 1)
+    return "chunked" if builtin and logits_bytes(shape) > layer else "plain"
 
 
 def _wire_bytes(cfg: TrainConfig) -> tuple[int, int]:
