@@ -41,7 +41,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -49,11 +49,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from tawpipe.bench.baselines import RunConfig
 from tawpipe.cost.memory import Savers, memory_per_rank
 from tawpipe.engine import TawPipe
 from tawpipe.engine.engine import default_optimizer
 from tawpipe.engine.policy import CommPolicy, MemoryPolicy, PrecisionPolicy
-from tawpipe.models.llama import Llama, LlamaConfig, block_forward, chunked_head_loss, llama_loss, llama_parts
+from tawpipe.models.llama import Llama, block_forward, chunked_head_loss, llama_loss, llama_parts
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.launch import free_port, run_local
 
@@ -69,29 +70,16 @@ TARGETS = {"layer_peak": 1.10, "layer_time": 1.05, "state_time": 1.15, "offload_
            "update_err": 1e-5}
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The model and batch every row trains."""
-
-    layers: int = 8
-    hidden: int = 2048
-    heads: int = 16
-    vocab: int = 32000
-    seq: int = 8192
-    micro_batches: int = 4
-
-    def model(self) -> LlamaConfig:
-        return LlamaConfig(vocab_size=self.vocab, hidden=self.hidden, n_layers=self.layers, n_heads=self.heads,
-                           n_kv_heads=self.heads, max_seq_len=self.seq, tie_embeddings=False)
+# The model and batch every row trains: RunConfig's model (untied head, multi-head attention)
+SHAPE = RunConfig(nodes=1, per_node=1, layers=8, hidden=2048, heads=16, vocab=32000, seq_len=8192, micro_batches=4,
+                  loss="chunked")
+SMALL = replace(SHAPE, hidden=64, heads=4, vocab=512, seq_len=64)
 
 
-SMALL = Shape(layers=8, hidden=64, heads=4, vocab=512, seq=64)
-
-
-def tokens(shape: Shape, rows: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def tokens(shape: RunConfig, rows: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` random sequences of step ``step`` (the same on every rank), inputs and targets."""
     g = torch.Generator().manual_seed(1000 + step)
-    t = torch.randint(0, shape.vocab, (rows, shape.seq + 1), generator=g)
+    t = torch.randint(0, shape.vocab, (rows, shape.seq_len + 1), generator=g)
     return t[:, :-1].to(device), t[:, 1:].to(device)
 
 
@@ -119,11 +107,11 @@ def timed(step, device: torch.device, warmup: int, iters: int) -> dict:
 # ------------------------------------------------------------------ world size 1
 
 
-def torch_row(shape: Shape, device: torch.device, warmup: int, iters: int) -> dict:
+def torch_row(shape: RunConfig, device: torch.device, warmup: int, iters: int) -> dict:
     """Plain torch: autocast to bf16, a checkpoint around every block, the chunked loss."""
-    model = Llama(shape.model(), SEED).to(device)
+    model = Llama(shape.model_config(), SEED).to(device)
     opt = default_optimizer(list(model.parameters()))
-    ctx = model.block_context(shape.seq, device)
+    ctx = model.block_context(shape.seq_len, device)
 
     def step(i: int) -> None:
         x, y = tokens(shape, shape.micro_batches, i, device)
@@ -141,9 +129,9 @@ def torch_row(shape: Shape, device: torch.device, warmup: int, iters: int) -> di
     return {**out, "own_params": None, "staging_bytes": {}}
 
 
-def engine(shape: Shape, device: torch.device, topology: Topology, memory: dict, dtype: torch.dtype,
+def engine(shape: RunConfig, device: torch.device, topology: Topology, memory: dict, dtype: torch.dtype,
            comm: str = "torch") -> TawPipe:
-    parts = llama_parts(shape.model(), seed=SEED, device=device, compute_dtype=dtype)
+    parts = llama_parts(shape.model_config(), seed=SEED, device=device, compute_dtype=dtype)
     return TawPipe(parts, topology=topology, micro_batches=shape.micro_batches, device=device,
                    precision=PrecisionPolicy(compute_dtype=dtype),
                    memory=MemoryPolicy(chunked_loss=True, **memory), comm=CommPolicy(comm))
@@ -153,7 +141,7 @@ def own_params(eng: TawPipe) -> int:
     return eng.memory_report().master // 4
 
 
-def engine_row(shape: Shape, device: torch.device, memory: dict, warmup: int, iters: int) -> dict:
+def engine_row(shape: RunConfig, device: torch.device, memory: dict, warmup: int, iters: int) -> dict:
     eng = engine(shape, device, Topology(1, 1), memory, torch.bfloat16)
     try:
         out = timed(lambda i: eng.step(tokens(shape, shape.micro_batches, i, device)), device, warmup, iters)
@@ -163,8 +151,8 @@ def engine_row(shape: Shape, device: torch.device, memory: dict, warmup: int, it
         eng.close()
 
 
-def single(shape: Shape, device: torch.device, warmup: int, iters: int) -> dict:
-    """Every row of part ``single`` at ``shape.seq``, and the targets' ratios."""
+def single(shape: RunConfig, device: torch.device, warmup: int, iters: int) -> dict:
+    """Every row of part ``single`` at ``shape.seq_len``, and the targets' ratios."""
     rows = {}
     for name, memory in ROWS.items():
         rows[name] = (torch_row(shape, device, warmup, iters) if memory is None
@@ -172,9 +160,9 @@ def single(shape: Shape, device: torch.device, warmup: int, iters: int) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        print(f"  S={shape.seq} {name}: {rows[name]['seconds']:.3f} s, peak {_gib(rows[name]['peak_bytes'])}",
+        print(f"  S={shape.seq_len} {name}: {rows[name]['seconds']:.3f} s, peak {_gib(rows[name]['peak_bytes'])}",
               flush=True)
-    out = {"seq": shape.seq, "rows": rows, "checks": {}}
+    out = {"seq": shape.seq_len, "rows": rows, "checks": {}}
     if device.type == "cuda":
         t, lay, st = rows["torch"], rows["layer"], rows["layer+state"]
         state_bytes = 16 * lay["own_params"]
@@ -189,7 +177,7 @@ def single(shape: Shape, device: torch.device, warmup: int, iters: int) -> dict:
     return out
 
 
-def _single_process(port: int, shape: Shape, seqs: list[int], device: torch.device, warmup: int,
+def _single_process(port: int, shape: RunConfig, seqs: list[int], device: torch.device, warmup: int,
                     iters: int) -> list[dict]:
     """Part ``single`` in one process joined as a job of one (the engine's comm needs a job)."""
     cuda = device.type == "cuda"
@@ -198,7 +186,7 @@ def _single_process(port: int, shape: Shape, seqs: list[int], device: torch.devi
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1, timeout=timedelta(seconds=300), **({"device_id": device} if cuda else {}))
     try:
-        return [single(replace(shape, seq=s), device, warmup, iters) for s in seqs]
+        return [single(replace(shape, seq_len=s), device, warmup, iters) for s in seqs]
     finally:
         dist.destroy_process_group()
 
@@ -213,7 +201,7 @@ def _device(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
-def shared_exactness(rank: int, kind: str, shape: Shape) -> float | None:
+def shared_exactness(rank: int, kind: str, shape: RunConfig) -> float | None:
     """One float32 step on a 2x2 job over gloo-staged with every saver; rank 0 compares the
     gathered model with single-device training on the whole global batch (rel. error, worst)."""
     device, world = _device(kind), dist.get_world_size()
@@ -226,7 +214,7 @@ def shared_exactness(rank: int, kind: str, shape: Shape) -> float | None:
     eng.close()
     if rank != 0:
         return None
-    ref = Llama(shape.model(), SEED).to(device)
+    ref = Llama(shape.model_config(), SEED).to(device)
     opt = default_optimizer(list(ref.parameters()))
     llama_loss(ref(x), y).backward()
     opt.step()
@@ -234,7 +222,7 @@ def shared_exactness(rank: int, kind: str, shape: Shape) -> float | None:
     return max(((full[n].to(device) - p).norm() / p.norm()).item() for n, p in want.items())
 
 
-def shared_rank(rank: int, kind: str, shape: Shape, offload: bool, warmup: int, iters: int) -> dict:
+def shared_rank(rank: int, kind: str, shape: RunConfig, offload: bool, warmup: int, iters: int) -> dict:
     """One rank of the 2x2 job at ``shape``: its peak and time, and what the cost model says
     activation offload moves off its device."""
     device, world = _device(kind), dist.get_world_size()
@@ -248,7 +236,7 @@ def shared_rank(rank: int, kind: str, shape: Shape, offload: bool, warmup: int, 
 
     try:
         out = timed(step, device, warmup, iters)
-        dims = shape.model().dims(seq=shape.seq, micro_batch=1, dtype_bytes=2, scores=False)
+        dims = shape.model_config().dims(seq=shape.seq_len, micro_batch=1, dtype_bytes=2, scores=False)
         kept = [memory_per_rank(eng.plan, dims, Savers("layer", offload_activations=o)).activations
                 for o in (False, True)]
         return {**out, "rank": rank, "cost_model_moved_off_bytes": kept[0] - kept[1],
@@ -257,16 +245,16 @@ def shared_rank(rank: int, kind: str, shape: Shape, offload: bool, warmup: int, 
         eng.close()
 
 
-def shared(kind: str, shape: Shape, small: Shape, warmup: int, iters: int) -> dict:
+def shared(kind: str, shape: RunConfig, small: RunConfig, warmup: int, iters: int) -> dict:
     err = run_local(shared_exactness, 4, kind, small, timeout=600)[0]
     print(f"  2x2 on one {kind}: worst relative parameter error after a step {err:.2e}", flush=True)
     runs = {}
     for offload in (False, True):
         runs[offload] = run_local(shared_rank, 4, kind, shape, offload, warmup, iters, timeout=600)
-        print(f"  2x2 S={shape.seq} offload_activations={offload}: "
+        print(f"  2x2 S={shape.seq_len} offload_activations={offload}: "
               + ", ".join(f"rank {r['rank']} {r['seconds']:.2f} s {_gib(r['peak_bytes'])}" for r in runs[offload]),
               flush=True)
-    out = {"seq": shape.seq, "update_err": err, "without": runs[False], "with": runs[True],
+    out = {"seq": shape.seq_len, "update_err": err, "without": runs[False], "with": runs[True],
            "checks": {"exact": err <= TARGETS["update_err"]}}
     if kind == "cuda":
         dropped = [(a["peak_bytes"] - b["peak_bytes"]) / b["cost_model_moved_off_bytes"]
@@ -335,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--parts: unknown {sorted(set(parts) - {'single', 'shared'})}; choose from single, shared")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here; use --device cpu --small for a smoke run")
-    shape = SMALL if args.small else Shape()
-    seqs = [shape.seq] if args.small else [int(s) for s in args.seq.split(",")]
+    shape = SMALL if args.small else SHAPE
+    seqs = [shape.seq_len] if args.small else [int(s) for s in args.seq.split(",")]
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else f"cpu ({platform.processor() or 'host'})"
     result: dict = {"device_name": name, "torch": torch.__version__, "shape": asdict(shape), "seqs": seqs,
@@ -347,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         for part in result["single"]:
             result["checks"][f"single S={part['seq']}"] = part["checks"]
     if "shared" in parts:
-        result["shared"] = shared(args.device, replace(shape, seq=seqs[0]), SMALL, args.warmup, args.iters)
+        result["shared"] = shared(args.device, replace(shape, seq_len=seqs[0]), SMALL, args.warmup, args.iters)
         result["checks"]["shared"] = result["shared"]["checks"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,21 @@ CASES = [
 ]
 
 
+def _built(case: dict, layers: int, rows: int, topology: Topology, dev: torch.device, **options):
+    """The case's engine on ``dev``, and single-device training of the same model for 3 steps of
+    ``rows`` rows (the reference and its losses)."""
+    case = dict(case)
+    clip = case.pop("max_grad_norm", None)
+    torch.manual_seed(0)
+    model = TinyLM(layers)
+    ref, ref_losses = reference_run(model, rows, 3, clip)
+    m = copy.deepcopy(model).to(dev)
+    engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=topology, micro_batches=2, optimizer=adamw,
+                         max_grad_norm=clip, device=dev,
+                         block_context=lambda t: {k: v.to(dev) for k, v in m.context(t).items()}, **options, **case)
+    return engine, ref, ref_losses
+
+
 def _run(port: int, cases: list[dict], results) -> None:
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -40,15 +55,7 @@ def _run(port: int, cases: list[dict], results) -> None:
     out = []
     try:
         for case in cases:
-            case = dict(case)
-            clip = case.pop("max_grad_norm", None)
-            torch.manual_seed(0)
-            model = TinyLM(3)
-            ref, ref_losses = reference_run(model, 2 * MB_ROWS, 3, clip)
-            m = copy.deepcopy(model).to(dev)
-            engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2,
-                                 optimizer=adamw, max_grad_norm=clip, device=dev,
-                                 block_context=lambda t: {k: v.to(dev) for k, v in m.context(t).items()}, **case)
+            engine, ref, ref_losses = _built(case, 3, 2 * MB_ROWS, Topology(1, 1), dev)
             losses = [engine.step(tuple(t.to(dev) for t in global_batch(step, 2 * MB_ROWS))) for step in range(3)]
             ref_params = dict(ref.named_parameters())
             err = max(rel_err(p.detach().cpu(), ref_params[n].detach()) for n, p in engine.named_parameters())
@@ -81,15 +88,7 @@ def _shared(rank: int, cases: list[dict]) -> list[float]:
     torch.cuda.set_device(dev)
     out, rows = [], 2 * MB_ROWS
     for case in cases:
-        case = dict(case)
-        clip = case.pop("max_grad_norm", None)
-        torch.manual_seed(0)
-        model = TinyLM(5)
-        ref, _ = reference_run(model, 4 * rows, 3, clip)
-        m = copy.deepcopy(model).to(dev)
-        engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=2,
-                             optimizer=adamw, max_grad_norm=clip, device=dev, comm="gloo-staged",
-                             block_context=lambda t: {k: v.to(dev) for k, v in m.context(t).items()}, **case)
+        engine, ref, _ = _built(case, 5, 4 * rows, Topology(2, 2), dev, comm="gloo-staged")
         for step in range(3):
             x, y = global_batch(step, 4 * rows)
             engine.step((x[rank * rows:(rank + 1) * rows].to(dev), y[rank * rows:(rank + 1) * rows].to(dev)))
