@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from .commands import Parser, UsageError, as_flags, delegate, refuse
 from .cost.memory import (AUTO, Choice, MemoryEstimate, NothingFits, Savers, auto_savers_plan, estimate_memory,
-                          fitting, memory_per_rank, savers_ladder)
+                          fitting, memory_per_rank, savers_to_weigh)
 from . import models
 from .cost.traffic import KINDS, LAYER_KINDS, estimate, methods, plan_traffic
 from .models.presets import PRESETS
@@ -172,7 +172,7 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
               f"floor {floor:.3f} s "
               f"(busiest link's bytes), per-slot bursts {bursts:.3f} s (each slot's busiest link, summed)")
         if schedule.tunable:
-            _print_k_table(args, dims, build)
+            _print_k_table(args, dims, sizes, build)
             _print_replicas(args, dims, topo)
         plans = {args.algo: plan}
         for other in registry.names():  # every other schedule at its own defaults (the paper's settings)
@@ -201,7 +201,7 @@ def _check_plan_size(topo: Topology, micro_batches: int, replicas: int) -> None:
                          f"builds; run the nodes as replicas ({hint}) or with fewer micro-batches")
 
 
-def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..., Plan]) -> None:
+def _print_k_table(args: argparse.Namespace, dims: ModelDims, sizes: dict, build: Callable[..., Plan]) -> None:
     """Bytes and memory for every k, at the given prefetch depth and with every chunk resident."""
     ks = [k for k in range(1, args.micro_batches + 1) if args.micro_batches % k == 0]
     depths = [(args.prefetch_depth, args.reuse_weights)]
@@ -228,7 +228,7 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, build: Callable[..
             k, d, reuse = cheapest
             print(f"within {args.memory_budget:g} GiB per rank: largest k {largest}; fewest inter-node bytes with "
                   f"k={k}, --prefetch-depth {d}{' --reuse-weights' if reuse else ''}")
-        _print_auto(args, dims)
+        _print_auto(args, dims, sizes)
 
 
 def _savers(args: argparse.Namespace) -> Savers:
@@ -236,18 +236,17 @@ def _savers(args: argparse.Namespace) -> Savers:
     return Savers("chunk" if args.recompute == AUTO else args.recompute, args.offload_state, args.offload_activations)
 
 
-def _print_auto(args: argparse.Namespace, dims: ModelDims) -> None:
+def _print_auto(args: argparse.Namespace, dims: ModelDims, sizes: dict) -> None:
     """What "auto" (the default of ``tawpipe train`` and the engine) chooses within --memory-budget,
     on this command's estimate of the memory (design §7.3); with --recompute auto, the memory
     savers too (``savers_ladder``)."""
-    ladder = (savers_ladder(offload_state=args.offload_state, offload_activations=args.offload_activations)
-              if args.recompute == AUTO else (_savers(args),))
+    ladder = savers_to_weigh(args.recompute, args.offload_state, args.offload_activations)
     try:
         _, _, why = auto_savers_plan(ladder, functools.partial(memory_per_rank, dims=dims),
                                      topology=Topology(args.nodes, args.per_node), num_layers=args.layers,
                                      micro_batches=args.micro_batches, budget=args.memory_budget * 2**30,
                                      budget_text="--memory-budget", grad_route=args.grad_route,
-                                     replicas=args.replicas, **_dims_and_sizes(args)[1])
+                                     replicas=args.replicas, **sizes)
     except NothingFits as e:
         why = str(e)
     print(f"auto (tawpipe train's default): {why}")

@@ -50,20 +50,20 @@ FLAGS = {
 }
 
 
-def as_flags(message: str, flags: dict[str, str] = FLAGS) -> str:
+def as_flags(message: str) -> str:
     """``message`` of the library with its keywords as the command's flags: ``mb_per_fetch=3`` as
     ``--mb-per-fetch 3``, ``reuse_weights=True`` as ``--reuse-weights``, a bare ``prefetch_depth``
     as ``--prefetch-depth``."""
     def value(m: re.Match) -> str:
-        flag, text = flags[m[1]], m[2].strip("'\"")
+        flag, text = FLAGS[m[1]], m[2].strip("'\"")
         if text in ("True", "False"):
             return flag if text == "True" else "--no-" + flag[2:]
         return f"{flag} {text}"
 
-    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    names = "|".join(sorted(map(re.escape, FLAGS), key=len, reverse=True))
     message = re.sub(rf"\b({names})=('[^']*'|\"[^\"]*\"|[^\s,;:)]+)", value, message)
-    bare = "|".join(re.escape(n) for n in flags if "_" in n)
-    return re.sub(rf"(?<![-\w])({bare})\b", lambda m: flags[m[1]], message)
+    bare = "|".join(re.escape(n) for n in FLAGS if "_" in n)
+    return re.sub(rf"(?<![-\w])({bare})\b", lambda m: FLAGS[m[1]], message)
 
 
 class UsageError(ValueError):

@@ -110,6 +110,8 @@ def test_auto_plan_on_real_plans():
     assert plan.options["mb_per_fetch"] == 1 and why.endswith("(k=1 given)")
     assert _auto(mb_per_fetch=1, prefetch_depth=1, reuse_weights=False)[1] is None  # nothing left to choose
     plan, why = _auto(algo="weipipe")
+    with pytest.raises(NothingFits, match="weipipe runs the paper's settings only: give a larger memory_budget"):
+        _auto(1.0, algo="weipipe")  # a schedule with nothing to choose is held to the budget too
     assert [plan.options[n] for n in ("mb_per_fetch", "prefetch_depth", "reuse_weights")] == [1, 1, False]
     with pytest.raises(ValueError, match="reuse_weights=True"):
         _auto(prefetch_depth=RESIDENT, reuse_weights=False)  # the constraint stays

@@ -168,6 +168,9 @@ def test_a_failed_engine_is_not_saved(tmp_path) -> None:
         _train(eng, 1)
     with pytest.raises(RuntimeError, match="state is unknown"):
         checkpoint.save(eng, tmp_path)
+    eng.close()  # closing it does not make its state known again
+    with pytest.raises(RuntimeError, match="state is unknown"):
+        eng.state_dict()
 
 
 def test_loss_scale_survives_a_dtype_change(tmp_path) -> None:

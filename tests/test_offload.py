@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tawpipe.engine.offload import HostOffload, OffloadMemory
+from tawpipe.runtime.offload import HostOffload, OffloadMemory
 from tawpipe.ops import ShardLayout
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -102,6 +102,16 @@ def savers_ladder(*, offload_state: bool = False, offload_activations: bool = Fa
                  if a == offload_activations or (a and not host_is_device))
 
 
+def savers_to_weigh(recompute: str, offload_state: bool, offload_activations: bool, *,
+                    host_is_device: bool = False) -> tuple[Savers, ...]:
+    """The savers a run's flags leave to choose among: recompute "auto" weighs ``savers_ladder``
+    (the offloads given in each); any other value names the one."""
+    if recompute == AUTO:
+        return savers_ladder(offload_state=offload_state, offload_activations=offload_activations,
+                             host_is_device=host_is_device)
+    return (Savers(recompute, offload_state, offload_activations),)
+
+
 def auto_savers_plan(ladder: Sequence[Savers], memory: Callable[[Plan, Savers], MemoryEstimate], *, budget: float,
                      budget_text: str = "", strict: bool = True, **auto_args: Any) -> tuple[Plan, Savers, str | None]:
     """``auto_plan`` with the memory savers as one more choice (``memory(plan, savers)``): for each
@@ -237,7 +247,7 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     state = 0.0 if savers.offload_state else 16 * own
     return MemoryEstimate(persistent=state, staging=staging, replicated=16 * replicated_numel,
                           activations=activations, transient=state,
-                          host=(0.0 if state else 32 * own) + offloaded)
+                          host=(0.0 if state else 16 * own) + offloaded)
 
 
 def host_bytes(plan: Plan, rank: int, *, own_numel: int, grad_bytes: int, input_bytes: float,
@@ -374,25 +384,27 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
             built[key] = build_plan(topology, num_layers, micro_batches, **plan_args, **options)
         return built[key]
 
+    def fixed(options: dict[str, Any], why: str | None, fix: str) -> tuple[Plan, str | None]:
+        """The plan of ``options``, nothing left to choose; held to a ``strict`` budget."""
+        plan = build(**options)
+        if strict and (need := memory(plan).total) > budget:
+            raise NothingFits(f"{', '.join(f'{n}={v}' for n, v in options.items())} take {gib(need)} per rank, more "
+                              f"than {_within(budget, budget_text).removeprefix('within ')}: {fix}",
+                              tuple(options.values()))
+        return plan, why
 
     asked = {"mb_per_fetch": mb_per_fetch, "prefetch_depth": prefetch_depth, "reuse_weights": reuse_weights}
     given = {name: v for name, v in asked.items() if v != AUTO}
     if len(given) == len(asked):
-        plan = build(**given)
-        if strict and (need := memory(plan).total) > budget:
-            raise NothingFits(f"mb_per_fetch={mb_per_fetch}, prefetch_depth={prefetch_depth}, "
-                              f"reuse_weights={reuse_weights} take {gib(need)} per rank, more than "
-                              f"{_within(budget, budget_text).removeprefix('within ')}: leave them \"auto\" to "
-                              "choose what fits, or give a larger memory_budget",
-                              (mb_per_fetch, prefetch_depth, reuse_weights))
-        return plan, None
+        return fixed(asked, None, 'leave them "auto" to choose what fits, or give a larger memory_budget')
     shown = {"mb_per_fetch": f"k={mb_per_fetch}", "prefetch_depth": f"depth {prefetch_depth}",
              "reuse_weights": "reuse" if reuse_weights is True else "no reuse"}
     note = f" ({', '.join(shown[n] for n in given)} given)" if given else ""
     algo = plan_args.get("algo", "tawpipe")
     if not registry.get(algo).tunable:
-        plan = build(**{"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": False, **given})
-        return plan, f"{describe((1, 1, False))} — {algo} runs the paper's settings only{note}"
+        return fixed({"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": False, **given},
+                     f"{describe((1, 1, False))} — {algo} runs the paper's settings only{note}",
+                     f"{algo} runs the paper's settings only: give a larger memory_budget")
     todo = candidates(micro_batches, **asked)
     computes = compute_actions(topology, micro_batches, plan_args.get("replicas", 1))
     large = computes * len(todo) > AUTO_BUILD_COMPUTE_ACTIONS

@@ -9,8 +9,8 @@ and every operation the engine offers: step, evaluate, state dicts, gather, expo
 Imports ``ops``, ``models`` (the model contract), ``plan``, ``cost`` and ``runtime``.
 """
 
-from .engine import Lifecycle, TawPipe, default_optimizer
+from .engine import TawPipe, default_optimizer
 from .policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
 
-__all__ = ["CommPolicy", "Lifecycle", "MemoryPolicy", "PrecisionPolicy", "SchedulePolicy", "TawPipe",
+__all__ = ["CommPolicy", "MemoryPolicy", "PrecisionPolicy", "SchedulePolicy", "TawPipe",
            "default_optimizer"]

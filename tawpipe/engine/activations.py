@@ -105,8 +105,3 @@ class ActivationOffload:
         self._lent = still
         free = self._pool[(tuple(like.shape), like.dtype)]
         return free.pop() if free else torch.empty(like.shape, dtype=like.dtype, pin_memory=self.cuda)
-
-    def host_bytes(self) -> int:
-        """Host memory this holds: stored inputs and pooled buffers."""
-        return sum(h.nbytes for hosts, _ in self._host.values() for h in hosts) + sum(
-            h.nbytes for free in self._pool.values() for h in free) + sum(h.nbytes for h, _ in self._lent)

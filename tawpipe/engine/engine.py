@@ -19,7 +19,6 @@ pass and the agreement rows of a checkpoint (``gather_rows``). Files are written
 from __future__ import annotations
 
 import dataclasses
-import enum
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -67,15 +66,6 @@ def default_optimizer(params: list[nn.Parameter], lr: float = 1e-3) -> torch.opt
     )
 
 
-class Lifecycle(enum.Enum):
-    """Where an engine stands: it steps while READY; a step that raised leaves it FAILED (its
-    buffers in an unknown state); ``close`` leaves it CLOSED. Neither comes back."""
-
-    READY = "ready"
-    FAILED = "failed"
-    CLOSED = "closed"
-
-
 class TawPipe:
     """Topology-aware weight pipeline training of a stack of identical blocks.
 
@@ -121,7 +111,10 @@ class TawPipe:
         self._build(model, blocks, replicated, optimizer, lr_scheduler)
         self._embed, self._head, self._vocab = model.embed, model.head, find_vocab(model.embed)
         self.steps, self._loaded_unchecked = 0, False  # load_state_dict ran: the ranks must agree before a step
-        self._lifecycle, self._failure = Lifecycle.READY, None
+        # A step that raised leaves its error here (the buffers are in an unknown state); ``close``
+        # sets _closed. Neither comes back, and closing a failed engine leaves it failed.
+        self._failure: BaseException | None = None
+        self._closed = False
         self._stats: torch.Tensor | None = None
         self._state: StepState | None = None
         self._last_loss = float("nan")
@@ -200,19 +193,14 @@ class TawPipe:
         of micro_batches, ids inside the vocabulary of ``embed``'s first nn.Embedding (if it has
         one); targets starting with the same two dimensions. Anything else is refused before the
         step runs, and the engine stays usable."""
-        self._refuse_if_closed()
-        if self._lifecycle is Lifecycle.FAILED:
-            raise RuntimeError(
-                f"an earlier step failed ({self._failure!r}); this engine's buffers are in an unknown "
-                "state: build a new engine (and restore a checkpoint) to continue"
-            ) from self._failure
+        self._refuse_if_unusable()
         state = self._step_state(batch)  # a bad batch is refused here, and the engine stays usable
         self._check_loaded_shards_agree()
         self._state = state
         try:
             self.executor.run(self.plan.actions[self.rank], self._work)
         except BaseException as e:
-            self._lifecycle, self._failure = Lifecycle.FAILED, e
+            self._failure = e
             self.executor.close()  # queued work refers to this step's buffers: stop the channels
             raise
         finally:
@@ -418,7 +406,7 @@ class TawPipe:
         self.gather_rows([1])
 
     def _refuse_if_closed(self) -> None:
-        if self._lifecycle is Lifecycle.CLOSED:
+        if self._closed:
             raise RuntimeError("this engine was closed (TawPipe.close() was called) and communicates no more: "
                                "build a new TawPipe (and restore a checkpoint into it) to go on")
 
@@ -428,9 +416,10 @@ class TawPipe:
         self._refuse_if_failed()
 
     def _refuse_if_failed(self) -> None:
-        if self._lifecycle is Lifecycle.FAILED:
+        if self._failure is not None:
             raise RuntimeError(f"an earlier step failed ({self._failure!r}): this engine's state is unknown and "
-                               "its channels are closed; restore the last checkpoint into a new engine")
+                               "its channels are closed; restore the last checkpoint into a new engine"
+                               ) from self._failure
 
     def gather_rows(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (integers; the same count on every rank), in rank order: one
@@ -507,7 +496,7 @@ class TawPipe:
 
     def close(self) -> None:
         """Stop the engine's channels; every method that communicates then refuses."""
-        self._lifecycle = Lifecycle.CLOSED
+        self._closed = True
         self.executor.close()
 
     # ------------------------------------------------------------------ actions -> calls

@@ -2,7 +2,12 @@
 
 Device-bound storage: the own chunk's float32 master and float32 gradient accumulator are flat
 buffers whose views are the optimizer's parameters and their ``.grad``; with ``offload_state``
-they live in (pinned) host memory and stream to and from the device (``tawpipe.engine.offload``). The replicated modules
+they live in pinned host memory (``tawpipe.runtime.offload.HostOffload``) and stream to and
+from the device: LOAD_W is issued on the weights channel, whose stream is not the compute
+stream, and compute waits on the channel's event. The optimizer then steps on the host, where
+the state lives: its parameters are views of the host master, so the state it creates is host
+memory too, 16 B per parameter read and written there (on the device it would move 28 B per
+parameter across PCIe every step instead). The replicated modules
 (embedding, head) keep their own parameters, whose ``.grad`` are views of one flat buffer
 ``rep`` that also holds this rank's loss sum, so the replicated all-reduce is one collective on
 memory that backward writes directly. Staging buffers are the plan's named buffers.
@@ -27,7 +32,7 @@ from ..ops import ShardLayout
 from ..plan.actions import BufKind, buf_kind
 from ..plan.plan import Plan
 from ..runtime.timeout import DEFAULT_TIMEOUT
-from .offload import HostOffload
+from ..runtime.offload import HostOffload
 
 BlockForward = Callable[..., torch.Tensor]
 

@@ -3,7 +3,7 @@ host memory, streamed to and from a device in pieces through the prefetcher
 (csrc/kernels/prefetch.h). The device holds only compute-dtype weights and incoming gradients.
 
 The public names are ``HostOffload``, ``OffloadMemory`` and ``DEFAULT_PIECE_NUMEL``; the engine
-keeps a chunk owner's state in one (``offload="host"``, ``tawpipe.engine.offload``) and
+keeps a chunk owner's state in one (``MemoryPolicy(offload_state=True)``, ``tawpipe.engine.storage``) and
 ``tawpipe bench prefetch`` measures its streaming. Interface (``numel = layout.numel``)::
 
     off = HostOffload(layout, device, init=flat_fp32)  # state for the tensors of `layout`

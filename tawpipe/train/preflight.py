@@ -20,12 +20,13 @@ import torch
 
 from .. import models
 from ..commands import as_flags
-from ..cost.memory import (AUTO, MemoryEstimate, Savers, describe, logits_bytes, rank_memory, savers_ladder,
+from ..cost.memory import (AUTO, MemoryEstimate, Savers, describe, logits_bytes, rank_memory, savers_to_weigh,
                            working_set_bytes)
 from ..cost.units import gib
 from ..engine.auto import engine_plan, host_available
 from ..io import checkpoint
-from ..models.parts import parts_signature
+from ..engine.policy import MemoryPolicy
+from ..models.parts import parts_signature, unique_params
 from ..ops import DTYPES
 from ..plan.plan import Plan
 from ..plan.schedule import check_replicas
@@ -92,15 +93,18 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
                          f"(--layers >= {world}, or more --replicas)")
     manifest = _check_resume(cfg, parts_signature(blocks, embed, head)) if cfg.resume is not None else None
     ran = _as_it_ran(cfg, topology, manifest)
-    shape = replace(models.dims(cfg.model), layers=len(blocks), vocab=model_vocab)
+    weight_bytes, grad_bytes = _wire_bytes(cfg)
+    shape = replace(models.dims(cfg.model, seq=cfg.seq_len, micro_batch=cfg.micro_batch_size, dtype_bytes=weight_bytes,
+                                grad_bytes=grad_bytes), layers=len(blocks), vocab=model_vocab)
     if cfg.loss == AUTO:
-        cfg = replace(cfg, loss=_loss(kind, replace(shape, seq=cfg.seq_len, micro_batch=cfg.micro_batch_size)))
+        cfg = replace(cfg, loss=_loss(kind, shape))
     try:
         plan, savers, auto = _plan(replace(cfg, **ran), topology, blocks, embed, head, shape)
         cfg = replace(cfg, recompute=savers.recompute, offload_state=savers.offload_state,
                       offload_activations=savers.offload_activations)
     except ValueError as e:
         raise ValueError(f"schedule: {e}") from None
+    MemoryPolicy(cfg.recompute, cfg.offload_state, cfg.offload_activations)  # the engine's rules, before the start
     if ran:
         options = (plan.options["mb_per_fetch"], plan.options["prefetch_depth"], plan.options["reuse_weights"])
         auto = (f"{describe(options)} — as the checkpoint ran (a bit-exact resume; give --mb-per-fetch, "
@@ -110,7 +114,7 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
                          "use data tokenised for this model")
     _check_export(cfg)
     memory = _check_memory(cfg, topology, plan, blocks, embed, head, shape)
-    params = sum({id(p): p.numel() for m in (*blocks, embed, head) for p in m.parameters()}.values())
+    params = sum(p.numel() for _, p in unique_params([("blocks", m) for m in blocks] + [("embed", embed), ("head", head)]))
     _check_writable(cfg, params)
     schedule = {name: plan.options[name] for name in ("mb_per_fetch", "prefetch_depth", "reuse_weights")}
     schedule.update(loss=cfg.loss, recompute=cfg.recompute, offload_state=cfg.offload_state,
@@ -148,8 +152,8 @@ def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], e
     gpu = under_torchrun() and torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     batch = {k: sizes[k] for k in ("seq", "micro_batch", "hidden", "heads", "vocab")}
-    savers = savers_ladder(offload_state=cfg.offload_state, offload_activations=cfg.offload_activations,
-                           host_is_device=device.type == "cpu") if cfg.recompute == AUTO else sizes["savers"]
+    savers = savers_to_weigh(cfg.recompute, cfg.offload_state, cfg.offload_activations,
+                             host_is_device=device.type == "cpu")
     plan, chosen, why = engine_plan(
         topology, len(blocks), cfg.micro_batches, device=device,
         budget=None if cfg.memory_budget is None else cfg.memory_budget * GiB, reserve=RUNTIME_BYTES, batch=batch,
@@ -180,10 +184,10 @@ def _rank_sizes(cfg: TrainConfig, blocks: list[torch.nn.Module], embed: torch.nn
                 shape: models.ModelDims) -> dict[str, Any]:
     """``rank_memory``'s sizes but the chunks' (``_chunk_numel``, which depend on the plan)."""
     weight_bytes, grad_bytes = _wire_bytes(cfg)
-    return dict(replicated_numel=sum({id(p): p.numel() for m in (embed, head) for p in m.parameters()}.values()),
+    return dict(replicated_numel=sum(p.numel() for _, p in unique_params([("embed", embed), ("head", head)])),
                 weight_bytes=weight_bytes, grad_bytes=grad_bytes,
-                scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0, seq=cfg.seq_len,
-                micro_batch=cfg.micro_batch_size, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
+                scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0, seq=shape.seq,
+                micro_batch=shape.micro_batch, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
                 savers=Savers(cfg.recompute, cfg.offload_state, cfg.offload_activations))
 
 

@@ -33,6 +33,11 @@ class _Wrapper(Comm):
         self.channel = channel
         self._channels: dict[str, Comm] = {channel: self}
 
+    @property
+    def supports_replicas(self) -> bool:  # type: ignore[override]
+        """The wrapped backend's: a wrapper adds no collectives."""
+        return self.inner.supports_replicas
+
     def _wrap(self, inner: Comm, name: str) -> Comm:
         raise NotImplementedError
 
