@@ -19,12 +19,12 @@ def test_the_memory_benchmark_runs_every_row_and_checks_the_shared_job(tmp_path:
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     doc = json.loads((tmp_path / "memory_bench_cpu_small.json").read_text())
     (part,) = doc["single"]
-    assert list(part["rows"]) == ["torch", "chunk", "layer", "block", "layer+state"]
+    assert list(part["rows"]) == ["torch", "chunk", "layer", "block", "layer+state", "block+bf16-grads"]
     assert all(r["seconds"] > 0 for r in part["rows"].values())
     layers, hidden = doc["shape"]["layers"], doc["shape"]["hidden"]
     assert part["rows"]["layer"]["own_params"] > layers * 4 * hidden * hidden  # the whole decoder at world size 1
     shared = doc["shared"]
-    assert shared["update_err"] < 1e-5 and shared["checks"] == {"exact": True}
+    assert shared["update_err"] < 1e-5 and shared["worst_tensor_err"] < 1e-4 and shared["checks"] == {"exact": True}
     assert [r["rank"] for r in shared["with"]] == [0, 1, 2, 3]
     for r in shared["with"]:  # the chunk inputs went to the host and came back, as the cost model counts
         to_host, from_host = r["host_traffic_bytes"]

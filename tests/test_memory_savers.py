@@ -39,20 +39,21 @@ class SavedBytes:
             return block(hidden, **ctx)
 
 
-def _peak(recompute: str, layers: int) -> tuple[float, dict[str, torch.Tensor]]:
-    """The peak saved bytes of one step on one rank whose one chunk has ``layers`` layers, and
-    the parameters after it."""
+def _peak(recompute: str, layers: int, steps: int = 1, **options) -> tuple[float, dict[str, torch.Tensor], dict]:
+    """The peak saved bytes of ``steps`` steps on one rank whose one chunk has ``layers`` layers,
+    the parameters after them and the engine's staging buffers."""
     torch.manual_seed(0)
     model = TinyLM(layers)
     saved = SavedBytes()
     engine = make_engine(copy.deepcopy(model).blocks, model.embed, model.head, lm_loss, topology=Topology(1, 1),
                          micro_batches=2, comm=NoComm(1), block_context=model.context,
-                         block_forward=saved.block_forward, recompute=recompute)
-    x, y = global_batch(0, 2 * MB_ROWS)
-    engine.step((x, y))
+                         block_forward=saved.block_forward, recompute=recompute, **options)
+    for step in range(steps):
+        engine.step(global_batch(step, 2 * MB_ROWS))
     params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    staging = engine.memory_report().staging
     engine.close()
-    return saved.peak, params
+    return saved.peak, params, staging
 
 
 @pytest.mark.parametrize("recompute", ["layer", "block"])
@@ -60,11 +61,24 @@ def test_a_layer_at_a_time_holds_one_layers_activations(recompute):
     """"layer" re-runs the chunk for its layers' inputs, "block" kept them from the forward:
     either way the backward holds one layer's activations."""
     layers = 8
-    chunk, chunk_params = _peak("chunk", layers)
-    layer, layer_params = _peak(recompute, layers)
+    chunk, chunk_params, _ = _peak("chunk", layers)
+    layer, layer_params, _ = _peak(recompute, layers)
     one_layer = chunk / layers  # the blocks are alike: each saves the same
     assert layer == pytest.approx(one_layer, rel=0.05), (chunk, layer)
     for name, p in chunk_params.items():  # the same update, computed a layer at a time
+        torch.testing.assert_close(layer_params[name], p, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("recompute", ["layer", "block"])
+def test_a_layer_at_a_time_casts_its_gradient_through_one_layers_scratch(recompute):
+    """In bfloat16 a chunk's gradient is born in a compute-dtype scratch and cast into the float32
+    buffer: a layer at a time, the scratch holds one layer (a chunk's with "chunk") and the
+    updates after 3 steps are those of recomputing the chunk whole."""
+    layers = 8
+    _, chunk_params, chunk_staging = _peak("chunk", layers, steps=3, compute_dtype=torch.bfloat16)
+    _, layer_params, layer_staging = _peak(recompute, layers, steps=3, compute_dtype=torch.bfloat16)
+    assert layer_staging["scratch"] * layers == chunk_staging["scratch"] == chunk_staging["w0"], chunk_staging
+    for name, p in chunk_params.items():
         torch.testing.assert_close(layer_params[name], p, rtol=1e-6, atol=1e-7)
 
 

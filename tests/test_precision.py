@@ -6,8 +6,10 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from tawpipe.engine.precision import Precision
+from tawpipe.engine.precision import NORM_PIECE, Precision
 
 
 def _grads(seed: int, n_own: int = 37, n_rep: int = 11, mul: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,13 +209,33 @@ def test_invalid_arguments(kwargs: dict) -> None:
 
 
 @pytest.mark.parametrize("numel", [0, 7, 1 << 16, (1 << 16) + 3, 5 * (1 << 16) + 11])
-def test_the_norm_of_a_host_gradient_is_summed_in_float64_without_a_copy(numel):
-    """A host gradient's squared norm (offloaded state): float32 dot products of pieces, summed in
-    float64, against a float64 reference; a non-finite element is flagged wherever it is."""
+def test_the_norm_of_a_gradient_is_summed_in_float64_without_a_copy(numel):
+    """A gradient's squared norm: float32 norms of pieces, summed in float64, against a float64
+    reference; no tensor the size of the gradient is made (a float64 copy and its square were the
+    step's peak on a GPU); a non-finite element is flagged wherever it is."""
     g = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
-    sq, flag = Precision.local_stats(g)
+    with _Allocations() as made:
+        sq, flag = Precision.local_stats(g)
+    assert max(made.numels, default=0) <= max(2, numel // NORM_PIECE + 1)
     assert sq.dtype == torch.float64 and flag == 0
     assert sq.item() == pytest.approx(g.double().square().sum().item(), rel=1e-6, abs=1e-6)
     if numel:
         g[numel - 1] = float("inf")
         assert Precision.local_stats(g)[1] == 1
+        g[0] = float("nan")
+        assert Precision.local_stats(g)[1] == 1
+
+
+class _Allocations(TorchDispatchMode):
+    """The element counts of the tensors the ops under it make (views of their inputs left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        self.numels += [t.numel() for t in tree_flatten(out)[0]
+                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen]
+        return out

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tawpipe import cli, models
-from tawpipe.cost.memory import rank_memory
+from tawpipe.cost.memory import Savers, rank_memory
 from tawpipe.io import checkpoint
 from tawpipe.io import safetensors as st_io
 from tawpipe.plan.topology import Topology
@@ -78,9 +78,8 @@ def _host_has(monkeypatch, available: int) -> None:
 def test_paper_4096_is_refused_on_a_24_gib_host(monkeypatch, capsys):
     _host_has(monkeypatch, 24 * GiB)
     err = refused(monkeypatch, capsys, "--model", "paper-4096")
-    # 4 ranks of 12 layers: 2.4e9 parameters each, 16 B a parameter (36 GiB), 6 float32 staging buffers (54 GiB),
-    # the gradient norm's float64 copies (36 GiB)
-    assert re.search(r"needs about 51\d\.\d\d GiB for 4 rank\(s\) on this host; per rank up to 12\d\.\d\d GiB: "
+    # 4 ranks of 12 layers: 2.4e9 parameters each, 16 B a parameter (36 GiB), 6 float32 staging buffers (54 GiB)
+    assert re.search(r"needs about 36\d\.\d\d GiB for 4 rank\(s\) on this host; per rank up to 9\d\.\d\d GiB: "
                      r"own chunk 36\.\d\d GiB .*staging 54\.\d\d GiB.*; 24\.00 GiB is available", err), err
 
 
@@ -102,13 +101,15 @@ def test_the_default_model_fits_and_the_estimate_is_printed_first(monkeypatch, c
         preflight.validate(TrainConfig())
 
 
-def test_the_estimate_counts_what_the_engine_allocates():
-    """Own chunk, staging buffers (bfloat16 weights, float32 gradients and the scratch) and the
-    replicated parameters, exactly as the engine of the busiest rank holds them after a step."""
+@pytest.mark.parametrize("recompute", ["chunk", "layer", "block"])
+def test_the_estimate_counts_what_the_engine_allocates(recompute):
+    """Own chunk, staging buffers (bfloat16 weights, float32 gradients and the scratch: a chunk's,
+    or a layer's where the backward runs a layer at a time) and the replicated parameters, exactly
+    as the engine of the busiest rank holds them after a step."""
     parts = models.load("micro", seed=0, compute_dtype=torch.bfloat16)
     topo = Topology(1, 1)
     engine = make_engine(parts, topology=topo, micro_batches=2, comm=NoComm(1),
-                         compute_dtype=torch.bfloat16)
+                         compute_dtype=torch.bfloat16, recompute=recompute)
     x = torch.randint(0, 256, (4, 16))
     engine.step((x, x.roll(-1, 1)))
     report = engine.memory_report()
@@ -116,7 +117,7 @@ def test_the_estimate_counts_what_the_engine_allocates():
     est = rank_memory(engine.plan, 0, chunk_numel=[sum(p.numel() for b in blocks for p in b.parameters())],
                       replicated_numel=sum({id(p): p.numel() for m in (embed, head) for p in m.parameters()}.values()),
                       weight_bytes=2, grad_bytes=4, scratch_bytes=2, seq=16, micro_batch=2, hidden=64, heads=4,
-                      vocab=256)
+                      vocab=256, savers=Savers(recompute))
     assert est.persistent == report.persistent
     assert est.staging == sum(report.staging.values()) and "scratch" in report.staging
     assert est.replicated == 4 * report.replicated  # float32 weights, gradients and two AdamW moments

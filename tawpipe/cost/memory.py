@@ -37,12 +37,11 @@ class MemoryEstimate:
     staging: float  # the plan's weight and gradient buffers
     replicated: float  # embedding/head/norm: parameters, gradients, AdamW moments (float32)
     activations: float
-    transient: float = 0.0  # held only during a step's end: the gradient norm's float64 copies
     host: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.persistent + self.staging + self.replicated + self.activations + self.transient
+        return self.persistent + self.staging + self.replicated + self.activations
 
 
 @dataclass(frozen=True)
@@ -224,9 +223,9 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     own chunk's float32 master, gradient accumulator and AdamW moments (16 B per parameter, counted
     from ``chunk_numel``, each chunk's parameters); one staging buffer of the largest chunk per
     buffer the plan names on this rank, weights in ``weight_bytes``, gradients in ``grad_bytes``,
-    plus a scratch in ``scratch_bytes`` (0: none) when those differ; the replicated parameters at
-    16 B each; briefly, 16 B per own parameter more (``transient``): the float64 copy of the
-    gradient accumulator and its square that the gradient norm takes (``Precision.local_stats``).
+    plus a scratch in ``scratch_bytes`` (0: none) when those differ, of one layer where the backward
+    runs a layer at a time (``savers.recompute`` "layer" or "block"); the replicated parameters at
+    16 B each (the gradient norm takes no copy: ``engine.precision.squared_norm``).
     Activations are estimated: the saved chunk inputs, one chunk's working set
     (``working_set_bytes``) and the head's float32 logits, their log-softmax and gradient; none
     where the batch is not known (``seq`` 0: the engine before its first batch). ``savers`` move
@@ -235,18 +234,19 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     largest = max(chunk_numel)
     names = {b for a in plan.actions[rank] for b in (a.buf, a.grad_buf) if b}
     per_element = {BufKind.WEIGHTS: weight_bytes, BufKind.GRADS: grad_bytes, BufKind.STATE: 4}
-    staging = largest * (sum(per_element[buf_kind(b)] for b in names) + scratch_bytes)
+    chunk_layers = max(b - a for a, b in plan.chunk_layers)
+    scratch = largest // chunk_layers if savers.recompute in ("layer", "block") else largest  # a layer at a time
+    staging = largest * sum(per_element[buf_kind(b)] for b in names) + scratch * scratch_bytes
     activations = offloaded = 0.0
     if seq:
         k = int(plan.options.get("mb_per_fetch", 1))
-        chunk_layers = max(b - a for a, b in plan.chunk_layers)
         activations, offloaded = savers.activations(
             plan.replica_size * k, k, micro_batch * seq * hidden * weight_bytes, chunk_layers,
             lambda layers: _working_set(seq, micro_batch, hidden, heads, layers, weight_bytes))
         activations += _logits(micro_batch, seq, vocab)
     state = 0.0 if savers.offload_state else 16 * own
     return MemoryEstimate(persistent=state, staging=staging, replicated=16 * replicated_numel,
-                          activations=activations, transient=state,
+                          activations=activations,
                           host=(0.0 if state else 16 * own) + offloaded)
 
 

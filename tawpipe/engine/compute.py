@@ -184,7 +184,7 @@ class ChunkCompute:
             with torch.enable_grad():
                 torch.autograd.backward(y, st.dy.pop((pos, m)))
             dx = x.grad
-        self.s.harvest(a.grad_buf, a.chunk, a.accumulate)
+            self.s.harvest(a.grad_buf, a.chunk, a.accumulate)
         if pos > 0:
             st.dy[(pos - 1, m)] = dx
             return
@@ -211,15 +211,20 @@ class ChunkCompute:
                            ctx: dict[str, Any]) -> torch.Tensor:
         """``recompute="layer"``: the chunk's forward again without gradients from its input (the
         one tensor ``kept``), keeping each layer's input; ``"block"``: those inputs, as the forward
-        kept them. Then each layer, last first, run with gradients and back-propagated at once;
-        the gradient of the chunk's input. Only one layer's activations are alive at a time."""
-        run = self.s.layer_runner
+        kept them. Then each layer, last first, run with gradients and back-propagated at once, its
+        weight gradient moved out of the one-layer scratch; the gradient of the chunk's input. Only
+        one layer's activations and weight gradient are alive at a time."""
+        run, scratch = self.s.layer_runner, self.s.scratch
         inputs = kept if self.recompute == "block" else self._layer_inputs(self.s.weights(a.buf, a.chunk), kept[0],
                                                                             ctx, last=False)
-        for params in reversed(self.s.layer_params(self.s.leaves(a.buf, a.grad_buf, a.chunk))):
+        layers = self.s.layer_params(self.s.leaves(a.buf, a.grad_buf, a.chunk))
+        for j in reversed(range(len(layers))):
             xj = inputs.pop().detach().requires_grad_()
+            if scratch is not None and j < len(layers) - 1:
+                scratch.zero_()
             with torch.enable_grad():
-                torch.autograd.backward(functional_call(run, params, (xj, ctx)), dy)
+                torch.autograd.backward(functional_call(run, layers[j], (xj, ctx)), dy)
+            self.s.harvest(a.grad_buf, a.chunk, a.accumulate, layer=j)
             dy = xj.grad
         return dy
 

@@ -91,8 +91,9 @@ class ChunkStorage:
                  replicated: list[tuple[str, nn.Parameter]], block_forward: BlockForward,
                  block_prefix: str, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
                  device: torch.device, materialize: Materialize | None = None,
-                 offload: bool = False, timeout: float = DEFAULT_TIMEOUT) -> None:
+                 offload: bool = False, timeout: float = DEFAULT_TIMEOUT, layerwise: bool = False) -> None:
         self.plan, self.rank, self.device = plan, rank, device
+        self.layerwise = layerwise  # backwards run a layer at a time (recompute "layer" or "block")
         self.compute_dtype, self.grad_dtype = compute_dtype, grad_dtype
         self.own_chunk = plan.own_chunk(rank)
         self.position = {k: p for p, k in enumerate(plan.model_order)}
@@ -108,6 +109,7 @@ class ChunkStorage:
         # structure, so every layer runs through it with that layer's slice of the chunk's tensors
         self.layer_runner = ChunkRunner(nn.ModuleList([copy.deepcopy(blocks[0]).to("meta")]), block_forward)
         self.layer_names = [f"blocks.0.{name}" for name, _ in blocks[0].named_parameters()]
+        self.layer_layout = ShardLayout.from_module(blocks[0], align=1)  # layer j of a chunk: its j-th slice
         self.decoder_params = sum(p.numel() for b in blocks for p in b.parameters())
         self._init_own(blocks, block_prefix, materialize, offload, timeout)
         self._init_replicated(replicated)
@@ -159,8 +161,10 @@ class ChunkStorage:
         # zeros, not empty: their pages are the rank's from the start (the first step writes them all)
         self.bufs = {b: torch.zeros(numel, dtype=dtype[buf_kind(b)], device=self.device) for b in sorted(names)}
         # Chunk gradients are born in compute dtype; when the plan's buffers hold another dtype
-        # they land here first and are cast in one contiguous copy.
-        self.scratch = (torch.empty(numel, dtype=self.compute_dtype, device=self.device)
+        # they land here first and are cast in one contiguous copy: a chunk's, or where the
+        # backward runs a layer at a time, each layer's in turn (a layer's worth of scratch).
+        scratch = self.layer_layout.numel if self.layerwise else numel
+        self.scratch = (torch.empty(scratch, dtype=self.compute_dtype, device=self.device)
                         if self.compute_dtype != self.grad_dtype else None)
 
     def chunk(self, name: str, chunk: int) -> torch.Tensor:
@@ -184,8 +188,11 @@ class ChunkStorage:
         return views
 
     def grad_target(self, grad_buf: str, chunk: int) -> torch.Tensor:
-        """Where autograd writes a backward's chunk gradient (see the module docstring)."""
-        return (self.scratch if self.scratch is not None else self.bufs[grad_buf])[: self.numel(chunk)]
+        """Where autograd writes a backward's chunk gradient (see the module docstring); with a
+        layerwise scratch, one layer's at a time."""
+        if self.scratch is not None:
+            return self.scratch if self.layerwise else self.scratch[: self.numel(chunk)]
+        return self.bufs[grad_buf][: self.numel(chunk)]
 
     def leaves(self, weight_buf: str, grad_buf: str, chunk: int) -> list[torch.Tensor]:
         """Persistent leaf tensors viewing ``weight_buf`` whose ``.grad`` view the grad target."""
@@ -195,7 +202,9 @@ class ChunkStorage:
         if leaves is None:
             layout = self.layouts[n]
             leaves = [v.detach().requires_grad_() for v in layout.views(self.bufs[weight_buf])]
-            for leaf, g in zip(leaves, layout.views(self.grad_target(grad_buf, chunk))):
+            grads = (self.layer_layout.views(self.scratch) * n if self.scratch is not None and self.layerwise
+                     else layout.views(self.grad_target(grad_buf, chunk)))  # every layer's: the one scratch
+            for leaf, g in zip(leaves, grads):
                 leaf.grad = g
             self._leaves[key] = leaves
         return leaves
@@ -224,10 +233,15 @@ class ChunkStorage:
             self.offload.accumulate_grad(src)
             self.to_host += src.nbytes
 
-    def harvest(self, grad_buf: str, chunk: int, accumulate: bool) -> None:
-        """Move a backward's gradient from the scratch into the plan's buffer (dtype differs)."""
+    def harvest(self, grad_buf: str, chunk: int, accumulate: bool, layer: int | None = None) -> None:
+        """Move a backward's gradient from the scratch into the plan's buffer (dtype differs):
+        the chunk's, or with a layerwise scratch layer ``layer``'s (its slice of the chunk)."""
         if self.scratch is not None:
-            dst, src = self.chunk(grad_buf, chunk), self.scratch[: self.numel(chunk)]
+            dst = self.chunk(grad_buf, chunk)
+            if layer is not None:
+                per = self.layer_layout.numel
+                dst = dst[layer * per:(layer + 1) * per]
+            src = self.scratch[: dst.numel()]
             dst.add_(src) if accumulate else dst.copy_(src)
 
     def memory_report(self, optimizer: torch.optim.Optimizer) -> MemoryReport:

@@ -70,9 +70,10 @@ class Schedule(abc.ABC):
 
     def staging(self, prefetch_depth: int, routed: bool) -> tuple[int, int]:
         """Closed-form memory layout: the weight and gradient staging buffers of a chunk a rank
-        holds at ``prefetch_depth`` (``routed``: gradients arrive from other nodes). This default:
-        the own chunk's copy and d + 1 weight buffers, d + 1 gradient buffers and one to receive."""
-        return prefetch_depth + 2, prefetch_depth + 1 + routed
+        holds at ``prefetch_depth`` (``routed``: other nodes take part). This default: d + 1
+        weight buffers and the own chunk's copy that other nodes are sent, d + 1 gradient buffers
+        and one to receive gradients from other nodes."""
+        return prefetch_depth + 1 + routed, prefetch_depth + 1 + routed
 
     def max_weight_buffers(self, plan: Plan) -> int | None:
         """The most weight buffers a rank of ``plan`` may use, which ``verify`` holds it to; None:

@@ -88,8 +88,9 @@ def _events(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str, 
     everyone = tuple(range(n))
     groups = [topo.group_ranks(g) for g in range(G)]  # one tuple per group, shared by its collectives
     out = Events(TawPhase, frozenset({TawPhase.FETCH, TawPhase.ROUTE}))
-    for r in everyone:
-        out.add(TawPhase.LOAD, new_action(-1, r, Op.LOAD_W, chunk=owner.index(r), buf=W_OWN))
+    if G > 1:  # the own chunk's copy is what owners send to other nodes; inside one node, nothing reads it
+        for r in everyone:
+            out.add(TawPhase.LOAD, new_action(-1, r, Op.LOAD_W, chunk=owner.index(r), buf=W_OWN))
 
     def fetch(need: int, g: int, chunk: int, buf: str) -> None:
         """Stage ``chunk`` for slot ``need``, issued ``depth`` slots earlier. Fetches for the first

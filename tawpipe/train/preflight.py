@@ -288,7 +288,7 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
 def _breakdown(m: MemoryEstimate) -> str:
     return (f"own chunk {gib(m.persistent)} (16 B per parameter: float32 master, gradient accumulator, AdamW), "
             f"staging {gib(m.staging)}, replicated {gib(m.replicated)}, activations ~{gib(m.activations)}, "
-            f"gradient norm {gib(m.transient)}, runtime ~{gib(RUNTIME_BYTES)}"
+            f"runtime ~{gib(RUNTIME_BYTES)}"
             + (f"; in host memory {gib(m.host)} (offloaded)" if m.host else ""))
 
 
