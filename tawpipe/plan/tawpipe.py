@@ -124,7 +124,9 @@ def _events(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str, 
 
     uses = [(Op.F, v) if v < n else (Op.B, 2 * n - 1 - v) for v in range(2 * n)] * (acc // k)
     placement = _place_weights([c for _, c in uses], depth, reuse)
-    gbufs, b_op, computes = [grad_buf(j) for j in range(depth + 1)], Op.B, TawPhase.COMPUTE
+    # d + 1 gradient buffers, so that a B never waits for the reduce of the one before; a single
+    # device reduces nothing, and its one buffer is added to the accumulator before the next B
+    gbufs, b_op, computes = [grad_buf(j) for j in range(depth + 1 if n > 1 else 1)], Op.B, TawPhase.COMPUTE
     for g in range(G):
         members = groups[g]
         backwards = 0
@@ -135,7 +137,7 @@ def _events(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str, 
                 fetch(slot, g, chunk, wbuf)
             gbuf = None
             if op is b_op:
-                gbuf = gbufs[backwards % (depth + 1)]
+                gbuf = gbufs[backwards % len(gbufs)]
                 backwards += 1
                 route(slot + 1, g, chunk, gbuf)
             out.computes(computes, slot, members, op, chunk, first, k, wbuf, gbuf)
