@@ -79,6 +79,39 @@ def test_where_no_bytes_cross_nodes_the_least_memory():
                                                        "rank within 8.00 GiB per rank")
 
 
+def test_where_no_bytes_cross_nodes_the_fewest_host_bytes_then_the_least_memory():
+    """With the state on the host each round of k micro-batches sends it a gradient: among equal
+    inter-node bytes, fewer host bytes win over less memory."""
+    options = {(1, 1, False): (0.0, replace(_gib(1), host_traffic=4e9)),
+               (4, 1, False): (0.0, replace(_gib(2), host_traffic=1e9))}
+    choice, why = choose(options, 8 * GiB)
+    assert choice == (4, 1, False) and "the fewest bytes to and from the host (1.00 GB/iter), then the least" in why
+
+
+@pytest.mark.parametrize("offload_state", [False, True])
+def test_one_device_takes_one_gradient_buffer_and_with_host_state_the_fewest_host_sends(offload_state):
+    """World size 1: nothing crosses a node and one gradient buffer serves every k, so k = 1 (one
+    micro-batch's inputs kept) is the least memory; with the state on the host, k = acc sends the
+    host one gradient per iteration instead of acc, the engine counts the same, and both train
+    exactly like one process."""
+    torch.manual_seed(0)
+    model = TinyLM(2)
+    ref, ref_losses = reference_run(model, 4 * MB_ROWS, 2, None)
+    m = copy.deepcopy(model)
+    engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=4,
+                         optimizer=adamw, comm=NoComm(1), block_context=m.context, offload_state=offload_state)
+    assert engine.mb_per_fetch == (4 if offload_state else 1), engine.auto_reason
+    assert sum(name.startswith("g") for name in engine.memory_report().staging) == 1
+    losses = [engine.step(global_batch(step, 4 * MB_ROWS)) for step in range(2)]
+    sent, _ = engine.host_traffic()
+    own = engine.memory_report().master // 4
+    assert sent == (2 * 4 * own if offload_state else 0)  # one float32 gradient a step
+    want = dict(ref.named_parameters())
+    assert max(rel_err(p.detach(), want[n].detach()) for n, p in engine.named_parameters()) <= 1e-5
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    engine.close()
+
+
 def test_candidates_keep_the_given_values():
     assert candidates(4) == [(k, d, r) for d, r in ((1, False), (1, True), (RESIDENT, True)) for k in (1, 2, 4)]
     assert candidates(4, mb_per_fetch=2) == [(2, 1, False), (2, 1, True), (2, RESIDENT, True)]

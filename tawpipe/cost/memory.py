@@ -38,6 +38,7 @@ class MemoryEstimate:
     replicated: float  # embedding/head/norm: parameters, gradients, AdamW moments (float32)
     activations: float
     host: float = 0.0
+    host_traffic: float = 0.0  # bytes to and from the host per iteration (``host_bytes``): PCIe, not memory
 
     @property
     def total(self) -> float:
@@ -229,7 +230,8 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     Activations are estimated: the saved chunk inputs, one chunk's working set
     (``working_set_bytes``) and the head's float32 logits, their log-softmax and gradient; none
     where the batch is not known (``seq`` 0: the engine before its first batch). ``savers`` move
-    the own chunk's state and the chunk inputs to ``host``."""
+    the own chunk's state and the chunk inputs to ``host``; what crosses to and from it per
+    iteration is ``host_traffic`` (``host_bytes``; the chunk inputs only where ``seq`` is known)."""
     own = chunk_numel[plan.own_chunk(rank)]
     largest = max(chunk_numel)
     names = {b for a in plan.actions[rank] for b in (a.buf, a.grad_buf) if b}
@@ -245,9 +247,11 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
             lambda layers: _working_set(seq, micro_batch, hidden, heads, layers, weight_bytes))
         activations += _logits(micro_batch, seq, vocab)
     state = 0.0 if savers.offload_state else 16 * own
+    traffic = host_bytes(plan, rank, own_numel=own, grad_bytes=grad_bytes,
+                         input_bytes=micro_batch * seq * hidden * weight_bytes, savers=savers)
     return MemoryEstimate(persistent=state, staging=staging, replicated=16 * replicated_numel,
-                          activations=activations,
-                          host=(0.0 if state else 16 * own) + offloaded)
+                          activations=activations, host=(0.0 if state else 16 * own) + offloaded,
+                          host_traffic=sum(traffic))
 
 
 def host_bytes(plan: Plan, rank: int, *, own_numel: int, grad_bytes: int, input_bytes: float,
@@ -318,13 +322,14 @@ def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float
            budget_text: str = "") -> tuple[Choice, str]:
     """What ``"auto"`` takes among ``options`` (per choice: the busiest node's inter-node bytes per
     iteration, and the busiest rank's memory): the fewest bytes among the choices whose memory fits
-    ``budget`` bytes, then the least memory, then the smaller k and depth, reuse only where it
-    saves bytes. A pure function of its arguments, so that ranks given the same numbers choose
+    ``budget`` bytes, then the fewest bytes to and from the host (``host_traffic``: with offloaded
+    state, a gradient sent to it per round of k micro-batches), then the least memory, then the
+    smaller k and depth, reuse only where it saves bytes. A pure function of its arguments, so that ranks given the same numbers choose
     alike (and the simulator can ask it too). Returns the choice and why, one line; NothingFits,
     naming the options that fix it, where nothing fits. ``resident``: the resident depth, named
     as such; ``budget_text``: where the budget comes from."""
     def order(c: Choice) -> tuple:
-        return options[c][0], options[c][1].total, c
+        return options[c][0], options[c][1].host_traffic, options[c][1].total, c
 
     within = _within(budget, budget_text)
     fits = sorted((c for c in options if options[c][1].total <= budget), key=order)
@@ -339,8 +344,11 @@ def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float
     if len(fits) == 1:
         why = f"the only choice that fits: {memory} {within}"
     elif all(options[c][0] == inter for c in fits):
-        why = (f"with any that fits the busiest node sends {decimal(inter)}/iter to other nodes: the least memory, "
-               f"{memory} {within}")
+        host = options[best][1].host_traffic
+        fewest = (f"the fewest bytes to and from the host ({decimal(host)}/iter), then "
+                  if any(options[c][1].host_traffic != host for c in fits) else "")
+        why = (f"with any that fits the busiest node sends {decimal(inter)}/iter to other nodes: {fewest}the least "
+               f"memory, {memory} {within}")
     else:
         why = (f"the fewest inter-node bytes (the busiest node sends {decimal(inter)}/iter to other nodes), "
                f"{memory} {within}")
