@@ -368,8 +368,13 @@ def table(result: dict) -> str:
                      if r["peak_bytes"] and base.get("peak_bytes") else "")
             lines.append(f"| single | {part['seq']} | {name} | {r['seconds']:.3f} | {_gib(r['peak_bytes'])} | "
                          f"{_gib(r['base_bytes'])} | {ratio} |")
-        staged = next((r["staging_bytes"] for r in part["rows"].values() if r["staging_bytes"]), {})
-        lines.append("| | | (engine staging: " + ", ".join(f"{k} {_gib(v)}" for k, v in sorted(staged.items())) + ") | | | | |")
+        stagings: dict[str, list[str]] = {}  # the buffers, and the rows that have them
+        for name, r in part["rows"].items():
+            if r["staging_bytes"]:
+                stagings.setdefault(", ".join(f"{k} {_gib(v)}" for k, v in sorted(r["staging_bytes"].items())),
+                                    []).append(name)
+        for buffers, names in stagings.items():
+            lines.append(f"| | | (engine staging of {', '.join(names)}: {buffers}) | | | | |")
     sh = result.get("shared")
     if sh:
         for label, key in (("2x2, no offload", "without"), ("2x2, activation offload", "with")):
@@ -400,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="single,shared", help="comma-separated: single, shared (both)")
     p.add_argument("--seq", default="8192,32768", help="sequence lengths of part single; shared uses the first")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows of part single (default: all, {', '.join(ROWS)})")
+    p.add_argument("--rows", default=",".join(ROWS),
+                   help=f"comma-separated rows of part single (default: all, {', '.join(ROWS)})")
     p.add_argument("--explain", action="store_true",
                    help="on CUDA: one more step per row under the allocator's history; what is alive at its peak")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")

@@ -324,9 +324,9 @@ def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float
     iteration, and the busiest rank's memory): the fewest bytes among the choices whose memory fits
     ``budget`` bytes, then the fewest bytes to and from the host (``host_traffic``: with offloaded
     state, a gradient sent to it per round of k micro-batches), then the least memory, then the
-    smaller k and depth, reuse only where it saves bytes. A pure function of its arguments, so that ranks given the same numbers choose
-    alike (and the simulator can ask it too). Returns the choice and why, one line; NothingFits,
-    naming the options that fix it, where nothing fits. ``resident``: the resident depth, named
+    smaller k and depth, reuse only where it saves bytes. A pure function of its arguments, so
+    that ranks given the same numbers choose alike (and the simulator can ask it too). Returns
+    the choice and why, one line; NothingFits, naming the options that fix it, where nothing fits. ``resident``: the resident depth, named
     as such; ``budget_text``: where the budget comes from."""
     def order(c: Choice) -> tuple:
         return options[c][0], options[c][1].host_traffic, options[c][1].total, c
