@@ -59,6 +59,11 @@ class Savers:
     offload_state: bool = False
     offload_activations: bool = False
 
+    @property
+    def layerwise(self) -> bool:
+        """The backward runs a layer at a time: one layer's working set, weight gradient and scratch."""
+        return self.recompute in ("layer", "block")
+
     def activations(self, inputs: int, k: int, input_bytes: float, chunk_layers: int,
                     working: Callable[[int], float]) -> tuple[float, float]:
         """(device, host) bytes of activations: ``inputs`` chunk inputs of ``input_bytes`` waiting
@@ -237,7 +242,7 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     names = {b for a in plan.actions[rank] for b in (a.buf, a.grad_buf) if b}
     per_element = {BufKind.WEIGHTS: weight_bytes, BufKind.GRADS: grad_bytes, BufKind.STATE: 4}
     chunk_layers = max(b - a for a, b in plan.chunk_layers)
-    scratch = largest // chunk_layers if savers.recompute in ("layer", "block") else largest  # a layer at a time
+    scratch = largest // chunk_layers if savers.layerwise else largest
     staging = largest * sum(per_element[buf_kind(b)] for b in names) + scratch * scratch_bytes
     activations = offloaded = 0.0
     if seq:
@@ -262,9 +267,9 @@ def host_bytes(plan: Plan, rank: int, *, own_numel: int, grad_bytes: int, input_
     ``offload_activations`` each forward stores what it keeps (its chunk input, or with
     ``recompute="block"`` every layer's; ``input_bytes``: B·S·H in the compute dtype) and each
     backward fetches it back."""
-    count = Counter(a.op for a in plan.actions[rank])
     to_host = from_host = 0.0
     if savers.offload_state:
+        count = Counter(a.op for a in plan.actions[rank])
         to_host += count[Op.ACC_G] * grad_bytes * own_numel
         from_host += count[Op.LOAD_W] * 4 * own_numel
     if savers.offload_activations:  # what each forward keeps goes, and comes back for its backward

@@ -171,7 +171,7 @@ class ChunkCompute:
         pos, m = self.s.position[a.chunk], a.mb
         if self.s.scratch is not None or not a.accumulate:
             self.s.grad_target(a.grad_buf, a.chunk).zero_()
-        if self.recompute in ("layer", "block"):
+        if self.s.layerwise:
             dx = self._backward_by_layer(a, self._kept((pos, m), st), st.dy.pop((pos, m)), st.ctx[m])
         else:
             if self.recompute == "none":
@@ -220,7 +220,7 @@ class ChunkCompute:
         layers = self.s.layer_params(self.s.leaves(a.buf, a.grad_buf, a.chunk))
         for j in reversed(range(len(layers))):
             xj = inputs.pop().detach().requires_grad_()
-            if scratch is not None and j < len(layers) - 1:
+            if scratch is not None and j < len(layers) - 1:  # the last layer's: zeroed by backward()
                 scratch.zero_()
             with torch.enable_grad():
                 torch.autograd.backward(functional_call(run, layers[j], (xj, ctx)), dy)

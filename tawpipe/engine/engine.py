@@ -127,7 +127,7 @@ class TawPipe:
         self.storage = ChunkStorage(self.plan, self.rank, blocks, replicated, model.block_forward, model.names[1],
                                     precision.compute_dtype, precision.grad_wire_dtype, self.device,
                                     model.materialize, memory.offload_state, self.timeout,
-                                    layerwise=memory.recompute in ("layer", "block"))
+                                    layerwise=memory.savers().layerwise)
         backwards = [a for a in self.plan.actions[self.rank] if a.op is Op.B]
         activations = ActivationOffload(self.device, [(self.storage.position[a.chunk], a.mb) for a in backwards]) \
             if memory.offload_activations else None

@@ -188,11 +188,9 @@ class ChunkStorage:
         return views
 
     def grad_target(self, grad_buf: str, chunk: int) -> torch.Tensor:
-        """Where autograd writes a backward's chunk gradient (see the module docstring); with a
-        layerwise scratch, one layer's at a time."""
-        if self.scratch is not None:
-            return self.scratch if self.layerwise else self.scratch[: self.numel(chunk)]
-        return self.bufs[grad_buf][: self.numel(chunk)]
+        """Where autograd writes a backward's chunk gradient (see the module docstring); a
+        layerwise scratch is one layer's, all of it."""
+        return (self.scratch if self.scratch is not None else self.bufs[grad_buf])[: self.numel(chunk)]
 
     def leaves(self, weight_buf: str, grad_buf: str, chunk: int) -> list[torch.Tensor]:
         """Persistent leaf tensors viewing ``weight_buf`` whose ``.grad`` view the grad target."""
