@@ -27,7 +27,7 @@ from tawpipe.bench.cluster import method, report
 from tawpipe.cluster import ClusterSpec, LinkBytes, command, host, netns
 from tawpipe.commands import UsageError
 from tawpipe.plan.topology import Topology
-from tawpipe.simulate import shape_dims
+from tawpipe.simulate.inputs import shape_dims
 
 
 def spec(nodes: int = 3, per_node: int = 2, rate: str | None = "100mbit") -> ClusterSpec:

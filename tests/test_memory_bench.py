@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,4 +32,11 @@ def test_the_memory_benchmark_runs_every_row_and_checks_the_shared_job(tmp_path:
         to_host, from_host = r["host_traffic_bytes"]
         assert to_host == from_host > 0 and r["cost_model_moved_off_bytes"] > 0
     assert all(r["host_traffic_bytes"] == [0, 0] for r in shared["without"])
-    assert "| single | 64 | layer+state |" in run.stdout and "targets and checks: all met" in run.stdout
+    for name, r in part["rows"].items():  # the simulator's prediction beside every measurement
+        p = r["predicted"]
+        assert p["seconds"] > 0 and p["time_vs_measured"] == pytest.approx(p["seconds"] / r["seconds"]), name
+        assert p["peak_bytes"] > 0 and p["calibration"]["matmul_flops"] > 0, name
+    savers = doc["single"][0]["rows"]
+    assert savers["layer+state"]["predicted"]["peak_bytes"] < savers["layer"]["predicted"]["peak_bytes"]
+    assert shared["predicted_with"]["peak_bytes"] < shared["predicted_without"]["peak_bytes"]
+    assert "| single | 64 | layer+state |" in run.stdout and "| | | layer, simulated |" in run.stdout and "targets and checks: all met" in run.stdout

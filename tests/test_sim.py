@@ -308,7 +308,7 @@ def test_tawpipe_rows_default_to_the_engines_auto_choice():
         for k in (1, 2, 4):
             for depth, reuse in ((1, False), (1, True), (RESIDENT, True)):
                 plan = engine_plan(cluster, work, 4, mb_per_fetch=k, prefetch_depth=depth, reuse_weights=reuse)
-                need = compare.with_logits(memory_per_rank(plan, dims), dims).total
+                need = compare.with_loss(memory_per_rank(plan, dims), dims, False).total
                 if need <= (1 - MARGIN) * memory:
                     tried[(k, plan.options["prefetch_depth"], reuse)] = (max(plan_traffic(plan).per_node()), need)
         best = min(tried, key=lambda c: tried[c])

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
-from tawpipe.cost.memory import memory_per_rank
+from tawpipe.cost.memory import Savers, memory_per_rank
 from tawpipe.sim import atlas, compare
 from tawpipe.sim.atlas import Grid
 from tawpipe.sim.hardware import Cluster, device, link
+from tawpipe.sim.peers import peer_memory
 from tawpipe.sim.play import engine_plan
 from tawpipe.sim.workload import Workload, model
 
@@ -77,10 +79,13 @@ def test_the_search_finds_tawpipes_best_setting_that_fits(tiny):
         work = Workload(model("1b", seq=2048, micro_batch=1), dev)
         times = []
         for s in atlas.taw_settings(2, 4, work.dims.layers, TINY.acc):
-            row = compare.run("tawpipe", cluster, work, TINY.acc, settings=s)
-            if row.memory.total <= dev.memory:  # compare counts the head's logits too
-                times.append(row.time_s)
+            for savers in atlas.SAVERS:  # every setting with every choice of memory savers
+                row = compare.run("tawpipe", cluster, work, TINY.acc, settings=s, savers=savers,
+                                  chunked_loss=TINY.chunked_loss)
+                if row.fits:
+                    times.append(row.time_s)
         assert r["methods"]["tawpipe"]["time_s"] <= min(times) * (1 + atlas.PRUNE) + 1e-12
+        assert r["methods"]["tawpipe"]["time_s"] >= min(times) - 1e-12
 
 
 def test_a_plan_built_once_plays_as_compare_runs_it():
@@ -94,10 +99,11 @@ def test_a_plan_built_once_plays_as_compare_runs_it():
     for key in ("time_s", "compute_s", "inter_bytes", "intra_bytes", "mfu"):
         assert getattr(mine, key) == pytest.approx(getattr(ref, key), rel=1e-12), key
     assert mine.bottleneck == ref.bottleneck
-    assert mine.memory.total == pytest.approx(memory_per_rank(plan, work.dims).total + compare.logits_bytes(work.dims))
+    assert mine.memory.total == pytest.approx(memory_per_rank(plan, work.dims).total + compare.loss_bytes(work.dims, chunked=False))
     assert atlas.compute_floor(plan, work) <= mine.time_s
     ref = compare.run("1f1b", cluster, work, 4)  # P = N, compare's default
     mine = atlas.pipeline_row(cluster, work, 4, stages=8)
+    assert atlas.compute_floor(plan, work, savers=Savers("layer")) > atlas.compute_floor(plan, work)
     assert (mine.time_s, mine.memory.total) == (pytest.approx(ref.time_s, rel=1e-12), ref.memory.total)
 
 
@@ -142,3 +148,48 @@ def test_main_map_writes_json_markdown_and_png(tmp_path, monkeypatch, capsys, ti
     assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for r in rows:
         assert f"×{r['tawpipe_margin']:.2f}" in md and not math.isnan(r["tawpipe_margin"])
+
+
+def test_each_peer_runs_its_fastest_variant_that_fits():
+    """Per-layer checkpointing and save_on_cpu only where the peer does not fit without them: on a
+    20 GiB device FSDP2 needs checkpointing at S = 16k and not at 2k."""
+    dev = device("h100:memory=20")
+    cluster = Cluster(2, 4, dev, link("nvlink"), link("100gb"))
+    for seq in (2048, 16384):
+        work = Workload(model("1b", seq=seq, micro_batch=1), dev)
+        times = {}
+        for recompute in (False, True):
+            for offload in (False, True):
+                row = compare.run("fsdp", cluster, replace(work, recompute=recompute), 4, chunked_loss=True,
+                                  savers=Savers(offload_activations=True) if offload else None)
+                if row.fits:
+                    times[(recompute, offload)] = row.time_s
+        chosen = atlas.peer_entry("fsdp", cluster, work, 4, True)
+        assert times and chosen["time_s"] == pytest.approx(min(times.values()), rel=1e-12), (seq, times)
+
+
+def test_the_largest_fitting_sequence_fits_and_the_next_does_not():
+    """``largest_fits`` per method: at its S some variant the map tries fits, at the next none does
+    (checked against peer_memory for FSDP2 and against every TawPipe setting and savers' memory)."""
+    seqs = (2048, 8192, 32768, 131072)
+    fits = atlas.largest_fits(TINY, nodes=2, models=("1b",), seqs=seqs)["1b"]
+    dev = device(TINY.device)
+    cluster = Cluster(2, 4, dev, link("nvlink"), link(TINY.links[0]))
+    assert fits["ddp"] is None or fits["ddp"] < fits["fsdp"]  # 20 GiB: DDP's whole model barely fits, if at all
+
+    def fsdp_fits(seq: int) -> bool:
+        dims = model("1b", seq=seq, micro_batch=1)
+        return any(compare.fits(peer_memory("fsdp", dims, cluster, TINY.acc, r, offload=o, chunked_loss=True), cluster)
+                   for r in (False, True) for o in (False, True))
+
+    def taw_fits(seq: int) -> bool:
+        work = Workload(model("1b", seq=seq, micro_batch=1), dev)
+        plans = [engine_plan(cluster, work, TINY.acc, **s) for s in atlas.taw_settings(2, 4, 16, TINY.acc)]
+        return any(compare.fits(compare.with_loss(memory_per_rank(p, work.dims, sv), work.dims, True), cluster)
+                   for p in plans for sv in atlas.SAVERS)
+
+    for name, check in (("fsdp", fsdp_fits), ("tawpipe", taw_fits)):
+        largest = fits[name]
+        assert largest is not None and check(largest), name
+        bigger = [s for s in seqs if s > largest]
+        assert not bigger or not check(bigger[0]), name

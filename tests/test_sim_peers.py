@@ -121,7 +121,7 @@ def test_two_stage_1f1b(acc, latency, host):
     assert f1 + b1 >= f0 + b0
     msg = dims.activation_numel * dims.dtype_bytes / bw + latency
     m = 2 * acc
-    step = work.step(half * dims.layer_numel + dims.replicated_numel)
+    step = work.step(half * dims.layer_numel + dims.vocab * dims.hidden)  # the embedding; the final norm is stage 1's
     both = 2 * dims.activation_numel * dims.dtype_bytes / (HALF_DUPLEX_SHARE * bw) + latency if host else msg
     result = simulate(*peer_graph("1f1b", c, work, acc, host=host))
     assert result.makespan == pytest.approx(f0 + msg + m * (f1 + b1) + (m - 1) * both + msg + b0 + step, rel=1e-9)
@@ -216,8 +216,9 @@ def test_pipelines_inside_nodes_send_only_their_gradient_rings():
     crosses, once per node and stage."""
     c, acc, d = cluster(2, 4), 2, TINY
     result = play("1f1b", c, d, acc, host=False, stages=2)
-    stage = d.layers // 2 * d.layer_numel + d.replicated_numel
-    assert busiest_node_port(result) == pytest.approx(2 * 2 * 3 / 4 * stage * d.grad_bytes, rel=1e-9)
+    table = d.vocab * d.hidden
+    stages = [d.layers // 2 * d.layer_numel + table, d.layers // 2 * d.layer_numel + table + d.hidden]  # + final norm
+    assert busiest_node_port(result) == pytest.approx(2 * 3 / 4 * sum(stages) * d.grad_bytes, rel=1e-9)
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -235,7 +236,9 @@ def test_memory():
     assert peer_memory("fsdp", d, c, acc, recompute=False).activations > mem["fsdp"].activations
     pipe = peer_memory("1f1b", d, c, acc, recompute=True)
     layers = d.layers // n
-    assert pipe.persistent == 16 * layers * d.layer_numel and pipe.staging == 0 and pipe.replicated == 16 * e
+    table = d.vocab * d.hidden  # the first stage's embedding, or the last one's head and final norm
+    assert pipe.persistent == 16 * layers * d.layer_numel and pipe.staging == 0
+    assert pipe.replicated in (16 * table, 16 * (table + d.hidden)) and not d.tied and e == 2 * table + d.hidden
     # the first stage holds the layer inputs of N micro-batches, the last one and the logits
     inputs, working = layers * d.activation_numel * d.dtype_bytes, working_set_bytes(d, 1)
     logits = 3 * d.micro_batch * d.seq * d.vocab * 4

@@ -202,3 +202,25 @@ def test_a_row_not_simulated_names_its_method_and_why_in_flags(capsys):
                           capsys))
     assert doc["rows"][0]["method"] == "weipipe" and "one pipeline over every device" in doc["rows"][0]["error"]
 
+
+
+def test_the_memory_savers_flags_reach_every_method_that_runs_them(capsys):
+    """--recompute, --offload-activations, --offload-state and --loss: TawPipe's row runs the savers
+    (its memory on the host, its copies over PCIe), DDP, FSDP2 and HSDP offload through save_on_cpu,
+    1F1B does not offload; --advise names the savers as flags."""
+    base = ["simulate", "--nodes", "2", "--per-node", "2", "--device", "h100", "--model", "1b", "--seq-len", "8192",
+            "--micro-batch-size", "1", "--micro-batches", "4", "--json"]
+    plain = {r["method"]: r for r in json.loads(_run(base + ["--loss", "plain"], capsys))["rows"]}
+    saved = {r["method"]: r for r in json.loads(_run(base + ["--recompute", "layer", "--offload-activations",
+                                                             "--offload-state"], capsys))["rows"]}
+    taw = saved["tawpipe"]
+    assert taw["settings"]["recompute"] == "layer" and taw["settings"]["offload_state"] is True
+    assert taw["memory"]["persistent"] == 0 and taw["memory"]["host"] > 0 and taw["pcie_bytes"] > 0
+    assert taw["memory"]["total"] < plain["tawpipe"]["memory"]["total"]
+    for m in ("ddp", "fsdp", "hsdp"):
+        assert saved[m]["settings"] == {"offload_activations": True} and saved[m]["pcie_bytes"] > 0, m
+        assert saved[m]["time_s"] > plain[m]["time_s"] and saved[m]["memory"]["host"] > 0, m
+    assert saved["1f1b"]["pcie_bytes"] == 0 and saved["1f1b"]["memory"]["host"] == 0
+    advice = _run(base[:-1] + ["--offload-activations", "--advise"], capsys)
+    line = next(ln for ln in advice.splitlines() if ln.startswith("advice: "))
+    assert "--offload-activations" in line and "--recompute " in line

@@ -10,6 +10,7 @@ trade for the engine's and ``tawpipe train``'s default, ``"auto"``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -22,7 +23,7 @@ from ..plan.actions import GRAD_OPS, WEIGHT_OPS, BufKind, Op, buf_kind
 from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT, build_plan, compute_actions, resident_depth
 from ..plan.topology import Topology
-from ..models.shape import ModelDims
+from ..models.shape import LOSS_CHUNK_TOKENS, ModelDims
 from .traffic import plan_traffic
 from .units import decimal, gib
 
@@ -83,6 +84,13 @@ class Savers:
     def __str__(self) -> str:
         return ", ".join([f"recompute {self.recompute}"] + ["activations on the host"] * self.offload_activations
                          + ["optimizer state on the host"] * self.offload_state)
+
+    @property
+    def forwards_in_backward(self) -> int:
+        """Forwards of a chunk its backward runs: none without recompute, one from the chunk's or
+        the layers' inputs, two a layer at a time (the chunk again, keeping its layers' inputs,
+        then each layer's with its backward)."""
+        return {"none": 0, "layer": 2}.get(self.recompute, 1)
 
     def kept_per_forward(self, chunk_layers: int) -> int:
         """Inputs of B·S·H a forward of a chunk of ``chunk_layers`` keeps for its backward."""
@@ -162,11 +170,23 @@ def _inter_node(built: dict, plan: Plan) -> float:
 def logits_bytes(dims: ModelDims) -> float:
     """The head's float32 logits, their log-softmax and gradient for one micro-batch (without a
     chunked loss)."""
-    return _logits(dims.micro_batch, dims.seq, dims.vocab)
+    return loss_bytes(dims, chunked=False)
 
 
-def _logits(micro_batch: int, seq: int, vocab: int) -> float:
-    return 3 * micro_batch * seq * vocab * 4
+def loss_bytes(dims: ModelDims, *, chunked: bool) -> float:
+    """What the head and loss hold for one micro-batch (``_loss``)."""
+    return _loss(dims.micro_batch, dims.seq, dims.hidden, dims.vocab, dims.dtype_bytes, chunked)
+
+
+def _loss(micro_batch: int, seq: int, hidden: int, vocab: int, dtype_bytes: int, chunked: bool) -> float:
+    """The plain loss: the whole float32 logits, their log-softmax and gradient (3·T·V·4 bytes).
+    The chunked one (``models.loss.linear_cross_entropy``): one slice's float32 logits and their
+    gradient cast to the compute dtype, the hidden states' gradient and the head weight's float32
+    gradient, all of which it holds at once."""
+    tokens = micro_batch * seq
+    if not chunked:
+        return 3 * tokens * vocab * 4
+    return min(tokens, LOSS_CHUNK_TOKENS) * vocab * (4 + dtype_bytes) + tokens * hidden * dtype_bytes + vocab * hidden * 4
 
 
 def working_set_bytes(dims: ModelDims, layers: int) -> float:
@@ -183,14 +203,30 @@ def _working_set(s: int, b: int, h: int, a: int, layers: int, dtype_bytes: int) 
     return layers * s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2
 
 
-def memory_per_rank(plan: Plan, dims: ModelDims, savers: Savers = Savers()) -> MemoryEstimate:
-    """The busiest rank's memory for ``plan`` on a model of ``dims`` (same layers as the plan)."""
+def memory_per_rank(plan: Plan, dims: ModelDims, savers: Savers = Savers(), *,
+                    buffers: tuple[int, int] | None = None) -> MemoryEstimate:
+    """The busiest rank's memory for ``plan`` on a model of ``dims`` (same layers as the plan),
+    with the most bytes any of its ranks moves to and from the host (``host_traffic``, as
+    ``rank_memory`` counts it); ``buffers``: ``staging_buffers(plan)``, where the caller has
+    counted them already."""
+    weight_bufs, grad_bufs = buffers or staging_buffers(plan)
+    out = _layout(dims, max(stop - start for start, stop in plan.chunk_layers), plan.replica_size,
+                  int(plan.options.get("mb_per_fetch", 1)), weight_bufs, grad_bufs, savers)
+    if not (savers.offload_state or savers.offload_activations):
+        return out
+    traffic = max(sum(host_bytes(plan, r, own_numel=plan.chunk_numel(plan.own_chunk(r)), grad_bytes=dims.grad_bytes,
+                                 input_bytes=dims.activation_numel * dims.dtype_bytes, savers=savers))
+                  for r in range(plan.replica_size))
+    return dataclasses.replace(out, host_traffic=traffic)
+
+
+def staging_buffers(plan: Plan) -> tuple[int, int]:
+    """The most weight and gradient buffers any rank of ``plan`` names."""
     programs = plan.actions[:plan.replica_size]  # every replica runs the same lists
     weight_bufs = max(len({a.buf for a in acts if a.op in WEIGHT_OPS}) for acts in programs)
     grad_bufs = max(len({a.grad_buf if a.op is Op.B else a.buf for a in acts
                          if a.op is Op.B or a.op in GRAD_OPS}) for acts in programs)
-    return _layout(dims, max(stop - start for start, stop in plan.chunk_layers), plan.replica_size,
-                   int(plan.options.get("mb_per_fetch", 1)), weight_bufs, grad_bufs, savers)
+    return weight_bufs, grad_bufs
 
 
 def estimate_memory(dims: ModelDims, topology: Topology, *, replicas: int = 1, prefetch_depth: int = 1,
@@ -213,9 +249,12 @@ def _layout(dims: ModelDims, chunk_layers: int, chunks: int, k: int, weight_bufs
     state = 16 * chunk
     activations, offloaded = savers.activations(chunks * k, k, dims.activation_numel * dims.dtype_bytes,
                                                 chunk_layers, lambda layers: working_set_bytes(dims, layers))
+    # a gradient in another dtype than the compute's is born in a scratch of one layer or chunk
+    scratch = (dims.layer_numel if savers.layerwise else chunk) * dims.dtype_bytes \
+        if dims.grad_bytes != dims.dtype_bytes else 0
     return MemoryEstimate(
         persistent=0.0 if savers.offload_state else state,
-        staging=chunk * (weight_bufs * dims.dtype_bytes + grad_bufs * dims.grad_bytes),
+        staging=chunk * (weight_bufs * dims.dtype_bytes + grad_bufs * dims.grad_bytes) + scratch,
         replicated=16 * dims.replicated_numel,
         activations=activations,
         host=(state if savers.offload_state else 0.0) + offloaded,
@@ -224,7 +263,7 @@ def _layout(dims: ModelDims, chunk_layers: int, chunks: int, k: int, weight_bufs
 
 def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated_numel: int, weight_bytes: int,
                 grad_bytes: int, scratch_bytes: int, seq: int = 0, micro_batch: int = 0, hidden: int = 0,
-                heads: int = 1, vocab: int = 0, savers: Savers = Savers()) -> MemoryEstimate:
+                heads: int = 1, vocab: int = 0, chunked_loss: bool = False, savers: Savers = Savers()) -> MemoryEstimate:
     """``rank``'s memory as the engine lays it out for ``plan`` (``tawpipe.engine.storage``): its
     own chunk's float32 master, gradient accumulator and AdamW moments (16 B per parameter, counted
     from ``chunk_numel``, each chunk's parameters); one staging buffer of the largest chunk per
@@ -233,7 +272,7 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     runs a layer at a time (``savers.recompute`` "layer" or "block"); the replicated parameters at
     16 B each (the gradient norm takes no copy: ``engine.precision.squared_norm``).
     Activations are estimated: the saved chunk inputs, one chunk's working set
-    (``working_set_bytes``) and the head's float32 logits, their log-softmax and gradient; none
+    (``working_set_bytes``) and what the head and loss hold (``_loss``: plain or ``chunked_loss``); none
     where the batch is not known (``seq`` 0: the engine before its first batch). ``savers`` move
     the own chunk's state and the chunk inputs to ``host``; what crosses to and from it per
     iteration is ``host_traffic`` (``host_bytes``; the chunk inputs only where ``seq`` is known)."""
@@ -250,7 +289,7 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
         activations, offloaded = savers.activations(
             plan.replica_size * k, k, micro_batch * seq * hidden * weight_bytes, chunk_layers,
             lambda layers: _working_set(seq, micro_batch, hidden, heads, layers, weight_bytes))
-        activations += _logits(micro_batch, seq, vocab)
+        activations += _loss(micro_batch, seq, hidden, vocab, weight_bytes, chunked_loss)
     state = 0.0 if savers.offload_state else 16 * own
     traffic = host_bytes(plan, rank, own_numel=own, grad_bytes=grad_bytes,
                          input_bytes=micro_batch * seq * hidden * weight_bytes, savers=savers)

@@ -81,7 +81,7 @@ def engine_plan(topology: Topology, num_layers: int, micro_batches: int, *, devi
     fall back to the least memory where nothing fits). The memory counted is the own chunk's state,
     the staging buffers and the replicated parameters (``rank_memory``): what the engine holds
     before it sees a batch; and the activations of ``batch`` (seq, micro_batch, hidden, heads,
-    vocab) where the caller knows it (``tawpipe train``); all as the memory ``savers`` leave it.
+    vocab, chunked_loss) where the caller knows it (``tawpipe train``); all as the memory ``savers`` leave it.
     Several ``savers`` (``cost.memory.savers_ladder``, fastest first): the first with which a
     schedule fits, returned with the plan; only where ``batch`` is known, since what they save is
     mostly activations. Returns the plan, the savers and why (None: nothing was left to choose)."""

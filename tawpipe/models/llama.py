@@ -78,14 +78,15 @@ class LlamaConfig:
     def from_dims(cls, dims: ModelDims, **overrides: Any) -> LlamaConfig:
         """The built-in model of the shape ``dims``, sized for ``dims.seq`` tokens."""
         return cls(**{**dict(vocab_size=dims.vocab, hidden=dims.hidden, n_layers=dims.layers, n_heads=dims.heads,
-                             n_kv_heads=dims.kv_heads or dims.heads, ffn_hidden=dims.ffn, max_seq_len=dims.seq),
+                             n_kv_heads=dims.kv_heads or dims.heads, ffn_hidden=dims.ffn, max_seq_len=dims.seq,
+                             tie_embeddings=dims.tied),
                       **overrides})
 
     def dims(self, **batch: Any) -> ModelDims:
         """This model's shape as the cost model and the simulator count it, with ``batch``'s
         fields (seq, micro_batch, dtype_bytes, ...)."""
         return ModelDims(hidden=self.hidden, layers=self.n_layers, heads=self.n_heads, kv_heads=self.n_kv_heads,
-                         vocab=self.vocab_size, ffn=self.ffn_hidden, **batch)
+                         vocab=self.vocab_size, ffn=self.ffn_hidden, tied=self.tie_embeddings, **batch)
 
 
 class RMSNorm(nn.Module):

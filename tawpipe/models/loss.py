@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .shape import LOSS_CHUNK_TOKENS
+
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it count for nothing
 
 
@@ -54,7 +56,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         chunk: int = 2048) -> torch.Tensor:
+                         chunk: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
     """``F.cross_entropy((hidden @ weight.T).float(), targets)`` over all leading dimensions (mean
     over the targets that are not -100), computed ``chunk`` tokens at a time. Under autocast the
     projection runs in the autocast dtype, as ``nn.Linear`` would; the loss is float32."""

@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+LOSS_CHUNK_TOKENS = 2048  # tokens per slice of the chunked loss (``models.loss.linear_cross_entropy``)
+
 
 @dataclass(frozen=True)
 class ModelDims:
-    """A LLaMA-like decoder (RMSNorm, SwiGLU, no biases, head tied to the embedding)."""
+    """A LLaMA-like decoder (RMSNorm, SwiGLU, no biases; the head tied to the embedding unless
+    ``tied`` is off)."""
 
     hidden: int
     layers: int
@@ -27,13 +30,14 @@ class ModelDims:
     grad_bytes: int = 4  # gradients on the wire
     ffn: int | None = None  # None: the LLaMA sizing of ``ffn_hidden``
     scores: bool = True  # attention keeps its S x S scores for backward (False: FlashAttention)
+    tied: bool = True  # the head's weight is the embedding's (False: a second V x H matrix)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "scores":
+            if f.name in ("scores", "tied"):
                 if not isinstance(value, bool):
-                    raise ValueError(f"scores must be true or false, got {value!r}")
+                    raise ValueError(f"{f.name} must be true or false, got {value!r}")
             elif not (value is None and f.name in ("kv_heads", "ffn")) and (
                     not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be a whole number, got {value!r}")
@@ -61,7 +65,7 @@ class ModelDims:
 
     @property
     def replicated_numel(self) -> int:
-        return self.vocab * self.hidden + self.hidden  # tied embedding/head + final norm
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden  # embedding, head, final norm
 
     @property
     def activation_numel(self) -> int:
@@ -70,7 +74,8 @@ class ModelDims:
 
 # config.json field: ModelDims field (those without a default must be there)
 _HF_FIELDS = {"hidden_size": "hidden", "num_hidden_layers": "layers", "num_attention_heads": "heads",
-              "num_key_value_heads": "kv_heads", "vocab_size": "vocab", "intermediate_size": "ffn"}
+              "num_key_value_heads": "kv_heads", "vocab_size": "vocab", "intermediate_size": "ffn",
+              "tie_word_embeddings": "tied"}
 _HF_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 

@@ -7,29 +7,32 @@ settings, and TawPipe's *margin* over the fastest other method that fits (its ti
 TawPipe's: > 1 where TawPipe is faster, < 1 where it loses).
 
 Fixed for every cell (``Grid``): micro-batch 1, ``acc`` = 8 micro-batches per device per
-iteration, recompute on, bf16 weights, activations and gradients on the wire, AdamW in float32.
+iteration, bf16 weights, activations and gradients on the wire, AdamW in float32, the chunked
+loss for every method (issue #36), 2 TB of host memory per node (``hardware.HOST``). A method fits
+where its memory fits the device and what a node's ranks keep on the host fits the node's.
 
-The methods and the rules that choose their settings:
+The methods, and the rules that choose their settings and memory savers (design §9.6):
 
 - TawPipe: replicas R over the divisors of the nodes whose pipelines (8·nodes/R ranks) have no
   more ranks than layers and no more forwards and backwards than ``compare`` plays; k over the
-  divisors of acc; prefetch depth 1 without reuse, or every chunk resident with reuse. A
-  setting's memory and a lower bound on its time come from its plan without playing it (the
-  larger of rank 0's compute and the busiest node link's bytes, ``plan_traffic``, over its
-  rate); the settings that fit are played in the order of their bounds, skipping any whose bound
-  times 1 + ``PRUNE`` is no less than the best time played so far (branch and bound: the best
-  played is within ``PRUNE`` of the best of all). Plans are built once per (nodes, model,
-  setting): they depend on neither S nor the link.
+  divisors of acc; prefetch depth 1 without reuse, or every chunk resident with reuse; times the
+  memory savers of ``SAVERS``. Per setting, the savers that fit and that no savers fitting before
+  them dominate (``compare.dominates``) are candidates. A candidate's memory and a lower bound on
+  its time come from its plan without playing it (the largest of rank 0's compute under its
+  savers, the busiest node link's bytes, ``plan_traffic``, over its rate, and rank 0's busier
+  PCIe direction over its rate); the candidates are played in the order of their bounds,
+  skipping any whose bound times 1 + ``PRUNE`` is no less than the best time played so far
+  (branch and bound: the best played is within ``PRUNE`` of the best of all). Plans are built
+  once per (nodes, model, setting): they depend on neither S nor the link.
 - WeiPipe: its single pipeline, where it has no more ranks than layers (N ≤ L); else n/a.
 - DDP, FSDP2 (``fsdp``: gradients reduce-scattered on the last micro-batch; ``fsdp-mm``: after
-  every micro-batch), FSDP2 with intra-node reshard (``fsdp-node``), HSDP: ``compare.run``.
+  every micro-batch), FSDP2 with intra-node reshard (``fsdp-node``), HSDP: ``compare.run``, with
+  or without per-block checkpointing and torch's ``save_on_cpu`` (``peer_entry``).
 - 1F1B: P stages per pipeline and N/P data-parallel copies; P over the divisors of N that are at
   most L and tile nodes (a multiple or a divisor of 8): the two largest, and the largest that
-  divides L (equal stages); the fastest that fits.
+  divides L (equal stages), each without checkpointing where that fits; the fastest that fits.
 
-Memory: as ``compare`` counts it, except that TawPipe's and WeiPipe's rows add the head's float32
-logits, their log-softmax and gradient (3·B·S·V·4 bytes), which the peers' rows and the engine's
-own estimate (``cost.memory.rank_memory``) count but ``cost.memory.memory_per_rank`` does not.
+``largest_fits`` adds what fits where: the longest S at which each method fits 32 GPUs.
 
 A cell the simulator refuses (a plan too large, more stages than layers) records why instead.
 """
@@ -41,24 +44,25 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..cost.memory import MemoryEstimate, memory_per_rank
+from ..cost.memory import MemoryEstimate, Savers, host_bytes, memory_per_rank, savers_ladder, staging_buffers
 from ..cost.traffic import plan_traffic
 from ..plan.actions import OPS, Channel, batches
 from ..plan.plan import Plan
 from ..plan.schedule import RESIDENT
 from . import compare
 from .compare import TIE, taw_settings, title
-from .hardware import Cluster, device, link
+from .hardware import HOST, Cluster, Host, device, link
 from .peers import peer_memory, stage_counts
 from .play import compute_seconds, engine_plan
 from .workload import Workload, model
 
 GiB = 2**30
 PRUNE = 0.005  # a TawPipe setting is played only if its lower bound is below best / (1 + PRUNE)
+SAVERS = savers_ladder()  # TawPipe's memory savers on a GPU, fastest first, the host's AdamW last
 DP_PEERS = ("ddp", "fsdp", "fsdp-mm", "fsdp-node", "hsdp")
 METHODS = ("tawpipe", "weipipe", *DP_PEERS, "1f1b")
 SHORT = {"tawpipe": "Taw", "weipipe": "Wei", "ddp": "DDP", "fsdp": "FSDP", "fsdp-mm": "FSDPmm",
@@ -78,12 +82,16 @@ class Grid:
     intra: str = "nvlink"
     acc: int = 8
     micro_batch: int = 1
-    recompute: bool = True
+    recompute: bool = True  # WeiPipe's; the others search theirs
     dtype_bytes: int = 2
     grad_bytes: int = 2
+    chunked_loss: bool = True  # every method's head and loss a slice of tokens at a time
+    host: Host = HOST
 
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
+        d["host"] = {"memory_bytes": self.host.memory, "pcie_bytes_per_s": self.host.pcie.bandwidth,
+                     "adamw_bytes_per_s": self.host.adamw_bandwidth}
         dev, intra = device(self.device), link(self.intra)
         d["device_detail"] = {"memory_bytes": dev.memory, "matmul_flops": dev.matmul_flops,
                               "attention_flops": dev.attention_flops, "peak_flops": dev.peak_flops}
@@ -109,14 +117,16 @@ def pipeline_stages(nodes: int, per_node: int, layers: int, tries: int = 2) -> l
     return sorted(set(ok[:tries] + even), reverse=True)
 
 
-def pipeline_row(cluster: Cluster, work: Workload, acc: int, stages: int) -> compare.Row:
+def pipeline_row(cluster: Cluster, work: Workload, acc: int, stages: int, chunked_loss: bool = False) -> compare.Row:
     """``compare.run("1f1b")`` with ``stages`` stages per pipeline."""
-    return compare.run("1f1b", cluster, work, acc, settings={"stages": stages})
+    return compare.run("1f1b", cluster, work, acc, settings={"stages": stages}, chunked_loss=chunked_loss)
 
 
-def compute_floor(plan: Plan, work: Workload, rank: int = 0) -> float:
-    """``rank``'s compute in ``plan``: what its played iteration cannot beat."""
-    return sum(compute_seconds(plan, u[0], work) for u in batches(plan.actions[rank])
+def compute_floor(plan: Plan, work: Workload, rank: int = 0, savers: Savers | None = None) -> float:
+    """``rank``'s compute in ``plan`` under ``savers`` (default ``compare.default_savers``): what its
+    played iteration cannot beat."""
+    savers = savers or compare.default_savers(work)
+    return sum(compute_seconds(plan, u[0], work, savers) for u in batches(plan.actions[rank])
                if OPS[u[0].op].channel is Channel.COMPUTE)
 
 
@@ -126,14 +136,15 @@ def _gib(x: float) -> float:
 
 def _entry(row: compare.Row) -> dict[str, Any]:
     return {"time_s": row.time_s, "compute_s": row.compute_s, "exposed_comm_s": row.exposed_comm_s,
-            "memory_gib": _gib(row.memory.total), "fits": row.fits, "settings": row.settings,
-            "tokens_per_s_per_device": row.tokens_per_s_per_device, "mfu": row.mfu,
-            "inter_gb": row.inter_bytes / 1e9, "intra_gb": row.intra_bytes / 1e9, "bottleneck": row.bottleneck}
+            "memory_gib": _gib(row.memory.total), "host_gib": _gib(row.memory.host), "fits": row.fits,
+            "settings": row.settings, "tokens_per_s_per_device": row.tokens_per_s_per_device, "mfu": row.mfu,
+            "inter_gb": row.inter_bytes / 1e9, "intra_gb": row.intra_bytes / 1e9, "pcie_gb": row.pcie_bytes / 1e9,
+            "bottleneck": row.bottleneck}
 
 
-def _unplayed(memory: MemoryEstimate, budget: float, settings: dict, why: str) -> dict[str, Any]:
-    return {"time_s": None, "memory_gib": _gib(memory.total), "fits": memory.total <= budget, "settings": settings,
-            "note": why}
+def _unplayed(memory: MemoryEstimate, cluster: Cluster, settings: dict, why: str) -> dict[str, Any]:
+    return {"time_s": None, "memory_gib": _gib(memory.total), "host_gib": _gib(memory.host),
+            "fits": compare.fits(memory, cluster), "settings": settings, "note": why}
 
 
 @dataclass
@@ -143,6 +154,7 @@ class _Plans:
     plans: dict[int, Plan] = field(default_factory=dict)
     settings: list[dict] = field(default_factory=list)
     busiest_node_bytes: dict[int, float] = field(default_factory=dict)
+    buffers: dict[int, tuple[int, int]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
 
 
@@ -156,6 +168,7 @@ def _build_plans(cluster: Cluster, work: Workload, acc: int) -> _Plans:
             continue
         out.plans[i] = plan
         out.busiest_node_bytes[i] = plan_traffic(plan).link_seconds(1.0)[0]
+        out.buffers[i] = staging_buffers(plan)
     return out
 
 
@@ -163,88 +176,146 @@ def _resolved(s: dict, plan: Plan) -> dict:
     return {**s, "prefetch_depth": plan.options["prefetch_depth"], "resident": s["prefetch_depth"] == RESIDENT}
 
 
-def _tawpipe(plans: _Plans, cluster: Cluster, work: Workload, acc: int, memories: dict[int, MemoryEstimate],
-             stats: dict) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """TawPipe's best setting that fits (branch and bound over ``plans``), and every setting tried:
-    its memory, lower bound, time where played, and ``status``: played, pruned (its bound cannot
-    beat the best played by ``PRUNE``), does not fit (not played), or the planner's error."""
-    budget = cluster.device.memory
+def _pcie_floor(plan: Plan, work: Workload, savers: Savers, cluster: Cluster) -> float:
+    """Rank 0's busier PCIe direction under ``savers`` over the link's rate."""
+    d = work.dims
+    moved = host_bytes(plan, 0, own_numel=plan.chunk_numel(plan.own_chunk(0)), grad_bytes=d.grad_bytes,
+                       input_bytes=d.activation_numel * d.dtype_bytes, savers=savers)
+    return max(moved) / cluster.host.pcie.bandwidth
+
+
+def _tawpipe(plans: _Plans, cluster: Cluster, work: Workload, acc: int, stats: dict, *,
+             chunked_loss: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """TawPipe's best setting and memory savers that fit (branch and bound over ``plans`` ×
+    ``SAVERS``), and per setting what was tried: the savers played (with their time and lower
+    bound), how many were pruned (their bound cannot beat the best played by ``PRUNE``), how many
+    do not fit, and how many were dominated by savers that fit first (``compare.dominates``), or the
+    planner's error."""
+    dims = work.dims
     tried: dict[int, dict[str, Any]] = {}
+    todo: list[tuple[float, int, int, MemoryEstimate]] = []  # (lower bound, setting, savers, memory)
     for i, s in enumerate(plans.settings):
         if i in plans.errors:
-            tried[i] = {"settings": s, "status": f"error: {plans.errors[i]}", "fits": False, "time_s": None}
+            tried[i] = {"settings": s, "status": f"error: {plans.errors[i]}", "fits": False}
             continue
-        plan, mem = plans.plans[i], memories[i]
-        floor = max(compute_floor(plan, work), plans.busiest_node_bytes[i] / cluster.inter.bandwidth)
-        tried[i] = {"settings": _resolved(s, plan), "memory_gib": _gib(mem.total), "fits": mem.total <= budget,
-                    "lower_bound_s": floor, "time_s": None, "status": "does not fit"}
+        plan = plans.plans[i]
+        link = plans.busiest_node_bytes[i] / cluster.inter.bandwidth
+        floors: dict[tuple, float] = {}
+        least: MemoryEstimate | None = None
+        t = tried[i] = {"settings": _resolved(s, plan), "played": [], "pruned": 0, "does_not_fit": 0,
+                        "dominated": 0}
+        fitting: list[Savers] = []
+        for j, savers in enumerate(SAVERS):
+            mem = compare.with_loss(memory_per_rank(plan, dims, savers, buffers=plans.buffers[i]), dims, chunked_loss)
+            least = mem if least is None or mem.total < least.total else least
+            if not compare.fits(mem, cluster):
+                t["does_not_fit"] += 1
+                continue
+            if any(compare.dominates(other, savers) for other in fitting):
+                t["dominated"] += 1
+                continue
+            fitting.append(savers)
+            key = (savers.recompute, savers.offload_state)
+            if key not in floors:
+                floors[key] = compute_floor(plan, work, savers=savers)
+            todo.append((max(floors[key], link, _pcie_floor(plan, work, savers, cluster)), i, j, mem))
+        t["least_memory_gib"] = _gib(least.total) if least else None
     best: tuple[float, dict] | None = None
-    for i in sorted((i for i, t in tried.items() if t["fits"]), key=lambda i: tried[i]["lower_bound_s"]):
-        t = tried[i]
-        if best is not None and t["lower_bound_s"] * (1 + PRUNE) >= best[0]:
-            t["status"] = "pruned"
+    for floor, i, j, mem in sorted(todo, key=lambda x: x[:3]):
+        if best is not None and floor * (1 + PRUNE) >= best[0]:
+            tried[i]["pruned"] += 1
             stats["pruned"] += 1
             continue
-        row = compare.play("tawpipe", plans.plans[i], cluster, work, acc, t["settings"], memory=memories[i])
+        row = compare.play("tawpipe", plans.plans[i], cluster, work, acc, tried[i]["settings"], memory=mem,
+                           savers=SAVERS[j], chunked_loss=chunked_loss)
         stats["played"] += 1
-        if row.time_s < t["lower_bound_s"] * (1 - 1e-6):
-            stats["bound_violations"].append({"settings": t["settings"], "time_s": row.time_s,
-                                              "bound_s": t["lower_bound_s"]})
-        t.update(time_s=row.time_s, status="played")
+        if row.time_s < floor * (1 - 1e-6):
+            stats["bound_violations"].append({"settings": tried[i]["settings"], "savers": str(SAVERS[j]),
+                                              "time_s": row.time_s, "bound_s": floor})
+        tried[i]["played"].append({"savers": str(SAVERS[j]), "time_s": row.time_s, "lower_bound_s": floor})
         if best is None or row.time_s < best[0]:
-            best = (row.time_s, {**_entry(row), "lower_bound_s": t["lower_bound_s"]})
+            best = (row.time_s, {**_entry(row), "savers": str(SAVERS[j]), "savers_short": _short(SAVERS[j]),
+                                 "lower_bound_s": floor})
     out = [tried[i] for i in sorted(tried)]
     if best is not None:
         return best[1], out
     if not plans.plans:
         return {"error": "; ".join(sorted(set(plans.errors.values()))) or "no replica count gives a pipeline of at "
                          "most as many ranks as layers", "fits": False, "time_s": None}, out
-    least = min((t for t in out if "memory_gib" in t), key=lambda t: t["memory_gib"])
-    return {"time_s": None, "fits": False, "memory_gib": least["memory_gib"], "settings": least["settings"],
-            "note": f"no setting fits (least memory {least['memory_gib']:.1f} GiB)"}, out
+    least = min((t for t in out if t.get("least_memory_gib") is not None), key=lambda t: t["least_memory_gib"])
+    return {"time_s": None, "fits": False, "memory_gib": least["least_memory_gib"], "settings": least["settings"],
+            "note": f"no setting fits (least memory {least['least_memory_gib']:.1f} GiB)"}, out
 
 
-def _weipipe(cluster: Cluster, work: Workload, acc: int) -> dict[str, Any]:
+def _weipipe(cluster: Cluster, work: Workload, acc: int, chunked_loss: bool) -> dict[str, Any]:
     n, layers = cluster.world_size, work.dims.layers
     if n > layers:
         return {"error": f"n/a: WeiPipe's single pipeline of {n} ranks needs at least {n} layers (L = {layers})",
                 "fits": False, "time_s": None}
     try:
         plan = engine_plan(cluster, work, acc, algo="weipipe")
-        return _entry(compare.play("weipipe", plan, cluster, work, acc, {}))
+        return _entry(compare.play("weipipe", plan, cluster, work, acc, {}, chunked_loss=chunked_loss))
     except ValueError as e:
         return {"error": str(e), "fits": False, "time_s": None}
 
 
-def _pipeline(cluster: Cluster, work: Workload, acc: int) -> dict[str, Any]:
+def _pipeline(cluster: Cluster, work: Workload, acc: int, chunked_loss: bool) -> dict[str, Any]:
+    """1F1B's fastest stage count and recompute (per-layer checkpointing, or none) that fit."""
     stages = pipeline_stages(cluster.nodes, cluster.per_node, work.dims.layers)
     if not stages:
         return {"error": "no stage count divides the ranks, tiles nodes and is at most the layers", "fits": False,
                 "time_s": None}
-    budget, best, unfit = cluster.device.memory, None, []
+    best, unfit = None, []
     for p in stages:
-        mem = peer_memory("1f1b", work.dims, cluster, acc, work.recompute, stages=p)
-        if mem.total > budget:
-            unfit.append(_unplayed(mem, budget, {"stages": p}, "does not fit: not played"))
-            continue
-        try:
-            e = _entry(pipeline_row(cluster, work, acc, p))
-        except ValueError as err:
-            unfit.append({"error": str(err), "fits": False, "time_s": None, "settings": {"stages": p}})
-            continue
-        if best is None or e["time_s"] < best["time_s"]:
-            best = e
+        for recompute in (False, True):  # without checkpointing is faster: with it only where that does not fit
+            mem = peer_memory("1f1b", work.dims, cluster, acc, recompute, stages=p, chunked_loss=chunked_loss)
+            if not compare.fits(mem, cluster):
+                unfit.append(_unplayed(mem, cluster, {"stages": p, "recompute": recompute},
+                                       "does not fit: not played"))
+                continue
+            try:
+                e = _entry(pipeline_row(cluster, replace(work, recompute=recompute), acc, p, chunked_loss))
+            except ValueError as err:
+                unfit.append({"error": str(err), "fits": False, "time_s": None, "settings": {"stages": p}})
+                break
+            e["settings"] = {**e["settings"], "recompute": recompute}
+            if best is None or e["time_s"] < best["time_s"]:
+                best = e
+            break
     if best is not None:
         return {**best, "stages_tried": stages}
     least = min((u for u in unfit if "memory_gib" in u), key=lambda u: u["memory_gib"], default=unfit[0])
     return {**least, "stages_tried": stages}
 
 
-def _peer(method: str, cluster: Cluster, work: Workload, acc: int) -> dict[str, Any]:
-    try:
-        return _entry(compare.run(method, cluster, work, acc))
-    except ValueError as e:
-        return {"error": str(e), "fits": False, "time_s": None}
+# A data-parallel peer's variants: (recompute, offload). One without offload and with no more
+# recompute than another is faster than it, so that one is not played where this one fits.
+_PEER_VARIANTS = ((False, False), (True, False), (False, True), (True, True))
+
+
+def peer_entry(method: str, cluster: Cluster, work: Workload, acc: int, chunked_loss: bool) -> dict[str, Any]:
+    """``method``'s fastest variant that fits (``_PEER_VARIANTS``): per-layer checkpointing or not,
+    the forward's saved tensors on the host (``save_on_cpu``) or not."""
+    rows, played, least = [], [], None
+    for recompute, offload in _PEER_VARIANTS:
+        if any(not o and r <= recompute for r, o in played):
+            continue  # a faster variant fits
+        mem = peer_memory(method, work.dims, cluster, acc, recompute, offload=offload, chunked_loss=chunked_loss)
+        if not compare.fits(mem, cluster):
+            least = least if least is not None and least.total <= mem.total else mem
+            continue
+        try:
+            row = compare.run(method, cluster, replace(work, recompute=recompute), acc, chunked_loss=chunked_loss,
+                              savers=Savers(offload_activations=True) if offload else None)
+        except ValueError as e:
+            return {"error": str(e), "fits": False, "time_s": None}
+        e = _entry(row)
+        e["settings"] = {**e["settings"], "recompute": recompute}
+        rows.append(e)
+        played.append((recompute, offload))
+    if rows:
+        return min(rows, key=lambda e: e["time_s"])
+    return _unplayed(least, cluster, {}, "does not fit with or without checkpointing or activation offload")
 
 
 def decide(row: dict[str, Any]) -> dict[str, Any]:
@@ -276,15 +347,15 @@ def map_rows(grid: Grid = FULL, *, progress: Callable[[str], None] | None = None
                 dims = model(name, seq=seq, micro_batch=grid.micro_batch, dtype_bytes=grid.dtype_bytes,
                              grad_bytes=grid.grad_bytes)
                 work = Workload(dims, dev, grid.recompute)
-                memories = {i: compare.with_logits(memory_per_rank(p, dims), dims) for i, p in plans.plans.items()}
                 for li in grid.links:
-                    cluster = Cluster(nodes, grid.per_node, dev, intra, link(li))
+                    cluster = Cluster(nodes, grid.per_node, dev, intra, link(li), host=grid.host)
                     methods: dict[str, dict] = {}
-                    methods["tawpipe"], tried = _tawpipe(plans, cluster, work, grid.acc, memories, stats)
-                    methods["weipipe"] = _weipipe(cluster, work, grid.acc)
+                    methods["tawpipe"], tried = _tawpipe(plans, cluster, work, grid.acc, stats,
+                                                         chunked_loss=grid.chunked_loss)
+                    methods["weipipe"] = _weipipe(cluster, work, grid.acc, grid.chunked_loss)
                     for m in DP_PEERS:
-                        methods[m] = _peer(m, cluster, work, grid.acc)
-                    methods["1f1b"] = _pipeline(cluster, work, grid.acc)
+                        methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss)
+                    methods["1f1b"] = _pipeline(cluster, work, grid.acc, grid.chunked_loss)
                     row = decide({"nodes": nodes, "per_node": grid.per_node, "gpus": cluster.world_size,
                                   "link": li, "model": name, "layers": dims.layers, "seq": seq,
                                   "micro_batch": grid.micro_batch, "acc": grid.acc,
@@ -298,16 +369,102 @@ def map_rows(grid: Grid = FULL, *, progress: Callable[[str], None] | None = None
     return rows, stats
 
 
+# ------------------------------------------------------------------------------------ what fits
+
+FIT_SEQS = tuple(2**k for k in range(12, 21))  # S = 4k to 1M tokens
+FIT_MODELS = ("7b", "13b", "70b")
+
+
+def _fits_at(method: str, cluster: Cluster, work: Workload, acc: int, plans: _Plans, chunked_loss: bool) -> bool:
+    """Whether any of ``method``'s settings and memory savers that the map tries fits ``cluster``."""
+    dims = work.dims
+    if method == "tawpipe":
+        return any(compare.fits(compare.with_loss(memory_per_rank(plan, dims, savers, buffers=plans.buffers[i]), dims,
+                                                  chunked_loss), cluster)
+                   for i, plan in plans.plans.items() for savers in SAVERS)
+    if method == "weipipe":
+        if cluster.world_size > dims.layers:
+            return False
+        plan = engine_plan(cluster, work, acc, algo="weipipe")
+        return compare.fits(compare.with_loss(memory_per_rank(plan, dims), dims, chunked_loss), cluster)
+    if method == "1f1b":
+        return any(compare.fits(peer_memory("1f1b", dims, cluster, acc, r, stages=p, chunked_loss=chunked_loss), cluster)
+                   for p in pipeline_stages(cluster.nodes, cluster.per_node, dims.layers) for r in (False, True))
+    return any(compare.fits(peer_memory(method, dims, cluster, acc, r, offload=o, chunked_loss=chunked_loss), cluster)
+               for r, o in _PEER_VARIANTS)
+
+
+def largest_fits(grid: Grid = FULL, nodes: int = 4, models: tuple[str, ...] = FIT_MODELS,
+                 seqs: tuple[int, ...] = FIT_SEQS) -> dict[str, dict[str, int | None]]:
+    """Per model, the largest S of ``seqs`` at which each method fits ``nodes`` of ``grid``'s
+    nodes with any of the settings and savers the map tries (memory only: nothing is played);
+    None where it fits at none of them."""
+    dev, intra = device(grid.device), link(grid.intra)
+    cluster = Cluster(nodes, grid.per_node, dev, intra, link(grid.links[0]), host=grid.host)
+    out: dict[str, dict[str, int | None]] = {}
+    for name in models:
+        base = model(name, seq=seqs[0], micro_batch=grid.micro_batch, dtype_bytes=grid.dtype_bytes,
+                     grad_bytes=grid.grad_bytes)
+        plans = _build_plans(cluster, Workload(base, dev, grid.recompute), grid.acc)
+        out[name] = {}
+        for method in METHODS:
+            fit = [seq for seq in seqs if _fits_at(method, cluster, Workload(replace(base, seq=seq), dev, grid.recompute),
+                                                    grid.acc, plans, grid.chunked_loss)]
+            out[name][method] = max(fit, default=None)
+    return out
+
+
+def fits_markdown(fits: dict[str, dict[str, int | None]], grid: Grid = FULL, nodes: int = 4) -> str:
+    """``largest_fits`` as a table: a row per method, a column per model."""
+    models = list(fits)
+    lines = [f"## What fits where: the longest sequence per method on {nodes * grid.per_node} "
+             f"{grid.device.upper()}s ({nodes} x {grid.per_node})", "",
+             f"Micro-batch {grid.micro_batch}, {grid.acc} micro-batches per device, the chunked loss; each method with "
+             "the settings and memory savers the map tries; host memory "
+             f"{grid.host.memory / 1e12:.0f} TB per node. S from {FIT_SEQS[0] // 1024}k to {FIT_SEQS[-1] // 1024}k.", "",
+             "| method | " + " | ".join(m.upper() for m in models) + " |", "|---|" + "---|" * len(models)]
+    for method in METHODS:
+        lines.append(f"| {title(method)} | " + " | ".join(
+            "none" if fits[m][method] is None else f"{fits[m][method] // 1024}k" for m in models) + " |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------ writers
 
 
-def _settings_text(s: dict | None) -> str:
+def _short(savers: Savers) -> str:
+    """``savers`` as the map's cells name them: the recompute, +act (activations on the host),
+    +state (the optimizer on the host)."""
+    return f"{savers.recompute}{'+act' * savers.offload_activations}{'+state' * savers.offload_state}"
+
+
+def summary(rows: list[dict], long_from: int = 16384) -> dict[str, Any]:
+    """The map in counts: cells where TawPipe is the fastest by more than ``TIE`` (``wins``), ties
+    within it, loses, does not fit while another method does, and where nothing fits; and among
+    the cells at S >= ``long_from`` where something fits, those where TawPipe is the fastest or
+    within ``TIE`` of it."""
+    out = dict.fromkeys(("wins", "ties", "loses", "tawpipe_does_not_fit", "nothing_fits"), 0)
+    long_fit = long_ok = 0
+    for r in rows:
+        m = r["tawpipe_margin"]
+        key = ("nothing_fits" if r["winner"] is None else "tawpipe_does_not_fit" if not r["methods"]["tawpipe"]["fits"]
+               else "wins" if m is None or m >= 1 + TIE else "ties" if m > 1 - TIE else "loses")
+        out[key] += 1
+        if r["seq"] >= long_from and r["winner"] is not None:
+            long_fit += 1
+            long_ok += key in ("wins", "ties")
+    return {**out, "cells": len(rows), f"s_ge_{long_from}_where_something_fits": long_fit,
+            f"s_ge_{long_from}_tawpipe_fastest_or_within_tie": long_ok}
+
+
+def _settings_text(s: dict | None, savers: str | None = None) -> str:
     if not s:
         return ""
     if "stages" in s:
         return f"P={s['stages']}"
     depth = "res" if s.get("resident") else f"d{s.get('prefetch_depth', 1)}"
-    return f"R={s.get('replicas', 1)} k={s.get('mb_per_fetch', 1)} {depth}{'+reuse' if s.get('reuse_weights') else ''}"
+    return (f"R={s.get('replicas', 1)} k={s.get('mb_per_fetch', 1)} {depth}{'+reuse' if s.get('reuse_weights') else ''}"
+            + (f" {savers}" if savers else ""))
 
 
 def _cell_text(row: dict) -> str:
@@ -336,18 +493,21 @@ def markdown(rows: list[dict], grid: Grid = FULL, stats: dict | None = None) -> 
         "# Which method wins: the simulator's map",
         "",
         f"{grid.device.upper()} ({device(grid.device).memory / 1e9:.0f} GB), {grid.per_node} per node on "
-        f"{grid.intra}; one inter-node link per node (10gbe: 10 Gbit/s TCP; 100gb, 400gb: RDMA). Micro-batch "
-        f"{grid.micro_batch}, {grid.acc} micro-batches per device per iteration, recompute "
-        f"{'on' if grid.recompute else 'off'}, bf16 weights and gradients. A cell: the fastest method whose memory "
-        "fits, and TawPipe's margin = (fastest other method that fits) / TawPipe, both per iteration of the same "
-        f"tokens per device. Bold: TawPipe wins; tie: the margin is within {TIE:.0%} of 1.",
+        f"{grid.intra}, {grid.host.memory / 1e12:.0f} TB of host memory per node; one inter-node link per node "
+        f"(10gbe: 10 Gbit/s TCP; 100gb, 400gb: RDMA). Micro-batch {grid.micro_batch}, {grid.acc} micro-batches per "
+        f"device per iteration, bf16 weights and gradients, {'the chunked' if grid.chunked_loss else 'the plain'} "
+        "loss for every method. A cell: the fastest method whose memory fits, and TawPipe's margin = (fastest other "
+        "method that fits) / TawPipe, both per iteration of the same tokens per device. Bold: TawPipe wins; tie: the "
+        f"margin is within {TIE:.0%} of 1.",
         "",
-        f"Fits: memory per device ≤ {device(grid.device).memory / GiB:.1f} GiB, counting for every method the head's "
-        "float32 logits, log-softmax and gradient (3·S·V·4 bytes per micro-batch, no chunked loss) and, with "
-        "recompute, the working set of what one backward recomputes at once (one layer for the peers, one chunk "
-        "for TawPipe and WeiPipe). Methods: TawPipe (R, k, depth searched), WeiPipe (where N ≤ L), DDP, FSDP2 "
-        "(reduce-scatter on the last micro-batch; FSDP2-mm: on every one), FSDP2-node (intra-node reshard), HSDP, "
-        "1F1B (P stages, N/P copies; P searched).",
+        f"Fits: memory per device ≤ {device(grid.device).memory / GiB:.1f} GiB and what a node's ranks keep on the "
+        "host within its memory. Every method runs the fastest of its memory savers that fits: TawPipe its settings "
+        "(R, k, depth) and savers (recompute none, chunk, block or layer; activations and the optimizer state on "
+        "the host); DDP, FSDP2 (reduce-scatter on the last micro-batch; FSDP2-mm: on every one), FSDP2-node "
+        "(intra-node reshard) and HSDP with or without per-block checkpointing and torch's save_on_cpu; 1F1B "
+        "(P stages, N/P copies; P searched) with or without checkpointing; WeiPipe (where N ≤ L) recomputing each "
+        "chunk. TawPipe's savers are named after its settings: the recompute, +act (activations on the host), "
+        "+state (the optimizer on the host).",
         "",
     ]
     seqs = sorted({r["seq"] for r in rows})
@@ -369,9 +529,15 @@ def markdown(rows: list[dict], grid: Grid = FULL, stats: dict | None = None) -> 
             lines.append(f"| {key[0]} | {key[2]} | " + " | ".join(_settings_cell(cells[s]) if s in cells else ""
                                                                 for s in seqs) + " |")
         lines.append("")
+    c = summary(rows)
+    lines += [f"TawPipe is the fastest by more than {TIE:.0%} in {c['wins']} of {c['cells']} cells, within {TIE:.0%} "
+              f"in {c['ties']}, slower in {c['loses']}; it does not fit where another method does in "
+              f"{c['tawpipe_does_not_fit']}, and nothing fits in {c['nothing_fits']}. At S ≥ 16k, where something fits, "
+              f"it is the fastest or within {TIE:.0%} in {c['s_ge_16384_tawpipe_fastest_or_within_tie']} of "
+              f"{c['s_ge_16384_where_something_fits']}."]
     if stats:
-        lines += [f"{len(rows)} cells in {stats['elapsed_s']:.0f} s; TawPipe settings played {stats['played']}, "
-                  f"skipped by their lower bound {stats['pruned']}."]
+        lines += [f"{len(rows)} cells in {stats['elapsed_s']:.0f} s; TawPipe settings and savers played "
+                  f"{stats['played']}, skipped by their lower bound {stats['pruned']}."]
     return "\n".join(lines)
 
 
@@ -380,7 +546,7 @@ def _settings_cell(row: dict) -> str:
     other = row["methods"].get(row["best_other"]) if row["best_other"] else None
     t = f"{taw['time_s']:.3g}" if taw.get("fits") and taw.get("time_s") else "–"
     o = f"{other['time_s']:.3g}" if other else "–"
-    s = _settings_text(taw.get("settings")) if taw.get("fits") else "does not fit"
+    s = _settings_text(taw.get("settings"), taw.get("savers_short")) if taw.get("fits") else "does not fit"
     return f"{s}; {t} / {o} s"
 
 
@@ -461,9 +627,10 @@ def main_map(out: Path, quick: bool = False) -> int:
     grid = QUICK if quick else FULL
     out.mkdir(parents=True, exist_ok=True)
     rows, stats = map_rows(grid, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    md = markdown(rows, grid, stats)
+    fits = largest_fits(grid)
+    md = markdown(rows, grid, stats) + "\n\n" + fits_markdown(fits, grid)
     print(md)
-    write_json(rows, out / "map.json", grid, stats)
+    write_json(rows, out / "map.json", grid, {**stats, "largest_fits": fits})
     (out / "map.md").write_text(md + "\n")
     write_png(rows, out / "map.png", grid)
     if stats["bound_violations"]:

@@ -8,11 +8,11 @@ settings (k, prefetch depth and reuse, replicas) for the fastest that fits.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cost.memory import AUTO, MemoryEstimate, logits_bytes, memory_per_rank
+from ..cost.memory import AUTO, MemoryEstimate, Savers, loss_bytes, memory_per_rank, savers_ladder
 from ..models.shape import ModelDims
 from ..plan import registry
 from ..plan.plan import Plan
@@ -73,7 +73,8 @@ class Row:
     inter_bytes: float  # busiest node port, one direction
     intra_bytes: float  # busiest device port, one direction
     memory: MemoryEstimate
-    fits: bool
+    fits: bool  # on the device, and what the node's ranks offload in its host memory
+    pcie_bytes: float = 0.0  # busiest device's copies to and from its host, both directions
     tokens_per_s_per_device: float = 0.0
     mfu: float = 0.0
     bottleneck: str = ""
@@ -132,11 +133,14 @@ def verdict(rows: Iterable[Row]) -> Verdict:
 
 
 def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool = False,
-        settings: dict[str, Any] | None = None) -> Row:
+        settings: dict[str, Any] | None = None, savers: Savers | None = None, chunked_loss: bool = False) -> Row:
     """Simulate ``method`` (one of ``methods()``) for one iteration of ``acc`` micro-batches per
     device. ``settings``: a schedule's (``mb_per_fetch``, ``prefetch_depth``, ``reuse_weights``,
     ``replicas``; ``schedule_of``'s defaults: "auto" for a tunable one, chosen as the engine
-    does); 1F1B's ``stages`` per pipeline (default: every rank, as the bench runs it)."""
+    does); 1F1B's ``stages`` per pipeline (default: every rank, as the bench runs it). ``savers``:
+    a schedule's memory savers (default ``default_savers``); a peer reads their
+    ``offload_activations`` only (``save_on_cpu``, ``peers.OFFLOADING``), and recomputes as
+    ``work.recompute`` says. ``chunked_loss``: every method's head and loss a slice at a time."""
     dims = work.dims
     scheduled = schedule_of(method)
     if scheduled is not None:
@@ -145,28 +149,60 @@ def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool =
         if opts.get("mb_per_fetch") == "acc":
             opts["mb_per_fetch"] = acc
         _check_size(algo, cluster, dims, acc, int(opts.get("replicas", 1)))
-        plan = engine_plan(cluster, work, acc, memory=lambda p: with_logits(memory_per_rank(p, dims), dims),
-                           algo=algo, **opts)
+        savers = savers or default_savers(work)
+        plan = engine_plan(cluster, work, acc, algo=algo, **opts,
+                           memory=lambda p: with_loss(memory_per_rank(p, dims, savers), dims, chunked_loss))
         opts["prefetch_depth"] = plan.options["prefetch_depth"]
         if AUTO in opts.values():  # what "auto" chose
             opts.update({k: plan.options[k] for k in AUTO_SETTINGS})
-        return play(method, plan, cluster, work, acc, opts, host=host)
+        return play(method, plan, cluster, work, acc, opts, host=host, savers=savers, chunked_loss=chunked_loss)
     stages = (settings or {}).get("stages")
-    graph, fabric = peer_graph(method, cluster, work, acc, host=host, stages=stages)
-    memory = peer_memory(method, dims, cluster, acc, work.recompute, stages=stages)
+    offload = savers is not None and savers.offload_activations
+    graph, fabric = peer_graph(method, cluster, work, acc, host=host, stages=stages, offload=offload)
+    memory = peer_memory(method, dims, cluster, acc, work.recompute, stages=stages, offload=offload,
+                         chunked_loss=chunked_loss)
     ranks = sorted({t.rank for t in graph.tasks if t.rank is not None})
-    return read_off(method, {"stages": stages} if stages else {}, simulate(graph, fabric), ranks, memory, cluster,
-                    dims, acc)
+    shown = {**({"stages": stages} if stages else {}), **({"offload_activations": True} if offload else {})}
+    return read_off(method, shown, simulate(graph, fabric), ranks, memory, cluster, dims, acc)
+
+
+def default_savers(work: Workload) -> Savers:
+    """A schedule's memory savers where none are given: recompute from each chunk's input where
+    ``work`` recomputes, else none."""
+    return Savers("chunk" if work.recompute else "none")
 
 
 def play(method: str, plan: Plan, cluster: Cluster, work: Workload, acc: int, settings: dict[str, Any], *,
-         host: bool = False, memory: MemoryEstimate | None = None) -> Row:
-    """The row of a TawPipe or WeiPipe ``plan`` built already (real byte sizes); ``memory``
-    defaults to the plan's with the head's logits (``with_logits``)."""
-    graph, fabric = plan_graph(plan, cluster, work, host=host)
-    memory = memory or with_logits(memory_per_rank(plan, work.dims), work.dims)
-    return read_off(method, settings, simulate(graph, fabric), range(plan.replica_size), memory, cluster,
+         host: bool = False, memory: MemoryEstimate | None = None, savers: Savers | None = None,
+         chunked_loss: bool = False) -> Row:
+    """The row of a TawPipe or WeiPipe ``plan`` built already (real byte sizes), run with
+    ``savers`` (default ``default_savers``); ``memory`` defaults to the plan's with the head and
+    loss (``with_loss``)."""
+    savers = savers or default_savers(work)
+    graph, fabric = plan_graph(plan, cluster, work, host=host, savers=savers)
+    memory = memory or with_loss(memory_per_rank(plan, work.dims, savers), work.dims, chunked_loss)
+    shown = {**settings, **(_savers_shown(savers) if savers != default_savers(work) else {})}
+    return read_off(method, shown, simulate(graph, fabric), range(plan.replica_size), memory, cluster,
                     work.dims, acc)
+
+
+def _savers_shown(savers: Savers) -> dict[str, Any]:
+    """``savers`` as a row's settings name them (the flags of ``tawpipe simulate``)."""
+    return {"recompute": savers.recompute, **{k: True for k in ("offload_activations", "offload_state")
+                                              if getattr(savers, k)}}
+
+
+def dominates(a: Savers, b: Savers) -> bool:
+    """Whether savers ``a`` make an iteration of the same plan no slower than ``b``: no more
+    forwards in a backward, and no offload that ``b`` does not have (a copy or the host's step
+    never shortens an iteration here; "chunk" and "block" compute alike)."""
+    return (a.forwards_in_backward <= b.forwards_in_backward and b.offload_activations >= a.offload_activations
+            and b.offload_state >= a.offload_state)
+
+
+def fits(memory: MemoryEstimate, cluster: Cluster) -> bool:
+    """Whether a rank's ``memory`` fits its device and, every rank of a node alike, the node's host."""
+    return memory.total <= cluster.device.memory and memory.host * cluster.per_node <= cluster.host.memory
 
 
 def read_off(method: str, settings: dict[str, Any], result: Result, ranks: Iterable[int], memory: MemoryEstimate,
@@ -175,8 +211,12 @@ def read_off(method: str, settings: dict[str, Any], result: Result, ranks: Itera
     bytes, tokens/s per device, MFU and the bottleneck."""
     inter = max((v for port, v in result.port_bytes.items() if port[0].startswith("node")), default=0.0)
     intra = max((v for port, v in result.port_bytes.items() if port[0] in ("out", "in")), default=0.0)
-    row = Row(method, settings, result.makespan, result.busiest(ranks), inter, intra, memory,
-              memory.total <= cluster.device.memory, result=result)
+    pcie: dict[int, float] = {}
+    for port, v in result.port_bytes.items():
+        if port[0].startswith("pcie"):
+            pcie[port[1]] = pcie.get(port[1], 0.0) + v
+    row = Row(method, settings, result.makespan, result.busiest(ranks), inter, intra, memory, fits(memory, cluster),
+              pcie_bytes=max(pcie.values(), default=0.0), result=result)
     tokens = acc * dims.seq * dims.micro_batch
     row.tokens_per_s_per_device = tokens / row.time_s if row.time_s else 0.0
     row.mfu = model_flops(dims) * tokens / row.time_s / cluster.device.peak_flops if row.time_s else 0.0
@@ -184,10 +224,10 @@ def read_off(method: str, settings: dict[str, Any], result: Result, ranks: Itera
     return row
 
 
-def with_logits(m: MemoryEstimate, dims: ModelDims) -> MemoryEstimate:
-    """``memory_per_rank``'s estimate with the head's logits, which it leaves out and
-    ``peer_memory`` and the engine's ``rank_memory`` count."""
-    return dataclasses.replace(m, activations=m.activations + logits_bytes(dims))
+def with_loss(m: MemoryEstimate, dims: ModelDims, chunked: bool) -> MemoryEstimate:
+    """``memory_per_rank``'s estimate with what the head and loss hold (``loss_bytes``), which it
+    leaves out and ``peer_memory`` and the engine's ``rank_memory`` count."""
+    return dataclasses.replace(m, activations=m.activations + loss_bytes(dims, chunked=chunked))
 
 
 def model_flops(dims: ModelDims) -> float:
@@ -221,10 +261,25 @@ def taw_settings(nodes: int, per_node: int, layers: int, acc: int) -> list[dict[
     return out
 
 
-def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False) -> list[Row]:
-    """Every one of ``taw_settings`` played, fastest first among those that fit."""
-    rows = [run("tawpipe", cluster, work, acc, host=host, settings=s)
-            for s in taw_settings(cluster.nodes, cluster.per_node, work.dims.layers, acc)]
+def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False, chunked_loss: bool = False,
+           ladder: Sequence[Savers] | None = None) -> list[Row]:
+    """Every one of ``taw_settings`` played with each of the memory savers of ``ladder`` (default
+    ``savers_ladder()``) that fit and that no savers fitting before them ``dominates``, or with the
+    leanest where none fits; fastest first among those that fit."""
+    ladder = tuple(ladder or savers_ladder())
+    rows = []
+    for s in taw_settings(cluster.nodes, cluster.per_node, work.dims.layers, acc):
+        plan = engine_plan(cluster, work, acc, **s)
+        s = {**s, "prefetch_depth": plan.options["prefetch_depth"]}  # "resident" as the depth it is
+        fitting: list[Savers] = []
+        for savers in ladder:
+            memory = with_loss(memory_per_rank(plan, work.dims, savers), work.dims, chunked_loss)
+            if fits(memory, cluster) and not any(dominates(f, savers) for f in fitting):
+                fitting.append(savers)
+                rows.append(play("tawpipe", plan, cluster, work, acc, s, host=host, memory=memory, savers=savers))
+        if not fitting:
+            rows.append(play("tawpipe", plan, cluster, work, acc, s, host=host, savers=ladder[-1],
+                             chunked_loss=chunked_loss))
     rows.sort(key=lambda r: (not r.fits, r.time_s))
     return rows
 

@@ -89,6 +89,31 @@ LINKS: dict[str, Link] = {
     "400gb": Link("400gb", 400e9 / 8, 5e-6, 0.95),
 }
 
+
+
+@dataclass(frozen=True)
+class Host:
+    """A node's host, as the memory savers use it: ``memory`` bytes of host memory per node (what
+    every rank's offloaded bytes must fit in together), ``pcie`` one device's link to it (each
+    device its own x16 link, full duplex), and ``adamw_bandwidth`` the bytes/s of memory traffic a
+    fused CPU AdamW reaches over the node's cores (``ADAMW_BYTES`` per parameter), which the
+    node's ranks share."""
+
+    memory: float
+    pcie: Link
+    adamw_bandwidth: float
+
+    def __post_init__(self) -> None:
+        if self.memory <= 0 or self.adamw_bandwidth <= 0:
+            raise ValueError(f"host: memory and adamw_bandwidth must be positive, got {self}")
+
+
+# Basis: an 8-GPU H100 node (DGX H100: 2 TB of host memory, one PCIe 5 x16 switch port per GPU,
+# reached at about 25 GB/s per direction by pinned copies: the "pcie" link's 32 GB/s at 80%).
+# CPU AdamW: torch's fused AdamW stepped 403 M float32 parameters in 0.079 s on 16 threads of the
+# H200 machine's host (issue #35), 163 GB/s of AdamW traffic; a node's cores reach at least that.
+HOST = Host(memory=2e12, pcie=LINKS["pcie"], adamw_bandwidth=160e9)
+
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
@@ -135,7 +160,8 @@ def device(spec: str | Device) -> Device:
 @dataclass(frozen=True)
 class Cluster:
     """``nodes`` nodes of ``per_node`` devices; ``intra`` links the devices of a node (each its own
-    port), ``inter`` links nodes (one port per node, or per device with ``rails``)."""
+    port), ``inter`` links nodes (one port per node, or per device with ``rails``); ``host`` is
+    each node's host memory and its PCIe links to the devices."""
 
     nodes: int
     per_node: int
@@ -143,6 +169,7 @@ class Cluster:
     intra: Link
     inter: Link
     rails: bool = False
+    host: Host = HOST
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.per_node < 1:
@@ -163,7 +190,8 @@ class Cluster:
         if cpu and d.host_ranks:
             cores = d.host_ranks / self.world_size * cpu
         return Fabric(self.per_node, self.intra.bandwidth, self.inter.bandwidth, self.rails, fold,
-                      burst=self.inter.burst, cpu=cpu, cpu_credit=credit, cpu_peak=peak, cores=cores)
+                      burst=self.inter.burst, cpu=cpu, cpu_credit=credit, cpu_peak=peak, cores=cores,
+                      pcie=self.host.pcie.bandwidth)
 
     def hop_latency(self, crosses_nodes: bool) -> float:
         return self.inter.latency if crosses_nodes else self.intra.latency

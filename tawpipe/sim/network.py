@@ -23,6 +23,10 @@ CPU still holds) is spent. ``Fabric.cpu_credit`` makes each CPU port a token buc
 link's: idle, it saves up to that many bytes of credit, and while credit lasts it runs at
 ``cpu_peak``; all the compute the graph holds also crosses one ``cores`` port, the machine's
 cores, which ranks that burst at once share (transfers' CPU does not cross it).
+
+A copy between a device and its host (the memory savers' offload) crosses that device's PCIe port
+in its direction (``Flow.pcie``), full duplex, and nothing else: a GPU's copy engines run it
+beside compute and the network.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class Flow:
     # the connection it travels on, if it is one that carries one message at a time, in the order
     # they became ready (a TCP stream: gloo sends a pair's messages in one group on one socket)
     stream: tuple | None = None
+    # a copy between device ``src`` (= ``dst``) and its host over PCIe: "d2h" or "h2d"
+    pcie: str | None = None
 
 
 @dataclass(slots=True)
@@ -115,9 +121,10 @@ class Fabric:
     # the machine's CPU per rank of the job, bytes/s: the compute of the ranks a graph holds shares
     # that many times their number (a graph folded to one rank gets one rank's share; None: no limit)
     cores: float | None = None
+    pcie: float | None = None  # each device's link to its host, bytes/s per direction (None: no host copies)
 
     def __post_init__(self) -> None:
-        rates = (self.cpu, self.cpu_peak, self.cores)
+        rates = (self.cpu, self.cpu_peak, self.cores, self.pcie)
         if self.per_node < 1 or self.intra <= 0 or self.inter <= 0 or any(r is not None and r <= 0 for r in rates):
             raise ValueError(f"a fabric needs per_node >= 1 and positive rates: {self}")
         if self.cpu_credit and not (self.cpu and self.cpu_peak and self.cpu_peak > self.cpu):
@@ -134,14 +141,22 @@ class Fabric:
     def node(self, rank: int) -> int:
         return rank // self.per_node
 
+    def mirror(self, rank: int) -> int:
+        """``rank``, or for a rank outside the simulated nodes its mirror image."""
+        if self.fold:
+            return (rank // self.per_node) % self.fold * self.per_node + rank % self.per_node
+        return rank
+
     def cpu_port(self, rank: int) -> Port:
         """``rank``'s CPU (a rank outside the simulated nodes: its mirror image's)."""
-        if self.fold:
-            rank = (rank // self.per_node) % self.fold * self.per_node + rank % self.per_node
-        return ("cpu", rank)
+        return ("cpu", self.mirror(rank))
 
     def ports(self, f: Flow) -> tuple[tuple[Port, float], ...]:
         """The ports ``f`` crosses, each with its capacity."""
+        if f.pcie is not None:
+            if not self.pcie or f.pcie not in ("d2h", "h2d") or f.src != f.dst:
+                raise ValueError(f"a host copy needs a fabric with PCIe, direction d2h or h2d and one device: {f}")
+            return ((("pcie " + f.pcie, self.mirror(f.src)), self.pcie),)
         s = self.per_node
         gs, gd = f.src // s, f.dst // s
         if gs == gd:

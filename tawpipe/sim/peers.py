@@ -45,6 +45,12 @@ program, which a GPU does as a stream wait and a host as a blocking one.
 Scale: data-parallel ranks are identical, so a graph holds rank 0's compute and one node's
 flows, on a ``Fabric`` folded to that node (a ring's hop leaving it arrives, by symmetry, from
 the node before). 1F1B simulates one pipeline (one node when pipelines are smaller than a node).
+Activation offload (``offload``, the data-parallel peers): torch's ``save_on_cpu(pin_memory=True)``
+around the forward. Each tensor the forward saves (with checkpointing, each block's input; without,
+every block's saved activations) is copied to pinned host memory by ``copy_``, which the host waits
+for, and copied back before the backward that reads it on the compute stream: both directions over
+the device's PCIe link, in line with compute, never beside it.
+
 Not modelled: local copies (FSDP2's copy-in and copy-out, gradient accumulation into a buffer).
 """
 
@@ -53,7 +59,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cost.memory import MemoryEstimate, logits_bytes, working_set_bytes
+from ..cost.memory import MemoryEstimate, loss_bytes, working_set_bytes
 from ..cost.traffic import fsdp_numel
 from ..models.shape import ModelDims
 from .hardware import Cluster
@@ -61,6 +67,7 @@ from .network import Fabric, Flow, Graph
 from .workload import Workload
 
 PEERS = ("ddp", "fsdp", "fsdp-mm", "fsdp-node", "hsdp", "1f1b")
+OFFLOADING = ("ddp", "fsdp", "fsdp-mm", "fsdp-node", "hsdp")  # the peers that run with torch's save_on_cpu
 DDP_FIRST_BUCKET = 2**20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, used once buckets are rebuilt
 DDP_BUCKET = 25 * 2**20  # bucket_cap_mb = 25
 MAX_PIPELINE_TASKS = 1_000_000  # 1F1B's graph grows as stages x micro-batches; past this, ask for fewer stages
@@ -127,25 +134,60 @@ def ring_collective(graph: Graph, cluster: Cluster, op: str, nbytes: float, ring
 
 
 def peer_graph(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool,
-               stages: int | None = None) -> tuple[Graph, Fabric]:
+               stages: int | None = None, offload: bool = False) -> tuple[Graph, Fabric]:
     """One iteration of ``method`` (one of ``PEERS``) with ``acc`` micro-batches per data-parallel
     rank, and the fabric to play it on. ``host``: gloo on CPU ranks rather than NCCL on GPUs.
-    ``stages`` (1F1B only): stages per pipeline, N by default."""
+    ``stages`` (1F1B only): stages per pipeline, N by default. ``offload``: the forward's saved
+    tensors through host memory (``save_on_cpu``; ``OFFLOADING`` peers only)."""
     if method not in PEERS:
         raise ValueError(f"unknown peer {method!r}; expected one of {', '.join(PEERS)}")
     if acc < 1:
         raise ValueError(f"acc must be >= 1, got {acc}")
+    if offload and method not in OFFLOADING:
+        raise ValueError(f"activation offload is modelled for {', '.join(OFFLOADING)} (torch's save_on_cpu), "
+                         f"not {method}")
     if method == "1f1b":
         return _one_f_one_b(cluster, work, acc, cluster.world_size if stages is None else stages, host)
     if stages is not None:
         raise ValueError("stages applies to 1f1b only")
     graph = Graph()
     fold = 1 if cluster.nodes > 1 else None
+    layer = _Layer(work, saved_bytes(work, offload))
     if method == "ddp":
-        _ddp(_Lanes(graph, cluster, range(cluster.per_node), serial=False), work, acc)
+        _ddp(_Lanes(graph, cluster, range(cluster.per_node), serial=False), layer, acc)
     else:
-        _fsdp(_Lanes(graph, cluster, range(cluster.per_node), serial=host), method, work, acc, host)
+        _fsdp(_Lanes(graph, cluster, range(cluster.per_node), serial=host), method, layer, acc, host)
     return graph, cluster.fabric(fold, host=host)
+
+
+def saved_bytes(work: Workload, offload: bool) -> float:
+    """What a block's forward saves for its backward, where ``save_on_cpu`` moves it (0: no offload):
+    with checkpointing its input, else its activations (``working_set_bytes``)."""
+    if not offload:
+        return 0.0
+    d = work.dims
+    return d.activation_numel * d.dtype_bytes if work.recompute else working_set_bytes(d, 1)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """A data-parallel peer's block, forward and backward, with ``save_on_cpu``'s copies of
+    ``saved`` bytes (0: none) on the compute stream before the backward and after the forward."""
+
+    work: Workload
+    saved: float
+
+    def forward(self, lanes: _Lanes, label: str, deps: list[int]) -> list[int]:
+        task = lanes.add("compute", label, deps, seconds=self.work.layer_forward())
+        return [self._copy(lanes, f"save {label}", "d2h", [task])] if self.saved else [task]
+
+    def backward(self, lanes: _Lanes, label: str, deps: list[int]) -> int:
+        if self.saved:
+            deps = [self._copy(lanes, f"unpack {label}", "h2d", deps)]
+        return lanes.add("compute", label, deps, seconds=self.work.layer_backward())
+
+    def _copy(self, lanes: _Lanes, label: str, direction: str, deps: list[int]) -> int:
+        return lanes.add("compute", label, deps, flows=[Flow(r, r, self.saved, pcie=direction) for r in lanes.ranks])
 
 
 # ------------------------------------------------------------------------------------ data parallel
@@ -175,18 +217,19 @@ def _buckets(ready: list[tuple[int, list[int]]], elem_bytes: int) -> list[tuple[
     return out
 
 
-def _ddp(lanes: _Lanes, work: Workload, acc: int) -> None:
+def _ddp(lanes: _Lanes, layer: _Layer, acc: int) -> None:
+    work = layer.work
     d = work.dims
     ready: list[tuple[int, list[int]]] = []  # the last micro-batch's is the one that counts
     chain: list[int] = []
     for m in range(acc):
         chain = [lanes.add("compute", f"embed m{m}", chain, seconds=work.embed() / 3)]
         for i in range(d.layers):
-            chain = [lanes.add("compute", f"F{i} m{m}", chain, seconds=work.layer_forward())]
+            chain = layer.forward(lanes, f"F{i} m{m}", chain)
         chain = [lanes.add("compute", f"head m{m}", chain, seconds=work.head())]
         ready = [(chain[0], [d.hidden])]  # the final norm; the tied embedding's gradient completes last
         for i in reversed(range(d.layers)):
-            chain = [lanes.add("compute", f"B{i} m{m}", chain, seconds=work.layer_backward())]
+            chain = [layer.backward(lanes, f"B{i} m{m}", chain)]
             ready.append((chain[0], _layer_params(d)))
         chain = [lanes.add("compute", f"embed grad m{m}", chain, seconds=2 * work.embed() / 3)]
         ready.append((chain[0], [d.replicated_numel - d.hidden]))
@@ -196,14 +239,15 @@ def _ddp(lanes: _Lanes, work: Workload, acc: int) -> None:
     lanes.add("compute", "step", done, seconds=work.step(d.decoder_numel + d.replicated_numel))
 
 
-def _fsdp(lanes: _Lanes, method: str, work: Workload, acc: int, host: bool) -> None:
+def _fsdp(lanes: _Lanes, method: str, layer_: _Layer, acc: int, host: bool) -> None:
     """FSDP2's hooks in program order. On a GPU: the all-gather of the k-th unit of the forward
     (root, block 0, ...) waits until the compute two units back has had its copy-out, i.e. until
     unit k − 3 has run (FSDP2 keeps the previous all-gather's output until the next copy-out);
     a backward block's all-gather is issued once the block after it has been gathered and its
     copy-out run; the compute stream waits for the reduce-scatter two blocks back
     (``reduce_scatter_max_input_buffers`` = 1); ``finalize_backward`` waits for every reduction."""
-    c, d = lanes.cluster, work.dims
+    c, work = lanes.cluster, layer_.work
+    d = work.dims
     n, s = c.world_size, c.per_node
     hsdp = method == "hsdp"
     shard = Ring(s) if hsdp else Ring(n)
@@ -223,11 +267,12 @@ def _fsdp(lanes: _Lanes, method: str, work: Workload, acc: int, host: bool) -> N
     for m in range(acc):
         sync = method == "fsdp-mm" or m == acc - 1
         comp: list[int] = []
-        units = [("embed", root, work.embed() / 3)] + [(f"F{i}", layer, work.layer_forward()) for i in range(d.layers)]
-        for k, (name, numel, seconds) in enumerate(units):
+        for k, (name, numel) in enumerate([("embed", root)] + [(f"F{i}", layer) for i in range(d.layers)]):
             ag = lanes.collective("all-gather", shard, numel * d.dtype_bytes,
                                   [*start, *(comp[k - 3:k - 2] if k >= 3 else [])], f"all-gather {name} m{m}")
-            comp.append(lanes.add("compute", f"{name} m{m}", [*(comp[-1:] or start), *ag], seconds=seconds))
+            deps = [*(comp[-1:] or start), *ag]
+            comp += layer_.forward(lanes, f"{name} m{m}", deps) if k else \
+                [lanes.add("compute", f"{name} m{m}", deps, seconds=work.embed() / 3)]
         before = comp[-1:]  # the compute stream's position: what a copy-out, hence an all-gather, waits for
         comp.append(lanes.add("compute", f"head m{m}", before, seconds=work.head()))
         gathered = {d.layers - 1: lanes.collective("all-gather", back, layer * d.dtype_bytes, before,
@@ -237,8 +282,7 @@ def _fsdp(lanes: _Lanes, method: str, work: Workload, acc: int, host: bool) -> N
             if i > 0:  # pre_backward(i) prefetches block i − 1 after block i's copy-out
                 gathered[i - 1] = lanes.collective("all-gather", back, layer * d.dtype_bytes, before + waited,
                                                    f"all-gather B{i - 1} m{m}")
-            task = lanes.add("compute", f"B{i} m{m}", [*before, *waited, *gathered.pop(i)],
-                             seconds=work.layer_backward())
+            task = layer_.backward(lanes, f"B{i} m{m}", [*before, *waited, *gathered.pop(i)])
             before, waited = [task], scattered  # post_backward(i) waits for block i + 1's reduce-scatter
             if sync:
                 scattered = reduce(f"B{i} m{m}", layer, [task])[0]
@@ -248,6 +292,13 @@ def _fsdp(lanes: _Lanes, method: str, work: Workload, acc: int, host: bool) -> N
 
 
 # ------------------------------------------------------------------------------------------ 1F1B
+
+
+def _stage_ends(dims: ModelDims, stages: int, stage: int) -> int:
+    """Parameters of ``stage`` besides its layers: the embedding on the first, the head (its own
+    copy of a tied embedding) and the final norm on the last."""
+    table = dims.vocab * dims.hidden
+    return (table if stage == 0 else 0) + (table + dims.hidden if stage == stages - 1 else 0)
 
 
 def _stage_layers(layers: int, stages: int, stage: int) -> int:
@@ -293,7 +344,7 @@ def _one_f_one_b(cluster: Cluster, work: Workload, acc: int, stages: int, host: 
     sim_nodes = max(1, stages // s)  # one pipeline, or the one node that holds several
     for p in range(stages):
         end = _stage_program(graph, work, p, stages, micro, fwd, bwd)
-        numel = _stage_layers(d.layers, stages, p) * d.layer_numel + (d.replicated_numel if p in (0, stages - 1) else 0)
+        numel = _stage_layers(d.layers, stages, p) * d.layer_numel + _stage_ends(d, stages, p)
         lanes = _Lanes(graph, cluster, range(p, sim_nodes * s, stages), serial=False, rank=p)
         done = end + lanes.collective("all-reduce", Ring(copies, stages), numel * d.grad_bytes, end, f"grads {p}")
         graph.add(f"step {p}", done, seconds=work.step(numel), rank=p)
@@ -358,13 +409,13 @@ def _stage_program(graph: Graph, work: Workload, p: int, stages: int, micro: int
 
 
 def peer_memory(method: str, dims: ModelDims, cluster: Cluster, acc: int, recompute: bool, *,
-                stages: int | None = None) -> MemoryEstimate:
+                stages: int | None = None, offload: bool = False, chunked_loss: bool = False) -> MemoryEstimate:
     """The busiest rank's memory under ``method``, in the fields of ``cost.memory``:
 
     - persistent: 16 B per own decoder parameter (float32 weight and gradient, two AdamW moments),
       all of them (DDP), 1/N (FSDP), 1/s (HSDP) or the stage's (1F1B);
     - replicated: the same 16 B for the embedding, head and final norm, sharded alike (1F1B: the
-      first stage holds the embedding, the last the head, each about E);
+      first stage holds the embedding, the last the head and the final norm);
     - staging: DDP's bucket copy of every gradient; FSDP's root and up to three blocks unsharded
       (one computing, two gathered ahead), the unsharded gradients (all of them while they
       accumulate over micro-batches, else the root's and two blocks'), and for ``fsdp-node`` the
@@ -372,15 +423,19 @@ def peer_memory(method: str, dims: ModelDims, cluster: Cluster, acc: int, recomp
       the stage's gradient buckets;
     - activations: with ``recompute`` each layer's input plus one layer's working set, else every
       layer's working set (``working_set_bytes``), for one micro-batch (data parallel) or the
-      micro-batches a stage holds (min(M, P − p) on stage p); plus the head's float32 logits,
-      their log-softmax and gradient where the head runs.
+      micro-batches a stage holds (min(M, P − p) on stage p); plus what the head and loss hold
+      where the head runs (``cost.memory.loss_bytes``: the whole float32 logits, or with
+      ``chunked_loss`` one slice of them). With ``offload`` (``save_on_cpu``) what the layers save
+      is on the host (``host``) but for the one layer's brought back.
     """
     if method not in PEERS:
         raise ValueError(f"unknown peer {method!r}; expected one of {', '.join(PEERS)}")
+    if offload and method not in OFFLOADING:
+        raise ValueError(f"activation offload is modelled for {', '.join(OFFLOADING)}, not {method}")
     n, s, g = cluster.world_size, cluster.per_node, cluster.nodes
     psi, e, layer = dims.decoder_numel, dims.replicated_numel, dims.layer_numel
     act = dims.activation_numel * dims.dtype_bytes
-    logits = logits_bytes(dims)
+    loss = loss_bytes(dims, chunked=chunked_loss)
 
     def held(layers: int, micro_batches: int) -> float:
         if recompute:
@@ -394,20 +449,26 @@ def peer_memory(method: str, dims: ModelDims, cluster: Cluster, acc: int, recomp
         out = []
         for p in range(p_count):
             layers = _stage_layers(dims.layers, p_count, p)
-            ends = e if p in (0, p_count - 1) else 0
+            ends = _stage_ends(dims, p_count, p)
             out.append(MemoryEstimate(
                 persistent=16 * layers * layer,
                 staging=(layers * layer + ends) * dims.grad_bytes if copies > 1 else 0.0,
                 replicated=16 * ends,
-                activations=held(layers, min(micro, p_count - p)) + (logits if p == p_count - 1 else 0)))
+                activations=held(layers, min(micro, p_count - p)) + (loss if p == p_count - 1 else 0)))
         return max(out, key=lambda m: m.total)
-    activations = held(dims.layers, 1) + logits
+    on_host = 0.0
+    if offload:
+        saved = act if recompute else working_set_bytes(dims, 1)
+        activations, on_host = working_set_bytes(dims, 1) + (saved if recompute else 0.0), dims.layers * saved
+    else:
+        activations = held(dims.layers, 1)
+    activations += loss
     if method == "ddp":
         return MemoryEstimate(persistent=16 * psi, staging=(psi + e) * dims.grad_bytes, replicated=16 * e,
-                              activations=activations)
+                              activations=activations, host=on_host)
     shards = s if method == "hsdp" else n
     unsharded = (e + 3 * layer) * dims.dtype_bytes
     grads = (psi + e if acc > 1 and method != "fsdp-mm" else e + 2 * layer) * dims.grad_bytes
     node_shards = psi * dims.dtype_bytes / s if method == "fsdp-node" and g > 1 else 0.0
     return MemoryEstimate(persistent=16 * psi / shards, staging=unsharded + grads + node_shards,
-                          replicated=16 * e / shards, activations=activations)
+                          replicated=16 * e / shards, activations=activations, host=on_host)

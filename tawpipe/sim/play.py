@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..cost.memory import AUTO, MARGIN, MemoryEstimate, auto_plan
+from ..cost.memory import AUTO, MARGIN, MemoryEstimate, Savers, auto_plan
 from ..cost.traffic import chain_hops, ring_next
 from ..plan.actions import OPS, Action, Channel, Hazards, Op, batches, describe
 from ..plan.plan import Plan
@@ -39,9 +39,10 @@ class _Message:
     action: Action | None = None  # the send's, or the root's / first member's of a collective
 
 
-def plan_graph(plan: Plan, cluster: Cluster, work: Workload, *, host: bool) -> tuple[Graph, Fabric]:
-    """The graph of one iteration of ``plan`` (built with real byte sizes) and the fabric to play
-    it on: replica 0's ranks on ``cluster``'s links."""
+def plan_graph(plan: Plan, cluster: Cluster, work: Workload, *, host: bool,
+               savers: Savers = Savers()) -> tuple[Graph, Fabric]:
+    """The graph of one iteration of ``plan`` (built with real byte sizes) run with the memory
+    ``savers``, and the fabric to play it on: replica 0's ranks on ``cluster``'s links."""
     topo = plan.topology
     if (topo.nodes, topo.per_node) != (cluster.nodes, cluster.per_node):
         raise ValueError(f"the plan is for {topo.nodes} x {topo.per_node}, the cluster is "
@@ -49,7 +50,7 @@ def plan_graph(plan: Plan, cluster: Cluster, work: Workload, *, host: bool) -> t
     g = Graph()
     messages: dict[tuple, _Message] = {}
     for r in range(plan.replica_size):
-        _rank(g, plan, r, work, host, messages)
+        _rank(g, plan, r, _Device(work, savers, cluster.host.adamw_bandwidth / cluster.per_node), host, messages)
     for key, m in messages.items():
         if m.action is None or len(m.posts) < (2 if key[0] == "p2p" else 1):
             raise ValueError(f"{key}: a message without both sides in the plan")
@@ -68,12 +69,16 @@ def plan_graph(plan: Plan, cluster: Cluster, work: Workload, *, host: bool) -> t
     return g, cluster.fabric(fold, host=host)
 
 
-def compute_seconds(plan: Plan, a: Action, work: Workload) -> float:
-    """What ``a`` costs its rank's device (0 for a transfer)."""
+def compute_seconds(plan: Plan, a: Action, work: Workload, savers: Savers = Savers()) -> float:
+    """What ``a`` costs its rank's device under ``savers`` (0 for a transfer, and for the state's
+    updates that the host runs with ``offload_state``)."""
     d = work.dims
     if a.op in (Op.F, Op.B):
         start, stop = plan.chunk_layers[a.chunk]
-        t = (stop - start) * (work.layer_forward() if a.op is Op.F else work.layer_backward())
+        if a.op is Op.F:
+            t = (stop - start) * work.layer_forward()
+        else:
+            t = (stop - start) * work.layer_backward(forwards=savers.forwards_in_backward)
         if a.op is Op.F and a.chunk == plan.model_order[-1]:
             t += work.head()  # the head's forward and backward run with the last chunk's forward
         if a.op is Op.B and a.chunk == plan.model_order[0]:
@@ -81,18 +86,84 @@ def compute_seconds(plan: Plan, a: Action, work: Workload) -> float:
         return t
     if a.op is Op.LOAD_W:  # a cast of the float32 master into the compute dtype
         return work.copy(plan.chunk_numel(a.chunk) * (4 + d.dtype_bytes))
-    if a.op is Op.ACC_G:  # float32 += a received gradient
-        return work.copy(plan.chunk_numel(a.chunk) * (8 + d.grad_bytes))
-    if a.op is Op.STEP:
-        return work.step(plan.chunk_numel(plan.own_chunk(a.rank)) + d.replicated_numel)
+    if a.op is Op.ACC_G:  # float32 += a received gradient (on the host with offloaded state)
+        return 0.0 if savers.offload_state else work.copy(plan.chunk_numel(a.chunk) * (8 + d.grad_bytes))
+    if a.op is Op.STEP:  # the replicated parameters always, the own chunk's where its state is
+        own = 0 if savers.offload_state else plan.chunk_numel(plan.own_chunk(a.rank))
+        return work.step(own + d.replicated_numel)
     return 0.0
 
 
-def _rank(g: Graph, plan: Plan, r: int, work: Workload, host: bool, messages: dict[tuple, _Message]) -> None:
+@dataclass(frozen=True)
+class _Device:
+    """What a rank's units cost: ``work`` under ``savers``, the host stepping at ``host_bandwidth``."""
+
+    work: Workload
+    savers: Savers
+    host_bandwidth: float
+
+
+class _HostCopies:
+    """The memory savers' copies over one rank's PCIe link, as the engine issues them (design
+    §6.2): each forward's kept inputs stored on a store stream after it; each backward's fetched
+    on a fetch stream, at most two ahead (the one before it must have run); with offloaded state,
+    each LOAD_W reads the float32 master before its cast, each ACC_G sends the gradient to the
+    host, which adds it, and the host steps the own chunk."""
+
+    def __init__(self, g: Graph, plan: Plan, r: int, device: _Device) -> None:
+        self.g, self.plan, self.r, self.savers = g, plan, r, device.savers
+        d = device.work.dims
+        self.input_bytes = d.activation_numel * d.dtype_bytes
+        self.own = plan.chunk_numel(plan.own_chunk(r))
+        self.grad_bytes, self.host_bandwidth, self.work = d.grad_bytes, device.host_bandwidth, device.work
+        self.stored: dict[tuple, int] = {}
+        self.lanes: dict[str, int] = {}
+        self.backwards: list[int] = []
+
+    def _copy(self, lane: str, label: str, nbytes: float, direction: str, deps: list[int]) -> int:
+        before = [self.lanes[lane]] if lane in self.lanes else []
+        t = self.g.add(label, [*deps, *before], flows=[Flow(self.r, self.r, nbytes, pcie=direction)], rank=self.r,
+                       lane=lane)
+        self.lanes[lane] = t
+        return t
+
+    def after(self, a: Action, done: int) -> None:
+        """Copies that follow unit ``done`` of ``a``."""
+        if a.op is Op.F and self.savers.offload_activations:
+            start, stop = self.plan.chunk_layers[a.chunk]
+            nbytes = self.savers.kept_per_forward(stop - start) * self.input_bytes
+            self.stored[(a.chunk, a.mb)] = self._copy("store", f"store F{a.chunk} m{a.mb}", nbytes, "d2h", [done])
+        elif a.op is Op.B:
+            self.backwards.append(done)
+
+    def before(self, a: Action, deps: list[int]) -> list[int]:
+        """What ``a``'s unit also waits for: its host copies, added now."""
+        if a.op is Op.B and self.savers.offload_activations:
+            start, stop = self.plan.chunk_layers[a.chunk]
+            nbytes = self.savers.kept_per_forward(stop - start) * self.input_bytes
+            freed = self.backwards[-2:-1]  # two fetch buffers: the backward two before frees one
+            return [self._copy("fetch", f"fetch B{a.chunk} m{a.mb}", nbytes, "h2d",
+                               [self.stored[(a.chunk, a.mb)], *freed])]
+        if not self.savers.offload_state:
+            return []
+        if a.op is Op.LOAD_W:
+            return [self._copy("state", "load master", 4 * self.own, "h2d", deps)]
+        if a.op is Op.ACC_G:
+            sent = self._copy("state", "gradient to host", self.grad_bytes * self.own, "d2h", deps)
+            return [self.g.add("host accumulate", [sent], seconds=self.own * (8 + self.grad_bytes) / self.host_bandwidth,
+                               rank=self.r, lane="host")]
+        if a.op is Op.STEP:
+            return [self.g.add("host AdamW", deps, seconds=self.work.host_step(self.own, self.host_bandwidth),
+                               rank=self.r, lane="host")]
+        return []
+
+
+def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: dict[tuple, _Message]) -> None:
     hazards: Hazards[int] = Hazards()
     last_compute: int | None = None
     queue_last: dict[Channel, int] = {}
     collectives: Counter = Counter()
+    copies = _HostCopies(g, plan, r, device)
     for unit in batches(plan.actions[r]):
         rw = [(plan.reads(a), plan.writes(a)) for a in unit]
         deps = [d for reads, writes in rw for d in hazards.deps(reads, writes)]
@@ -100,8 +171,9 @@ def _rank(g: Graph, plan: Plan, r: int, work: Workload, host: bool, messages: di
         channel = spec.channel
         if channel is Channel.COMPUTE:
             deps += [last_compute] if last_compute is not None else []
-            done = last_compute = g.add(describe(unit[0]), deps, seconds=compute_seconds(plan, unit[0], work),
-                                        rank=r)
+            deps += copies.before(unit[0], deps)
+            done = last_compute = g.add(describe(unit[0]), deps,
+                                        seconds=compute_seconds(plan, unit[0], device.work, device.savers), rank=r)
         else:
             if host and last_compute is not None:
                 deps.append(last_compute)  # the calling thread gets here after the compute before it
@@ -109,8 +181,9 @@ def _rank(g: Graph, plan: Plan, r: int, work: Workload, host: bool, messages: di
             if not floating and channel in queue_last:
                 deps.append(queue_last[channel])
             if spec.transfer is None:
-                done = g.add(describe(unit[0]), deps, seconds=compute_seconds(plan, unit[0], work), rank=r,
-                             lane=str(channel))
+                deps += copies.before(unit[0], deps)
+                done = g.add(describe(unit[0]), deps, seconds=compute_seconds(plan, unit[0], device.work, device.savers),
+                             rank=r, lane=str(channel))
             else:
                 post = g.add("", deps)
                 done = g.add("", [])
@@ -127,6 +200,7 @@ def _rank(g: Graph, plan: Plan, r: int, work: Workload, host: bool, messages: di
                     if OPS[a.op].transfer == "send" or (not spec.is_p2p and (m.action is None or a.rank == a.root)):
                         m.action = a
             queue_last[channel] = done
+        copies.after(unit[0], done)
         for reads, writes in rw:
             hazards.record(done, reads, writes)
 

@@ -8,7 +8,8 @@ tokens, on a model of ``ModelDims``:
   elements forward and twice that backward (Korthikanti et al.'s count);
 - causal attention: Q·Kᵀ and the weighted sum of V, 2·2·B·S²·H FLOPs halved by the mask, 2.5 times
   that backward (FlashAttention's backward recomputes the scores);
-- with recompute, a backward runs its forward again first;
+- with recompute, a backward runs its forward again first (twice under TawPipe's layer-wise
+  recompute, ``Savers.forwards_in_backward``);
 - the head: 2·T·H·V FLOPs forward, twice that backward, plus the float32 logits' softmax;
 - AdamW: 32 bytes of memory traffic per float32 parameter (read weight, gradient and two moments,
   write three of them); a cast or an accumulation: the bytes it reads and writes.
@@ -61,13 +62,15 @@ class Workload:
         return micro_batches * (self.linear_flops() / dev.matmul_flops
                                 + self.attention_flops() / dev.attention_flops + elementwise)
 
-    def layer_backward(self, micro_batches: int = 1) -> float:
-        """The backward of one layer, with its forward again when ``recompute``."""
+    def layer_backward(self, micro_batches: int = 1, *, forwards: int | None = None) -> float:
+        """The backward of one layer, with ``forwards`` forwards of it again first (default: one
+        when ``recompute``; ``cost.memory.Savers.forwards_in_backward`` for TawPipe's savers)."""
         dev, d = self.device, self.dims
         elementwise = 2 * ELEMENTWISE * self.tokens * d.hidden * d.dtype_bytes / dev.memory_bandwidth
         back = micro_batches * (2 * self.linear_flops() / dev.matmul_flops
                                 + 2.5 * self.attention_flops() / dev.attention_flops + elementwise)
-        return back + (self.layer_forward(micro_batches) if self.recompute else 0.0)
+        again = int(self.recompute) if forwards is None else forwards
+        return back + again * self.layer_forward(micro_batches)
 
     def head(self, micro_batches: int = 1) -> float:
         """The head and loss, forward and backward (float32 logits, softmax, their gradient)."""
@@ -82,6 +85,10 @@ class Workload:
     def step(self, params: float) -> float:
         """AdamW on ``params`` float32 parameters."""
         return params * ADAMW_BYTES / self.device.memory_bandwidth
+
+    def host_step(self, params: float, bandwidth: float) -> float:
+        """AdamW on ``params`` float32 parameters on a host that gives it ``bandwidth`` bytes/s."""
+        return params * ADAMW_BYTES / bandwidth
 
     def copy(self, nbytes: float) -> float:
         """A local cast, copy or accumulation that reads and writes ``nbytes`` in all."""

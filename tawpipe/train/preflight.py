@@ -151,7 +151,7 @@ def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], e
     sizes = _rank_sizes(cfg, blocks, embed, head, shape)
     gpu = under_torchrun() and torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
-    batch = {k: sizes[k] for k in ("seq", "micro_batch", "hidden", "heads", "vocab")}
+    batch = {k: sizes[k] for k in ("seq", "micro_batch", "hidden", "heads", "vocab", "chunked_loss")}
     savers = savers_to_weigh(cfg.recompute, cfg.offload_state, cfg.offload_activations,
                              host_is_device=device.type == "cpu")
     plan, chosen, why = engine_plan(
@@ -188,7 +188,7 @@ def _rank_sizes(cfg: TrainConfig, blocks: list[torch.nn.Module], embed: torch.nn
                 weight_bytes=weight_bytes, grad_bytes=grad_bytes,
                 scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0, seq=shape.seq,
                 micro_batch=shape.micro_batch, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
-                savers=Savers(cfg.recompute, cfg.offload_state, cfg.offload_activations))
+                chunked_loss=cfg.loss == "chunked", savers=Savers(cfg.recompute, cfg.offload_state, cfg.offload_activations))
 
 
 def _chunk_numel(plan: Plan, blocks: list[torch.nn.Module]) -> list[int]:

@@ -16,7 +16,7 @@ from ...models.parts import ModelParts
 from ...models.llama import block_forward, llama_loss
 from ...plan.schedule import RESIDENT
 from ...plan.topology import Topology
-from ...simulate import shape_dims
+from ...simulate.inputs import shape_dims
 from .. import baselines
 from ..baselines import RunConfig
 

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ...cost.traffic import crossover_tokens
-from ...simulate import shape_dims
+from ...simulate.inputs import shape_dims
 from ..baselines import RunConfig
 from .runs import UPDATE_TOL
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ...cluster import Cluster, ClusterError, ClusterSpec, LinkBytes
 from ...sim.calibrate import median_device, on_rank
-from ...simulate import shape_dims
+from ...simulate.inputs import shape_dims
 from .. import baselines
 from ..baselines import RunConfig
 from .method import Method, engine_rank, predicted_busiest

@@ -17,22 +17,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import re
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cluster import shaper_burst
-from .commands import UsageError
-from .models.shape import ModelDims
-from .plan.schedule import RESIDENT, prefetch_depth_arg
-from .sim import compare
-from .models.presets import PRESETS
-from .sim.hardware import DEVICES, LINKS, Cluster, Device, Link, device, link
-from .sim.workload import Workload, model
+from ..commands import UsageError
+from ..models.presets import PRESETS
+from ..models.shape import ModelDims
+from ..plan.schedule import RESIDENT, prefetch_depth_arg
+from ..cost.memory import Savers, savers_ladder
+from ..sim import compare
+from ..sim.peers import OFFLOADING
+from ..sim.hardware import DEVICES, LINKS, Cluster, Device
+from ..sim.workload import Workload, model
+from .inputs import EMULATED_EFFICIENCY, link_arg, load_device, model_arg, writable
 
 DESCRIPTION = (
     "Predict one training iteration of TawPipe and its peers (DDP, FSDP2, HSDP, 1F1B, WeiPipe) on a "
@@ -46,8 +45,6 @@ DESCRIPTION = (
 )
 
 GiB = 2**30
-EMULATED_EFFICIENCY = 0.994  # payload per byte the shaper meters (GSO packets: ~0.5% headers, measured)
-LOOPBACK = "8gbit@50"  # inside an emulated node: loopback TCP between two rank processes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,8 +71,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--micro-batches", type=int, default=2, help="micro-batches per device per iteration")
     m.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight and activation (2: bf16/fp16)")
     m.add_argument("--grad-bytes", type=int, default=2, help="bytes per gradient on the wire")
-    m.add_argument("--recompute", choices=("chunk", "none"), default="chunk",
-                   help="chunk: run each layer's forward again in backward; none: keep its activations")
+    m.add_argument("--recompute", choices=("chunk", "block", "layer", "none"), default="chunk",
+                   help="TawPipe's (design §6.2): chunk, from each chunk's input; block, from each layer's input "
+                        "(the peers checkpoint every block with any of these); layer, a layer at a time after the "
+                        "chunk again; none: keep every activation")
+    m.add_argument("--offload-activations", action="store_true",
+                   help="what the forwards keep goes to host memory: TawPipe's beside compute, DDP's, FSDP2's and "
+                        "HSDP's through torch's save_on_cpu, in line with it")
+    m.add_argument("--offload-state", action="store_true",
+                   help="TawPipe's own chunk's weights, gradients and AdamW state in host memory, stepped there")
+    m.add_argument("--loss", choices=("plain", "chunked"), default="chunked",
+                   help="every method's head and loss: chunked, a slice of tokens at a time (the default); plain, "
+                        "the whole float32 logits")
     t = p.add_argument_group("methods")
     t.add_argument("--methods", nargs="+", choices=compare.methods(), default=list(compare.methods()),
                    metavar="METHOD", help=f"the methods to play, of {', '.join(compare.methods())} (default: all)")
@@ -117,14 +124,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     _check(args)
     if args.map:
-        from .sim.atlas import main_map  # matplotlib, only here
+        from ..sim.atlas import main_map  # matplotlib, only here
 
         return main_map(args.map)
     if args.paper:
         return _paper(args)
     if args.validate:
-        return _validate(args)
-    dims = _model(args)
+        from .validate import validate  # calibrates with torch where the results do not say
+
+        return validate(args)
+    dims = model_arg(args)
     if args.calibrate:
         return _calibrate(args, dims)
     return _simulate(args, dims)
@@ -159,7 +168,7 @@ def _check(args: argparse.Namespace) -> None:
     for flag, directory in (("--timeline", False), ("--calibrate", False), ("--paper", True), ("--map", True),
                             ("--out", True)):
         if getattr(args, flag[2:]):
-            _writable(getattr(args, flag[2:]), flag, directory=directory)
+            writable(getattr(args, flag[2:]), flag, directory=directory)
 
 
 def _check_tawpipe(args: argparse.Namespace) -> None:
@@ -181,126 +190,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _writable(path: Path, flag: str, *, directory: bool) -> None:
-    """UsageError unless ``path`` can be written (``directory``: made, then filled), found by
-    creating a scratch file where it would go."""
-    if directory and path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {path}: is a file; it needs a directory")
-    if not directory and path.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory; name a file")
-    where = path
-    if directory:
-        while not where.exists():  # made with its parents: the deepest one there must take it
-            where = where.parent
-    else:
-        where = path.parent
-    if not where.is_dir():
-        raise UsageError(f"{flag} {path}: {where} {'is not a directory' if where.exists() else 'does not exist'}")
-    try:
-        with tempfile.TemporaryFile(dir=where):
-            pass
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write in {where} ({e.strerror})") from None
-
-
-def _model(args: argparse.Namespace) -> ModelDims:
-    try:
-        return model(args.model, seq=args.seq_len, micro_batch=args.micro_batch_size, dtype_bytes=args.dtype_bytes,
-                     grad_bytes=args.grad_bytes)
-    except ValueError as e:  # the model registry's errors name --model themselves
-        raise UsageError(str(e) if "--model" in str(e) else f"--model: {e}") from None
-
-
-def _link(flag: str, spec: str) -> Link:
-    try:
-        return link(spec)
-    except ValueError as e:
-        raise UsageError(f"{flag}: {e}") from None
-
-
-def _read_json(path: Path, flag: str) -> Any:
-    """The JSON in ``path``, or a UsageError naming the flag, the file and what is wrong with it."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UsageError(f"{flag} {path}: no such file") from None
-    except IsADirectoryError:
-        raise UsageError(f"{flag} {path}: is a directory; name the JSON file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{flag} {path}: cannot read it as text ({getattr(e, 'strerror', None) or e})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{flag} {path}: not JSON, or cut short ({e.msg} at line {e.lineno}, column {e.colno})"
-                         ) from None
-
-
-_DEVICE_FIELDS = {f.name: f.default is dataclasses.MISSING for f in dataclasses.fields(Device)}  # name: required
-
-
-def _device_from(doc: Any, where: str) -> Device:
-    """The ``Device`` a calibration wrote (``dataclasses.asdict``), or a UsageError naming
-    ``where`` it came from and what is wrong with it."""
-    required = [k for k, needed in _DEVICE_FIELDS.items() if needed]
-    if not isinstance(doc, dict) or not set(required) <= doc.keys():
-        raise UsageError(f"{where}: not a device written by --calibrate (it needs {', '.join(required)})")
-    unknown = sorted(doc.keys() - _DEVICE_FIELDS.keys())
-    if unknown:
-        raise UsageError(f"{where}: not a device written by --calibrate (it has {', '.join(unknown)})")
-    numbers = [k for k, v in doc.items() if k != "name" and v is not None
-               and (isinstance(v, bool) or not isinstance(v, (int, float)))]
-    if numbers or not isinstance(doc["name"], str):
-        raise UsageError(f"{where}: {', '.join(numbers) or 'name'} must be a {'number' if numbers else 'string'}")
-    try:
-        return Device(**doc)
-    except ValueError as e:
-        raise UsageError(f"{where}: {e}") from None
-
-
-def load_device(spec: str, dims: ModelDims) -> Device:
-    """A preset, a device JSON written by ``--calibrate``, or ``cpu[:quota=CORES]``: this
-    machine's CPU measured now at ``dims``' shapes, one thread under that quota (an emulated rank)."""
-    if spec == "cpu" or spec.startswith("cpu:"):
-        quota = _cpu_quota(spec)
-        from .sim.calibrate import calibrate  # needs torch; the rest of the simulator does not
-
-        return calibrate(dims, threads=1, quota=quota)
-    path = Path(spec)
-    if path.suffix == ".json":
-        if not path.exists():
-            raise UsageError(f"--device {spec}: no such file (write one with --calibrate {spec})")
-        return _device_from(_read_json(path, "--device"), f"--device {spec}")
-    try:
-        return device(spec)
-    except ValueError as e:
-        raise UsageError(f"--device: {e}") from None
-
-
-def _cpu_quota(spec: str) -> float | None:
-    """The quota in ``cpu[:quota=CORES]``."""
-    _, _, opt = spec.partition(":")
-    if not opt:
-        return None
-    key, _, value = opt.partition("=")
-    try:
-        quota = float(value) if key == "quota" else 0.0
-    except ValueError:
-        quota = 0.0
-    if not quota > 0:
-        raise UsageError(f"--device {spec}: expected cpu or cpu:quota=CORES, CORES a number above 0 such as 0.5")
-    return quota
-
-
 # ------------------------------------------------------------------------------ the table and the verdict
 
 
 def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
-    intra, inter = _link("--intra", args.intra), _link("--inter", args.inter)
+    intra, inter = link_arg("--intra", args.intra), link_arg("--inter", args.inter)
     dev = load_device(args.device, dims)
     cluster = Cluster(args.nodes, args.per_node, dev, intra, inter, args.rails)
-    work = Workload(dims, dev, recompute=args.recompute == "chunk")
+    work = Workload(dims, dev, recompute=args.recompute != "none")
     rows = [_row(method, cluster, work, args) for method in args.methods]
-    advice = compare.advise(cluster, work, args.micro_batches, host=args.host) if args.advise else []
+    advice = compare.advise(cluster, work, args.micro_batches, host=args.host, chunked_loss=args.loss == "chunked",
+                            ladder=savers_ladder(offload_state=args.offload_state,
+                                                 offload_activations=args.offload_activations)) if args.advise else []
     played = [r for r in rows if isinstance(r, compare.Row)]
     if not played and not advice:
         raise UsageError(f"nothing was simulated: {_reasons(rows, args.advise)}")
@@ -320,7 +221,7 @@ def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
     print(f"{cluster.nodes} x {cluster.per_node} {dev.name}, intra {cluster.intra.name}, inter "
           f"{cluster.inter.name}{' per rail' if cluster.rails else ' per node'}; {args.model}: H={dims.hidden} "
           f"L={dims.layers} S={dims.seq} B={dims.micro_batch}, {args.micro_batches} micro-batches per device, "
-          f"{'recompute' if args.recompute == 'chunk' else 'no recompute'}")
+          f"{_savers(args)}, {args.loss} loss")
     print(table(rows))
     if advice:
         print(f"\nTawPipe settings tried ({len(advice)}), fastest first:")
@@ -336,10 +237,16 @@ def _row(method: str, cluster: Cluster, work: Workload, args: argparse.Namespace
     """``method``'s row with the settings the flags give it, or why it could not be played."""
     settings = {"tawpipe": _settings(args), "tawpipe-paper": {**compare.PAPER, "replicas": args.replicas},
                 "1f1b": {"stages": args.stages} if args.stages else None}.get(method)
+    savers = _savers(args) if method in ("tawpipe", "tawpipe-paper", *OFFLOADING) else None
     try:
-        return compare.run(method, cluster, work, args.micro_batches, host=args.host, settings=settings)
+        return compare.run(method, cluster, work, args.micro_batches, host=args.host, settings=settings,
+                           savers=savers, chunked_loss=args.loss == "chunked")
     except ValueError as e:
         return compare.Refusal(method, str(e))
+
+
+def _savers(args: argparse.Namespace) -> Savers:
+    return Savers(args.recompute, args.offload_state, args.offload_activations)
 
 
 def _reasons(rows: Sequence[compare.Row | compare.Refusal], advise: bool) -> str:
@@ -433,22 +340,22 @@ def _settings(args: argparse.Namespace) -> dict:
 
 def _flags(s: dict) -> str:
     """A row's settings, short, for the table."""
-    if not s:
-        return ""
-    if "stages" in s:
-        return f"{s['stages']} stages"
-    parts = [f"k={s.get('mb_per_fetch', 1)}", f"depth {s.get('prefetch_depth', 1)}"]
-    if s.get("reuse_weights"):
-        parts.append("reuse")
-    if s.get("replicas", 1) > 1:
-        parts.append(f"R={s['replicas']}")
-    return ", ".join(parts)
+    parts = [f"{s['stages']} stages"] if "stages" in s else []
+    if "mb_per_fetch" in s or "replicas" in s:
+        parts += [f"k={s.get('mb_per_fetch', 1)}", f"depth {s.get('prefetch_depth', 1)}"]
+        parts += ["reuse"] * bool(s.get("reuse_weights")) + ([f"R={s['replicas']}"] if s.get("replicas", 1) > 1 else [])
+    parts += [f"recompute {s['recompute']}"] if "recompute" in s else []
+    return ", ".join(parts + ["activations on host"] * bool(s.get("offload_activations"))
+                     + ["state on host"] * bool(s.get("offload_state")))
 
 
 def _setting_flags(s: dict) -> str:
     """TawPipe's settings as the flags that ask for them."""
+    savers = (f" --recompute {s['recompute']}" + " --offload-activations" * s.get("offload_activations", False)
+              + " --offload-state" * s.get("offload_state", False)) if "recompute" in s else ""
     return (f"--replicas {s.get('replicas', 1)} --mb-per-fetch {s.get('mb_per_fetch', 1)} --prefetch-depth "
-            f"{s.get('prefetch_depth', 1)} {'--reuse-weights' if s.get('reuse_weights') else '--no-reuse-weights'}")
+            f"{s.get('prefetch_depth', 1)} {'--reuse-weights' if s.get('reuse_weights') else '--no-reuse-weights'}"
+            f"{savers}")
 
 
 def _describe(c: Cluster) -> dict:
@@ -457,7 +364,7 @@ def _describe(c: Cluster) -> dict:
 
 
 def _calibrate(args: argparse.Namespace, dims: ModelDims) -> int:
-    from .sim.calibrate import calibrate  # needs torch; the rest of the simulator does not
+    from ..sim.calibrate import calibrate  # needs torch; the rest of the simulator does not
 
     if args.calibrate_on == "cuda":
         import torch
@@ -472,190 +379,6 @@ def _calibrate(args: argparse.Namespace, dims: ModelDims) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------ validation
-
-# tawpipe bench cluster's methods, by the simulator's names: its "tawpipe" is the paper's schedule
-# (k = 1, depth 1), "tawpipe-best" k = acc with every chunk resident
-_BENCH_METHODS = {"tawpipe": "tawpipe-paper", "tawpipe-best": "tawpipe",
-                  **{m: m for m in ("weipipe", "fsdp", "fsdp-mm", "fsdp-node", "hsdp", "ddp", "1f1b")}}
-_CONFIG = ("nodes", "per_node", "hidden", "layers", "heads", "vocab", "seq_len", "batch_size", "micro_batches")
-
-
-def shape_dims(config: dict[str, Any]) -> ModelDims:
-    """A `tawpipe bench cluster` shape's model as the simulator counts it: float32, the embedding
-    and the untied head (twice the vocabulary's rows)."""
-    return ModelDims(hidden=config["hidden"], layers=config["layers"], heads=config["heads"],
-                     vocab=2 * config["vocab"], seq=config["seq_len"], micro_batch=config["batch_size"],
-                     dtype_bytes=4, grad_bytes=4)
-
-
-@dataclasses.dataclass
-class _Shape:
-    """One shape of a results file, read and checked before anything is measured."""
-
-    path: Path
-    rate: str
-    config: dict[str, Any]
-    rows: list[dict[str, Any]]
-    dims: ModelDims
-    quota: float
-    threads: int
-    shaped: Link  # the emulated inter-node link
-    recompute: bool
-    device: Device | None  # recorded with the run or cached in --out; None: measured at validation
-    calibrated: str
-
-
-def _validate(args: argparse.Namespace) -> int:
-    """Every measured row of the given results against its simulation on the emulated cluster's
-    model: ranks play the CPU executor (``host``), each with the measured rates of this machine's
-    CPU at the row's shape under the run's quota (and, where the ranks measured it, what their
-    transfers cost them), the shaped link at ``--link-efficiency``."""
-    shapes = [s for path in args.validate for s in _read_results(path, args)]  # every file checked first
-    out, measured = [], {}
-    for s in shapes:
-        # the rates `bench cluster` measured right after the shape's runs, else measured now (once
-        # per shape and quota): a CPU's rate drifts by tens of percent from one day to the next
-        key = (s.dims, s.threads, s.quota)
-        if s.device is None and key not in measured:
-            measured[key] = _measure(s.dims, s.threads, s.quota, args.out)
-        dev = s.device or measured[key]
-        for row in s.rows:
-            base = row["method"].removesuffix("-compute")
-            if row.get("status") != "ok" or base not in _BENCH_METHODS:
-                continue
-            method = _BENCH_METHODS[base]
-            inter = link(LOOPBACK) if row.get("unlimited") else s.shaped
-            cluster = Cluster(s.config["nodes"], s.config["per_node"], dev, link(LOOPBACK), inter)
-            work = Workload(s.dims, dev, recompute=s.recompute if method.startswith(("tawpipe", "weipipe")) else False)
-            try:
-                sim = compare.run(method, cluster, work, s.config["micro_batches"], host=True,
-                                  settings=compare.BEST if method == "tawpipe" else None)  # as tawpipe-best ran
-            except (ValueError, KeyError) as e:
-                print(f"{s.path}: {row['label']}: not simulated ({e})", file=sys.stderr)
-                continue
-            out.append({"results": str(s.path), "cluster": f"{s.config['nodes']}x{s.config['per_node']}",
-                        "seq": s.config["seq_len"], "rate": s.rate, "method": row["method"], "label": row["label"],
-                        "calibrated": s.calibrated, "measured_s": row["time_median_s"], "predicted_s": sim.time_s,
-                        "time_ratio": sim.time_s / row["time_median_s"],
-                        "measured_bytes": row.get("measured_busiest_bytes"), "predicted_bytes": sim.inter_bytes,
-                        "bytes_ratio": (sim.inter_bytes / row["measured_busiest_bytes"]
-                                        if row.get("measured_busiest_bytes") else None)})
-            print(_validation_line(out[-1]), flush=True)
-    md = _validation_markdown(out, args)
-    print(md)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "validation.json").write_text(json.dumps({"rows": out, "link_efficiency": args.link_efficiency,
-                                                              "intra": LOOPBACK}, indent=1))
-        (args.out / "validation.md").write_text(md + "\n")
-    return 0
-
-
-def _read_results(path: Path, args: argparse.Namespace) -> list[_Shape]:
-    """The shapes of one ``tawpipe bench cluster`` results file, or a UsageError naming the file
-    and what it lacks."""
-    where = f"--validate {path}"
-    doc = _read_json(path, "--validate")
-    if not isinstance(doc, dict) or not isinstance(doc.get("shapes"), list) or not isinstance(doc.get("rate"), str):
-        raise UsageError(f"{where}: not the cluster.json of tawpipe bench cluster (it needs 'rate' and 'shapes')")
-    nominal = _link(f"{where}: its rate", doc["rate"])
-    shaped = dataclasses.replace(nominal, latency=100e-6, efficiency=args.link_efficiency,
-                                 burst=shaper_burst(nominal.rate))
-    cpus = doc.get("machine", {}).get("cpus") or os.cpu_count()
-    recompute = doc.get("engine", {}).get("recompute", "none") != "none"
-    shapes = []
-    for i, shape in enumerate(doc["shapes"], 1):
-        at = f"{where}: shape {i}"
-        c, rows = (shape.get("config"), shape.get("rows")) if isinstance(shape, dict) else (None, None)
-        if not isinstance(c, dict) or not isinstance(rows, list) or \
-                not all(isinstance(c.get(k), int) and c[k] >= 1 for k in _CONFIG):
-            raise UsageError(f"{at}: needs 'rows' and a 'config' of whole numbers >= 1: {', '.join(_CONFIG)}")
-        bad = next((r for r in rows if not _measured_row(r)), None)
-        if bad is not None:
-            raise UsageError(f"{at}: a row without a method, or an ok one without a label and a time_median_s > 0: "
-                             f"{json.dumps(bad)[:80]}")
-        quota, threads = _quota(shape.get("compute") or doc.get("compute"), path)
-        # a quota the machine cannot give every rank is what the machine gives (older results
-        # name the first shape's quota only; the default is the machine's cores over the ranks)
-        quota = min(quota, cpus / (c["nodes"] * c["per_node"]))
-        dims = shape_dims(c)
-        recorded = shape.get("calibration")
-        if recorded:
-            dev = _device_from(recorded, f"{at}: its calibration")
-            calibrated = "by the ranks with the run" if recorded.get("transfer_rate") else "with the run"
-        else:
-            cached = _calibration_file(dims, quota, args.out)
-            dev = _device_from(_read_json(cached, "--out"), f"--out {cached}") if cached and cached.is_file() else None
-            calibrated = "at validation"
-        shapes.append(_Shape(path, doc["rate"], c, rows, dims, quota, threads, shaped, recompute, dev, calibrated))
-    return shapes
-
-
-def _measured_row(r: Any) -> bool:
-    """Whether ``r`` is a row ``_validate`` can read: a method, and for a row that ran, its label
-    and median time."""
-    if not isinstance(r, dict) or not isinstance(r.get("method"), str):
-        return False
-    t = r.get("time_median_s")
-    return r.get("status") != "ok" or (isinstance(r.get("label"), str) and isinstance(t, (int, float)) and t > 0)
-
-
-def _calibration_file(dims: ModelDims, quota: float, out: Path | None) -> Path | None:
-    """Where a validation keeps what it measured at ``dims``' shapes under ``quota`` (so a table
-    can be remade on a busy machine): in ``out``, if given."""
-    return out / f"cpu_H{dims.hidden}_S{dims.seq}_B{dims.micro_batch}_q{quota:.3f}.json" if out else None
-
-
-def _measure(dims: ModelDims, threads: int, quota: float, out: Path | None) -> Device:
-    """This machine's CPU at ``dims``' shapes under ``quota``, kept in ``out``."""
-    from .sim.calibrate import calibrate
-
-    dev = calibrate(dims, threads=threads, quota=quota)
-    path = _calibration_file(dims, quota, out)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dataclasses.asdict(dev), indent=1))
-    return dev
-
-
-def _quota(text: str | None, path: Path) -> tuple[float, int]:
-    """(cores, threads) per rank from a results file's description of its compute."""
-    m = re.search(r"([0-9.]+) core\(s\) per rank \(([0-9]+) thread", text if isinstance(text, str) else "")
-    if not m:
-        raise UsageError(f"--validate {path}: not a fixed-compute run (its compute is {text!r}); the simulator models "
-                         f"a device whose compute is its own")
-    try:
-        cores = float(m.group(1))
-    except ValueError:
-        cores = 0.0
-    if not cores > 0 or int(m.group(2)) < 1:
-        raise UsageError(f"--validate {path}: its compute, {text!r}, names no cores or threads per rank")
-    return cores, int(m.group(2))
-
-
-def _validation_line(r: dict) -> str:
-    b = f"{r['bytes_ratio']:.3f}" if r["bytes_ratio"] else "-"
-    return (f"| {r['cluster']} | {r['seq']} | {r['rate']} | {r['label']} | {r['measured_s']:.2f} | "
-            f"{r['predicted_s']:.2f} | {r['time_ratio']:.2f} | {b} |")
-
-
-def _validation_markdown(rows: list[dict], args: argparse.Namespace) -> str:
-    head = ["| cluster | S | link | method | measured s | predicted s | time pred/meas | inter bytes pred/meas |",
-            "|---|---|---|---|---|---|---|---|"]
-    within = [r for r in rows if abs(r["time_ratio"] - 1) <= 0.2]
-    bytes_ok = [r for r in rows if r["bytes_ratio"] is None or abs(r["bytes_ratio"] - 1) <= 0.02]
-    by_ranks = sum(r["calibrated"] == "by the ranks with the run" for r in rows)
-    with_run = sum(r["calibrated"] == "with the run" for r in rows)
-    summary = (f"{len(within)} of {len(rows)} rows within ±20% in time, {len(bytes_ok)} of {len(rows)} within ±2% in "
-               f"inter-node bytes (link efficiency {args.link_efficiency:.3f}, intra-node {LOOPBACK}). CPU rates: "
-               f"{by_ranks} of {len(rows)} rows from the ranks' own calibration `bench cluster` recorded with the run "
-               f"(under their quotas, with what their transfers cost them), {with_run} from one measured outside the "
-               f"cluster with the run, {len(rows) - by_ranks - with_run} measured at validation (outside, no transfer "
-               f"cost).")
-    return "\n".join(head + [_validation_line(r) for r in rows] + ["", summary])
-
-
 # ------------------------------------------------------------------------------ the paper's setup
 
 PAPER_MARGINS = {"weipipe": 0.118, "1f1b": 0.236, "fsdp": 0.441}  # TawPipe's throughput over each, 24 GPUs
@@ -665,7 +388,7 @@ def _paper(args: argparse.Namespace) -> int:
     """The official code's 24-GPU run on the simulator: TawPipe's throughput over WeiPipe, 1F1B
     and FSDP at each S, beside the margins the paper reports (S = 16384). The device is
     ``--device`` (the paper names none; design §9.5 gives the A100-class estimate)."""
-    intra, inter = _link("--intra", args.intra), _link("--inter", args.inter)
+    intra, inter = link_arg("--intra", args.intra), link_arg("--inter", args.inter)
     dev = load_device(args.device, model("paper", seq=16384, micro_batch=2))
     cluster = Cluster(3, 8, dev, intra, inter, args.rails)
     methods = ("tawpipe-paper", "tawpipe", "weipipe", "1f1b", "fsdp", "fsdp-node", "hsdp", "ddp")

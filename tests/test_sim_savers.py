@@ -1,0 +1,202 @@
+"""The simulator plays the memory savers (issue #36, item 4; design §9.3): TawPipe's copies over
+PCIe are the cost model's bytes, which test_memory_savers holds to the engine's; layer-wise
+recompute costs one more forward; the host steps an offloaded state; the peers' save_on_cpu
+copies run in line with compute; what a node offloads must fit its host; and the simulator's
+memory per rank is what the engine allocates on the emulated cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tawpipe import models
+from tawpipe.cost.memory import Savers, host_bytes, loss_bytes, memory_per_rank, working_set_bytes
+from tawpipe.plan.actions import Op
+from tawpipe.plan.topology import Topology
+from tawpipe.sim import compare
+from tawpipe.sim.hardware import Cluster, Host, Link, device, link
+from tawpipe.sim.network import simulate
+from tawpipe.sim.peers import peer_memory
+from tawpipe.sim.play import engine_plan, plan_graph
+from tawpipe.sim.workload import Workload, model
+
+from engine_cases import make_engine
+
+DEV = device("h100")
+DIMS = model("1b", seq=4096, micro_batch=1)
+SETTINGS = {"mb_per_fetch": 2, "prefetch_depth": 1, "reuse_weights": False}
+
+
+def _cluster(nodes: int = 2, per_node: int = 2, pcie: float | None = None, host_memory: float = 2e12) -> Cluster:
+    host = Host(host_memory, Link("pcie", pcie, 5e-6) if pcie else link("pcie"), 160e9)
+    return Cluster(nodes, per_node, DEV, link("nvlink"), link("100gb"), host=host)
+
+
+@pytest.mark.parametrize("savers", [Savers("chunk", offload_activations=True), Savers("block", offload_activations=True),
+                                    Savers("layer", offload_state=True),
+                                    Savers("block", offload_state=True, offload_activations=True)])
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_bytes_over_pcie_are_the_cost_models(savers, k):
+    cluster, work = _cluster(), Workload(DIMS, DEV)
+    plan = engine_plan(cluster, work, 4, **{**SETTINGS, "mb_per_fetch": k})
+    graph, fabric = plan_graph(plan, cluster, work, host=False, savers=savers)
+    ports = simulate(graph, fabric).port_bytes
+    for r in range(plan.replica_size):
+        want = host_bytes(plan, r, own_numel=plan.chunk_numel(plan.own_chunk(r)), grad_bytes=DIMS.grad_bytes,
+                          input_bytes=DIMS.activation_numel * DIMS.dtype_bytes, savers=savers)
+        got = (ports.get(("pcie d2h", r), 0.0), ports.get(("pcie h2d", r), 0.0))
+        assert got == pytest.approx(want, rel=1e-12) and min(got) > 0, (r, got, want)
+
+
+def test_without_offload_nothing_crosses_pcie():
+    cluster, work = _cluster(), Workload(DIMS, DEV)
+    row = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("layer"))
+    assert row.pcie_bytes == 0
+
+
+def test_a_layer_at_a_time_costs_one_more_forward_per_layer():
+    cluster, work = _cluster(), Workload(DIMS, DEV)
+    rows = {r: compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers(r))
+            for r in ("none", "chunk", "block", "layer")}
+    plan = engine_plan(cluster, work, 4, **SETTINGS)
+    layers = sum(plan.chunk_layers[a.chunk][1] - plan.chunk_layers[a.chunk][0] for a in plan.actions[0] if a.op is Op.B)
+    f = work.layer_forward()
+    assert rows["block"].compute_s == pytest.approx(rows["chunk"].compute_s, rel=1e-12)
+    assert rows["layer"].compute_s - rows["chunk"].compute_s == pytest.approx(layers * f, rel=1e-9)
+    assert rows["chunk"].compute_s - rows["none"].compute_s == pytest.approx(layers * f, rel=1e-9)
+    assert rows["none"].time_s < rows["chunk"].time_s < rows["layer"].time_s
+
+
+def test_activation_offload_hides_behind_compute_unless_pcie_is_slow():
+    work = Workload(DIMS, DEV)
+    plain = compare.run("tawpipe", _cluster(), work, 4, settings=SETTINGS, savers=Savers("block"))
+    fast = compare.run("tawpipe", _cluster(), work, 4, settings=SETTINGS,
+                       savers=Savers("block", offload_activations=True))
+    slow_link = 1e9
+    slow = compare.run("tawpipe", _cluster(pcie=slow_link), work, 4, settings=SETTINGS,
+                       savers=Savers("block", offload_activations=True))
+    assert fast.time_s <= plain.time_s * 1.02 and fast.pcie_bytes > 0
+    assert slow.time_s > plain.time_s * 1.2
+    assert slow.time_s >= slow.pcie_bytes / 2 / slow_link  # one direction's bytes at the link's rate, at least
+    assert fast.memory.activations < plain.memory.activations and fast.memory.host > 0
+
+
+def test_the_host_steps_an_offloaded_state():
+    cluster, work = _cluster(), Workload(DIMS, DEV)
+    on_device = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk"))
+    on_host = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk", offload_state=True))
+    plan = engine_plan(cluster, work, 4, **SETTINGS)
+    own = plan.chunk_numel(plan.own_chunk(0))
+    steps = [(t, s, e) for t, s, e in zip(on_host.result.graph.tasks, on_host.result.start, on_host.result.end)
+             if t.label == "host AdamW" and t.rank == 0]
+    assert len(steps) == 1 and steps[0][0].seconds == pytest.approx(own * 32 / (160e9 / cluster.per_node))
+    assert on_host.compute_s < on_device.compute_s  # the device no longer steps or accumulates the own chunk
+    assert on_host.memory.persistent == 0 and on_host.memory.host == 16 * own
+    assert on_host.time_s >= steps[0][2]
+
+
+def test_save_on_cpu_copies_run_in_line_with_compute():
+    cluster, work, acc = _cluster(1, 1), Workload(DIMS, DEV), 2
+    plain = compare.run("ddp", cluster, work, acc)
+    offload = compare.run("ddp", cluster, work, acc, savers=Savers(offload_activations=True))
+    saved = DIMS.activation_numel * DIMS.dtype_bytes  # a checkpointed block's input
+    copies = acc * DIMS.layers * 2 * saved / link("pcie").bandwidth
+    assert offload.time_s - plain.time_s == pytest.approx(copies, rel=1e-9)
+    assert offload.pcie_bytes == pytest.approx(acc * DIMS.layers * 2 * saved)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_save_on_cpu_keeps_what_the_layers_save_on_the_host(recompute):
+    cluster = _cluster()
+    plain = peer_memory("fsdp", DIMS, cluster, 4, recompute)
+    offload = peer_memory("fsdp", DIMS, cluster, 4, recompute, offload=True)
+    saved = DIMS.activation_numel * DIMS.dtype_bytes if recompute else working_set_bytes(DIMS, 1)
+    assert offload.host == DIMS.layers * saved
+    kept = working_set_bytes(DIMS, 1) + (saved if recompute else 0)
+    assert offload.activations == pytest.approx(kept + loss_bytes(DIMS, chunked=False))
+    assert plain.activations - offload.activations == pytest.approx(
+        (DIMS.layers - 1) * saved if recompute else (DIMS.layers - 1) * working_set_bytes(DIMS, 1))
+    with pytest.raises(ValueError, match="activation offload is modelled for ddp"):
+        peer_memory("1f1b", DIMS, cluster, 4, recompute, offload=True, stages=4)
+
+
+def test_what_a_node_offloads_must_fit_its_host():
+    work = Workload(DIMS, DEV)
+    savers = Savers("chunk", offload_state=True, offload_activations=True)
+    roomy = compare.run("tawpipe", _cluster(), work, 4, settings=SETTINGS, savers=savers)
+    need = roomy.memory.host * 2  # two ranks per node
+    assert roomy.fits
+    cramped = compare.run("tawpipe", _cluster(host_memory=need * 0.99), work, 4, settings=SETTINGS, savers=savers)
+    assert not cramped.fits and cramped.memory.total == roomy.memory.total
+    assert compare.run("tawpipe", _cluster(host_memory=need), work, 4, settings=SETTINGS, savers=savers).fits
+
+
+def test_the_chunked_loss_holds_a_slice_of_the_logits():
+    long = dataclasses.replace(DIMS, seq=131072)
+    assert loss_bytes(long, chunked=False) == 3 * 131072 * long.vocab * 4  # 200 GB: nothing fits with it
+    assert loss_bytes(long, chunked=True) < loss_bytes(long, chunked=False) / 40
+    work, cluster = Workload(DIMS, DEV), _cluster()
+    for method in ("tawpipe", "ddp", "hsdp"):
+        plain = compare.run(method, cluster, work, 4, settings=SETTINGS if method == "tawpipe" else None)
+        chunked = compare.run(method, cluster, work, 4, settings=SETTINGS if method == "tawpipe" else None,
+                              chunked_loss=True)
+        assert plain.memory.total - chunked.memory.total == pytest.approx(
+            loss_bytes(DIMS, chunked=False) - loss_bytes(DIMS, chunked=True)), method
+
+
+# ------------------------------------------------------------------ against the engine's accounting
+
+
+def _accounting(rank: int, case: dict) -> dict:
+    """One step of the built-in micro model on 2 x 2 with ``case``'s options: what the engine
+    allocated, and what the simulator's estimate (``memory_per_rank``) says for its plan."""
+    world = torch.distributed.get_world_size()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case["dtype"]]
+    parts = models.load("micro", seed=0, compute_dtype=dtype)
+    options = dict(case["options"])
+    engine = make_engine(parts, topology=Topology(2, world // 2), micro_batches=2, compute_dtype=dtype, **options)
+    torch.manual_seed(rank)
+    x = torch.randint(0, 256, (2, 16))
+    engine.step((x, x.roll(-1, 1)))
+    report = engine.memory_report()
+    savers = Savers(**{k: v for k, v in options.items() if k in ("recompute", "offload_state")})
+    dims = models.dims("micro", seq=16, micro_batch=1, dtype_bytes=dtype.itemsize, grad_bytes=4)
+    sim = memory_per_rank(engine.plan, dims, savers)
+    engine.close()
+    return {"persistent": report.persistent, "staging": sum(report.staging.values()), "replicated": report.replicated,
+            "offloaded": report.offloaded, "sim": dataclasses.asdict(sim), "state": 16 * report.decoder_params / world}
+
+
+@pytest.mark.parametrize("case", [dict(dtype="float32", options={}),
+                                  dict(dtype="bfloat16", options=dict(recompute="layer")),
+                                  dict(dtype="bfloat16", options=dict(recompute="chunk")),
+                                  dict(dtype="float32", options=dict(offload_state=True, mb_per_fetch=2,
+                                                                     prefetch_depth="resident", reuse_weights=True))],
+                         ids=["fp32", "bf16-layer", "bf16-chunk", "state-on-host-resident"])
+def test_the_simulators_memory_is_what_the_engine_allocates(case):
+    from tawpipe.runtime.launch import run_local
+
+    for r in run_local(_accounting, 4, case, timeout=240):
+        sim = r["sim"]
+        assert sim["staging"] == r["staging"], r
+        assert abs(sim["replicated"] - 4 * r["replicated"]) <= 16, r  # + the loss sum's element in the plan
+        if r["offloaded"]:
+            assert sim["persistent"] == 0 and sim["host"] == r["persistent"] == r["state"], r
+        else:
+            assert sim["persistent"] == r["persistent"] == r["state"] and sim["host"] == 0, r
+
+
+def test_the_simulators_auto_weighs_host_bytes_as_the_engines_does():
+    """One device moves nothing between nodes: with its state on the host, "auto" takes the k with
+    the fewest bytes to and from the host (k = acc: one gradient sent per iteration), as
+    ``tawpipe train`` does (test_auto); without, the least memory (k = 1)."""
+    cluster, work = _cluster(1, 1), Workload(DIMS, DEV)
+    for savers, k in ((Savers("chunk", offload_state=True), 4), (Savers("chunk"), 1)):
+        mem = memory_per_rank(engine_plan(cluster, work, 4, mb_per_fetch=k, prefetch_depth=1, reuse_weights=False),
+                              DIMS, savers)
+        assert (mem.host_traffic > 0) == savers.offload_state
+        plan = engine_plan(cluster, work, 4, memory=lambda p, s=savers: memory_per_rank(p, DIMS, s),
+                           mb_per_fetch="auto", prefetch_depth="auto", reuse_weights="auto")
+        assert plan.options["mb_per_fetch"] == k, savers
