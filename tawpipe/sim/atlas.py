@@ -606,7 +606,8 @@ def write_png(rows: list[dict], path: Path, grid: Grid = FULL) -> None:
         bar.set_label("TawPipe's speed-up over the fastest other method that fits (clipped)", fontsize=8)
     fig.suptitle(f"Winner among the methods that fit: {grid.device.upper()} {device(grid.device).memory / 1e9:.0f} GB, "
                  f"{grid.per_node} per node ({grid.intra}), one inter-node link per node; micro-batch "
-                 f"{grid.micro_batch}, acc {grid.acc}, recompute, bf16\n"
+                 f"{grid.micro_batch}, acc {grid.acc}, bf16, {'chunked' if grid.chunked_loss else 'plain'} loss, "
+                 "every method's memory savers searched\n"
                  "cell: winner and TawPipe's margin; 'Taw ✗': TawPipe does not fit; grey: no margin", fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
