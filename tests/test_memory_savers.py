@@ -13,7 +13,7 @@ import torch
 
 from tawpipe.plan.topology import Topology
 
-from engine_cases import HIDDEN, MB_ROWS, TinyLM, global_batch, lm_loss, make_engine
+from engine_cases import HIDDEN, MB_ROWS, SEQ, TinyLM, global_batch, lm_loss, make_engine
 from test_engine_errors import NoComm
 
 
@@ -115,3 +115,29 @@ def test_the_bytes_moved_with_the_host_are_the_cost_models(options):
     for r in results:
         assert r["moved"][0] > 0 and r["moved"][1] > 0
         assert r["moved"] == pytest.approx(r["expected"], rel=0, abs=0), r
+
+
+@pytest.mark.parametrize("recompute", ["block", "chunk"])
+def test_offloaded_inputs_come_back_one_ahead(monkeypatch, recompute):
+    """With activation offload, one input is fetched back ahead while one is in use: under "block"
+    one layer's input (a layer at a time), not a chunk's 8; under "chunk" one chunk input. Same
+    update as without offload."""
+    from tawpipe.engine import engine as engine_module
+    from tawpipe.engine.activations import ActivationOffload
+
+    made = []
+
+    class Recording(ActivationOffload):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(engine_module, "ActivationOffload", Recording)
+    _, offloaded, _ = _peak(recompute, 8, steps=2, offload_activations=True)
+    _, kept, _ = _peak(recompute, 8, steps=2)
+    (offload,) = made
+    one_input = MB_ROWS * SEQ * HIDDEN * 4  # rows x seq x hidden, float32
+    assert offload.most_fetched_bytes == one_input
+    assert offload.fetched_bytes == offload.stored_bytes == 2 * 2 * (8 if recompute == "block" else 1) * one_input
+    for name, p in kept.items():
+        torch.testing.assert_close(offloaded[name], p, rtol=0, atol=0)

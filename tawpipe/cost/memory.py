@@ -53,8 +53,9 @@ class Savers:
     chunk again in its backward, "layer" the same a layer at a time (one layer's working set and
     the layers' inputs), "block" keeps every layer's input from the forward (a chunk's layers
     times the inputs, one layer's working set), "none" keeps every forward's graph; ``offload_state`` keeps the own
-    chunk's 16 B per parameter on the host; ``offload_activations`` the chunk inputs, of which the
-    device then holds the ones in transit (a slot's k) and two fetched back."""
+    chunk's 16 B per parameter on the host; ``offload_activations`` what the forwards keep, of
+    which the device then holds what a slot's k forwards keep (in transit) and two inputs fetched
+    back (one in use, one coming: a chunk's, or under "block" a layer's)."""
 
     recompute: str = "chunk"
     offload_state: bool = False
@@ -71,10 +72,10 @@ class Savers:
         for their backwards, and the backward's working set (``working(layers)``)."""
         if self.recompute == "none":  # every forward's graph, kept whole
             return inputs * working(chunk_layers), 0.0
-        each = self.kept_per_forward(chunk_layers) * input_bytes
-        kept, host = inputs * each, 0.0
-        if self.offload_activations:
-            kept, host = min(inputs, k + 2) * each, kept
+        per = self.kept_per_forward(chunk_layers)
+        kept, host = inputs * per * input_bytes, 0.0
+        if self.offload_activations:  # a slot's k forwards' in transit, one in use, one coming back
+            kept, host = min(inputs * per, k * per + 2) * input_bytes, kept
         if self.recompute == "layer":
             return kept + (chunk_layers - 1) * input_bytes + working(1), host
         if self.recompute == "block":

@@ -2,10 +2,12 @@
 
 Under recompute a forward keeps only its chunk's input (with ``recompute="block"`` each layer's):
 B·S·H elements per chunk (or layer) and micro-batch. A rank runs every chunk for every
-micro-batch, so N·acc of them wait on the device for their backwards. With ``MemoryPolicy(offload_activations=True)`` each goes to pinned host memory as soon
-as the forward that read it is done, and comes back ahead of the backward that reads it: when a
-backward takes its input, the next backward's (in the rank's plan order) starts coming back, so
-at most two fetched inputs are on the device at once. Stores and fetches run on streams of their
+micro-batch, so N·acc of them wait on the device for their backwards. With
+``MemoryPolicy(offload_activations=True)`` each tensor goes to pinned host memory as soon as the
+forward that read it is done, and comes back ahead of what reads it: when a backward takes an
+input, the next one in the rank's order (the next backward's, or under "block" the next layer's
+of the same backward) starts coming back, so at most two fetched inputs are on the device at
+once: two layers' under "block", not two chunks' worth. Stores and fetches run on streams of their
 own, ordered by events with the compute stream, so on a GPU both overlap compute; the host never
 waits. Without CUDA the same calls are plain copies (the tests' exactness runs).
 
@@ -21,17 +23,18 @@ from collections import defaultdict
 
 import torch
 
-Key = tuple[int, int]  # (position in the model, micro-batch)
+Key = tuple[int, int, int]  # (position in the model, micro-batch, layer within the chunk: 0 but under "block")
 
 
 class ActivationOffload:
-    """What forwards keep, by (position, micro-batch): ``store`` after the forward that read it,
-    ``take`` before the backward that reads it (which also starts fetching the next)."""
+    """What forwards keep, by ``Key``: ``store`` after the forward that read it, ``take`` before
+    the backward that reads it (which also starts fetching the next in ``order``)."""
 
     def __init__(self, device: torch.device, order: list[Key]) -> None:
         self.device, self.cuda = device, device.type == "cuda"
         self.next = dict(zip(order, order[1:]))  # the backward after each, in the rank's plan order
         self.stored_bytes = self.fetched_bytes = 0
+        self.most_fetched_bytes = 0  # the most bytes fetched back and not yet taken at once
         self._host: dict[Key, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
         self._back: dict[Key, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
         self._pool: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # pinned buffers free again
@@ -93,6 +96,8 @@ class ActivationOffload:
         self._lent += [(h, event) for h in hosts]
         self._back[key] = (kept, event)
         self.fetched_bytes += sum(x.nbytes for x in kept)
+        waiting = sum(x.nbytes for tensors, _ in self._back.values() for x in tensors)
+        self.most_fetched_bytes = max(self.most_fetched_bytes, waiting)
 
     def _buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer shaped as ``like``: a pooled one whose fetch is done, else a new one."""

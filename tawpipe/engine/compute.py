@@ -151,8 +151,9 @@ class ChunkCompute:
                 y = kept.pop()
             else:
                 y, kept = self._run(a.chunk, x, weights, st.ctx[m]), [x]
-            if self.activations is not None:  # read: to the host until its backward
-                self.activations.store((pos, m), kept)
+            if self.activations is not None:  # read: to the host until its backward, each tensor on its own
+                for j, x in enumerate(kept):
+                    self.activations.store((pos, m, j), [x])
             else:
                 st.kept[(pos, m)] = kept
         if pos < self.last:
@@ -172,7 +173,7 @@ class ChunkCompute:
         if self.s.scratch is not None or not a.accumulate:
             self.s.grad_target(a.grad_buf, a.chunk).zero_()
         if self.s.layerwise:
-            dx = self._backward_by_layer(a, self._kept((pos, m), st), st.dy.pop((pos, m)), st.ctx[m])
+            dx = self._backward_by_layer(a, self._inputs_of(a, (pos, m), st), st.dy.pop((pos, m)), st.ctx[m])
         else:
             if self.recompute == "none":
                 x, y = st.graphs.pop((pos, m))
@@ -194,8 +195,20 @@ class ChunkCompute:
                 e.backward(dx)
 
     def _kept(self, key: Activation, st: StepState) -> list[torch.Tensor]:
-        """What the forward kept for this backward: on the device, or back from the host."""
-        return self.activations.take(key) if self.activations is not None else st.kept.pop(key)
+        """What the forward kept for this backward (its chunk input): on the device, or back from
+        the host."""
+        return self.activations.take((*key, 0)) if self.activations is not None else st.kept.pop(key)
+
+    def _inputs_of(self, a: Action, key: Activation, st: StepState) -> Callable[[int], torch.Tensor]:
+        """Layer j's input for a layer-wise backward, asked last layer first, each let go once
+        asked: with ``"block"`` as the forward kept them (from the host a layer at a time, the next
+        one's coming meanwhile, so two are on the device, not a chunk's), with ``"layer"`` from the
+        chunk's input run again."""
+        if self.recompute == "block" and self.activations is not None:
+            return lambda j: self.activations.take((*key, j))[0]
+        inputs = st.kept.pop(key) if self.recompute == "block" else \
+            self._layer_inputs(self.s.weights(a.buf, a.chunk), self._kept(key, st)[0], st.ctx[key[1]], last=False)
+        return inputs.pop
 
     def _layer_inputs(self, weights: list[torch.Tensor], x: torch.Tensor, ctx: dict[str, Any],
                       last: bool) -> list[torch.Tensor]:
@@ -207,19 +220,16 @@ class ChunkCompute:
             inputs.append(functional_call(self.s.layer_runner, params, (inputs[-1], ctx)))
         return inputs
 
-    def _backward_by_layer(self, a: Action, kept: list[torch.Tensor], dy: torch.Tensor,
+    def _backward_by_layer(self, a: Action, input_of: Callable[[int], torch.Tensor], dy: torch.Tensor,
                            ctx: dict[str, Any]) -> torch.Tensor:
-        """``recompute="layer"``: the chunk's forward again without gradients from its input (the
-        one tensor ``kept``), keeping each layer's input; ``"block"``: those inputs, as the forward
-        kept them. Then each layer, last first, run with gradients and back-propagated at once, its
-        weight gradient moved out of the one-layer scratch; the gradient of the chunk's input. Only
-        one layer's activations and weight gradient are alive at a time."""
+        """Each layer, last first, from its input (``input_of(j)``, ``_inputs_of``) run with
+        gradients and back-propagated at once, its weight gradient moved out of the one-layer
+        scratch; the gradient of the chunk's input. Only one layer's activations and weight
+        gradient are alive at a time."""
         run, scratch = self.s.layer_runner, self.s.scratch
-        inputs = kept if self.recompute == "block" else self._layer_inputs(self.s.weights(a.buf, a.chunk), kept[0],
-                                                                            ctx, last=False)
         layers = self.s.layer_params(self.s.leaves(a.buf, a.grad_buf, a.chunk))
         for j in reversed(range(len(layers))):
-            xj = inputs.pop().detach().requires_grad_()
+            xj = input_of(j).detach().requires_grad_()
             if scratch is not None and j < len(layers) - 1:  # the last layer's: zeroed by backward()
                 scratch.zero_()
             with torch.enable_grad():

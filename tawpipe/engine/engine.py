@@ -129,8 +129,11 @@ class TawPipe:
                                     model.materialize, memory.offload_state, self.timeout,
                                     layerwise=memory.savers().layerwise)
         backwards = [a for a in self.plan.actions[self.rank] if a.op is Op.B]
-        activations = ActivationOffload(self.device, [(self.storage.position[a.chunk], a.mb) for a in backwards]) \
-            if memory.offload_activations else None
+        per_layer = memory.recompute == "block"  # each layer's input kept, and fetched back, on its own
+        activations = ActivationOffload(self.device, [
+            (self.storage.position[a.chunk], a.mb, j) for a in backwards
+            for j in reversed(range(self.plan.chunk_layers[a.chunk][1] - self.plan.chunk_layers[a.chunk][0]
+                                    if per_layer else 1))]) if memory.offload_activations else None
         self.compute = ChunkCompute(self.storage, model.embed, model.head, model.loss_fn, precision.compute_dtype,
                                     memory.recompute, {(a.chunk, a.mb): a for a in backwards},
                                     model.head_loss if memory.chunked_loss else None, activations)
