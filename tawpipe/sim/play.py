@@ -106,7 +106,9 @@ class _Device:
 class _HostCopies:
     """The memory savers' copies over one rank's PCIe link, as the engine issues them (design
     §6.2): each forward's kept inputs stored on a store stream after it; each backward's fetched
-    on a fetch stream, at most two ahead (the one before it must have run); with offloaded state,
+    on a fetch stream once the backward two before it has run (one input in use, one coming back;
+    under "block" the engine fetches a chunk's layer inputs one at a time during its backward,
+    played here as one copy of the same bytes before it); with offloaded state,
     each LOAD_W reads the float32 master before its cast, each ACC_G sends the gradient to the
     host, which adds it, and the host steps the own chunk."""
 
