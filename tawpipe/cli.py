@@ -123,6 +123,7 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
         raise UsageError(f"the following arguments are required: {', '.join(missing)}")
     try:
         topo = Topology(args.nodes, args.per_node)
+        _savers(args)  # savers that go together, before any plan is built
         _check_plan_size(topo, args.micro_batches, args.replicas)
         dims, sizes = _dims_and_sizes(args)
         args.layers = dims.layers if dims is not None else args.layers

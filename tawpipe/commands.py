@@ -47,6 +47,9 @@ FLAGS = {
     "grad_route": "--grad-route",
     "replicas": "--replicas",
     "algo": "--algo",
+    "recompute": "--recompute",
+    "offload_activations": "--offload-activations",
+    "offload_state": "--offload-state",
 }
 
 

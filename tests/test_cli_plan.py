@@ -267,3 +267,20 @@ def test_peer_table_counts_weipipe_and_tawpipe_from_their_plans(capsys, algo):
     ddp = estimate("ddp", dims, topo, 2)
     assert rows["ddp"] == printed(ddp.sent_per_rank, ddp.inter_node_per_node)
     assert estimate("weipipe", dims, Topology(1, 1), 2).sent_per_rank == 0  # no ring on one rank
+
+
+def test_savers_that_do_not_go_together_are_refused_naming_the_flags(capsys):
+    """recompute "none" keeps whole graphs, so nothing is there to offload: the cost model's
+    Savers refuse it (as the engine's MemoryPolicy does), and `tawpipe plan` says so in flags."""
+    from tawpipe.cost.memory import Savers
+    from tawpipe.engine.policy import MemoryPolicy
+
+    for make in (Savers, MemoryPolicy):
+        with pytest.raises(ValueError, match="recompute='none' does not run from"):
+            make("none", offload_activations=True)
+        with pytest.raises(ValueError, match="recompute must be one of"):
+            make("selective")
+    line = refused(capsys, "plan", "--nodes", "2", "--per-node", "2", "--layers", "8", "--micro-batches", "2",
+                   "--recompute", "none", "--offload-activations")
+    assert "--offload-activations keeps a chunk's input on the host, which --recompute none does not run from" in line
+    assert line.endswith("use --recompute chunk, --recompute layer or --recompute block")

@@ -46,6 +46,9 @@ class MemoryEstimate:
         return self.persistent + self.staging + self.replicated + self.activations
 
 
+RECOMPUTE = ("chunk", "layer", "block", "none")  # what a backward runs from (``Savers``, design §6.2)
+
+
 @dataclass(frozen=True)
 class Savers:
     """The memory savers a rank runs with, as the cost model counts them (the engine's
@@ -60,6 +63,14 @@ class Savers:
     recompute: str = "chunk"
     offload_state: bool = False
     offload_activations: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.offload_activations and self.recompute == "none":
+            raise ValueError("offload_activations=True keeps a chunk's input on the host, which recompute='none' does "
+                             "not run from (it keeps the whole graph): use recompute='chunk', recompute='layer' or "
+                             "recompute='block'")
 
     @property
     def layerwise(self) -> bool:

@@ -25,7 +25,6 @@ from ..runtime import comm as comm_backends
 from ..runtime.comm import Comm
 from .precision import Precision
 
-RECOMPUTE = ("chunk", "layer", "block", "none")
 
 
 def _whole(value: Any) -> bool:
@@ -132,8 +131,6 @@ class MemoryPolicy:
         return Savers(self.recompute, self.offload_state, self.offload_activations)
 
     def __post_init__(self) -> None:
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
                                         or not self.budget > 0):
             raise ValueError(f"budget must be None (measure the free memory) or bytes per rank > 0, "
@@ -141,9 +138,7 @@ class MemoryPolicy:
         for name in ("chunked_loss", "offload_state", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.offload_activations and self.recompute == "none":
-            raise ValueError("offload_activations keeps a chunk's input on the host, which recompute='none' does not "
-                             "run from (it keeps the whole graph): use recompute='chunk', 'layer' or 'block'")
+        self.savers()  # the recompute's name, and the savers that go together (the cost model's rules)
 
 
 @dataclass(frozen=True)

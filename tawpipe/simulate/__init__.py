@@ -221,7 +221,8 @@ def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
     print(f"{cluster.nodes} x {cluster.per_node} {dev.name}, intra {cluster.intra.name}, inter "
           f"{cluster.inter.name}{' per rail' if cluster.rails else ' per node'}; {args.model}: H={dims.hidden} "
           f"L={dims.layers} S={dims.seq} B={dims.micro_batch}, {args.micro_batches} micro-batches per device, "
-          f"{_savers(args)}, {args.loss} loss")
+          f"recompute {args.recompute}{', activations on the host' * args.offload_activations}"
+          f"{', optimizer state on the host' * args.offload_state}, {args.loss} loss")
     print(table(rows))
     if advice:
         print(f"\nTawPipe settings tried ({len(advice)}), fastest first:")
@@ -237,8 +238,9 @@ def _row(method: str, cluster: Cluster, work: Workload, args: argparse.Namespace
     """``method``'s row with the settings the flags give it, or why it could not be played."""
     settings = {"tawpipe": _settings(args), "tawpipe-paper": {**compare.PAPER, "replicas": args.replicas},
                 "1f1b": {"stages": args.stages} if args.stages else None}.get(method)
-    savers = _savers(args) if method in ("tawpipe", "tawpipe-paper", *OFFLOADING) else None
-    try:
+    try:  # the peers checkpoint as work.recompute says; save_on_cpu is their only saver here
+        savers = _savers(args) if compare.schedule_of(method) else \
+            Savers(offload_activations=True) if method in OFFLOADING and args.offload_activations else None
         return compare.run(method, cluster, work, args.micro_batches, host=args.host, settings=settings,
                            savers=savers, chunked_loss=args.loss == "chunked")
     except ValueError as e:

@@ -188,7 +188,7 @@ def _rank_sizes(cfg: TrainConfig, blocks: list[torch.nn.Module], embed: torch.nn
                 weight_bytes=weight_bytes, grad_bytes=grad_bytes,
                 scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0, seq=shape.seq,
                 micro_batch=shape.micro_batch, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
-                chunked_loss=cfg.loss == "chunked", savers=Savers(cfg.recompute, cfg.offload_state, cfg.offload_activations))
+                chunked_loss=cfg.loss == "chunked")
 
 
 def _chunk_numel(plan: Plan, blocks: list[torch.nn.Module]) -> list[int]:
@@ -263,7 +263,8 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
     estimate and the fixes where it does not fit; else the estimate, one line."""
     sizes, chunk_numel = _rank_sizes(cfg, blocks, embed, head, shape), _chunk_numel(plan, blocks)
     torchrun = under_torchrun()
-    per_rank = [rank_memory(plan, r, chunk_numel=chunk_numel, **sizes) for r in _local(topology)]
+    savers = Savers(cfg.recompute, cfg.offload_state, cfg.offload_activations)
+    per_rank = [rank_memory(plan, r, chunk_numel=chunk_numel, savers=savers, **sizes) for r in _local(topology)]
     busiest = max(per_rank, key=lambda m: m.total)
     if torchrun and torch.cuda.is_available():  # each rank has a device of its own
         free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))
