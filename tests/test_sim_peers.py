@@ -209,6 +209,7 @@ def test_fsdp_pads_every_parameter_to_equal_shards():
     h, f = 64, TINY.ffn_hidden
     assert block == 4 * 66 * h + 2 * (-(-f // 6) * 6) * h + 66 * f + 2 * 66
     assert root == 258 * h + 66
+    assert fsdp_numel(replace(TINY, tied=False), 6)[1] == 2 * 258 * h + 66  # an untied head: its own V x H
 
 
 def test_pipelines_inside_nodes_send_only_their_gradient_rings():

@@ -246,8 +246,8 @@ def fsdp_numel(dims: ModelDims, shards: int) -> tuple[int, int]:
     every parameter into equal dim-0 shards, padding dim 0 up to a multiple of ``shards``, and
     gathers and reduce-scatters the padded tensors. Measured on the emulated 3 x 2 cluster, the
     all-gathers of an iteration (H = 128, F = 352, 6 ranks) are exactly these sizes, 2% above the
-    unpadded ones. The root is the tied embedding and head plus the final norm, as
-    ``replicated_numel`` counts it."""
+    unpadded ones. The root is the embedding and head (one tensor where tied) plus the final
+    norm, as ``replicated_numel`` counts it."""
     h, f = dims.hidden, dims.ffn_hidden
     kv = h // dims.heads * (dims.heads if dims.kv_heads is None else dims.kv_heads)
 
@@ -255,7 +255,7 @@ def fsdp_numel(dims: ModelDims, shards: int) -> tuple[int, int]:
         return -(-rows // shards) * shards
 
     block = 2 * pad(h) * h + 2 * pad(kv) * h + 2 * pad(f) * h + pad(h) * f + 2 * pad(h)
-    return block, pad(dims.vocab) * h + pad(h)
+    return block, (1 if dims.tied else 2) * pad(dims.vocab) * h + pad(h)
 
 
 def crossover_tokens(weight_bytes: float, dims: ModelDims, topology: Topology, micro_batches: int) -> float:

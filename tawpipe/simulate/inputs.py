@@ -133,7 +133,7 @@ def _cpu_quota(spec: str) -> float | None:
 
 def shape_dims(config: dict[str, Any]) -> ModelDims:
     """A `tawpipe bench cluster` shape's model as the simulator counts it: float32, the embedding
-    and the untied head (twice the vocabulary's rows)."""
+    and the head untied."""
     return ModelDims(hidden=config["hidden"], layers=config["layers"], heads=config["heads"],
-                     vocab=2 * config["vocab"], seq=config["seq_len"], micro_batch=config["batch_size"],
-                     dtype_bytes=4, grad_bytes=4)
+                     vocab=config["vocab"], seq=config["seq_len"], micro_batch=config["batch_size"],
+                     dtype_bytes=4, grad_bytes=4, tied=False)
