@@ -110,6 +110,7 @@ def idle_credit(*, spells: int = 20, idle_s: float = 0.06, work_s: float = 0.06)
             calls = 1
             while block(calls) < work_s:  # a block of work_s to 2·work_s at the sustained rate
                 calls *= 2
+            block(4 * calls)  # spend what the wait at the barrier saved up: "sustained" must not burst
             sustained = statistics.mean(block(calls) for _ in range(spells))
             after = []
             for _ in range(spells):
