@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..cost.memory import MemoryEstimate, Savers, host_bytes, memory_per_rank, savers_ladder, staging_buffers
+from ..cost.memory import MemoryEstimate, Savers, host_bytes, savers_ladder, staging_buffers
 from ..cost.traffic import plan_traffic
 from ..plan.actions import OPS, Channel, batches
 from ..plan.plan import Plan
@@ -206,7 +206,7 @@ def _tawpipe(plans: _Plans, cluster: Cluster, work: Workload, acc: int, stats: d
                         "dominated": 0}
         fitting: list[Savers] = []
         for j, savers in enumerate(SAVERS):
-            mem = compare.with_loss(memory_per_rank(plan, dims, savers, buffers=plans.buffers[i]), dims, chunked_loss)
+            mem = compare.plan_memory(plan, dims, savers, chunked_loss, buffers=plans.buffers[i])
             least = mem if least is None or mem.total < least.total else least
             if not compare.fits(mem, cluster):
                 t["does_not_fit"] += 1
@@ -379,14 +379,14 @@ def _fits_at(method: str, cluster: Cluster, work: Workload, acc: int, plans: _Pl
     """Whether any of ``method``'s settings and memory savers that the map tries fits ``cluster``."""
     dims = work.dims
     if method == "tawpipe":
-        return any(compare.fits(compare.with_loss(memory_per_rank(plan, dims, savers, buffers=plans.buffers[i]), dims,
-                                                  chunked_loss), cluster)
+        return any(compare.fits(compare.plan_memory(plan, dims, savers, chunked_loss, buffers=plans.buffers[i]),
+                                cluster)
                    for i, plan in plans.plans.items() for savers in SAVERS)
     if method == "weipipe":
         if cluster.world_size > dims.layers:
             return False
         plan = engine_plan(cluster, work, acc, algo="weipipe")
-        return compare.fits(compare.with_loss(memory_per_rank(plan, dims), dims, chunked_loss), cluster)
+        return compare.fits(compare.plan_memory(plan, dims, Savers(), chunked_loss), cluster)
     if method == "1f1b":
         return any(compare.fits(peer_memory("1f1b", dims, cluster, acc, r, stages=p, chunked_loss=chunked_loss), cluster)
                    for p in pipeline_stages(cluster.nodes, cluster.per_node, dims.layers) for r in (False, True))

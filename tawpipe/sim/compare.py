@@ -151,7 +151,7 @@ def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool =
         _check_size(algo, cluster, dims, acc, int(opts.get("replicas", 1)))
         savers = savers or default_savers(work)
         plan = engine_plan(cluster, work, acc, algo=algo, **opts,
-                           memory=lambda p: with_loss(memory_per_rank(p, dims, savers), dims, chunked_loss))
+                           memory=lambda p: plan_memory(p, dims, savers, chunked_loss))
         opts["prefetch_depth"] = plan.options["prefetch_depth"]
         if AUTO in opts.values():  # what "auto" chose
             opts.update({k: plan.options[k] for k in AUTO_SETTINGS})
@@ -180,7 +180,7 @@ def play(method: str, plan: Plan, cluster: Cluster, work: Workload, acc: int, se
     loss (``with_loss``)."""
     savers = savers or default_savers(work)
     graph, fabric = plan_graph(plan, cluster, work, host=host, savers=savers)
-    memory = memory or with_loss(memory_per_rank(plan, work.dims, savers), work.dims, chunked_loss)
+    memory = memory or plan_memory(plan, work.dims, savers, chunked_loss)
     shown = {**settings, **(_savers_shown(savers) if savers != default_savers(work) else {})}
     return read_off(method, shown, simulate(graph, fabric), range(plan.replica_size), memory, cluster,
                     work.dims, acc)
@@ -222,6 +222,13 @@ def read_off(method: str, settings: dict[str, Any], result: Result, ranks: Itera
     row.mfu = model_flops(dims) * tokens / row.time_s / cluster.device.peak_flops if row.time_s else 0.0
     row.bottleneck = bottleneck(row, cluster)
     return row
+
+
+def plan_memory(plan: Plan, dims: ModelDims, savers: Savers, chunked_loss: bool, *,
+                buffers: tuple[int, int] | None = None) -> MemoryEstimate:
+    """A TawPipe or WeiPipe row's memory: ``memory_per_rank`` under ``savers`` with the head and
+    loss (``with_loss``); ``buffers`` as ``memory_per_rank`` takes them."""
+    return with_loss(memory_per_rank(plan, dims, savers, buffers=buffers), dims, chunked_loss)
 
 
 def with_loss(m: MemoryEstimate, dims: ModelDims, chunked: bool) -> MemoryEstimate:
@@ -273,7 +280,7 @@ def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False, ch
         s = {**s, "prefetch_depth": plan.options["prefetch_depth"]}  # "resident" as the depth it is
         fitting: list[Savers] = []
         for savers in ladder:
-            memory = with_loss(memory_per_rank(plan, work.dims, savers), work.dims, chunked_loss)
+            memory = plan_memory(plan, work.dims, savers, chunked_loss)
             if fits(memory, cluster) and not any(dominates(f, savers) for f in fitting):
                 fitting.append(savers)
                 rows.append(play("tawpipe", plan, cluster, work, acc, s, host=host, memory=memory, savers=savers))
