@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from .commands import Parser, UsageError, as_flags, delegate, refuse
+from .commands import Parser, UsageError, add_reuse_weights, as_flags, delegate, refuse
 from .cost.memory import (AUTO, Choice, MemoryEstimate, NothingFits, Savers, auto_savers_plan, estimate_memory,
                           fitting, memory_per_rank, savers_to_weigh)
 from . import models
@@ -26,7 +26,7 @@ from .models.presets import PRESETS
 from .models.shape import ModelDims
 from .plan import registry
 from .plan.plan import GRAD_ROUTES, Plan
-from .plan.schedule import RESIDENT, build_plan, check_replicas, compute_actions, depth_text, prefetch_depth_arg
+from .plan.schedule import HOST, RESIDENT, build_plan, check_replicas, compute_actions, depth_text, prefetch_depth_arg
 from .plan.topology import Topology
 from .plan.verify import VerifyReport, verify
 from .sim.hardware import LINKS, Link, link
@@ -50,8 +50,9 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                         "every fetched chunk stays, the fewest bytes")
     p.add_argument("--mb-per-fetch", type=int, default=1,
                    help="k: micro-batches each resident chunk runs per fetch (divides --micro-batches)")
-    p.add_argument("--reuse-weights", action="store_true",
-                   help="do not fetch again a chunk still in a staging buffer (fewer bytes than the paper)")
+    add_reuse_weights(p, default=False, help="do not fetch again a chunk still in a staging buffer (fewer bytes "
+                                             "than the paper); 'host': and keep the fetched chunks the buffers cannot "
+                                             "in host memory, so each crosses the network once per iteration")
     p.add_argument("--replicas", type=int, default=1,
                    help="R: the nodes form R replicas of nodes/R nodes, each a pipeline; a chunk's R owners add "
                         "their gradients once per iteration (with a model, every R is compared)")
@@ -153,7 +154,8 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
           f"chunks of {layers} (model order), {plan.micro_batches} micro-batches{route}, prefetch depth "
           f"{depth_text(plan, args.prefetch_depth)}, "
           f"{args.mb_per_fetch} micro-batch(es) per fetch"
-          f"{', resident chunks reused' if args.reuse_weights else ''}, "
+          f"{', resident chunks reused' if args.reuse_weights else ''}"
+          f"{', the rest kept on the host' if args.reuse_weights == HOST else ''}, "
           f"{plan.num_slots} slots + prologue"
           f"{f'; {plan.replicas} replicas of {plan.replica_size} ranks' if plan.replicas > 1 else ''}")
     ranks = (f" on replica 0's {report.ranks_run} ranks, the other replicas proven its shifts"
@@ -210,7 +212,7 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, sizes: dict, build
         depths.append((RESIDENT, True))
     options: dict[Choice, tuple[float, MemoryEstimate]] = {}
     print(f"{'k':>4}  {'depth':>16}  {'inter-node/iter (busiest node)':>31}  {'staging/rank':>13}  "
-          f"{'activations/rank':>17}  {'memory/rank':>12}")
+          f"{'activations/rank':>17}  {'host/rank':>10}  {'memory/rank':>12}")
     for depth, reuse in depths:
         for k in ks:
             plan_k = build(mb_per_fetch=k, prefetch_depth=depth, reuse_weights=reuse)
@@ -220,7 +222,8 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, sizes: dict, build
             inter, e = max(plan_traffic(plan_k).per_node()), memory_per_rank(plan_k, dims, _savers(args))
             options[choice] = (inter, e)
             print(f"{k:>4}  {_depth_label(choice, depth):>16}  {inter / 1e9:>28.3f} GB  "
-                  f"{e.staging / 2**30:>9.3f} GiB  {e.activations / 2**30:>13.3f} GiB  {e.total / 2**30:>8.3f} GiB")
+                  f"{e.staging / 2**30:>9.3f} GiB  {e.activations / 2**30:>13.3f} GiB  {e.host / 2**30:>6.3f} GiB  "
+                  f"{e.total / 2**30:>8.3f} GiB")
     if args.memory_budget is not None:
         largest, cheapest = fitting(options, args.memory_budget * 2**30)
         if cheapest is None:
@@ -228,7 +231,7 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, sizes: dict, build
         else:
             k, d, reuse = cheapest
             print(f"within {args.memory_budget:g} GiB per rank: largest k {largest}; fewest inter-node bytes with "
-                  f"k={k}, --prefetch-depth {d}{' --reuse-weights' if reuse else ''}")
+                  f"k={k}, --prefetch-depth {d}{_reuse_flag(reuse)}")
         _print_auto(args, dims, sizes)
 
 
@@ -247,7 +250,7 @@ def _print_auto(args: argparse.Namespace, dims: ModelDims, sizes: dict) -> None:
                                      topology=Topology(args.nodes, args.per_node), num_layers=args.layers,
                                      micro_batches=args.micro_batches, budget=args.memory_budget * 2**30,
                                      budget_text="--memory-budget", grad_route=args.grad_route,
-                                     replicas=args.replicas, **sizes)
+                                     replicas=args.replicas, weights_on_host=True, **sizes)
     except NothingFits as e:
         why = str(e)
     print(f"auto (tawpipe train's default): {why}")
@@ -301,7 +304,11 @@ def _json_summary(plan: Plan, report: VerifyReport, dims: ModelDims | None) -> s
 
 def _depth_label(choice: Choice, asked: int | str) -> str:
     _, d, reuse = choice
-    return f"{d}{' reuse' if reuse else ''}{' resident' if asked == RESIDENT else ''}"
+    return f"{d}{' host' if reuse == HOST else ' reuse' if reuse else ''}{' resident' if asked == RESIDENT else ''}"
+
+
+def _reuse_flag(reuse: bool | str) -> str:
+    return " --reuse-weights host" if reuse == HOST else " --reuse-weights" if reuse else ""
 
 
 def _print_peers(args: argparse.Namespace, dims: ModelDims, topo: Topology, plans: dict[str, Plan]) -> None:

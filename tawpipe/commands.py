@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import NoReturn
 
+from .plan.schedule import HOST
+
 # One name per concept across train, plan, simulate and bench (torchtitan's seq_len, Megatron's
 # micro-batch size); a spelling used before is refused with the one to use now.
 RENAMED = {
@@ -67,6 +69,25 @@ def as_flags(message: str) -> str:
     message = re.sub(rf"\b({names})=('[^']*'|\"[^\"]*\"|[^\s,;:)]+)", value, message)
     bare = "|".join(re.escape(n) for n in FLAGS if "_" in n)
     return re.sub(rf"(?<![-\w])({bare})\b", lambda m: FLAGS[m[1]], message)
+
+
+def add_reuse_weights(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, default: object,
+                      help: str) -> None:
+    """``--reuse-weights`` (True), ``--reuse-weights host`` (and the fetched chunks the staging
+    buffers cannot keep kept in host memory, design §3.2) and ``--no-reuse-weights`` (False): one
+    ``reuse_weights``, as ``build_plan`` takes it; a string default ("auto") may be given as a value too."""
+    values = (HOST, default) if isinstance(default, str) else (HOST,)
+
+    def value(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"expected no value or one of {', '.join(map(repr, values))} ('host': "
+                                             f"keep the fetched chunks in host memory), got {text!r}")
+        return text
+
+    parser.add_argument("--reuse-weights", nargs="?", const=True, default=default, type=value, metavar="host",
+                        help=help)
+    parser.add_argument("--no-reuse-weights", dest="reuse_weights", action="store_false",
+                        help="fetch a chunk again for every use but a turnaround (the paper's schedule)")
 
 
 class UsageError(ValueError):

@@ -196,6 +196,24 @@ MODEL_3X2 = ("plan", "--nodes", "3", "--per-node", "2", "--layers", "8", "--micr
              "--prefetch-depth", "3", "--reuse-weights")
 
 
+def test_host_rows_move_the_resident_bytes_through_fewer_buffers(capsys):
+    """--reuse-weights host: per k, the resident depth's inter-node bytes with depth 1's staging,
+    the stashed chunks counted on the host; within a budget only they fit, they are the pick."""
+    rows = {}
+    out = run(capsys, *MODEL_3X2, "--prefetch-depth", "1", "--reuse-weights", "host")
+    for m in re.finditer(r"^\s+(\d)\s+(\d) (host|reuse resident)\s+([\d.]+) GB\s+([\d.]+) GiB\s+[\d.]+ GiB\s+"
+                         r"([\d.]+) GiB\s+([\d.]+) GiB$", out, re.M):
+        rows[(int(m[1]), m[3])] = tuple(float(m[i]) for i in (4, 5, 6, 7))
+    assert rows.keys() == {(1, "host"), (2, "host"), (1, "reuse resident"), (2, "reuse resident")}, out
+    for k in (1, 2):
+        (gb, staging, host, total), (gb_res, staging_res, host_res, total_res) = rows[(k, "host")], \
+            rows[(k, "reuse resident")]
+        assert gb == gb_res and staging < staging_res and host > 0 == host_res and total < total_res
+    budget = (rows[(2, "host")][3] + rows[(1, "reuse resident")][3]) / 2
+    out = run(capsys, *MODEL_3X2, "--prefetch-depth", "1", "--reuse-weights", "host", "--memory-budget", f"{budget:.4f}")
+    assert "fewest inter-node bytes with k=2, --prefetch-depth 1 --reuse-weights host" in out
+
+
 def test_memory_budget_picks_the_fewest_bytes_that_fit(capsys):
     """One row per k at the given depth and with every chunk resident, sized like the plans; the
     suggestion is the fitting row with the fewest inter-node bytes, not simply the deepest."""

@@ -85,9 +85,16 @@ CI_CASES = {
         dict(nodes=2, acc=4, layers=8, offload_activations=True, recompute="layer", mb_per_fetch=2,
              offload_state=True),
         dict(nodes=1, acc=2, layers=4, offload_activations=True, algo="weipipe"),
+        # fetched chunks kept in host memory for their later uses (every chunk crosses the network
+        # once per iteration through two buffers): k = 1 restores them in every later round too
+        dict(nodes=2, acc=4, layers=5, mb_per_fetch=1, prefetch_depth=1, reuse_weights="host", max_grad_norm=0.05),
+        dict(nodes=2, acc=2, layers=4, mb_per_fetch=2, prefetch_depth=1, reuse_weights="host",
+             offload_activations=True),
+        dict(nodes=1, acc=2, layers=5, prefetch_depth=1, reuse_weights="host", offload_state=True),
     ],
     6: [dict(nodes=3, acc=2, layers=7),
-        dict(nodes=3, acc=2, layers=6, mb_per_fetch=2, prefetch_depth="resident", reuse_weights=True)],
+        dict(nodes=3, acc=2, layers=6, mb_per_fetch=2, prefetch_depth="resident", reuse_weights=True),
+        dict(nodes=3, acc=4, layers=7, mb_per_fetch=2, prefetch_depth=2, reuse_weights="host", max_grad_norm=0.05)],
 }
 
 

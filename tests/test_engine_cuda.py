@@ -29,6 +29,7 @@ CASES = [
     dict(offload_activations=True),
     dict(offload_activations=True, recompute="layer", offload_state=True, mb_per_fetch=2),
     dict(recompute="block", offload_activations=True),
+    dict(reuse_weights="host", prefetch_depth=1, mb_per_fetch=1),
 ]
 
 
@@ -78,7 +79,8 @@ def test_engine_on_cuda_is_exact() -> None:
         assert err <= 1e-5 and loss_err <= 1e-5, (case, err, loss_err)
 
 
-SHARED = [dict(), dict(recompute="layer", offload_activations=True, offload_state=True, max_grad_norm=0.05)]
+SHARED = [dict(), dict(recompute="layer", offload_activations=True, offload_state=True, max_grad_norm=0.05),
+          dict(reuse_weights="host", prefetch_depth=1, mb_per_fetch=1, max_grad_norm=0.05)]
 
 
 def _shared(rank: int, cases: list[dict]) -> list[float]:

@@ -96,10 +96,12 @@ def _moved(rank: int, case: dict) -> dict:
     x, y = global_batch(0, world * rows)
     engine.step((x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]))
     moved = engine.host_traffic()
-    savers = Savers(**{k: v for k, v in case["options"].items() if k != "mb_per_fetch"})
+    savers = Savers(**{k: v for k, v in case["options"].items() if k in ("recompute", "offload_state",
+                                                                          "offload_activations")})
     own = sum(p.numel() for _, p in engine.own_parameters())
     inputs = MB_ROWS * x.shape[1] * HIDDEN * 4  # a chunk input: rows x seq x hidden, float32
-    expected = host_bytes(engine.plan, rank, own_numel=own, grad_bytes=4, input_bytes=inputs, savers=savers)
+    expected = host_bytes(engine.plan, rank, own_numel=own, weight_bytes=4, grad_bytes=4, input_bytes=inputs,
+                          savers=savers)
     engine.close()
     return {"moved": moved, "expected": expected}
 
@@ -107,7 +109,10 @@ def _moved(rank: int, case: dict) -> dict:
 @pytest.mark.parametrize("options", [dict(offload_state=True), dict(offload_activations=True),
                                      dict(offload_state=True, offload_activations=True, recompute="layer",
                                           mb_per_fetch=2),
-                                     dict(offload_activations=True, recompute="block")])  # every layer's input
+                                     dict(offload_activations=True, recompute="block"),  # every layer's input
+                                     # fetched chunks stashed and restored, k = 1 (restores in every round)
+                                     dict(reuse_weights="host", prefetch_depth=1, mb_per_fetch=1),
+                                     dict(reuse_weights="host", prefetch_depth=1, mb_per_fetch=2, offload_state=True)])
 def test_the_bytes_moved_with_the_host_are_the_cost_models(options):
     from tawpipe.runtime.launch import run_local
 

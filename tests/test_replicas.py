@@ -35,6 +35,7 @@ SHAPES = [  # (nodes, per_node, replicas, layers, acc, options)
     (3, 2, 3, 2, 1, {}),
     (6, 1, 3, 3, 4, {"mb_per_fetch": 2, "prefetch_depth": 2}),
     (4, 2, 2, 4, 4, {"mb_per_fetch": 2, "prefetch_depth": "resident", "reuse_weights": True}),
+    (4, 2, 2, 5, 4, {"mb_per_fetch": 1, "reuse_weights": "host"}),
     (2, 3, 2, 4, 2, {"algo": "weipipe"}),
 ]
 
@@ -244,7 +245,9 @@ CASES = {
         dict(nodes=2, acc=2, layers=6, replicas=2, recompute="block", offload_activations=True)],
     6: [dict(nodes=3, acc=2, layers=3, replicas=3, max_grad_norm=0.05),
         dict(nodes=3, acc=1, layers=2, replicas=3, algo="weipipe", offload_state=True)],
-    8: [dict(nodes=4, acc=2, layers=5, replicas=2, mb_per_fetch=2)],  # two replicas of 2 x 2
+    8: [dict(nodes=4, acc=2, layers=5, replicas=2, mb_per_fetch=2),  # two replicas of 2 x 2
+        dict(nodes=4, acc=4, layers=5, replicas=2, mb_per_fetch=2, prefetch_depth=1, reuse_weights="host",
+             max_grad_norm=0.05)],
 }
 
 

@@ -4,12 +4,14 @@ prefetch depth, mb_per_fetch, reuse and the resident depth."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
 
 from plan_cases import parse_table
-from tawpipe.plan.actions import Action, Op
+from tawpipe.cost.traffic import plan_traffic
+from tawpipe.plan.actions import Action, Op, PlanError
 from tawpipe.plan.plan import Plan
 from tawpipe.plan.schedule import build_plan, resident_depth
 from tawpipe.plan.topology import Topology
@@ -332,6 +334,46 @@ def test_resident_depth_fetches_each_chunk_once_per_iteration(nodes, per_node, a
         build_plan(topo, 2 * topo.world_size, acc, prefetch_depth="resident")
     with pytest.raises(ValueError, match="integer >= 1 or 'resident', got 'deep'"):
         build_plan(topo, 2 * topo.world_size, acc, prefetch_depth="deep", reuse_weights=True)
+
+
+@pytest.mark.parametrize("nodes,per_node,acc", [(2, 2, 2), (3, 2, 4), (2, 4, 4), (4, 1, 2), (1, 4, 2)])
+def test_host_reuse_crosses_the_network_as_the_resident_depth_does_through_fewer_buffers(nodes, per_node, acc):
+    """reuse_weights="host": whatever the depth and k, every rank receives each chunk once per
+    iteration (the resident depth's bytes on every link), through depth + 1 weight buffers; what
+    comes back for a later use comes from the rank's host memory, stashed by the fetch that brought it."""
+    topo = Topology(nodes, per_node)
+    for k in (1, acc):
+        resident = build_plan(topo, 2 * topo.world_size + 1, acc, prefetch_depth="resident", mb_per_fetch=k,
+                              reuse_weights=True, layer_numel=7)
+        for depth in (1, 2):
+            plan = build_plan(topo, 2 * topo.world_size + 1, acc, prefetch_depth=depth, mb_per_fetch=k,
+                              reuse_weights="host", layer_numel=7)
+            report = verify(plan)
+            assert report.weight_buffers == verify(build_plan(
+                topo, 2 * topo.world_size + 1, acc, prefetch_depth=depth, mb_per_fetch=k, reuse_weights=True)
+            ).weight_buffers < verify(resident).weight_buffers
+            assert plan_traffic(plan).flows == plan_traffic(resident).flows
+            for acts in plan.actions:
+                stashed = [a.chunk for a in acts if a.op is Op.STASH_W]
+                restored = {a.chunk for a in acts if a.op is Op.RESTORE_W}
+                assert len(stashed) == len(set(stashed)) and restored <= set(stashed)
+                assert restored, "at depth <= 2 some chunk is needed again after its buffer is refilled"
+    with pytest.raises(ValueError, match="True, False or 'host'"):
+        build_plan(topo, 2 * topo.world_size, acc, reuse_weights="disk")
+
+
+def test_verify_catches_a_restore_of_what_was_not_stashed():
+    plan = build_plan(Topology(2, 2), 4, 2, mb_per_fetch=2, reuse_weights="host")
+    first = next(a for a in plan.actions[0] if a.op is Op.STASH_W)
+    actions = list(plan.actions)
+    actions[0] = tuple(a for a in plan.actions[0] if a is not first)
+    with pytest.raises(PlanError, match=f"RESTORE_W W{first.chunk}.*reads \\[host{first.chunk}\\], which was never written"):
+        verify(dataclasses.replace(plan, actions=tuple(actions)))
+    # a stash of the wrong chunk: the restore reads another chunk's weights
+    swapped = tuple(dataclasses.replace(a, buf="w2") if a is first else a for a in plan.actions[0])
+    actions[0] = swapped
+    with pytest.raises(PlanError, match="STASH_W"):
+        verify(dataclasses.replace(plan, actions=tuple(actions)))
 
 
 @pytest.mark.parametrize("nodes,per_node", [(2, 1), (1, 2), (1, 3), (3, 1), (2, 2), (3, 2)])

@@ -291,8 +291,9 @@ def test_a_stream_sends_its_messages_one_at_a_time_in_the_order_they_became_read
 
 def test_tawpipe_rows_default_to_the_engines_auto_choice():
     """Left "auto", TawPipe's row is what the engine would choose: among every k, depth and reuse,
-    the fewest inter-node bytes whose memory fits the device less 10% (found here by trying them
-    all). On a device too small for every chunk resident, that is not the fewest-bytes setting."""
+    the fewest inter-node bytes whose memory fits the device less 10%, then the fewest bytes to and
+    from the host (found here by trying them all). On a device too small for every chunk resident,
+    the fetched chunks are kept on the host instead, for the same inter-node bytes."""
     from tawpipe.cost.memory import MARGIN, memory_per_rank
     from tawpipe.plan.schedule import RESIDENT
     from tawpipe.sim import compare
@@ -306,14 +307,17 @@ def test_tawpipe_rows_default_to_the_engines_auto_choice():
         row = compare.run("tawpipe", cluster, work, 4)
         tried = {}
         for k in (1, 2, 4):
-            for depth, reuse in ((1, False), (1, True), (RESIDENT, True)):
+            for depth, reuse in ((1, False), (1, True), (1, "host"), (RESIDENT, True)):
                 plan = engine_plan(cluster, work, 4, mb_per_fetch=k, prefetch_depth=depth, reuse_weights=reuse)
-                need = compare.with_loss(memory_per_rank(plan, dims), dims, False).total
-                if need <= (1 - MARGIN) * memory:
-                    tried[(k, plan.options["prefetch_depth"], reuse)] = (max(plan_traffic(plan).per_node()), need)
+                mem = compare.with_loss(memory_per_rank(plan, dims), dims, False)
+                if mem.total <= (1 - MARGIN) * memory:
+                    tried[(k, plan.options["prefetch_depth"], reuse)] = (max(plan_traffic(plan).per_node()),
+                                                                         mem.host_traffic, mem.total)
         best = min(tried, key=lambda c: tried[c])
         assert (row.settings["mb_per_fetch"], row.settings["prefetch_depth"], row.settings["reuse_weights"]) == best
         assert row.fits
-    assert best[1] == 1  # 40 GB: not every chunk resident
+        if memory == 80e9:
+            assert best == (4, 7, True)  # every chunk resident on the device
+    assert best == (4, 1, "host")  # 40 GB: two buffers on the device, the rest on the host
     given = compare.run("tawpipe", cluster, work, 4, settings={**compare.AUTO_SETTINGS, "mb_per_fetch": 2})
     assert given.settings["mb_per_fetch"] == 2

@@ -14,6 +14,7 @@ import torch
 from tawpipe import models
 from tawpipe.cost.memory import Savers, host_bytes, loss_bytes, memory_per_rank, working_set_bytes
 from tawpipe.plan.actions import Op
+from tawpipe.plan.schedule import RESIDENT
 from tawpipe.plan.topology import Topology
 from tawpipe.sim import compare
 from tawpipe.sim.hardware import Cluster, Host, Link, device, link
@@ -44,10 +45,31 @@ def test_the_bytes_over_pcie_are_the_cost_models(savers, k):
     graph, fabric = plan_graph(plan, cluster, work, host=False, savers=savers)
     ports = simulate(graph, fabric).port_bytes
     for r in range(plan.replica_size):
-        want = host_bytes(plan, r, own_numel=plan.chunk_numel(plan.own_chunk(r)), grad_bytes=DIMS.grad_bytes,
+        want = host_bytes(plan, r, own_numel=plan.chunk_numel(plan.own_chunk(r)), weight_bytes=DIMS.dtype_bytes,
+                          grad_bytes=DIMS.grad_bytes,
                           input_bytes=DIMS.activation_numel * DIMS.dtype_bytes, savers=savers)
         got = (ports.get(("pcie d2h", r), 0.0), ports.get(("pcie h2d", r), 0.0))
         assert got == pytest.approx(want, rel=1e-12) and min(got) > 0, (r, got, want)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_stashed_weights_cross_pcie_as_the_cost_model_counts(k):
+    """reuse_weights="host": every STASH_W and RESTORE_W crosses its rank's PCIe link, and the
+    inter-node bytes are the resident depth's."""
+    cluster, work = _cluster(), Workload(DIMS, DEV)
+    plan = engine_plan(cluster, work, 4, mb_per_fetch=k, prefetch_depth=1, reuse_weights="host")
+    ports = simulate(*plan_graph(plan, cluster, work, host=False)).port_bytes
+    for r in range(plan.replica_size):
+        want = host_bytes(plan, r, own_numel=plan.chunk_numel(plan.own_chunk(r)), weight_bytes=DIMS.dtype_bytes,
+                          grad_bytes=DIMS.grad_bytes, input_bytes=0, savers=Savers())
+        got = (ports.get(("pcie d2h", r), 0.0), ports.get(("pcie h2d", r), 0.0))
+        assert got == pytest.approx(want, rel=1e-12) and min(got) > 0, (r, got, want)
+    stashed = compare.run("tawpipe", cluster, work, 4, settings=dict(mb_per_fetch=k, prefetch_depth=1,
+                                                                    reuse_weights="host"))
+    resident = compare.run("tawpipe", cluster, work, 4, settings=dict(mb_per_fetch=k, prefetch_depth=RESIDENT,
+                                                                     reuse_weights=True))
+    assert stashed.inter_bytes == resident.inter_bytes
+    assert stashed.memory.staging < resident.memory.staging and stashed.memory.host > 0 == resident.memory.host
 
 
 def test_without_offload_nothing_crosses_pcie():
@@ -166,26 +188,32 @@ def _accounting(rank: int, case: dict) -> dict:
     sim = memory_per_rank(engine.plan, dims, savers)
     engine.close()
     return {"persistent": report.persistent, "staging": sum(report.staging.values()), "replicated": report.replicated,
-            "offloaded": report.offloaded, "sim": dataclasses.asdict(sim), "state": 16 * report.decoder_params / world}
+            "offloaded": report.offloaded, "sim": dataclasses.asdict(sim), "state": 16 * report.decoder_params / world,
+            "host_weights": report.host_weights}
 
 
 @pytest.mark.parametrize("case", [dict(dtype="float32", options={}),
                                   dict(dtype="bfloat16", options=dict(recompute="layer")),
                                   dict(dtype="bfloat16", options=dict(recompute="chunk")),
                                   dict(dtype="float32", options=dict(offload_state=True, mb_per_fetch=2,
-                                                                     prefetch_depth="resident", reuse_weights=True))],
-                         ids=["fp32", "bf16-layer", "bf16-chunk", "state-on-host-resident"])
+                                                                     prefetch_depth="resident", reuse_weights=True)),
+                                  dict(dtype="bfloat16", options=dict(mb_per_fetch=1, prefetch_depth=1,
+                                                                      reuse_weights="host"))],
+                         ids=["fp32", "bf16-layer", "bf16-chunk", "state-on-host-resident", "bf16-weights-on-host"])
 def test_the_simulators_memory_is_what_the_engine_allocates(case):
     from tawpipe.runtime.launch import run_local
 
-    for r in run_local(_accounting, 4, case, timeout=240):
+    results = run_local(_accounting, 4, case, timeout=240)
+    stashed = max(r["host_weights"] for r in results)  # the busiest rank's, as memory_per_rank counts
+    assert (stashed > 0) == (case["options"].get("reuse_weights") == "host")
+    for r in results:
         sim = r["sim"]
         assert sim["staging"] == r["staging"], r
         assert abs(sim["replicated"] - 4 * r["replicated"]) <= 16, r  # + the loss sum's element in the plan
         if r["offloaded"]:
-            assert sim["persistent"] == 0 and sim["host"] == r["persistent"] == r["state"], r
+            assert sim["persistent"] == 0 and sim["host"] == r["persistent"] + stashed == r["state"] + stashed, r
         else:
-            assert sim["persistent"] == r["persistent"] == r["state"] and sim["host"] == 0, r
+            assert sim["persistent"] == r["persistent"] == r["state"] and sim["host"] == stashed, r
 
 
 def test_the_simulators_auto_weighs_host_bytes_as_the_engines_does():

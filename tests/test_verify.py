@@ -257,7 +257,8 @@ def test_names_asked_once_per_key_are_the_names_of_every_action():
     asked = set()
     for plan in (build_plan(Topology(2, 2), 5, 2, layer_numel=3, replicated_numel=2),
                  build_plan(Topology(1, 3), 3, 2, algo="weipipe"),
-                 build_plan(Topology(2, 2), 4, 4, replicas=2, mb_per_fetch=2, prefetch_depth=2)):
+                 build_plan(Topology(2, 2), 4, 4, replicas=2, mb_per_fetch=2, prefetch_depth=2),
+                 build_plan(Topology(2, 2), 4, 2, reuse_weights="host")):
         programs = [plan.actions, setup_program(plan, 8), gather_program(plan), eval_program(plan, "w0")]
         names: dict = {}
         for acts in (a for program in programs for rank in program for a in rank):

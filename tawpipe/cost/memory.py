@@ -21,7 +21,7 @@ from typing import Any
 from ..plan import registry
 from ..plan.actions import GRAD_OPS, WEIGHT_OPS, BufKind, Op, buf_kind
 from ..plan.plan import Plan
-from ..plan.schedule import RESIDENT, build_plan, compute_actions, resident_depth
+from ..plan.schedule import HOST, RESIDENT, REUSE, build_plan, compute_actions, resident_depth
 from ..plan.topology import Topology
 from ..models.shape import LOSS_CHUNK_TOKENS, ModelDims
 from .traffic import plan_traffic
@@ -219,17 +219,24 @@ def memory_per_rank(plan: Plan, dims: ModelDims, savers: Savers = Savers(), *,
                     buffers: tuple[int, int] | None = None) -> MemoryEstimate:
     """The busiest rank's memory for ``plan`` on a model of ``dims`` (same layers as the plan),
     with the most bytes any of its ranks moves to and from the host (``host_traffic``, as
-    ``rank_memory`` counts it); ``buffers``: ``staging_buffers(plan)``, where the caller has
-    counted them already."""
+    ``rank_memory`` counts it) and keeps there (the chunks it stashes, ``stashed_bytes``);
+    ``buffers``: ``staging_buffers(plan)``, where the caller has counted them already."""
     weight_bufs, grad_bufs = buffers or staging_buffers(plan)
     out = _layout(dims, max(stop - start for start, stop in plan.chunk_layers), plan.replica_size,
                   int(plan.options.get("mb_per_fetch", 1)), weight_bufs, grad_bufs, savers)
-    if not (savers.offload_state or savers.offload_activations):
+    if not (savers.offload_state or savers.offload_activations or plan.options.get("reuse_weights") == HOST):
         return out
-    traffic = max(sum(host_bytes(plan, r, own_numel=plan.chunk_numel(plan.own_chunk(r)), grad_bytes=dims.grad_bytes,
-                                 input_bytes=dims.activation_numel * dims.dtype_bytes, savers=savers))
-                  for r in range(plan.replica_size))
-    return dataclasses.replace(out, host_traffic=traffic)
+    ranks = range(plan.replica_size)
+    traffic = max(sum(host_bytes(plan, r, own_numel=plan.chunk_numel(plan.own_chunk(r)), weight_bytes=dims.dtype_bytes,
+                                 grad_bytes=dims.grad_bytes, input_bytes=dims.activation_numel * dims.dtype_bytes,
+                                 savers=savers)) for r in ranks)
+    stashed = max(stashed_bytes(plan, r, plan.chunk_numel, dims.dtype_bytes) for r in ranks)
+    return dataclasses.replace(out, host=out.host + stashed, host_traffic=traffic)
+
+
+def stashed_bytes(plan: Plan, rank: int, chunk_numel: Callable[[int], int], weight_bytes: int) -> float:
+    """The chunks ``rank`` keeps in host memory (``reuse_weights="host"``): each it stashes, once."""
+    return sum(chunk_numel(c) for c in {a.chunk for a in plan.actions[rank] if a.op is Op.STASH_W}) * weight_bytes
 
 
 def staging_buffers(plan: Plan) -> tuple[int, int]:
@@ -303,22 +310,29 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
             lambda layers: _working_set(seq, micro_batch, hidden, heads, layers, weight_bytes))
         activations += _loss(micro_batch, seq, hidden, vocab, weight_bytes, chunked_loss)
     state = 0.0 if savers.offload_state else 16 * own
-    traffic = host_bytes(plan, rank, own_numel=own, grad_bytes=grad_bytes,
+    traffic = host_bytes(plan, rank, own_numel=own, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
                          input_bytes=micro_batch * seq * hidden * weight_bytes, savers=savers)
+    stashed = stashed_bytes(plan, rank, chunk_numel.__getitem__, weight_bytes)
     return MemoryEstimate(persistent=state, staging=staging, replicated=16 * replicated_numel,
-                          activations=activations, host=(0.0 if state else 16 * own) + offloaded,
+                          activations=activations, host=(0.0 if state else 16 * own) + offloaded + stashed,
                           host_traffic=sum(traffic))
 
 
-def host_bytes(plan: Plan, rank: int, *, own_numel: int, grad_bytes: int, input_bytes: float,
+def host_bytes(plan: Plan, rank: int, *, own_numel: int, weight_bytes: int, grad_bytes: int, input_bytes: float,
                savers: Savers) -> tuple[float, float]:
-    """Bytes ``rank`` moves to and from host memory in one iteration of ``plan``: with
+    """Bytes ``rank`` moves to and from host memory in one iteration of ``plan``: each STASH_W
+    and RESTORE_W of the plan moves its chunk's weights (``weight_bytes`` per parameter); with
     ``offload_state`` each of its LOAD_W reads the own float32 master (4 B per own parameter, cast
     on the device) and each ACC_G sends a gradient (``grad_bytes`` per own parameter); with
     ``offload_activations`` each forward stores what it keeps (its chunk input, or with
     ``recompute="block"`` every layer's; ``input_bytes``: B·S·H in the compute dtype) and each
     backward fetches it back."""
     to_host = from_host = 0.0
+    for a in plan.actions[rank]:
+        if a.op is Op.STASH_W:
+            to_host += plan.chunk_numel(a.chunk) * weight_bytes  # type: ignore[arg-type]
+        elif a.op is Op.RESTORE_W:
+            from_host += plan.chunk_numel(a.chunk) * weight_bytes  # type: ignore[arg-type]
     if savers.offload_state:
         count = Counter(a.op for a in plan.actions[rank])
         to_host += count[Op.ACC_G] * grad_bytes * own_numel
@@ -337,7 +351,13 @@ def busiest_rank_memory(plan: Plan, **sizes: Any) -> MemoryEstimate:
     return max((rank_memory(plan, r, **sizes) for r in range(plan.replica_size)), key=lambda m: m.total)
 
 
-Choice = tuple[int, int, bool]  # (k, prefetch depth, reuse_weights)
+Choice = tuple[int, int, bool | str]  # (k, prefetch depth, reuse_weights)
+
+
+def _key(choice: Choice) -> tuple[int, int, int]:
+    """A choice as a sort key: the smaller k and depth first, then no reuse, reuse, reuse with the host."""
+    k, d, reuse = choice
+    return k, d, REUSE.index(reuse)
 
 
 def fitting(options: dict[Choice, tuple[float, MemoryEstimate]], budget: float) -> tuple[int | None, Choice | None]:
@@ -371,7 +391,8 @@ class NothingFits(ValueError):
 def describe(choice: Choice, resident: int | None = None) -> str:
     """A choice as the summaries print it: ``k=2, resident depth 3, reuse``."""
     k, d, reuse = choice
-    return f"k={k}, {'resident ' if reuse and d == resident else ''}depth {d}, {'reuse' if reuse else 'no reuse'}"
+    reused = {False: "no reuse", True: "reuse", HOST: "reuse, the rest kept on the host"}[reuse]
+    return f"k={k}, {'resident ' if reuse is True and d == resident else ''}depth {d}, {reused}"
 
 
 def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float, *, resident: int | None = None,
@@ -385,12 +406,12 @@ def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float
     the choice and why, one line; NothingFits, naming the options that fix it, where nothing fits. ``resident``: the resident depth, named
     as such; ``budget_text``: where the budget comes from."""
     def order(c: Choice) -> tuple:
-        return options[c][0], options[c][1].host_traffic, options[c][1].total, c
+        return options[c][0], options[c][1].host_traffic, options[c][1].total, _key(c)
 
     within = _within(budget, budget_text)
     fits = sorted((c for c in options if options[c][1].total <= budget), key=order)
     if not fits:
-        least = min(options, key=lambda c: (options[c][1].total, options[c][0], c))
+        least = min(options, key=lambda c: (options[c][1].total, options[c][0], _key(c)))
         raise NothingFits(
             f"no schedule fits {within}: the least memory, {describe(least, resident)}, takes "
             f"{gib(options[least][1].total)} per rank; if the ranks have more, say how much with memory_budget, "
@@ -416,21 +437,24 @@ def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float
 
 
 def candidates(micro_batches: int, *, mb_per_fetch: int | str = AUTO, prefetch_depth: int | str = AUTO,
-               reuse_weights: bool | str = AUTO) -> list[tuple[int, int | str, bool]]:
+               reuse_weights: bool | str = AUTO, weights_on_host: bool = False) -> list[tuple[int, int | str, bool | str]]:
     """The (k, depth, reuse) that ``auto`` weighs, the given values kept: every k that divides
-    ``micro_batches``; depth 1 without and with reuse, and the resident depth (with reuse, which
-    it needs). Given values that cannot go together stay, so that ``build_plan`` names them."""
+    ``micro_batches``; depth 1 without and with reuse (and ``weights_on_host``: with the rest of
+    the fetched chunks kept on the host), and the resident depth (with reuse, which it needs; the
+    host then keeps nothing). Given values that cannot go together stay, so that ``build_plan``
+    names them."""
     ks = [k for k in range(1, micro_batches + 1) if micro_batches % k == 0] if mb_per_fetch == AUTO else [mb_per_fetch]
     depths = [1, RESIDENT] if prefetch_depth == AUTO else [prefetch_depth]
-    reuses = [False, True] if reuse_weights == AUTO else [reuse_weights]
+    reuses = [False, True, *[HOST] * weights_on_host] if reuse_weights == AUTO else [reuse_weights]
     chosen = AUTO in (prefetch_depth, reuse_weights)
-    return [(k, d, r) for d in depths for r in reuses for k in ks if r or d != RESIDENT or not chosen]
+    return [(k, d, r) for d in depths for r in reuses for k in ks
+            if (r or d != RESIDENT or not chosen) and (r != HOST or d != RESIDENT or not chosen)]
 
 
 def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory: Callable[[Plan], MemoryEstimate],
               budget: float, budget_text: str = "", strict: bool = True, mb_per_fetch: int | str = AUTO,
               prefetch_depth: int | str = AUTO, reuse_weights: bool | str = AUTO, built: dict | None = None,
-              **plan_args: Any) -> tuple[Plan, str | None]:
+              weights_on_host: bool = False, **plan_args: Any) -> tuple[Plan, str | None]:
     """``build_plan(topology, num_layers, micro_batches, **plan_args)`` with the options left
     ``"auto"`` chosen by ``choose`` among ``candidates``: each candidate's plan is built, its
     busiest node's inter-node bytes counted (``plan_traffic``) and its memory taken from
@@ -439,7 +463,9 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
     chosen (None: every option was given). Where nothing fits, NothingFits if ``strict`` (a
     budget the user gave); otherwise the least memory, for the caller's own check to judge. Every
     option given and a ``strict`` budget they exceed: NothingFits too. ``built``: plans and their
-    traffic already counted, by options, shared between calls that differ in ``memory`` only."""
+    traffic already counted, by options, shared between calls that differ in ``memory`` only.
+    ``weights_on_host``: weigh ``reuse_weights="host"`` too (a device that is not the host, whose
+    host memory holds what the plan stashes; the memory counted is the device's)."""
     built = {} if built is None else built
 
     def build(**options: Any) -> Plan:
@@ -462,19 +488,20 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
     if len(given) == len(asked):
         return fixed(asked, None, 'leave them "auto" to choose what fits, or give a larger memory_budget')
     shown = {"mb_per_fetch": f"k={mb_per_fetch}", "prefetch_depth": f"depth {prefetch_depth}",
-             "reuse_weights": "reuse" if reuse_weights is True else "no reuse"}
+             "reuse_weights": {True: "reuse", HOST: "reuse with the host"}.get(reuse_weights, "no reuse")}
     note = f" ({', '.join(shown[n] for n in given)} given)" if given else ""
     algo = plan_args.get("algo", "tawpipe")
     if not registry.get(algo).tunable:
         return fixed({"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": False, **given},
                      f"{describe((1, 1, False))} — {algo} runs the paper's settings only{note}",
                      f"{algo} runs the paper's settings only: give a larger memory_budget")
-    todo = candidates(micro_batches, **asked)
+    todo = candidates(micro_batches, **asked, weights_on_host=weights_on_host)
     computes = compute_actions(topology, micro_batches, plan_args.get("replicas", 1))
     large = computes * len(todo) > AUTO_BUILD_COMPUTE_ACTIONS
     if large:
         wb, gb = plan_args.get("weight_bytes", 2), plan_args.get("grad_bytes", 4)
-        todo.sort(key=lambda c: (((1 if c[1] == RESIDENT and c[2] else 2) * wb + gb) / c[0], not c[2]))
+        todo.sort(key=lambda c: (((1 if (c[1] == RESIDENT and c[2]) or c[2] == HOST else 2) * wb + gb) / c[0],
+                                 not c[2], c[2] == HOST))
         note += " (a large plan: candidates built in the closed form's order of bytes, the first that fits taken)"
     options: dict[Choice, tuple[float, MemoryEstimate]] = {}
     plans: dict[Choice, Plan] = {}

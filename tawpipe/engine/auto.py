@@ -84,7 +84,8 @@ def engine_plan(topology: Topology, num_layers: int, micro_batches: int, *, devi
     vocab, chunked_loss) where the caller knows it (``tawpipe train``); all as the memory ``savers`` leave it.
     Several ``savers`` (``cost.memory.savers_ladder``, fastest first): the first with which a
     schedule fits, returned with the plan; only where ``batch`` is known, since what they save is
-    mostly activations. Returns the plan, the savers and why (None: nothing was left to choose)."""
+    mostly activations. Off the CPU, ``reuse_weights="host"`` is weighed too (the device's memory is
+    what it saves). Returns the plan, the savers and why (None: nothing was left to choose)."""
     asked = dict(mb_per_fetch=mb_per_fetch, prefetch_depth=prefetch_depth, reuse_weights=reuse_weights)
     ladder = (savers,) if isinstance(savers, Savers) else tuple(savers)
     if len(ladder) > 1 and not batch:
@@ -107,4 +108,5 @@ def engine_plan(topology: Topology, num_layers: int, micro_batches: int, *, devi
                                    **sizes)
 
     return auto_savers_plan(ladder, memory, topology=topology, num_layers=num_layers, micro_batches=micro_batches,
-                            budget=measured, budget_text=where, strict=budget is not None, **asked, **plan_args)
+                            budget=measured, budget_text=where, strict=budget is not None,
+                            weights_on_host=device.type != "cpu", **asked, **plan_args)

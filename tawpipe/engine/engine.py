@@ -183,8 +183,8 @@ class TawPipe:
         return int(self.plan.options["prefetch_depth"])
 
     @property
-    def reuse_weights(self) -> bool:
-        return bool(self.plan.options["reuse_weights"])
+    def reuse_weights(self) -> bool | str:
+        return self.plan.options["reuse_weights"]
 
     @property
     def skipped_steps(self) -> int:
@@ -263,7 +263,8 @@ class TawPipe:
     def host_traffic(self) -> tuple[int, int]:
         """Bytes this rank moved to and from host memory since it was built: the own chunk's
         gradients and master with ``offload_state``, the chunk inputs with
-        ``offload_activations`` (``cost.memory.host_bytes`` counts the same from the plan)."""
+        ``offload_activations``, the stashed chunks with ``reuse_weights="host"``
+        (``cost.memory.host_bytes`` counts the same from the plan)."""
         a = self.compute.activations
         to_host = self.storage.to_host + (a.stored_bytes if a is not None else 0)
         return to_host, self.storage.from_host + (a.fetched_bytes if a is not None else 0)
@@ -517,6 +518,10 @@ class TawPipe:
             return lambda: self.compute.backward(a, self._state)
         if a.op is Op.LOAD_W:
             return lambda: s.load_master(a.buf, a.chunk)
+        if a.op is Op.STASH_W:
+            return lambda: s.stash(a.buf, a.chunk)
+        if a.op is Op.RESTORE_W:
+            return lambda: s.restore(a.buf, a.chunk)
         if a.op is Op.STEP:
             return self._optimizer_step
         if a.op is Op.ACC_G:

@@ -80,7 +80,7 @@ def fields(plan: Plan, *, compute_dtype: torch.dtype, grad_dtype: torch.dtype, b
         ("grad_route", _digest(o.get("grad_route")), str(o.get("grad_route"))),
         ("prefetch_depth", int(o["prefetch_depth"]), str(o["prefetch_depth"])),
         ("mb_per_fetch", int(o["mb_per_fetch"]), str(o["mb_per_fetch"])),
-        ("reuse_weights", int(bool(o["reuse_weights"])), str(bool(o["reuse_weights"]))),
+        ("reuse_weights", _digest(o["reuse_weights"]), str(o["reuse_weights"])),
         ("compute_dtype", _digest(str(compute_dtype)), str(compute_dtype)),
         ("grad_wire_dtype", _digest(str(grad_dtype)), str(grad_dtype)),
         ("block parameters", _digest(param_signature(block.named_parameters())), "names, shapes, dtypes"),

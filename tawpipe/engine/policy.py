@@ -20,7 +20,7 @@ from ..cost.memory import AUTO, Savers
 from ..ops import SUPPORTED_DTYPES
 from ..plan import registry
 from ..plan.plan import GRAD_ROUTES
-from ..plan.schedule import RESIDENT
+from ..plan.schedule import HOST, RESIDENT
 from ..runtime import comm as comm_backends
 from ..runtime.comm import Comm
 from .precision import Precision
@@ -38,7 +38,8 @@ class SchedulePolicy:
     ``prefetch_depth`` fetches weights that many slots ahead (``"resident"``, with reuse: far
     enough that every fetched chunk stays); ``mb_per_fetch`` runs each resident chunk for that
     many micro-batches per fetch; ``reuse_weights`` skips the fetch of a chunk still in a staging
-    buffer. Each left ``"auto"`` is chosen by the cost model: the fewest inter-node bytes whose
+    buffer, and ``"host"`` also keeps the fetched chunks needed again in pinned host memory, so
+    that each crosses the network once per iteration whatever the depth (design §3.2). Each left ``"auto"`` is chosen by the cost model: the fewest inter-node bytes whose
     memory fits ``MemoryPolicy.budget`` (design §7.3); the paper's schedule is ``mb_per_fetch=1,
     prefetch_depth=1, reuse_weights=False``. ``replicas`` R splits the nodes into R pipelines of
     whole nodes whose chunks' R owners add their gradients once per step (design §3.5).
@@ -61,8 +62,8 @@ class SchedulePolicy:
         if not (self.prefetch_depth in (AUTO, RESIDENT) or (_whole(self.prefetch_depth) and self.prefetch_depth >= 1)):
             raise ValueError(f"prefetch_depth must be 'auto', {RESIDENT!r} or an integer >= 1, "
                              f"got {self.prefetch_depth!r}")
-        if not (self.reuse_weights == AUTO or isinstance(self.reuse_weights, bool)):
-            raise ValueError(f"reuse_weights must be 'auto', True or False, got {self.reuse_weights!r}")
+        if not (self.reuse_weights in (AUTO, HOST) or isinstance(self.reuse_weights, bool)):
+            raise ValueError(f"reuse_weights must be 'auto', True, False or {HOST!r}, got {self.reuse_weights!r}")
         if not (_whole(self.replicas) and self.replicas >= 1):
             raise ValueError(f"replicas must be an integer >= 1, got {self.replicas!r}")
 

@@ -10,7 +10,9 @@ memory too, 16 B per parameter read and written there (on the device it would mo
 parameter across PCIe every step instead). The replicated modules
 (embedding, head) keep their own parameters, whose ``.grad`` are views of one flat buffer
 ``rep`` that also holds this rank's loss sum, so the replicated all-reduce is one collective on
-memory that backward writes directly. Staging buffers are the plan's named buffers.
+memory that backward writes directly. Staging buffers are the plan's named buffers; with
+``reuse_weights="host"`` each chunk the plan stashes (``STASH_W``) also has a compute-dtype copy
+in pinned host memory, written right after the chunk's fetch and read back by ``RESTORE_W``.
 
 Gradients are harvested without packing: the leaves a chunk's backward differentiates carry
 persistent ``.grad`` views into the plan's gradient buffer (when the dtypes agree) or into one
@@ -29,7 +31,7 @@ import torch.nn as nn
 
 from ..models.parts import Materialize, block_param_name
 from ..ops import ShardLayout
-from ..plan.actions import BufKind, buf_kind
+from ..plan.actions import BufKind, Op, buf_kind
 from ..plan.plan import Plan
 from ..runtime.timeout import DEFAULT_TIMEOUT
 from ..runtime.offload import HostOffload
@@ -64,6 +66,7 @@ class MemoryReport:
     decoder_params: int
     world_size: int
     offloaded: bool = False  # master, accumulator and optimizer state in host memory
+    host_weights: int = 0  # stashed chunks in host memory (reuse_weights="host")
 
     @property
     def persistent(self) -> int:
@@ -81,6 +84,7 @@ class MemoryReport:
             f"{self.grad_accumulator * mb:.2f} = {self.persistent * mb:.2f} MiB "
             f"(16*Psi/N = {self.sharded_target * mb:.2f}){' in host memory' if self.offloaded else ''}; "
             f"staging: {st} MiB; replicated {self.replicated * mb:.2f} MiB"
+            + (f"; stashed weights {self.host_weights * mb:.2f} MiB in host memory" if self.host_weights else "")
         )
 
 
@@ -115,7 +119,7 @@ class ChunkStorage:
         self._init_replicated(replicated)
         self._init_staging()
         self._leaves: dict[tuple[str, str, int], list[torch.Tensor]] = {}
-        self.to_host = self.from_host = 0  # bytes the own chunk's state moved with the host (offload)
+        self.to_host = self.from_host = 0  # bytes moved with the host: the own state (offload), stashed weights
 
     def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None,
                   offload: bool, timeout: float) -> None:
@@ -166,6 +170,9 @@ class ChunkStorage:
         scratch = self.layer_layout.numel if self.layerwise else numel
         self.scratch = (torch.empty(scratch, dtype=self.compute_dtype, device=self.device)
                         if self.compute_dtype != self.grad_dtype else None)
+        stashed = sorted({a.chunk for a in self.plan.actions[self.rank] if a.op is Op.STASH_W})
+        self.host = {c: torch.empty(self.numel(c), dtype=self.compute_dtype, pin_memory=self.device.type == "cuda")
+                     for c in stashed}  # type: ignore[misc]
 
     def chunk(self, name: str, chunk: int) -> torch.Tensor:
         """The part of buffer ``name`` that holds ``chunk``."""
@@ -222,6 +229,17 @@ class ChunkStorage:
             self.offload.load_weights_into(dst)
             self.from_host += self.master.nbytes  # the float32 master crosses, cast on the device
 
+    def stash(self, buf: str, chunk: int) -> None:
+        """STASH_W: the chunk just fetched into ``buf``, copied to its host buffer (on the weights
+        channel's stream: its later fetches and restores queue behind the copy)."""
+        self.host[chunk].copy_(self.chunk(buf, chunk), non_blocking=True)
+        self.to_host += self.host[chunk].nbytes
+
+    def restore(self, buf: str, chunk: int) -> None:
+        """RESTORE_W: the chunk's host copy back into a staging buffer."""
+        self.chunk(buf, chunk).copy_(self.host[chunk], non_blocking=True)
+        self.from_host += self.host[chunk].nbytes
+
     def accumulate(self, buf: str, chunk: int) -> None:
         """ACC_G: a gradient buffer added into the own float32 accumulator."""
         src = self.chunk(buf, chunk)
@@ -246,11 +264,12 @@ class ChunkStorage:
         opt = sum(t.numel() * t.element_size() for _, p in self.own_params
                   for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t) and t.dim() > 0)
         staging = {k: v.numel() * v.element_size() for k, v in self.bufs.items()}
+        host = sum(t.nbytes for t in self.host.values())
         if self.scratch is not None:
             staging["scratch"] = self.scratch.numel() * self.scratch.element_size()
         return MemoryReport(
             master=self.master.numel() * 4, optimizer=opt, grad_accumulator=self.grad_acc.numel() * 4,
             staging=staging, replicated=sum(p.numel() * p.element_size() for _, p in self.replicated),
             decoder_params=self.decoder_params, world_size=self.plan.replica_size,
-            offloaded=self.offload is not None,
+            offloaded=self.offload is not None, host_weights=host,
         )

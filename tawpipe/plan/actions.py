@@ -38,6 +38,8 @@ class Op(str, enum.Enum):
     EVAL_F = "EVAL_F"
     ALLREDUCE_EVAL = "ALLREDUCE_EVAL"
     ALLREDUCE_G = "ALLREDUCE_G"
+    STASH_W = "STASH_W"
+    RESTORE_W = "RESTORE_W"
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,12 @@ def weight_buf(i: int) -> str:
     return f"w{i}"
 
 
+def host_buf(chunk: int) -> str:
+    """Where a rank keeps chunk ``chunk``'s weights in its pinned host memory (``STASH_W``): one
+    per chunk, named by the chunk, not by the action's ``buf``, which is the device buffer."""
+    return f"host{chunk}"
+
+
 def grad_buf(i: int) -> str:
     """The i-th gradient staging buffer: ``g0 .. gd``."""
     return f"g{i}"
@@ -265,6 +273,10 @@ def _reduce_writes(a: Action, _p: Plan) -> Names:
     return (a.buf,) if a.root == a.rank else ()
 
 
+def _host(a: Action, _p: Plan) -> Names:
+    return (host_buf(a.chunk),)  # type: ignore[arg-type]
+
+
 def _const(*names: str) -> Callable[[Action, Plan], Names]:
     return lambda _a, _p: names
 
@@ -305,9 +317,14 @@ OPS: dict[Op, OpSpec] = {
     # loss sums of every rank added up
     Op.EVAL_F: OpSpec(Channel.COMPUTE, None, None, lambda a, _p: (a.buf, EVAL), _const(EVAL)),
     Op.ALLREDUCE_EVAL: OpSpec(Channel.STEP, "collective", "eval", _const(EVAL), _const(EVAL), scope="job"),
+    # reuse_weights="host" (design §3.2): a fetched chunk needed again after its buffer is refilled
+    # is copied to this rank's pinned host memory right after the fetch, and comes back over PCIe,
+    # not over the network, for its later uses; on the weights channel, in order with the fetches
+    Op.STASH_W: OpSpec(Channel.WEIGHTS, None, None, _buf, _host),
+    Op.RESTORE_W: OpSpec(Channel.WEIGHTS, None, None, _host, _buf),
 }
 
-WEIGHT_OPS = frozenset({Op.LOAD_W, Op.SEND_W, Op.RECV_W, Op.BCAST_W, Op.F, Op.B})  # touch weight bufs
+WEIGHT_OPS = frozenset({Op.LOAD_W, Op.SEND_W, Op.RECV_W, Op.BCAST_W, Op.F, Op.B, Op.STASH_W, Op.RESTORE_W})  # touch weight bufs
 GRAD_OPS = frozenset({Op.REDUCE_G, Op.SEND_G, Op.RECV_G, Op.ACC_G})  # touch gradient bufs
 
 

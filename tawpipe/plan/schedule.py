@@ -22,6 +22,8 @@ from .plan import Plan, Programs
 from .topology import Topology
 
 RESIDENT = "resident"
+HOST = "host"  # reuse_weights: reuse, and keep what the staging buffers cannot hold in pinned host memory
+REUSE = (False, True, HOST)
 SETTLE_ACTIONS = 1_000_000  # from this many actions, a new plan goes straight to the oldest generation (settle)
 
 
@@ -59,7 +61,7 @@ def build_plan(
     grad_route: str = "rail",
     prefetch_depth: int | str = 1,
     mb_per_fetch: int = 1,
-    reuse_weights: bool = False,
+    reuse_weights: bool | str = False,
     layer_numel: int = 1,
     weight_bytes: int = 2,
     grad_bytes: int = 4,
@@ -77,12 +79,17 @@ def build_plan(
     which needs ``reuse_weights``. ``mb_per_fetch`` k: a resident chunk runs k
     micro-batches back to back, so each fetch and each gradient route serves k micro-batches;
     k = 1 is the paper's schedule. ``reuse_weights``: a chunk still in a staging buffer when it is
-    needed again is not fetched again (design §3.2); off, the plan is the paper's. Chunks are
+    needed again is not fetched again (design §3.2); off, the plan is the paper's; ``"host"``: as
+    True, and a fetched chunk that its buffer cannot keep until its next use is kept in the rank's
+    pinned host memory and brought back from there (``STASH_W``/``RESTORE_W``), so that every chunk
+    crosses the network once per iteration, as at the resident depth, through d + 1 buffers. Chunks are
     balanced: the first ``num_layers mod N`` chunks hold one extra layer. Message sizes are
     layers x ``layer_numel`` x the dtype size of weights or gradients.
     """
     job = topology
     topology = _replica_topology(job, replicas, num_layers)
+    if not any(reuse_weights is r for r in REUSE) and reuse_weights != HOST:
+        raise ValueError(f"reuse_weights must be True, False or {HOST!r}, got {reuse_weights!r}")
     if prefetch_depth == RESIDENT and isinstance(topology, Topology):
         if not reuse_weights:
             raise ValueError("prefetch_depth='resident' keeps fetched chunks only if they are reused: "

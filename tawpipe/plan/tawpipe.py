@@ -21,6 +21,7 @@ from .actions import G_RECV, W_OWN, Action, Op, grad_buf, new_action, weight_buf
 from .events import Events, finish
 from .plan import GRAD_ROUTES, Plan
 from .registry import ChunkLayout, Schedule, register
+from .schedule import HOST
 from .tables import by_slot, compute_word, table_row
 from .topology import Topology
 
@@ -71,12 +72,13 @@ class TawPhase(enum.IntEnum):
     LOAD = 1  # owners cast their master into a staging buffer
     FETCH = 2  # remote chunks: owner -> staging device P2P
     BCAST = 3  # staging device -> group broadcast
-    REDUCE = 4  # gradients of the previous slot's B: group reduce to the router
-    ROUTE = 5  # router -> owner P2P
-    COMPUTE = 6  # F or B of the resident chunk, k micro-batches
-    ACC = 7  # owners add routed gradients into their accumulator
-    STATS = 8
-    STEP = 9
+    STASH = 4  # reuse_weights="host": what was just staged, also kept in host memory
+    REDUCE = 5  # gradients of the previous slot's B: group reduce to the router
+    ROUTE = 6  # router -> owner P2P
+    COMPUTE = 7  # F or B of the resident chunk, k micro-batches
+    ACC = 8  # owners add routed gradients into their accumulator
+    STATS = 9
+    STEP = 10
 
 
 def _events(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str, list[int]],
@@ -92,13 +94,19 @@ def _events(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str, 
         for r in everyone:
             out.add(TawPhase.LOAD, new_action(-1, r, Op.LOAD_W, chunk=owner.index(r), buf=W_OWN))
 
-    def fetch(need: int, g: int, chunk: int, buf: str) -> None:
+    def fetch(need: int, g: int, chunk: int, buf: str, how: str, stash: bool) -> None:
         """Stage ``chunk`` for slot ``need``, issued ``depth`` slots earlier. Fetches for the first
         slots all start before slot 0; they go in the order compute needs them, so a remote fetch
-        never holds up the broadcast of a chunk needed before it."""
+        never holds up the broadcast of a chunk needed before it. ``how``: over the links
+        (``_FETCH``), or from every member's host memory (``_RESTORE``); ``stash``: what was
+        fetched is kept in host memory too."""
         slot = max(need - depth, -1)
         order = need if slot == -1 else 0
         members, o, nb = groups[g], owner[chunk], nbytes["w"][chunk]
+        if how == _RESTORE:
+            for r in members:
+                out.add(TawPhase.LOAD, new_action(slot, r, Op.RESTORE_W, chunk=chunk, buf=buf), order=order)
+            return
         if topo.group_of(o) == g:  # local chunk: the owner stages its own copy
             out.add(TawPhase.LOAD, new_action(slot, o, Op.LOAD_W, chunk=chunk, buf=buf), order=order)
             src = o
@@ -107,6 +115,9 @@ def _events(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str, 
             out.pair(TawPhase.FETCH, slot, o, src, Op.SEND_W, Op.RECV_W, chunk, W_OWN, buf, nb, order=order)
         if s > 1:
             out.collective(TawPhase.BCAST, slot, Op.BCAST_W, members, src, chunk, buf, nb, order=order)
+        if stash:
+            for r in members:
+                out.add(TawPhase.STASH, new_action(slot, r, Op.STASH_W, chunk=chunk, buf=buf), order=order)
 
     def route(slot: int, g: int, chunk: int, buf: str) -> None:
         members, o, nb = groups[g], owner[chunk], nbytes["g"][chunk]
@@ -123,18 +134,18 @@ def _events(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str, 
             out.add(TawPhase.ACC, new_action(slot, o, Op.ACC_G, chunk=chunk, buf=G_RECV))
 
     uses = [(Op.F, v) if v < n else (Op.B, 2 * n - 1 - v) for v in range(2 * n)] * (acc // k)
-    placement = _place_weights([c for _, c in uses], depth, reuse)
+    placement, stashed = _place_weights([c for _, c in uses], depth, reuse)
     # d + 1 gradient buffers, so that a B never waits for the reduce of the one before; a single
     # device reduces nothing, and its one buffer is added to the accumulator before the next B
     gbufs, b_op, computes = [grad_buf(j) for j in range(depth + 1 if n > 1 else 1)], Op.B, TawPhase.COMPUTE
     for g in range(G):
         members = groups[g]
         backwards = 0
-        for u, ((op, chunk), (wbuf, fetched)) in enumerate(zip(uses, placement)):
+        for u, ((op, chunk), (wbuf, how)) in enumerate(zip(uses, placement)):
             slot = g + u
             first = u // (2 * n) * k  # the round's first micro-batch
-            if fetched:
-                fetch(slot, g, chunk, wbuf)
+            if how is not None:
+                fetch(slot, g, chunk, wbuf, how, u in stashed)
             gbuf = None
             if op is b_op:
                 gbuf = gbufs[backwards % len(gbufs)]
@@ -148,8 +159,12 @@ def _events(topo: Topology, acc: int, owner: tuple[int, ...], nbytes: dict[str, 
     return out, step_slot + 1
 
 
-def _place_weights(chunks: list[int], depth: int, reuse: bool) -> list[tuple[str, bool]]:
-    """For the chunk each compute slot uses: its weight buffer, and whether it must be fetched.
+_FETCH, _RESTORE = "fetch", "restore"  # how a chunk reaches its staging buffer
+
+
+def _place_weights(chunks: list[int], depth: int, reuse: bool | str) -> tuple[list[tuple[str, str | None]], set[int]]:
+    """For the chunk each compute slot uses: its weight buffer and how it gets there (None: it is
+    still there; ``_FETCH``; ``_RESTORE``), and the slots whose fetch is also stashed.
 
     There are depth + 1 buffers, and the fetch for slot t is issued at slot t - depth, so it must
     go to a buffer no slot from t - depth on still uses (one always exists: d slots use at most d
@@ -157,30 +172,40 @@ def _place_weights(chunks: list[int], depth: int, reuse: bool) -> list[tuple[str
     (F then B of the same chunk); where the turn's buffer is still in use (a turnaround held it
     one slot longer, at depth >= 2) the fetch takes the free buffer used longest ago instead. With
     ``reuse``, the fetch goes to a free buffer evicting the chunk needed again the latest, and a
-    chunk still in its buffer when it is needed again is not fetched again (design §3.2)."""
+    chunk still in its buffer when it is needed again is not fetched again (design §3.2). With
+    ``reuse="host"``, a chunk evicted while still needed was stashed by the fetch that brought it,
+    and every later fetch of it is a restore from host memory."""
     nbuf = depth + 1
     held: list[int | None] = [None] * nbuf  # chunk in each buffer
     last = [-nbuf - depth] * nbuf  # last slot that uses each buffer
-    where: list[tuple[str, bool]] = []
+    filled = [0] * nbuf  # the slot whose fetch filled each buffer
+    on_host: set[int] = set()
+    stashed: set[int] = set()
+    where: list[tuple[str, str | None]] = []
     fetches = 0
 
     def next_use(b: int, t: int) -> int:
         return next((u for u in range(t, len(chunks)) if chunks[u] == held[b]), len(chunks))
 
     for t, c in enumerate(chunks):
+        how: str | None = None
         if c in held and (reuse or chunks[t - 1] == c):
-            b, fetched = held.index(c), False
+            b = held.index(c)
         else:
             free = [b for b in range(nbuf) if last[b] < t - depth]
             if reuse:
                 b = max(free, key=lambda b: (next_use(b, t), -b))
             else:
                 b = fetches % nbuf if fetches % nbuf in free else min(free, key=lambda b: (last[b], b))
-            fetched = True
-        fetches += fetched
+            evicted = held[b]
+            if reuse == HOST and evicted is not None and evicted not in on_host and next_use(b, t) < len(chunks):
+                stashed.add(filled[b])
+                on_host.add(evicted)
+            how, filled[b] = (_RESTORE if c in on_host else _FETCH), t
+            fetches += 1
         held[b], last[b] = c, t
-        where.append((weight_buf(b), fetched))
-    return where
+        where.append((weight_buf(b), how))
+    return where, stashed
 
 
 def _table(plan: Plan) -> str:
@@ -219,6 +244,8 @@ def _cell(acts: list[Action], slot: int, acc: int) -> list[str]:
         parts.append(f"bcast from r{root}" if short else f"bcast W{chunk} from r{root}")
     if not bcasts and not staged:
         parts += [f"load W{a.chunk} on r{a.rank}" for a in acts if a.op is Op.LOAD_W and a.buf != W_OWN]
+    parts += [f"{word} W{c}" for word, op in (("keep on host", Op.STASH_W), ("restore", Op.RESTORE_W))
+              for c in dict.fromkeys(a.chunk for a in acts if a.op is op)]
     reduce = next((a for a in acts if a.op is Op.REDUCE_G), None)
     if reduce is not None:
         parts.append(f"reduce G{reduce.chunk}→r{reduce.root}")

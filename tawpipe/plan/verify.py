@@ -37,7 +37,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from . import registry
-from .actions import OPS, Action, Channel, Names, Op, PlanError, describe, no_gc
+from .actions import OPS, Action, Channel, Names, Op, PlanError, describe, host_buf, no_gc
 from .execution import _Simulation
 from .plan import Plan
 from .screen import _ACC_G, _B, _F, _check_compute_order, _check_shifts, _check_static, _fail, _Seen
@@ -250,6 +250,12 @@ class Verifier:
             c = self._grad(a, a.buf)  # type: ignore[arg-type]
             c.consumed = True
             self.accum[r].extend(c.items)
+        elif op is Op.STASH_W:  # the chunk a device buffer holds, kept in host memory
+            self._weight(a, a.buf)  # type: ignore[arg-type]
+            self.bufs[a.rank][host_buf(a.chunk)] = (a.chunk, a)  # type: ignore[arg-type]
+        elif op is Op.RESTORE_W:  # and brought back into a device buffer
+            self._weight(a, host_buf(a.chunk))  # type: ignore[arg-type]
+            self.bufs[a.rank][a.buf] = (a.chunk, a)  # type: ignore[index]
 
     def _pair(self, s: Action, d: Action) -> None:
         if (s.op, d.op) not in _PAIRS:

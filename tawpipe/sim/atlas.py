@@ -15,7 +15,8 @@ The methods, and the rules that choose their settings and memory savers (design 
 
 - TawPipe: replicas R over the divisors of the nodes whose pipelines (8·nodes/R ranks) have no
   more ranks than layers and no more forwards and backwards than ``compare`` plays; k over the
-  divisors of acc; prefetch depth 1 without reuse, or every chunk resident with reuse; times the
+  divisors of acc; prefetch depth 1 without reuse, every chunk resident with reuse, or depth 1
+  with the fetched chunks kept in host memory (``reuse_weights="host"``); times the
   memory savers of ``SAVERS``. Per setting, the savers that fit and that no savers fitting before
   them dominate (``compare.dominates``) are candidates. A candidate's memory and a lower bound on
   its time come from its plan without playing it (the largest of rank 0's compute under its
@@ -52,7 +53,7 @@ from ..cost.memory import MemoryEstimate, Savers, host_bytes, savers_ladder, sta
 from ..cost.traffic import plan_traffic
 from ..plan.actions import OPS, Channel, batches
 from ..plan.plan import Plan
-from ..plan.schedule import RESIDENT
+from ..plan.schedule import HOST, RESIDENT
 from . import compare
 from .compare import TIE, taw_settings, title
 from .hardware import HOST, Cluster, Host, device, link
@@ -179,7 +180,8 @@ def _resolved(s: dict, plan: Plan) -> dict:
 def _pcie_floor(plan: Plan, work: Workload, savers: Savers, cluster: Cluster) -> float:
     """Rank 0's busier PCIe direction under ``savers`` over the link's rate."""
     d = work.dims
-    moved = host_bytes(plan, 0, own_numel=plan.chunk_numel(plan.own_chunk(0)), grad_bytes=d.grad_bytes,
+    moved = host_bytes(plan, 0, own_numel=plan.chunk_numel(plan.own_chunk(0)), weight_bytes=d.dtype_bytes,
+                       grad_bytes=d.grad_bytes,
                        input_bytes=d.activation_numel * d.dtype_bytes, savers=savers)
     return max(moved) / cluster.host.pcie.bandwidth
 
@@ -463,7 +465,8 @@ def _settings_text(s: dict | None, savers: str | None = None) -> str:
     if "stages" in s:
         return f"P={s['stages']}"
     depth = "res" if s.get("resident") else f"d{s.get('prefetch_depth', 1)}"
-    return (f"R={s.get('replicas', 1)} k={s.get('mb_per_fetch', 1)} {depth}{'+reuse' if s.get('reuse_weights') else ''}"
+    reuse = {True: "+reuse", HOST: "+host"}.get(s.get("reuse_weights"), "")
+    return (f"R={s.get('replicas', 1)} k={s.get('mb_per_fetch', 1)} {depth}{reuse}"
             + (f" {savers}" if savers else ""))
 
 
@@ -502,7 +505,8 @@ def markdown(rows: list[dict], grid: Grid = FULL, stats: dict | None = None) -> 
         "",
         f"Fits: memory per device ≤ {device(grid.device).memory / GiB:.1f} GiB and what a node's ranks keep on the "
         "host within its memory. Every method runs the fastest of its memory savers that fits: TawPipe its settings "
-        "(R, k, depth) and savers (recompute none, chunk, block or layer; activations and the optimizer state on "
+        "(R, k, depth: res = every chunk resident on the device, d1+host = two buffers and the fetched chunks kept "
+        "in host memory) and savers (recompute none, chunk, block or layer; activations and the optimizer state on "
         "the host); DDP, FSDP2 (reduce-scatter on the last micro-batch; FSDP2-mm: on every one), FSDP2-node "
         "(intra-node reshard) and HSDP with or without per-block checkpointing and torch's save_on_cpu; 1F1B "
         "(P stages, N/P copies; P searched) with or without checkpointing; WeiPipe (where N ≤ L) recomputing each "

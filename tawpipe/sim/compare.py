@@ -16,7 +16,7 @@ from ..cost.memory import AUTO, MemoryEstimate, Savers, loss_bytes, memory_per_r
 from ..models.shape import ModelDims
 from ..plan import registry
 from ..plan.plan import Plan
-from ..plan.schedule import RESIDENT, compute_actions
+from ..plan.schedule import HOST, RESIDENT, compute_actions
 from ..plan.topology import Topology
 from .hardware import Cluster
 from .network import Result, simulate
@@ -256,14 +256,15 @@ def bottleneck(row: Row, cluster: Cluster) -> str:
 def taw_settings(nodes: int, per_node: int, layers: int, acc: int) -> list[dict[str, Any]]:
     """TawPipe's settings worth trying: replicas over the divisors of the nodes whose pipelines
     have no more ranks than layers (and a plan the player takes), k over the divisors of acc,
-    every chunk resident (with reuse) or depth 1."""
+    every chunk resident (with reuse), or depth 1 without reuse or with the fetched chunks kept on
+    the host (the resident depth's inter-node bytes through two buffers)."""
     out = []
     for r in range(1, nodes + 1):
         if nodes % r or nodes * per_node // r > layers or \
                 compute_actions(Topology(nodes, per_node), acc, r) > MOST_COMPUTE_ACTIONS:
             continue
         for k in sorted((k for k in range(1, acc + 1) if acc % k == 0), reverse=True):
-            for depth, reuse in ((RESIDENT, True), (1, False)):
+            for depth, reuse in ((RESIDENT, True), (1, HOST), (1, False)):
                 out.append({"replicas": r, "mb_per_fetch": k, "prefetch_depth": depth, "reuse_weights": reuse})
     return out
 

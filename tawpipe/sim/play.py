@@ -110,7 +110,8 @@ class _HostCopies:
     under "block" the engine fetches a chunk's layer inputs one at a time during its backward,
     played here as one copy of the same bytes before it); with offloaded state,
     each LOAD_W reads the float32 master before its cast, each ACC_G sends the gradient to the
-    host, which adds it, and the host steps the own chunk."""
+    host, which adds it, and the host steps the own chunk. A STASH_W or RESTORE_W (``reuse_weights=
+    "host"``) is its chunk's weights crossing, in order on the weights channel as the engine runs it."""
 
     def __init__(self, g: Graph, plan: Plan, r: int, device: _Device) -> None:
         self.g, self.plan, self.r, self.savers = g, plan, r, device.savers
@@ -118,6 +119,7 @@ class _HostCopies:
         self.input_bytes = d.activation_numel * d.dtype_bytes
         self.own = plan.chunk_numel(plan.own_chunk(r))
         self.grad_bytes, self.host_bandwidth, self.work = d.grad_bytes, device.host_bandwidth, device.work
+        self.weight_bytes = d.dtype_bytes
         self.stored: dict[tuple, int] = {}
         self.lanes: dict[str, int] = {}
         self.backwards: list[int] = []
@@ -146,6 +148,11 @@ class _HostCopies:
             freed = self.backwards[-2:-1]  # two fetch buffers: the backward two before frees one
             return [self._copy("fetch", f"fetch B{a.chunk} m{a.mb}", nbytes, "h2d",
                                [self.stored[(a.chunk, a.mb)], *freed])]
+        if a.op in (Op.STASH_W, Op.RESTORE_W):
+            to_host = a.op is Op.STASH_W
+            return [self._copy("stash", f"W{a.chunk} {'to' if to_host else 'from'} host",
+                               self.plan.chunk_numel(a.chunk) * self.weight_bytes,  # type: ignore[arg-type]
+                               "d2h" if to_host else "h2d", deps)]
         if not self.savers.offload_state:
             return []
         if a.op is Op.LOAD_W:
@@ -243,6 +250,6 @@ def engine_plan(cluster: Cluster, work: Workload, micro_batches: int, *,
     if memory is None:
         raise ValueError("choosing the options left 'auto' needs the memory estimate")
     plan, _ = auto_plan(topology, d.layers, micro_batches, memory=memory, budget=cluster.device.memory * (1 - MARGIN),
-                        budget_text=f"{cluster.device.name}'s memory less {MARGIN:.0%}", strict=False, **sizes,
-                        **options)
+                        budget_text=f"{cluster.device.name}'s memory less {MARGIN:.0%}", strict=False,
+                        weights_on_host=True, **sizes, **options)
     return plan

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..commands import UsageError
+from ..commands import UsageError, add_reuse_weights
 from ..models.presets import PRESETS
 from ..models.shape import ModelDims
-from ..plan.schedule import RESIDENT, prefetch_depth_arg
+from ..plan.schedule import HOST, RESIDENT, prefetch_depth_arg
 from ..cost.memory import Savers, savers_ladder
 from ..sim import compare
 from ..sim.peers import OFFLOADING
@@ -88,8 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="METHOD", help=f"the methods to play, of {', '.join(compare.methods())} (default: all)")
     t.add_argument("--mb-per-fetch", type=int, help="TawPipe k (default: --micro-batches)")
     t.add_argument("--prefetch-depth", type=prefetch_depth_arg, help="TawPipe depth (default: resident)")
-    t.add_argument("--reuse-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="TawPipe reuse (default: on)")
+    add_reuse_weights(t, default=None, help="TawPipe reuse; 'host': the fetched chunks kept in host memory "
+                                            "(default: on)")
     t.add_argument("--replicas", type=int, default=1, help="TawPipe replicas R, each over nodes/R nodes (default: 1)")
     t.add_argument("--stages", type=int, help="1F1B stages per pipeline (default: one per device)")
     t.add_argument("--advise", action="store_true", help="try TawPipe's settings and name the fastest that fits")
@@ -345,10 +345,14 @@ def _flags(s: dict) -> str:
     parts = [f"{s['stages']} stages"] if "stages" in s else []
     if "mb_per_fetch" in s or "replicas" in s:
         parts += [f"k={s.get('mb_per_fetch', 1)}", f"depth {s.get('prefetch_depth', 1)}"]
-        parts += ["reuse"] * bool(s.get("reuse_weights")) + ([f"R={s['replicas']}"] if s.get("replicas", 1) > 1 else [])
+        parts += ["reuse" + " host" * (s.get("reuse_weights") == HOST)] * bool(s.get("reuse_weights"))
+        parts += [f"R={s['replicas']}"] if s.get("replicas", 1) > 1 else []
     parts += [f"recompute {s['recompute']}"] if "recompute" in s else []
     return ", ".join(parts + ["activations on host"] * bool(s.get("offload_activations"))
                      + ["state on host"] * bool(s.get("offload_state")))
+
+
+_REUSE_FLAGS = {True: "--reuse-weights", HOST: "--reuse-weights host"}
 
 
 def _setting_flags(s: dict) -> str:
@@ -356,7 +360,7 @@ def _setting_flags(s: dict) -> str:
     savers = (f" --recompute {s['recompute']}" + " --offload-activations" * s.get("offload_activations", False)
               + " --offload-state" * s.get("offload_state", False)) if "recompute" in s else ""
     return (f"--replicas {s.get('replicas', 1)} --mb-per-fetch {s.get('mb_per_fetch', 1)} --prefetch-depth "
-            f"{s.get('prefetch_depth', 1)} {'--reuse-weights' if s.get('reuse_weights') else '--no-reuse-weights'}"
+            f"{s.get('prefetch_depth', 1)} {_REUSE_FLAGS.get(s.get('reuse_weights'), '--no-reuse-weights')}"
             f"{savers}")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..commands import UsageError
+from ..commands import UsageError, add_reuse_weights
 from ..cost.memory import AUTO, MARGIN
 from ..models.presets import PRESETS
 from ..plan import registry
@@ -122,8 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mb-per-fetch", type=_or_auto(int), default=d.mb_per_fetch,
                    help="k: micro-batches a resident chunk runs per fetch (divides --micro-batches); "
                         "inter-node bytes fall by k (see tawpipe plan --memory-budget); 'auto': chosen")
-    p.add_argument("--reuse-weights", action=argparse.BooleanOptionalAction, default=d.reuse_weights,
-                   help="do not fetch again a chunk still in a staging buffer (neither flag: auto)")
+    add_reuse_weights(p, default=d.reuse_weights,
+                      help="do not fetch again a chunk still in a staging buffer; 'host': and keep the fetched chunks "
+                           "the buffers cannot in pinned host memory (neither flag: auto)")
     margin = f"{MARGIN:.0%}".replace("%", "%%")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GiB",
                    help="memory per rank within which 'auto' chooses k, the depth and reuse (default: under torchrun "

@@ -27,7 +27,7 @@ from ..engine.engine import TawPipe, default_optimizer
 from ..engine.policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
 from ..io import checkpoint, safetensors
 from ..ops import DTYPES
-from ..plan.schedule import depth_text
+from ..plan.schedule import HOST, depth_text
 from ..plan.topology import Topology
 from ..runtime.launch import stop_requested
 from ..runtime.progress import StepBar
@@ -247,7 +247,8 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
         f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.micro_batch_size} x {cfg.seq_len} tokens",
         f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {depth_text(plan, cfg.prefetch_depth)}, "
         f"{engine.mb_per_fetch} micro-batch(es) per fetch, resident chunks "
-        f"{'reused' if engine.reuse_weights else 'refetched'}, "
+        f"{'reused' if engine.reuse_weights else 'refetched'}"
+        f"{', the rest kept in host memory' if engine.reuse_weights == HOST else ''}, "
         f"gradients travel in {cfg.grad_wire_dtype if cfg.grad_wire_dtype == 'float32' else cfg.dtype}",
         *([f"auto: {auto}"] if auto else []),
     ])  # memory: the estimate before the workers start, what was allocated at the end
