@@ -227,7 +227,9 @@ def test_best_k_is_the_micro_batch_count():
     assert bench.methods(4, prefetch_depth=3, recompute="chunk")["tawpipe"].engine_options == {
         "mb_per_fetch": 1, "prefetch_depth": 3, "reuse_weights": False, "recompute": "chunk"}
     assert bench.methods(4, recompute="chunk")["weipipe"].engine_options == {"algo": "weipipe", "recompute": "chunk"}
-    assert "tawpipe-best" not in bench.methods(1)
+    assert bench.methods(4)["tawpipe-host"].engine_options == {
+        "mb_per_fetch": 4, "reuse_weights": "host", "prefetch_depth": 1, "recompute": "none"}
+    assert "tawpipe-best" not in bench.methods(1) and "tawpipe-host" not in bench.methods(1)
 
 
 def test_replicas_add_tawpipe_at_both_k_on_the_node_counts_they_divide():

@@ -88,7 +88,7 @@ def build_plan(
     """
     job = topology
     topology = _replica_topology(job, replicas, num_layers)
-    if not any(reuse_weights is r for r in REUSE) and reuse_weights != HOST:
+    if not (isinstance(reuse_weights, bool) or reuse_weights == HOST):
         raise ValueError(f"reuse_weights must be True, False or {HOST!r}, got {reuse_weights!r}")
     if prefetch_depth == RESIDENT and isinstance(topology, Topology):
         if not reuse_weights:

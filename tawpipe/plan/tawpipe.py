@@ -244,7 +244,7 @@ def _cell(acts: list[Action], slot: int, acc: int) -> list[str]:
         parts.append(f"bcast from r{root}" if short else f"bcast W{chunk} from r{root}")
     if not bcasts and not staged:
         parts += [f"load W{a.chunk} on r{a.rank}" for a in acts if a.op is Op.LOAD_W and a.buf != W_OWN]
-    parts += [f"{word} W{c}" for word, op in (("keep on host", Op.STASH_W), ("restore", Op.RESTORE_W))
+    parts += [f"W{c} {word} host" for word, op in (("to", Op.STASH_W), ("from", Op.RESTORE_W))
               for c in dict.fromkeys(a.chunk for a in acts if a.op is op)]
     reduce = next((a for a in acts if a.op is Op.REDUCE_G), None)
     if reduce is not None:

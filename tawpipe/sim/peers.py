@@ -146,6 +146,9 @@ def peer_graph(method: str, cluster: Cluster, work: Workload, acc: int, *, host:
     if offload and method not in OFFLOADING:
         raise ValueError(f"activation offload is modelled for {', '.join(OFFLOADING)} (torch's save_on_cpu), "
                          f"not {method}")
+    if work.context > 1 and (method == "1f1b" or cluster.per_node % work.context):
+        raise ValueError(f"context parallelism over {work.context} ranks is modelled inside a node for the "
+                         f"data-parallel peers: give a degree that divides the {cluster.per_node} ranks per node")
     if method == "1f1b":
         return _one_f_one_b(cluster, work, acc, cluster.world_size if stages is None else stages, host)
     if stages is not None:
@@ -172,19 +175,37 @@ def saved_bytes(work: Workload, offload: bool) -> float:
 @dataclass(frozen=True)
 class _Layer:
     """A data-parallel peer's block, forward and backward, with ``save_on_cpu``'s copies of
-    ``saved`` bytes (0: none) on the compute stream before the backward and after the forward."""
+    ``saved`` bytes (0: none) on the compute stream before the backward and after the forward.
+    Under context parallelism (``work.context`` c > 1, the c consecutive ranks of a node) attention
+    needs every rank's keys and values: each forward (the backward's re-run one too) all-gathers
+    them over the c ranks before it computes, and each backward reduce-scatters their gradients
+    after it, on a lane of their own; all-gather CP as Llama 3 ran it (torch's ring attention
+    moves the same bytes in c − 1 steps beside the compute; this model exposes them)."""
 
     work: Workload
     saved: float
 
     def forward(self, lanes: _Lanes, label: str, deps: list[int]) -> list[int]:
-        task = lanes.add("compute", label, deps, seconds=self.work.layer_forward())
+        task = lanes.add("compute", label, [*deps, *self._keys(lanes, f"K/V {label}", deps)],
+                         seconds=self.work.layer_forward())
         return [self._copy(lanes, f"save {label}", "d2h", [task])] if self.saved else [task]
 
     def backward(self, lanes: _Lanes, label: str, deps: list[int]) -> int:
         if self.saved:
             deps = [self._copy(lanes, f"unpack {label}", "h2d", deps)]
-        return lanes.add("compute", label, deps, seconds=self.work.layer_backward())
+        keys = self._keys(lanes, f"K/V {label}", deps) if self.work.recompute else []
+        task = lanes.add("compute", label, [*deps, *keys], seconds=self.work.layer_backward())
+        self._keys(lanes, f"dK/dV {label}", [task], "reduce-scatter")
+        return task
+
+    def _keys(self, lanes: _Lanes, label: str, deps: list[int], op: str = "all-gather") -> list[int]:
+        """The layer's keys and values of the whole sequence, gathered (or their gradients
+        scattered) over the context-parallel ranks; [] without context parallelism."""
+        c, d = self.work.context, self.work.dims
+        if c < 2:
+            return []
+        kv = 2 * d.hidden * (d.kv_heads or d.heads) // d.heads  # key and value elements per token
+        return lanes.collective(op, Ring(c), c * d.micro_batch * d.seq * kv * d.dtype_bytes, deps, label, "cp")
 
     def _copy(self, lanes: _Lanes, label: str, direction: str, deps: list[int]) -> int:
         return lanes.add("compute", label, deps, flows=[Flow(r, r, self.saved, pcie=direction) for r in lanes.ranks])

@@ -37,11 +37,15 @@ def model(spec: str, *, seq: int, micro_batch: int, dtype_bytes: int = 2, grad_b
 @dataclass(frozen=True)
 class Workload:
     """Seconds of compute for ``dims`` on ``device``. ``recompute``: a backward runs its forward
-    again (the engine's ``recompute="chunk"``, activation checkpointing in the peers)."""
+    again (the engine's ``recompute="chunk"``, activation checkpointing in the peers).
+    ``context``: context parallelism, the micro-batch's sequence split over that many ranks, of
+    which ``dims.seq`` is one rank's share; its queries attend over the whole sequence, each rank
+    doing 1/context of the causal attention (two mirrored slices per rank balance the mask)."""
 
     dims: ModelDims
     device: Device
     recompute: bool = True
+    context: int = 1
 
     @property
     def tokens(self) -> int:
@@ -54,7 +58,7 @@ class Workload:
     def attention_flops(self) -> float:
         """Forward FLOPs of one layer's causal attention products for one micro-batch."""
         d = self.dims
-        return 2 * d.micro_batch * d.seq * d.seq * d.hidden
+        return 2 * d.micro_batch * d.seq * d.seq * self.context * d.hidden
 
     def layer_forward(self, micro_batches: int = 1) -> float:
         dev, d = self.device, self.dims

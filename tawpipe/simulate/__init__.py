@@ -41,7 +41,7 @@ DESCRIPTION = (
     "fastest method that fits and TawPipe's margin. --advise also searches TawPipe's settings; "
     "--calibrate measures this machine's device instead of a preset; --validate compares the simulator "
     "with the results of tawpipe bench cluster; --paper and --map play the paper's setup and the map of "
-    "which method wins where."
+    "which method wins where; --published replays training runs published by others."
 )
 
 GiB = 2**30
@@ -103,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--map", type=Path, metavar="OUT",
                    help="instead: the map of which method wins from 24 to 1,024 GPUs, models of 1B to 70B, S from "
                         "4k to 128k, over 10 GbE to 400 Gb (map.json, map.md, map.png in OUT)")
+    o.add_argument("--published", type=Path, metavar="OUT",
+                   help="instead: training runs published by others (torchtitan's Llama 3.1 8B on H100s, FSDP and "
+                        "FSDP + context parallelism) replayed, predicted tokens/s per GPU against theirs "
+                        "(published.json, published.md in OUT)")
     k = p.add_argument_group("calibration")
     k.add_argument("--calibrate", type=Path, metavar="OUT",
                    help="instead: measure this machine's device at the model's shapes and write it to OUT (JSON); "
@@ -129,6 +133,10 @@ def main(args: argparse.Namespace) -> int:
         return main_map(args.map)
     if args.paper:
         return _paper(args)
+    if args.published:
+        from .published import main_published
+
+        return main_published(args)
     if args.validate:
         from .validate import validate  # calibrates with torch where the results do not say
 
@@ -141,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ checks, before anything runs
 
-_MODES = ("--paper", "--map", "--validate", "--calibrate")  # each a run of its own instead of the table
+_MODES = ("--paper", "--map", "--published", "--validate", "--calibrate")  # each a run of its own instead of the table
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -166,7 +174,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.out and not args.validate:
         raise UsageError("--out is where --validate writes its table: give it with --validate")
     for flag, directory in (("--timeline", False), ("--calibrate", False), ("--paper", True), ("--map", True),
-                            ("--out", True)):
+                            ("--published", True), ("--out", True)):
         if getattr(args, flag[2:]):
             writable(getattr(args, flag[2:]), flag, directory=directory)
 

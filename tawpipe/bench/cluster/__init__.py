@@ -91,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every method once")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (after one warm-up step)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="subset of: tawpipe tawpipe-best weipipe fsdp fsdp-mm fsdp-node hsdp ddp 1f1b, and with "
+                   help="subset of: tawpipe tawpipe-best tawpipe-host weipipe fsdp fsdp-mm fsdp-node hsdp ddp 1f1b, and with "
                         "--replicas tawpipe-rR tawpipe-best-rR (default: all)")
     p.add_argument("--replicas", type=int, nargs="+", default=[], metavar="R",
                    help="also run tawpipe and the best k as R replicas of nodes/R nodes each (tawpipe-rR, "

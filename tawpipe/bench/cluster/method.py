@@ -42,7 +42,8 @@ def compute_only(m: Method) -> Method:
 def methods(micro_batches: int, prefetch_depth: int | str = 1, recompute: str = "none",
             replicas: tuple[int, ...] = ()) -> dict[str, Method]:
     """Every method the bench knows, in the default order. ``prefetch_depth`` is tawpipe's at k = 1;
-    the best k keeps every chunk resident (one fetch per chunk and iteration; this model fits).
+    the best k keeps every chunk resident (one fetch per chunk and iteration; this model fits), and
+    tawpipe-host gets the same bytes at depth 1 with the fetched chunks kept in host memory.
     ``recompute`` is the engine's (tawpipe and WeiPipe); "none" keeps activations, as every peer
     here does, so all do the same work. Each R in ``replicas`` adds tawpipe-rR and tawpipe-best-rR:
     the same two with the engine's ``replicas=R`` (see :func:`for_shape`)."""
@@ -52,6 +53,9 @@ def methods(micro_batches: int, prefetch_depth: int | str = 1, recompute: str = 
     if k > 1:
         best = {"mb_per_fetch": k, "reuse_weights": True, "prefetch_depth": RESIDENT, "recompute": recompute}
         taw.append(Method("tawpipe-best", f"tawpipe (k={k}, reuse, resident)", best))
+        # the same inter-node bytes through two buffers, the fetched chunks kept in host memory
+        host = {**best, "reuse_weights": "host", "prefetch_depth": 1}
+        taw.append(Method("tawpipe-host", f"tawpipe (k={k}, depth 1, reuse, the rest on the host)", host))
     out = list(taw)
     for r in replicas:
         out += [Method(f"{m.name}-r{r}", f"{m.label}, {r} replicas", {**m.engine_options, "replicas": r})
