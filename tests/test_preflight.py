@@ -75,6 +75,17 @@ def _host_has(monkeypatch, available: int) -> None:
         monkeypatch.setattr(module, "host_available", lambda: (available, "MemAvailable in /proc/meminfo"))
 
 
+def test_what_a_gpu_nodes_ranks_keep_on_the_host_is_held_to_its_memory():
+    from tawpipe.cost.memory import MemoryEstimate
+
+    ranks = [MemoryEstimate(persistent=0, staging=0, replicated=0, activations=0, host=10 * GiB)] * 2
+    preflight.check_host(ranks, (21 * GiB, "MemAvailable in /proc/meminfo"))
+    preflight.check_host(ranks, None)  # nothing known, nothing refused
+    with pytest.raises(ValueError, match=r"not enough host memory: this node's 2 rank\(s\) keep about 20\.00 GiB .*"
+                                         r"19\.00 GiB is available \(MemAvailable.*--reuse-weights host"):
+        preflight.check_host(ranks, (19 * GiB, "MemAvailable in /proc/meminfo"))
+
+
 def test_paper_4096_is_refused_on_a_24_gib_host(monkeypatch, capsys):
     _host_has(monkeypatch, 24 * GiB)
     err = refused(monkeypatch, capsys, "--model", "paper-4096")

@@ -270,6 +270,7 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
         free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))
         need, available, where = busiest.total + RUNTIME_BYTES, free, "free on this rank's GPU"
         ranks = "this rank"
+        check_host(per_rank, host_available())
     else:  # the ranks' devices are this host's memory, and so is what they offload
         need = sum(m.total + m.host for m in per_rank) + len(per_rank) * RUNTIME_BYTES
         available, where = host_available() or (None, "")
@@ -284,6 +285,17 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
                          "the host), --dtype bfloat16, a smaller --micro-batch-size or --seq-len, or a smaller model "
                          "(--model, --layers)")
     return f"memory estimate: {detail}" + (f"; {gib(available)} available ({where})" if available is not None else "")
+
+
+def check_host(per_rank: list[MemoryEstimate], available: tuple[int, str] | None) -> None:
+    """ValueError where what this node's ranks keep in host memory (offloaded state and activations,
+    stashed chunks: ``MemoryEstimate.host``) is more than the host has, before any rank allocates it."""
+    need = sum(m.host for m in per_rank)
+    if available is not None and need > available[0]:
+        raise ValueError(f"not enough host memory: this node's {len(per_rank)} rank(s) keep about {gib(need)} in host "
+                         f"memory (offloaded optimizer state and activations, fetched chunks kept there); "
+                         f"{gib(available[0])} is available ({available[1]}): leave out --offload-state, "
+                         "--offload-activations or --reuse-weights host, or use more nodes")
 
 
 def _breakdown(m: MemoryEstimate) -> str:
