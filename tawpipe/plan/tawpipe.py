@@ -9,7 +9,9 @@ k micro-batches, and its gradients are reduced to a router and sent back to the 
 again is not fetched again, and the fetch that needs a buffer evicts the chunk needed again the
 latest (``_place_weights``). At the resident depth (d + 1 >= N buffers) every chunk stays once
 fetched: each rank then receives each chunk once per iteration whatever k, the fewest bytes, for
-about the model's weights in staging memory (design §3.2, §7.3).
+about the model's weights in staging memory (design §3.2, §7.3). With ``reuse_weights="host"`` the
+same bytes cross the network through depth + 1 buffers: a chunk evicted while still needed was
+kept in host memory by the fetch that brought it (STASH_W), and comes back from there (RESTORE_W).
 """
 
 from __future__ import annotations
