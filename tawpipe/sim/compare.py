@@ -163,7 +163,7 @@ def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool =
                          chunked_loss=chunked_loss)
     ranks = sorted({t.rank for t in graph.tasks if t.rank is not None})
     shown = {**({"stages": stages} if stages else {}), **({"offload_activations": True} if offload else {})}
-    return read_off(method, shown, simulate(graph, fabric), ranks, memory, cluster, dims, acc)
+    return read_off(method, shown, simulate(graph, fabric), ranks, memory, cluster, dims, acc, work.context)
 
 
 def default_savers(work: Workload) -> Savers:
@@ -206,9 +206,9 @@ def fits(memory: MemoryEstimate, cluster: Cluster) -> bool:
 
 
 def read_off(method: str, settings: dict[str, Any], result: Result, ranks: Iterable[int], memory: MemoryEstimate,
-             cluster: Cluster, dims: ModelDims, acc: int) -> Row:
+             cluster: Cluster, dims: ModelDims, acc: int, context: int = 1) -> Row:
     """A played iteration's row: its time, the busiest of ``ranks``' compute, the busiest ports'
-    bytes, tokens/s per device, MFU and the bottleneck."""
+    bytes, tokens/s per device, MFU and the bottleneck (``context``: as ``model_flops`` takes it)."""
     inter = max((v for port, v in result.port_bytes.items() if port[0].startswith("node")), default=0.0)
     intra = max((v for port, v in result.port_bytes.items() if port[0] in ("out", "in")), default=0.0)
     pcie: dict[int, float] = {}
@@ -219,7 +219,7 @@ def read_off(method: str, settings: dict[str, Any], result: Result, ranks: Itera
               pcie_bytes=max(pcie.values(), default=0.0), result=result)
     tokens = acc * dims.seq * dims.micro_batch
     row.tokens_per_s_per_device = tokens / row.time_s if row.time_s else 0.0
-    row.mfu = model_flops(dims) * tokens / row.time_s / cluster.device.peak_flops if row.time_s else 0.0
+    row.mfu = model_flops(dims, context) * tokens / row.time_s / cluster.device.peak_flops if row.time_s else 0.0
     row.bottleneck = bottleneck(row, cluster)
     return row
 
@@ -237,10 +237,11 @@ def with_loss(m: MemoryEstimate, dims: ModelDims, chunked: bool) -> MemoryEstima
     return dataclasses.replace(m, activations=m.activations + loss_bytes(dims, chunked=chunked))
 
 
-def model_flops(dims: ModelDims) -> float:
+def model_flops(dims: ModelDims, context: int = 1) -> float:
     """Training FLOPs per token, forward and backward, without recompute: 6 per decoder and head
-    parameter plus causal attention's 6·S·H per layer (the usual MFU count)."""
-    return 6 * (dims.decoder_numel + dims.vocab * dims.hidden) + 6 * dims.layers * dims.seq * dims.hidden
+    parameter plus causal attention's 6·S·H per layer (the usual MFU count); ``context``: ``dims.seq``
+    is a context-parallel slice of a sequence that many times as long."""
+    return 6 * (dims.decoder_numel + dims.vocab * dims.hidden) + 6 * dims.layers * dims.seq * context * dims.hidden
 
 
 def bottleneck(row: Row, cluster: Cluster) -> str:

@@ -68,6 +68,7 @@ from .workload import Workload
 
 PEERS = ("ddp", "fsdp", "fsdp-mm", "fsdp-node", "hsdp", "1f1b")
 OFFLOADING = ("ddp", "fsdp", "fsdp-mm", "fsdp-node", "hsdp")  # the peers that run with torch's save_on_cpu
+CONTEXT_PARALLEL = OFFLOADING  # the peers modelled with context parallelism inside a node (``Workload.context``)
 DDP_FIRST_BUCKET = 2**20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, used once buckets are rebuilt
 DDP_BUCKET = 25 * 2**20  # bucket_cap_mb = 25
 MAX_PIPELINE_TASKS = 1_000_000  # 1F1B's graph grows as stages x micro-batches; past this, ask for fewer stages
@@ -146,7 +147,7 @@ def peer_graph(method: str, cluster: Cluster, work: Workload, acc: int, *, host:
     if offload and method not in OFFLOADING:
         raise ValueError(f"activation offload is modelled for {', '.join(OFFLOADING)} (torch's save_on_cpu), "
                          f"not {method}")
-    if work.context > 1 and (method == "1f1b" or cluster.per_node % work.context):
+    if work.context > 1 and (method not in CONTEXT_PARALLEL or cluster.per_node % work.context):
         raise ValueError(f"context parallelism over {work.context} ranks is modelled inside a node for the "
                          f"data-parallel peers: give a degree that divides the {cluster.per_node} ranks per node")
     if method == "1f1b":

@@ -28,7 +28,7 @@ from ..models.shape import ModelDims
 from ..plan.schedule import HOST, RESIDENT, prefetch_depth_arg
 from ..cost.memory import Savers, savers_ladder
 from ..sim import compare
-from ..sim.peers import OFFLOADING
+from ..sim.peers import CONTEXT_PARALLEL, OFFLOADING
 from ..sim.hardware import DEVICES, LINKS, Cluster, Device
 from ..sim.workload import Workload, model
 from .inputs import EMULATED_EFFICIENCY, link_arg, load_device, model_arg, writable
@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TawPipe's (design §6.2): chunk, from each chunk's input; block, from each layer's input "
                         "(the peers checkpoint every block with any of these); layer, a layer at a time after the "
                         "chunk again; none: keep every activation")
+    m.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="DDP, FSDP2 and HSDP with context parallelism over C ranks of a node (each a 1/C slice of "
+                        "every sequence, C times the micro-batches, so every method runs the same tokens per device; "
+                        "keys and values all-gathered over the C ranks), as torchtitan runs it; TawPipe, WeiPipe and "
+                        "1F1B as they are")
     m.add_argument("--offload-activations", action="store_true",
                    help="what the forwards keep goes to host memory: TawPipe's beside compute, DDP's, FSDP2's and "
                         "HSDP's through torch's save_on_cpu, in line with it")
@@ -164,6 +169,11 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         if isinstance(value, int) and value < low:
             raise UsageError(f"{flag} {value}: must be at least {low}")
+    c = args.context_parallel
+    if c < 1 or args.per_node % c or args.seq_len % c:
+        raise UsageError(f"--context-parallel {c}: must divide --per-node {args.per_node} (it runs inside a node) and "
+                         f"--seq-len {args.seq_len} (each rank a slice); use one of "
+                         f"{', '.join(str(d) for d in _divisors(args.per_node) if args.seq_len % d == 0)}")
     if args.quota is not None and not args.quota > 0:
         raise UsageError(f"--quota {args.quota:g}: must be a number of cores above 0, such as 0.5")
     if not 0 < args.link_efficiency <= 1:
@@ -230,6 +240,7 @@ def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
           f"{cluster.inter.name}{' per rail' if cluster.rails else ' per node'}; {args.model}: H={dims.hidden} "
           f"L={dims.layers} S={dims.seq} B={dims.micro_batch}, {args.micro_batches} micro-batches per device, "
           f"recompute {args.recompute}{', activations on the host' * args.offload_activations}"
+          f"{f', the peers with context parallelism over {args.context_parallel}' * (args.context_parallel > 1)}"
           f"{', optimizer state on the host' * args.offload_state}, {args.loss} loss")
     print(table(rows))
     if advice:
@@ -246,13 +257,20 @@ def _row(method: str, cluster: Cluster, work: Workload, args: argparse.Namespace
     """``method``'s row with the settings the flags give it, or why it could not be played."""
     settings = {"tawpipe": _settings(args), "tawpipe-paper": {**compare.PAPER, "replicas": args.replicas},
                 "1f1b": {"stages": args.stages} if args.stages else None}.get(method)
+    c, acc = args.context_parallel, args.micro_batches
+    if c > 1 and method in CONTEXT_PARALLEL:  # C slices of S/C per sequence: the same tokens per device
+        work, acc = dataclasses.replace(work, dims=dataclasses.replace(work.dims, seq=work.dims.seq // c),
+                                        context=c), acc * c
     try:  # the peers checkpoint as work.recompute says; save_on_cpu is their only saver here
         savers = _savers(args) if compare.schedule_of(method) else \
             Savers(offload_activations=True) if method in OFFLOADING and args.offload_activations else None
-        return compare.run(method, cluster, work, args.micro_batches, host=args.host, settings=settings,
-                           savers=savers, chunked_loss=args.loss == "chunked")
+        row = compare.run(method, cluster, work, acc, host=args.host, settings=settings, savers=savers,
+                          chunked_loss=args.loss == "chunked")
     except ValueError as e:
         return compare.Refusal(method, str(e))
+    if work.context > 1:
+        row.settings["context_parallel"] = work.context
+    return row
 
 
 def _savers(args: argparse.Namespace) -> Savers:
@@ -356,6 +374,7 @@ def _flags(s: dict) -> str:
         parts += ["reuse" + " host" * (s.get("reuse_weights") == HOST)] * bool(s.get("reuse_weights"))
         parts += [f"R={s['replicas']}"] if s.get("replicas", 1) > 1 else []
     parts += [f"recompute {s['recompute']}"] if "recompute" in s else []
+    parts += [f"CP {s['context_parallel']}"] if "context_parallel" in s else []
     return ", ".join(parts + ["activations on host"] * bool(s.get("offload_activations"))
                      + ["state on host"] * bool(s.get("offload_state")))
 
