@@ -118,6 +118,10 @@ def test_candidates_keep_the_given_values():
     assert candidates(2, prefetch_depth=RESIDENT) == [(1, RESIDENT, True), (2, RESIDENT, True)]  # resident: reuse
     assert candidates(2, reuse_weights=False) == [(1, 1, False), (2, 1, False)]
     assert candidates(2, prefetch_depth=RESIDENT, reuse_weights=False) == [(1, RESIDENT, False), (2, RESIDENT, False)]
+    # off the CPU, depth 1 with the fetched chunks on the host too; the resident depth keeps none there
+    assert candidates(2, weights_on_host=True) == [(k, d, r) for d, r in ((1, False), (1, True), (1, "host"),
+                                                                         (RESIDENT, True)) for k in (1, 2)]
+    assert candidates(2, reuse_weights="host", weights_on_host=True) == [(1, 1, "host"), (2, 1, "host")]
 
 
 DIMS = ModelDims(hidden=256, layers=8, heads=8, vocab=512, seq=512, dtype_bytes=4, grad_bytes=4)
