@@ -87,6 +87,25 @@ def test_resume_is_bit_exact(runs) -> None:
     assert straight[0]["extra"]["losses"][:3] == _shards(runs["straight"] / "step-00000003")[0]["extra"]["losses"]
 
 
+def test_the_host_staged_setting_resumes_bit_exactly(tmp_path) -> None:
+    """--reuse-weights host (its restores in every round at k = 1) through a checkpoint: the
+    manifest records it, the resume runs it again, and the result is bit-exact."""
+    host = ["--model", "micro", "--nodes", "2", "--per-node", "1", "--seq-len", "32", "--micro-batch-size", "2",
+            "--micro-batches", "2", "--mb-per-fetch", "1", "--prefetch-depth", "1", "--reuse-weights", "host",
+            "--steps", "4", "--warmup", "1"]
+    straight = _tawpipe("train", *host, "--save", str(tmp_path / "straight"), "--save-every", "2")
+    assert straight.returncode == 0, straight.stderr
+    assert "resident chunks reused, the rest kept in host memory" in straight.stdout
+    resumed = _tawpipe("train", *host, "--save", str(tmp_path / "resumed"),
+                       "--resume", str(tmp_path / "straight" / "step-00000002"))
+    assert resumed.returncode == 0, resumed.stderr
+    shards = _shards(tmp_path / "straight" / "step-00000004"), _shards(tmp_path / "resumed" / "step-00000004")
+    assert len(shards[0]) == len(shards[1]) == 2
+    for a, b in zip(*shards):
+        assert all(torch.equal(t, b["params"][n]) for n, t in a["params"].items())
+        assert _equal(a["optimizer"], b["optimizer"])
+
+
 def test_resuming_with_metrics_writes_each_step_once(runs) -> None:
     """The records the interrupted run wrote after its checkpoint are dropped, not repeated; the
     resumed run's header says where it starts."""
