@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..models.shape import from_hf_config
