@@ -98,6 +98,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--replicas", type=int, default=1, help="TawPipe replicas R, each over nodes/R nodes (default: 1)")
     t.add_argument("--stages", type=int, help="1F1B stages per pipeline (default: one per device)")
     t.add_argument("--advise", action="store_true", help="try TawPipe's settings and name the fastest that fits")
+    _modes(p)
+
+
+def _modes(p: argparse.ArgumentParser) -> None:
+    """The output flags, and the runs of their own instead of the table (design §9.5, §9.6)."""
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument("--timeline", type=Path, help="write TawPipe's iteration as a Chrome trace to this file")
