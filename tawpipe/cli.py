@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from .commands import Parser, UsageError, add_reuse_weights, as_flags, delegate, refuse
+from .commands import Parser, UsageError, add_reuse_weights, as_flags, delegate, refuse, reuse_flag
 from .cost.memory import (AUTO, Choice, MemoryEstimate, NothingFits, Savers, auto_savers_plan, estimate_memory,
                           fitting, memory_per_rank, savers_to_weigh)
 from . import models
@@ -231,7 +231,7 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, sizes: dict, build
         else:
             k, d, reuse = cheapest
             print(f"within {args.memory_budget:g} GiB per rank: largest k {largest}; fewest inter-node bytes with "
-                  f"k={k}, --prefetch-depth {d}{_reuse_flag(reuse)}")
+                  f"k={k}, --prefetch-depth {d}{f' {reuse_flag(reuse)}' if reuse else ''}")
         _print_auto(args, dims, sizes)
 
 
@@ -306,9 +306,6 @@ def _depth_label(choice: Choice, asked: int | str) -> str:
     _, d, reuse = choice
     return f"{d}{' host' if reuse == HOST else ' reuse' if reuse else ''}{' resident' if asked == RESIDENT else ''}"
 
-
-def _reuse_flag(reuse: bool | str) -> str:
-    return " --reuse-weights host" if reuse == HOST else " --reuse-weights" if reuse else ""
 
 
 def _print_peers(args: argparse.Namespace, dims: ModelDims, topo: Topology, plans: dict[str, Plan]) -> None:

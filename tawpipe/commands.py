@@ -90,6 +90,11 @@ def add_reuse_weights(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
                         help="fetch a chunk again for every use but a turnaround (the paper's schedule)")
 
 
+def reuse_flag(reuse: bool | str) -> str:
+    """``reuse_weights`` as the flag that asks for it."""
+    return "--reuse-weights host" if reuse == HOST else "--reuse-weights" if reuse else "--no-reuse-weights"
+
+
 class UsageError(ValueError):
     """A bad input found before anything runs: the command prints ``PROG: MESSAGE`` on one line
     and exits with status 2. The message names the flag or file and what to do instead; ``prog``:

@@ -447,8 +447,7 @@ def candidates(micro_batches: int, *, mb_per_fetch: int | str = AUTO, prefetch_d
     depths = [1, RESIDENT] if prefetch_depth == AUTO else [prefetch_depth]
     reuses = [False, True, *[HOST] * weights_on_host] if reuse_weights == AUTO else [reuse_weights]
     chosen = AUTO in (prefetch_depth, reuse_weights)
-    return [(k, d, r) for d in depths for r in reuses for k in ks
-            if (r or d != RESIDENT or not chosen) and (r != HOST or d != RESIDENT or not chosen)]
+    return [(k, d, r) for d in depths for r in reuses for k in ks if d != RESIDENT or r is True or not chosen]
 
 
 def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory: Callable[[Plan], MemoryEstimate],

@@ -17,7 +17,7 @@ tokens, on a model of ``ModelDims``:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..models.shape import ModelDims
 from ..models.spec import dims
@@ -25,6 +25,7 @@ from .hardware import Device
 
 ADAMW_BYTES = 32  # memory traffic of one AdamW update of one float32 parameter
 ELEMENTWISE = 34  # activation elements a layer's elementwise work reads and writes, per token and hidden unit
+ATTENTION_BACKWARD = 2.5  # attention's backward over its forward (FlashAttention recomputes the scores)
 
 def model(spec: str, *, seq: int, micro_batch: int, dtype_bytes: int = 2, grad_bytes: int = 2) -> ModelDims:
     """The model ``spec`` names (a built-in model of ``models.presets``, a Hugging Face
@@ -46,6 +47,11 @@ class Workload:
     device: Device
     recompute: bool = True
     context: int = 1
+
+    def sliced(self, context: int) -> "Workload":
+        """This workload with each sequence split over ``context`` ranks (context parallelism): one
+        rank's slice of it."""
+        return replace(self, dims=replace(self.dims, seq=self.dims.seq // context), context=context)
 
     @property
     def tokens(self) -> int:
@@ -72,7 +78,7 @@ class Workload:
         dev, d = self.device, self.dims
         elementwise = 2 * ELEMENTWISE * self.tokens * d.hidden * d.dtype_bytes / dev.memory_bandwidth
         back = micro_batches * (2 * self.linear_flops() / dev.matmul_flops
-                                + 2.5 * self.attention_flops() / dev.attention_flops + elementwise)
+                                + ATTENTION_BACKWARD * self.attention_flops() / dev.attention_flops + elementwise)
         again = int(self.recompute) if forwards is None else forwards
         return back + again * self.layer_forward(micro_batches)
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..commands import UsageError, add_reuse_weights
+from ..commands import UsageError, add_reuse_weights, reuse_flag
 from ..models.presets import PRESETS
 from ..models.shape import ModelDims
 from ..plan.schedule import HOST, RESIDENT, prefetch_depth_arg
@@ -264,8 +264,7 @@ def _row(method: str, cluster: Cluster, work: Workload, args: argparse.Namespace
                 "1f1b": {"stages": args.stages} if args.stages else None}.get(method)
     c, acc = args.context_parallel, args.micro_batches
     if c > 1 and method in CONTEXT_PARALLEL:  # C slices of S/C per sequence: the same tokens per device
-        work, acc = dataclasses.replace(work, dims=dataclasses.replace(work.dims, seq=work.dims.seq // c),
-                                        context=c), acc * c
+        work, acc = work.sliced(c), acc * c
     try:  # the peers checkpoint as work.recompute says; save_on_cpu is their only saver here
         savers = _savers(args) if compare.schedule_of(method) else \
             Savers(offload_activations=True) if method in OFFLOADING and args.offload_activations else None
@@ -384,15 +383,12 @@ def _flags(s: dict) -> str:
                      + ["state on host"] * bool(s.get("offload_state")))
 
 
-_REUSE_FLAGS = {True: "--reuse-weights", HOST: "--reuse-weights host"}
-
-
 def _setting_flags(s: dict) -> str:
     """TawPipe's settings as the flags that ask for them."""
     savers = (f" --recompute {s['recompute']}" + " --offload-activations" * s.get("offload_activations", False)
               + " --offload-state" * s.get("offload_state", False)) if "recompute" in s else ""
     return (f"--replicas {s.get('replicas', 1)} --mb-per-fetch {s.get('mb_per_fetch', 1)} --prefetch-depth "
-            f"{s.get('prefetch_depth', 1)} {_REUSE_FLAGS.get(s.get('reuse_weights'), '--no-reuse-weights')}"
+            f"{s.get('prefetch_depth', 1)} {reuse_flag(s.get('reuse_weights', False))}"
             f"{savers}")
 
 

@@ -31,7 +31,7 @@ from typing import Any
 from ..models.shape import from_hf_config
 from ..sim import compare
 from ..sim.hardware import DEVICES, Cluster, link
-from ..sim.workload import Workload
+from ..sim.workload import ATTENTION_BACKWARD, Workload
 
 GiB = 2**30
 BAND = 0.2  # a prediction within ±20% of the published figure counts as held (issue #37)
@@ -74,13 +74,13 @@ def replay(run: Run, *, bound: bool = False) -> tuple[compare.Row, Workload]:
     """``run`` played as the FSDP2 peer, one micro-batch per GPU per iteration (the local batch),
     each GPU holding 1/context of the sequence: as predicted, or (``bound``) the faster bound of
     what the simulator does not model (module docstring)."""
-    dims = from_hf_config(LLAMA_31_8B, seq=run.seq // run.context, micro_batch=run.micro_batch, dtype_bytes=2,
-                          grad_bytes=4, scores=False)  # FSDP2 reduces float32 gradients (its mixed-precision default)
+    dims = from_hf_config(LLAMA_31_8B, seq=run.seq, micro_batch=run.micro_batch, dtype_bytes=2, grad_bytes=4,
+                          scores=False)  # FSDP2 reduces float32 gradients (its mixed-precision default)
     h100 = DEVICES["h100"]
     dev = dataclasses.replace(h100, memory=96e9, matmul_flops=h100.matmul_flops * (2 if bound and run.float8 else 1))
     cluster = Cluster(run.nodes, run.per_node, dev, link("nvlink"), link("400gb"), rails=True)
     recompute = run.checkpointing == "full" or not bound
-    work = Workload(dims, dev, recompute=recompute, context=run.context)
+    work = Workload(dims, dev, recompute=recompute).sliced(run.context)
     return compare.run("fsdp", cluster, work, 1), work
 
 
@@ -88,7 +88,7 @@ def implied_attention(run: Run, row: compare.Row, work: Workload) -> float:
     """The fraction of the device's peak at which attention would run for ``row`` to take the
     published time, the rest of its work taken as simulated."""
     d, dev = work.dims, work.device
-    passes = 1 + int(work.recompute) + 2.5  # forward, its re-run, backward (workload's count)
+    passes = 1 + int(work.recompute) + ATTENTION_BACKWARD  # forward, its re-run, backward
     flops = d.layers * passes * work.attention_flops()
     attention_s = flops / dev.attention_flops
     published_s = d.seq * d.micro_batch / run.tokens_per_gpu_s
