@@ -101,6 +101,8 @@ def test_a_large_plan_goes_straight_to_the_oldest_generation(monkeypatch):
     try:
         frozen = gc.get_freeze_count()
         build_plan(Topology(2, 2), 4, 2)
-        assert gc.get_freeze_count() == frozen
+        # an unfreeze would move every frozen object back (the count to 0); a few frozen objects an
+        # earlier test left may die on their own meanwhile (a full run once lost 2 of 662,399)
+        assert frozen - 64 <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
