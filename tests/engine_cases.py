@@ -125,7 +125,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 _MODEL = ("block_forward", "block_context", "materialize", "names", "head_loss")
 _POLICIES = {
     "schedule": (SchedulePolicy, {"algo": "algo", "mb_per_fetch": "mb_per_fetch", "prefetch_depth": "prefetch_depth",
-                                  "reuse_weights": "reuse_weights", "replicas": "replicas", "grad_route": "grad_route"}),
+                                  "reuse_weights": "reuse_weights", "replicas": "replicas", "grad_route": "grad_route",
+                                  "context_parallel": "context_parallel"}),
     "precision": (PrecisionPolicy, {"compute_dtype": "compute_dtype", "grad_wire_dtype": "grad_wire_dtype",
                                     "loss_scale": "loss_scale", "max_grad_norm": "max_grad_norm",
                                     "nonfinite": "nonfinite"}),

@@ -284,6 +284,31 @@ def _replicated_ring(dims: ModelDims, n: int) -> float:
     return 2 * (n - 1) / n * dims.replicated_numel * dims.grad_bytes
 
 
+# All-gathers of K/V a backward makes per layer under each recompute (context parallelism, design
+# §3.6): "chunk" and "block" run each layer's forward again once, "layer" runs the chunk's layers
+# but its last again to keep their inputs and then each layer again, "none" keeps the forward's.
+_BACKWARD_GATHERS = {"chunk": lambda n: n, "block": lambda n: n, "layer": lambda n: 2 * n - 1, "none": lambda n: 0}
+
+
+def context_share_bytes(dims: ModelDims, degree: int) -> int:
+    """One layer's keys and values of one micro-batch's slice under context parallelism of
+    ``degree``: what a rank contributes to each all-gather, and gets back from each reduce-scatter."""
+    kv_dim = dims.hidden // dims.heads * (dims.kv_heads or dims.heads)
+    return 2 * dims.micro_batch * dims.seq // degree * kv_dim * dims.dtype_bytes
+
+
+def context_bytes(plan: Plan, rank: int, degree: int, share_bytes: int, recompute: str) -> int:
+    """Bytes ``rank`` sends in one iteration's K/V exchanges, inside its node: every layer's forward
+    all-gathers (and every re-run of one), every layer's backward reduce-scatters, each sending
+    (c - 1) shares of ``share_bytes`` (``context_share_bytes``)."""
+    exchanges = 0
+    for a in plan.actions[rank]:
+        if a.op in (Op.F, Op.B):
+            first, end = plan.chunk_layers[a.chunk]
+            exchanges += end - first if a.op is Op.F else end - first + _BACKWARD_GATHERS[recompute](end - first)
+    return (degree - 1) * share_bytes * exchanges
+
+
 PEERS = ("ddp", "fsdp", "hsdp", "1f1b")  # the methods that pass no weights: closed forms here
 
 

@@ -39,6 +39,8 @@ from ..runtime.timeout import default_timeout
 from . import fingerprint
 from .auto import engine_plan
 from .activations import ActivationOffload
+from .context import CONTEXT_CHANNEL, ContextGroup, context_groups
+from .context import check_plan as check_context_plan
 from .compute import ChunkCompute, EvalState, StepState
 from .precision import Precision
 from .inputs import (check_micro_batches, check_model, check_optimizer, check_policies, check_replicated,
@@ -107,6 +109,9 @@ class TawPipe:
             **schedule.plan_options())
         if compute_actions(topology, micro_batches, schedule.replicas) <= VERIFY_COMPUTE_ACTIONS:
             verify(self.plan)  # a schedule bug is a PlanError here, not a silently wrong gradient
+        if schedule.context_parallel > 1:
+            check_context_plan(self.plan, schedule.context_parallel)
+        self.sliced_context = model.sliced_context
         self._connect(comm.backend)  # communication starts only now, after every check above passed
         self._build(model, blocks, replicated, optimizer, lr_scheduler)
         self._embed, self._head, self._vocab = model.embed, model.head, find_vocab(model.embed)
@@ -119,6 +124,7 @@ class TawPipe:
         self._state: StepState | None = None
         self._last_loss = float("nan")
         self._check_ranks_agree(blocks[0], replicated)
+        self._context = self._connect_context(schedule.context_parallel)  # after the ranks agree on it
 
     def _build(self, model: ModelParts, blocks: list[nn.Module], replicated: list[tuple[str, nn.Parameter]],
                optimizer: OptimizerFactory, lr_scheduler: SchedulerFactory | None) -> None:
@@ -149,8 +155,18 @@ class TawPipe:
         mine = fingerprint.fields(self.plan, compute_dtype=precision.compute_dtype,
                                   grad_dtype=precision.grad_wire_dtype, block=block, replicated=replicated,
                                   optimizer=self.optimizer, precision=dataclasses.asdict(self.precision),
-                                  recompute=memory.recompute)
+                                  recompute=memory.recompute, context_parallel=self.policies[0].context_parallel)
         fingerprint.compare(self.gather_rows([v for _, v, _ in mine]), mine, self.rank)
+
+    def _connect_context(self, degree: int) -> ContextGroup | None:
+        """The context group's communicator (its own channel, design §3.6); None without one."""
+        if degree == 1:
+            return None
+        nodes = {tuple(self.topology.group_ranks(g)) for g in range(self.topology.nodes)}
+        groups = [g for g in context_groups(self.topology, degree) if g not in nodes]  # a whole node's exists
+        if groups:
+            self._comm.add_groups(groups)
+        return ContextGroup(self._comm.channel_comm(CONTEXT_CHANNEL), self.topology, degree, self.rank)
 
     def _connect(self, backend: Comm | str) -> None:
         comm = backend if isinstance(backend, Comm) else comm_backends.create(backend, self.topology, self.timeout,
@@ -159,7 +175,7 @@ class TawPipe:
             raise ValueError(
                 f"the comm backend has {comm.world_size} ranks but the topology {self.topology.world_size}"
             )
-        self.rank = comm.rank
+        self.rank, self._comm = comm.rank, comm
         comm.add_groups(self.plan.replica_groups())
         # The root backend carries the weights; every other channel has its own communicator.
         # (the replicas' channel only where there are replicas: no idle communicator otherwise)
@@ -222,12 +238,24 @@ class TawPipe:
         if inputs.shape[0] % acc or inputs.shape[0] == 0:
             raise ValueError(f"step(batch): batch has {inputs.shape[0]} rows, not a positive "
                              f"multiple of micro_batches={acc}")
-        mb_in = [t.to(self.device) for t in inputs.chunk(acc)]
-        return StepState(
-            inputs=mb_in, targets=[t.to(self.device) for t in targets.chunk(acc)],
-            ctx=[self.block_context(t) if self.block_context else {} for t in mb_in],
-            grad_scale=self.precision.scale / (self.topology.world_size * acc),
-        )
+        mb_in, ctx, mb_targets = self._sliced([t.to(self.device) for t in inputs.chunk(acc)],
+                                              [t.to(self.device) for t in targets.chunk(acc)])
+        return StepState(inputs=mb_in, targets=mb_targets, ctx=ctx,
+                         grad_scale=self.precision.scale / (self.topology.world_size * acc))
+
+    def _sliced(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]
+                ) -> tuple[list[torch.Tensor], list[dict[str, Any]], list[torch.Tensor]]:
+        """Each batch's inputs, block context and targets as this rank computes them: whole, or
+        with context parallelism its slice of each sequence (after checking that its group was
+        given the same batches). Every slice has as many tokens, so the mean of the slices' mean
+        losses is the whole batch's."""
+        if self._context is None:
+            return inputs, [self.block_context(t) if self.block_context else {} for t in inputs], targets
+        slices = [self._context.slice(t.shape[1], self.device) for t in inputs]  # a bad length: before any exchange
+        self._context.check_same_batches(tuple(range(self.topology.world_size)), inputs + targets)
+        inputs = [t[:, s.positions] for t, s in zip(inputs, slices)]
+        return (inputs, [self.sliced_context(t, s) for t, s in zip(inputs, slices)],
+                [t[:, s.positions] for t, s in zip(targets, slices)])
 
     def _check_loaded_shards_agree(self) -> None:
         """After ``load_state_dict``, before the weights are used with other ranks: every rank must
@@ -268,6 +296,11 @@ class TawPipe:
         a = self.compute.activations
         to_host = self.storage.to_host + (a.stored_bytes if a is not None else 0)
         return to_host, self.storage.from_host + (a.fetched_bytes if a is not None else 0)
+
+    def context_traffic(self) -> int:
+        """Bytes this rank sent in the K/V exchanges of context parallelism since it was built
+        (``cost.traffic.context_bytes`` counts the same from the plan); 0 without it."""
+        return self._context.sent if self._context is not None else 0
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters (own chunk and replicated) under the original names."""
@@ -483,9 +516,9 @@ class TawPipe:
             check_tokens(b[0], b[1], f"evaluate(batches): batches[{i}]", self.device, self._vocab)
         self._check_loaded_shards_agree()
         buf = next(b for b in sorted(self.storage.bufs) if buf_kind(b) is BufKind.WEIGHTS)
-        inputs = [x.to(self.device) for x, _ in batches]
-        st = EvalState(inputs=inputs, targets=[y.to(self.device) for _, y in batches],
-                       ctx=[self.block_context(x) if self.block_context else {} for x in inputs],
+        inputs, ctx, targets = self._sliced([x.to(self.device) for x, _ in batches],
+                                            [y.to(self.device) for _, y in batches])
+        st = EvalState(inputs=inputs, targets=targets, ctx=ctx,
                        loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))
 
         def work(unit: list[Action]) -> Callable[[], None]:

@@ -67,7 +67,7 @@ def _optimizer(opt: torch.optim.Optimizer) -> str:
 
 def fields(plan: Plan, *, compute_dtype: torch.dtype, grad_dtype: torch.dtype, block: nn.Module,
            replicated: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
-           precision: dict, recompute: str) -> list[tuple[str, int, str]]:
+           precision: dict, recompute: str, context_parallel: int = 1) -> list[tuple[str, int, str]]:
     """(field, value, readable value) in the order mismatches are reported: integers as they are,
     everything else as a 63-bit digest."""
     o = plan.options
@@ -89,6 +89,7 @@ def fields(plan: Plan, *, compute_dtype: torch.dtype, grad_dtype: torch.dtype, b
         ("optimizer", _digest(_optimizer(optimizer)), "type and hyper-parameters"),
         ("precision", _digest(sorted(precision.items())), "loss scaling, clipping, nonfinite"),
         ("recompute", _digest(recompute), recompute),
+        ("context_parallel", context_parallel, str(context_parallel)),
         ("plan", _digest(plan.algo, plan.topology, plan.num_layers, plan.micro_batches, plan.chunk_layers,
                          plan.owner, plan.num_slots, sorted(o.items())), "the plan's parameters"),
     ]
@@ -102,7 +103,7 @@ def compare(table: list[list[int]], mine: Sequence[tuple[str, int, str]], rank: 
         for j, (name, _, readable) in enumerate(mine):
             if table[r][j] != table[0][j]:
                 shown = auto = ""
-                if name in ("num_layers", "micro_batches", "replicas", *_CHOSEN):
+                if name in ("num_layers", "micro_batches", "replicas", "context_parallel", *_CHOSEN):
                     shown = f" (rank 0: {table[0][j]}, rank {r}: {table[r][j]})"
                 if name in _CHOSEN:
                     auto = (f'; where it is left "auto" (the default), each rank chooses within its own free memory: '

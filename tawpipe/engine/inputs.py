@@ -65,7 +65,7 @@ def check_model(model: ModelParts, topology: Topology, optimizer: Any, lr_schedu
     check_blocks(blocks)
     check_callables(embed=model.embed, head=model.head, loss_fn=model.loss_fn, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, block_forward=model.block_forward, block_context=model.block_context,
-                    materialize=model.materialize, head_loss=model.head_loss)
+                    materialize=model.materialize, head_loss=model.head_loss, sliced_context=model.sliced_context)
     return blocks
 
 
@@ -74,6 +74,11 @@ def check_policies(model: ModelParts, schedule: SchedulePolicy, memory: MemoryPo
     if schedule.replicas > 1 and not comm.supports_replicas():
         raise ValueError(f"replicas={schedule.replicas} needs comm='torch' (NCCL through torch.distributed on GPUs): "
                          f"the {comm.backend!r} backend has no communicators across replicas yet")
+    if schedule.context_parallel > 1 and model.sliced_context is None:
+        raise ValueError(f"context_parallel={schedule.context_parallel}: {model.description or 'this model'} has no "
+                         "sliced_context (the block context of a slice of the sequence, whose attention gathers the "
+                         "whole sequence's keys and values through the SequenceSlice it is given); give ModelParts "
+                         "one, or leave context_parallel at 1")
     if memory.chunked_loss and model.head_loss is None:
         raise ValueError(f"chunked_loss: {model.description or 'this model'} has no head_loss (a head and loss that "
                          "never hold the whole logits); give ModelParts one, or leave chunked_loss off")

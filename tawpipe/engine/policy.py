@@ -44,6 +44,10 @@ class SchedulePolicy:
     prefetch_depth=1, reuse_weights=False``. ``replicas`` R splits the nodes into R pipelines of
     whole nodes whose chunks' R owners add their gradients once per step (design §3.5).
     ``grad_route``: the router of inter-node gradients, the owner's rail peer or local index 0.
+    ``context_parallel`` c > 1 makes each run of c ranks of a node compute every micro-batch
+    together, each on two mirrored slices of its sequence, attention seeing the whole sequence
+    through an exchange of keys and values among them (design §3.6): a rank keeps 1/c of the
+    activations, and the ranks of such a group are given the same batches.
     """
 
     algo: str = "tawpipe"
@@ -52,6 +56,7 @@ class SchedulePolicy:
     reuse_weights: bool | str = AUTO
     replicas: int = 1
     grad_route: str = "rail"
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         registry.get(self.algo)  # a ValueError naming the registered schedules
@@ -66,6 +71,9 @@ class SchedulePolicy:
             raise ValueError(f"reuse_weights must be 'auto', True, False or {HOST!r}, got {self.reuse_weights!r}")
         if not (_whole(self.replicas) and self.replicas >= 1):
             raise ValueError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+        if not (_whole(self.context_parallel) and self.context_parallel >= 1):
+            raise ValueError(f"context_parallel must be an integer >= 1 (ranks of a node that share each "
+                             f"micro-batch), got {self.context_parallel!r}")
 
     def plan_options(self) -> dict[str, Any]:
         """The options as ``build_plan`` (and ``engine_plan``) take them."""

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .loss import linear_cross_entropy
-from .parts import ModelParts
+from .parts import ModelParts, SequenceSlice
 from .presets import PRESETS
 from .seeding import draw_seed, generator, layer_part
 from .shape import ModelDims
@@ -134,14 +134,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                seq: SequenceSlice | None = None) -> torch.Tensor:
+        """``x`` the tokens of a whole sequence, or of ``seq``'s slice of one: its queries then
+        attend to the whole sequence's keys and values, which ``seq.gather`` brings."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # each token rotated by its own position
+        mask = None
+        if seq is not None:
+            k, v = seq.gather(k, v)
+            mask = seq.causal_mask
         # enable_gqa lets SDPA share each K/V head across its query group without copying it.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=seq is None,
                                            enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
@@ -169,14 +176,16 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cos, sin)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                seq: SequenceSlice | None = None) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cos, sin, seq)
         return h + self.mlp(self.mlp_norm(h))
 
 
-def block_forward(block: nn.Module, hidden: torch.Tensor, **ctx: torch.Tensor) -> torch.Tensor:
-    """The engine's hook for running one block with the context from ``block_context``."""
-    return block(hidden, ctx["cos"], ctx["sin"])
+def block_forward(block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
+    """The engine's hook for running one block with the context from ``block_context`` (or
+    ``sliced_context``)."""
+    return block(hidden, ctx["cos"], ctx["sin"], ctx.get("seq"))
 
 
 class Head(nn.Module):
@@ -266,6 +275,15 @@ class Llama(nn.Module):
         cos, sin = self._rope_cache[key]
         return {"cos": cos[:seq_len], "sin": sin[:seq_len]}
 
+    def sliced_context(self, seq: SequenceSlice, device: torch.device | str,
+                       dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """``block_context`` for the tokens of a slice of a sequence (context parallelism): the
+        RoPE tables at the slice's positions, and the slice, through which attention sees the
+        whole sequence."""
+        whole = self.block_context(seq.seq_len, device, dtype)
+        at = seq.positions.to(whole["cos"].device)
+        return {"cos": whole["cos"][at], "sin": whole["sin"][at], "seq": seq}
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Single-device reference: (B, T) int64 tokens -> (B, T, vocab) logits."""
         h = self.embed(tokens)
@@ -296,6 +314,7 @@ def llama_parts(cfg: LlamaConfig, *, seed: int | None = None, device: torch.devi
     return ModelParts(
         blocks=model.blocks, embed=model.embed, head=model.head, loss_fn=llama_loss, block_forward=block_forward,
         block_context=lambda tokens: model.block_context(tokens.shape[1], device, compute_dtype),
+        sliced_context=lambda tokens, seq: model.sliced_context(seq, device, compute_dtype),
         materialize=model.materialize, vocab_size=cfg.vocab_size,
         description=(f"built-in LLaMA ({cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} heads / "
                      f"{cfg.n_kv_heads} KV, vocabulary {cfg.vocab_size}, seed {model.seed})"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,26 @@ def parts_signature(blocks: Sequence[nn.Module], embed: nn.Module, head: nn.Modu
                            param_signature(replicated))
 
 
+@dataclass(frozen=True)
+class SequenceSlice:
+    """A rank's share of a sequence that several ranks compute together (context parallelism):
+    the positions of its tokens in the whole sequence, ascending, and ``gather``, which turns
+    tensors over this slice's tokens (the token dimension second to last, e.g. keys and values
+    (batch, heads, tokens, head_dim)) into the same tensors over the whole sequence's tokens, in
+    sequence order, differentiably. Whoever gives it (the engine) does the exchange; a model only
+    calls it, so models stay free of distribution code."""
+
+    positions: torch.Tensor  # (tokens,) int64
+    seq_len: int  # of the whole sequence
+    gather: Callable[..., tuple[torch.Tensor, ...]]
+
+    @cached_property
+    def causal_mask(self) -> torch.Tensor:
+        """(tokens, seq_len) bool: which of the whole sequence's tokens each of this slice's tokens
+        sees under a causal mask (itself and those before it)."""
+        return self.positions[:, None] >= torch.arange(self.seq_len, device=self.positions.device)[None, :]
+
+
 def call_block(block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
     """The default ``block_forward``: the block called with the hidden state and the context."""
     return block(hidden, **ctx)
@@ -80,7 +101,10 @@ class ModelParts:
     engine's device), the loss, and the hooks the engine calls.
 
     ``block_forward(block, hidden, **ctx)`` runs a block with what ``block_context(tokens)``
-    returns for the micro-batch (rotary tables, masks). ``head_loss(head, hidden, targets)`` is
+    returns for the micro-batch (rotary tables, masks). ``sliced_context(tokens, slice)`` is the
+    same for a rank's :class:`SequenceSlice` of the sequence under context parallelism: ``tokens``
+    are the slice's, and the blocks' attention must see the whole sequence through
+    ``slice.gather`` (None: the model cannot be trained with context parallelism). ``head_loss(head, hidden, targets)`` is
     ``loss_fn(head(hidden), targets)`` computed without the whole logits, where the model has one
     (None otherwise); the engine uses it when its ``MemoryPolicy`` asks for the chunked loss.
     ``names`` are the three parts' names in parameter names and checkpoints.
@@ -97,6 +121,7 @@ class ModelParts:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     block_forward: Callable[..., torch.Tensor] = call_block
     block_context: Callable[[torch.Tensor], dict[str, Any]] | None = None
+    sliced_context: Callable[[torch.Tensor, SequenceSlice], dict[str, Any]] | None = None
     materialize: Materialize | None = None
     vocab_size: int | None = None
     description: str = ""

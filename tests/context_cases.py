@@ -1,0 +1,106 @@
+"""Rank functions for the context-parallelism tests (module level, so spawned processes can
+import them): the built-in LLaMA trained by the engine with context groups, against the same
+model trained in one process on whole sequences (which never touches tawpipe's engine)."""
+
+from __future__ import annotations
+
+import torch
+
+from tawpipe.cost.traffic import context_bytes, context_share_bytes
+from tawpipe.models.llama import Llama, LlamaConfig, llama_loss, llama_parts
+from tawpipe.plan.topology import Topology
+
+from engine_cases import make_engine, rel_err
+
+CFG = LlamaConfig(vocab_size=64, hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=32)
+ROWS, SEQ, SEED = 2, 16, 7
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
+
+
+def sequences(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    tok = torch.randint(0, CFG.vocab_size, (rows, SEQ + 1), generator=g)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def reference(rows: int, steps: int, clip: float | None) -> tuple[Llama, list[float]]:
+    """Single-process training of the whole model on every sequence of each step."""
+    model = Llama(CFG, SEED)
+    opt = adamw(list(model.parameters()))
+    losses = []
+    for step in range(steps):
+        x, y = sequences(step, rows)
+        loss = llama_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def exactness(rank: int, cases: list[dict]) -> list[dict]:
+    """Each case: the engine with ``context_parallel`` after ``steps`` steps, each context group
+    given the same sequences (rank // c's share of the global batch), against ``reference``."""
+    world = torch.distributed.get_world_size()
+    out = []
+    for case in cases:
+        case = dict(case)
+        nodes, acc, c, steps = case.pop("nodes"), case.pop("acc"), case["context_parallel"], case.pop("steps", 2)
+        clip = case.get("max_grad_norm")
+        topo = Topology(nodes=nodes, per_node=world // nodes)
+        groups, n = world // c, acc * ROWS
+        trained, ref_losses = reference(groups * n, steps, clip)
+        want = dict(trained.named_parameters())
+        engine = make_engine(llama_parts(CFG, seed=SEED), topology=topo, micro_batches=acc, optimizer=adamw, **case)
+        losses = []
+        for step in range(steps):
+            x, y = sequences(step, groups * n)
+            mine = slice((rank // c) * n, (rank // c + 1) * n)
+            losses.append(engine.step((x[mine], y[mine])))
+        errs = {name: rel_err(p.detach(), want[name].detach()) for name, p in engine.named_parameters()}
+        share = context_share_bytes(CFG.dims(seq=SEQ, micro_batch=ROWS, dtype_bytes=4), c)
+        planned = steps * context_bytes(engine.plan, rank, c, share, case.get("recompute", "chunk"))
+        exchanged = engine.context_traffic()  # the steps' exchanges, before the evaluation's
+        val = [sequences(100 + b, groups * ROWS) for b in range(2)]
+        val_loss = engine.evaluate([(x[(rank // c) * ROWS:(rank // c + 1) * ROWS], y[(rank // c) * ROWS:(rank // c + 1) * ROWS])
+                                    for x, y in val])
+        engine.close()
+        with torch.no_grad():
+            want_val = sum(llama_loss(trained(x), y).item() for x, y in val) / len(val)
+        out.append({"case": case, "rank": rank, "param_err": max(errs.values()), "worst": max(errs, key=errs.get),
+                    "losses": losses, "ref_losses": ref_losses, "exchanged": exchanged, "planned": planned,
+                    "val": val_loss, "want_val": want_val})
+    return out
+
+
+def refusals(rank: int, cases: list[dict]) -> list[str]:
+    """Each case must raise on every rank, before the step changes anything: the error's text."""
+    world = torch.distributed.get_world_size()
+    out = []
+    for case in cases:
+        case = dict(case)
+        seq, odd = case.pop("seq", SEQ), case.pop("odd_batch", False)
+        engine = make_engine(llama_parts(CFG, seed=SEED), topology=Topology(1, world), micro_batches=1,
+                             optimizer=adamw, **case)
+        before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        x, y = sequences(0, 2)
+        x, y = x[:, :seq], y[:, :seq]
+        if odd and rank == world - 1:
+            x = (x + 1) % CFG.vocab_size
+        try:
+            engine.step((x[:1], y[:1]))
+        except ValueError as e:
+            out.append(str(e))
+        else:
+            out.append("no error")
+        unchanged = all(torch.equal(p.detach(), before[n]) for n, p in engine.named_parameters())
+        out.append(f"unchanged={unchanged}")
+        x, y = sequences(1, 2)  # and the engine still trains
+        out.append(f"then {engine.step((x[:1], y[:1])):.3f}")
+        engine.close()
+    return out
