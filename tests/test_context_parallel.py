@@ -4,6 +4,8 @@ sequences; the K/V exchange sends what the cost model counts; bad input is refus
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -60,3 +62,43 @@ def test_context_parallel_training_equals_single_process_training_on_whole_seque
             assert abs(r["val"] - r["want_val"]) <= 1e-5 * r["want_val"], (c, r["val"], r["want_val"])
             # the K/V exchange sent what the cost model counts
             assert r["exchanged"] == r["planned"] > 0, (c, r["rank"], r["exchanged"], r["planned"])
+
+
+REFUSED = [
+    (dict(context_parallel=2, seq=14), "multiple of 4"),  # 14 tokens: not 2c equal pieces
+    (dict(context_parallel=2, odd_batch=True), r"ranks \(2, 3\) were given different batches"),
+]
+
+
+def test_bad_batches_are_refused_on_every_rank_and_leave_the_engine_training():
+    results = run_local(refusals, 4, [case for case, _ in REFUSED], timeout=120)
+    for rank, said in enumerate(results):
+        for i, (_, pattern) in enumerate(REFUSED):
+            error, unchanged, then = said[3 * i:3 * i + 3]
+            assert re.search(pattern, error), (rank, error)
+            assert unchanged == "unchanged=True", (rank, error)
+            assert then.startswith("then "), then
+
+
+def test_what_cannot_split_a_sequence_is_refused_before_any_rank_connects():
+    import dataclasses
+
+    from tawpipe.engine.engine import TawPipe
+    from tawpipe.engine.policy import SchedulePolicy
+    from tawpipe.models.llama import llama_parts
+    from tawpipe.plan.topology import Topology
+
+    from context_cases import CFG
+
+    parts = llama_parts(CFG, seed=1)
+    with pytest.raises(ValueError, match="no sliced_context"):
+        TawPipe(dataclasses.replace(parts, sliced_context=None), topology=Topology(1, 2), micro_batches=1,
+                schedule=SchedulePolicy(context_parallel=2))
+    with pytest.raises(ValueError, match="divisor of 2"):
+        TawPipe(parts, topology=Topology(2, 2), micro_batches=1, schedule=SchedulePolicy(context_parallel=4))
+    with pytest.raises(ValueError, match="do not run the same chunks in the same slots"):
+        TawPipe(parts, topology=Topology(1, 2), micro_batches=1,
+                schedule=SchedulePolicy(algo="weipipe", context_parallel=2))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="context_parallel must be an integer"):
+            SchedulePolicy(context_parallel=bad)

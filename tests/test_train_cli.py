@@ -129,6 +129,20 @@ def test_chunked_loss_trains_the_same_curve(runs, tmp_path) -> None:
     assert len(chunked) == 6 and chunked == pytest.approx(plain, rel=1e-5)  # ... and the same to rounding
 
 
+def test_context_parallel_trains_the_curve_of_one_rank_on_whole_sequences(runs, tmp_path) -> None:
+    """--context-parallel 2 on one node of 2: both ranks draw rank 0's sequences and take a slice
+    each, so the run trains what one rank alone trains on whole sequences, to float32 rounding."""
+    curves = {}
+    for name, ranks in (("split", ["--per-node", "2", "--context-parallel", "2"]), ("whole", ["--per-node", "1"])):
+        args = [*SMALL, "--data", str(runs["data"]), *ranks, "--steps", "4", "--metrics", str(tmp_path / name)]
+        r = _tawpipe("train", *args)
+        assert r.returncode == 0, r.stderr
+        curves[name] = [json.loads(x)["loss"] for x in (tmp_path / name).read_text().splitlines()]
+        if name == "split":
+            assert "context parallel: each 2 ranks of a node share them, 16 tokens of each sequence per rank" in r.stdout
+    assert len(curves["split"]) == 4 and curves["split"] == pytest.approx(curves["whole"], rel=1e-5)
+
+
 def test_metrics_truncation_keeps_the_records_up_to_the_step(tmp_path) -> None:
     from tawpipe.train.metrics import truncate_after
 
@@ -205,6 +219,10 @@ def _no_workers(monkeypatch) -> None:
     (["--resume", "{empty}"], "no complete checkpoint under"),
     (["--resume", "{file}"], "no checkpoint at .*: not a directory"),
     (["--data", "{tiny}"], "--data .*: 3 training tokens are too few for --seq-len 128"),
+    (["--context-parallel", "0"], "--context-parallel must be >= 1, got 0"),
+    (["--context-parallel", "3"], r"--context-parallel 3 does not divide the 2 ranks of a node \(--per-node\)"),
+    (["--context-parallel", "2", "--seq-len", "66"], r"--seq-len 66 is not a multiple of 2 x --context-parallel = 4"),
+    (["--context-parallel", "2", "--algo", "weipipe"], "--context-parallel 2 needs --algo tawpipe"),
 ])
 def test_bad_arguments_fail_before_any_worker(tmp_path, monkeypatch, capsys, args, message) -> None:
     _no_workers(monkeypatch)

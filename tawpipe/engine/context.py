@@ -52,14 +52,15 @@ def slice_positions(seq_len: int, degree: int, index: int) -> torch.Tensor:
 
 
 def check_plan(plan: Plan, degree: int) -> None:
-    """The ranks of each context group run the same forwards and backwards in the same order: the
-    exchanges inside them then pair up (a schedule where they do not cannot split a micro-batch)."""
+    """The ranks of each context group run the same forwards and backwards in the same slots: the
+    exchanges inside them then pair up at once, and each waits only for work of its own slot (a
+    schedule where they do not, WeiPipe's ring, would wait across slots, and deadlock)."""
     for group in context_groups(plan.topology, degree):
-        runs = [[(a.op, a.chunk, a.mb) for a in plan.actions[r] if a.op in (Op.F, Op.B)] for r in group]
+        runs = [[(a.slot, a.op, a.chunk, a.mb) for a in plan.actions[r] if a.op in (Op.F, Op.B)] for r in group]
         if any(run != runs[0] for run in runs[1:]):
             raise ValueError(f"context_parallel={degree}: in the {plan.algo!r} plan ranks {group} do not run the same "
-                             "chunks in the same order, so they cannot compute one micro-batch together; use the "
-                             "'tawpipe' schedule, whose node's ranks do")
+                             "chunks in the same slots, so they cannot compute one micro-batch together; use the "
+                             "'tawpipe' schedule, whose node's ranks run each chunk in the same slot")
 
 
 class ContextGroup:

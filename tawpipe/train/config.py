@@ -55,6 +55,7 @@ class TrainConfig:
     reuse_weights: bool | str = AUTO
     memory_budget: float | None = None
     replicas: int = 1
+    context_parallel: int = 1
     grad_wire_dtype: str = "float32"
     loss: str = "auto"
     recompute: str = "chunk"
@@ -133,6 +134,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=d.replicas,
                    help="R: the nodes form R replicas of nodes/R nodes, each a pipeline of its own; a chunk's R "
                         "owners add their gradients once per step (see tawpipe plan --replicas)")
+    p.add_argument("--context-parallel", type=int, default=d.context_parallel, metavar="C",
+                   help="C ranks of a node compute each micro-batch together, each on two mirrored slices of its "
+                        "sequences (keys and values exchanged inside the node): a rank keeps 1/C of the "
+                        "activations; C divides --per-node, --seq-len is a multiple of 2C; the global batch is "
+                        "then nodes x per-node / C x micro-batches sequences (built-in models)")
     p.add_argument("--grad-wire-dtype", choices=("float32", "compute"), default=d.grad_wire_dtype,
                    help="dtype gradients travel in; the owner accumulates in float32 either way")
     p.add_argument("--loss", choices=("plain", "chunked", "auto"), default=d.loss,
@@ -264,7 +270,7 @@ def _convert(action: argparse.Action, name: str, value: Any, path: str) -> Any:
 def check(cfg: TrainConfig) -> None:
     """The checks of single values, which need nothing but the values: UsageError, one line."""
     for name in ("steps", "micro_batches", "micro_batch_size", "seq_len", "nodes", "per_node", "layers",
-                 "save_every", "val_batches", "log_every", "replicas"):
+                 "save_every", "val_batches", "log_every", "replicas", "context_parallel"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"{flag(name)} must be >= 1, got {value}")

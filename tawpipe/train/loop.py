@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .. import models
-from ..cost.traffic import plan_traffic
+from ..cost.traffic import context_bytes, context_share_bytes, plan_traffic
 from ..cost.units import decimal
 from ..engine.engine import TawPipe, default_optimizer
 from ..engine.policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
@@ -62,7 +62,7 @@ def build_engine(cfg: TrainConfig, parts: models.ModelParts, topology: Topology,
         optimizer=functools.partial(default_optimizer, lr=cfg.lr),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg)), device=device,
         schedule=SchedulePolicy(cfg.algo, cfg.mb_per_fetch, cfg.prefetch_depth, cfg.reuse_weights, cfg.replicas,
-                                cfg.grad_route),
+                                cfg.grad_route, cfg.context_parallel),
         precision=PrecisionPolicy(dtype, torch.float32 if cfg.grad_wire_dtype == "float32" else dtype,
                                   max_grad_norm=cfg.max_grad_norm),
         memory=MemoryPolicy(cfg.recompute, cfg.offload_state, cfg.offload_activations, chunked_loss=cfg.loss == "chunked"),
@@ -105,13 +105,15 @@ class Loop:
             if not restored.resharded:  # each rank's own stream; on another topology there is none
                 _set_rng(restored.extra["rng"], device)
         self.start = self.engine.steps
-        traffic = plan_traffic(self.engine.plan)
-        self.intra, self.inter = traffic.node_bytes(rank)
-        self.per_rank_bytes = {"intra_node": [traffic.node_bytes(r)[0] for r in range(topology.world_size)],
-                               "inter_node": [traffic.node_bytes(r)[1] for r in range(topology.world_size)]}
+        traffic, ranks = plan_traffic(self.engine.plan), range(topology.world_size)
+        kv = [self._context_bytes(r) for r in ranks]  # the K/V exchange: inside the node too
+        self.per_rank_bytes = {"intra_node": [traffic.node_bytes(r)[0] + kv[r] for r in ranks],
+                               "inter_node": [traffic.node_bytes(r)[1] for r in ranks]}
+        self.intra, self.inter = self.per_rank_bytes["intra_node"][rank], self.per_rank_bytes["inter_node"][rank]
         if rank == 0:
             print(_summary(cfg, self.src, self.parts, self.engine, auto), flush=True)
-        self.tokens_per_step = topology.world_size * cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
+        self.tokens_per_step = (topology.world_size // cfg.context_parallel * cfg.micro_batches * cfg.micro_batch_size
+                                * cfg.seq_len)
         self.writer = self._writer() if rank == 0 and (cfg.metrics or cfg.tensorboard) else None
         self.bar = StepBar(cfg.steps, self.start, "tawpipe train") if rank == 0 else None
         self.val_losses: dict[int, float] = {}
@@ -155,10 +157,20 @@ class Loop:
                 "inter_bytes": self.inter, "tokens_per_step": self.tokens_per_step,
                 "skipped": engine.skipped_steps - self.skipped_before, "skipped_total": engine.skipped_steps}
 
+    def _context_bytes(self, rank: int) -> int:
+        """What ``rank`` sends per iteration in context parallelism's K/V exchanges (0 without)."""
+        cfg = self.cfg
+        if cfg.context_parallel == 1:
+            return 0
+        dims = models.dims(cfg.model, seq=cfg.seq_len, micro_batch=cfg.micro_batch_size,
+                           dtype_bytes=DTYPES[cfg.dtype].itemsize)
+        return context_bytes(self.engine.plan, rank, cfg.context_parallel,
+                             context_share_bytes(dims, cfg.context_parallel), self.engine.policies[2].recompute)
+
     def _step(self, step: int, t0: float) -> bool:
         """One step with its validation, metrics, bar and checkpoint; whether the run stops here."""
         cfg, engine = self.cfg, self.engine
-        idx = [self.rank * cfg.micro_batches + i for i in range(cfg.micro_batches)]
+        idx = [data_rank(self.rank, cfg) * cfg.micro_batches + i for i in range(cfg.micro_batches)]
         mbs = [draw_batch(self.src.train, cfg.seq_len, cfg.micro_batch_size, seed=cfg.seed, step=step, index=i)
                for i in idx]
         t_step = time.perf_counter()
@@ -225,8 +237,14 @@ def _validation_batches(rank: int, cfg: TrainConfig, src: TokenSource) -> list[t
     if len(src.val) < cfg.seq_len + 1:
         raise ValueError(f"the held-out split has {len(src.val)} tokens, too few for --seq-len {cfg.seq_len}: "
                          "use more data, or --val-every 0")
-    return [draw_batch(src.val, cfg.seq_len, cfg.micro_batch_size, seed=cfg.seed, step=0, index=rank * cfg.val_batches + i)
-            for i in range(cfg.val_batches)]
+    return [draw_batch(src.val, cfg.seq_len, cfg.micro_batch_size, seed=cfg.seed, step=0,
+                       index=data_rank(rank, cfg) * cfg.val_batches + i) for i in range(cfg.val_batches)]
+
+
+def data_rank(rank: int, cfg: TrainConfig) -> int:
+    """Whose share of the data ``rank`` draws: a context group's ranks draw the same sequences
+    (each computes its slice of them)."""
+    return rank // cfg.context_parallel
 
 
 def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engine: TawPipe,
@@ -244,7 +262,9 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
         + ("chunked loss (the head a slice of tokens at a time)" if cfg.loss == "chunked" else "plain loss"),
         f"topology: {topo.nodes} node(s) x {topo.per_node} rank(s) = {topo.world_size} ranks"
         f"{f' in {plan.replicas} replicas of {plan.replica_size}' if plan.replicas > 1 else ''}, chunks of {layers} "
-        f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.micro_batch_size} x {cfg.seq_len} tokens",
+        f"layers in model order; per rank {cfg.micro_batches} micro-batches of {cfg.micro_batch_size} x {cfg.seq_len} tokens"
+        + (f", context parallel: each {cfg.context_parallel} ranks of a node share them, {cfg.seq_len // cfg.context_parallel} "
+           "tokens of each sequence per rank" if cfg.context_parallel > 1 else ""),
         f"schedule: {plan.algo}, gradient route {cfg.grad_route}, prefetch depth {depth_text(plan, cfg.prefetch_depth)}, "
         f"{engine.mb_per_fetch} micro-batch(es) per fetch, resident chunks "
         f"{'reused' if engine.reuse_weights else 'refetched'}"

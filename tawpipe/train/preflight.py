@@ -84,6 +84,7 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
         world = check_replicas(topology, cfg.replicas)  # ranks of one pipeline
     except ValueError as e:
         raise ValueError(f"--replicas: {e}") from None
+    _check_context(cfg, topology, kind)
     vocab = _vocab(cfg)
     overrides = builtin_overrides(cfg, vocab)
     blocks, embed, head, model_vocab = models.meta_model(cfg.model, **overrides)
@@ -94,8 +95,9 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     manifest = _check_resume(cfg, parts_signature(blocks, embed, head)) if cfg.resume is not None else None
     ran = _as_it_ran(cfg, topology, manifest)
     weight_bytes, grad_bytes = _wire_bytes(cfg)
-    shape = replace(models.dims(cfg.model, seq=cfg.seq_len, micro_batch=cfg.micro_batch_size, dtype_bytes=weight_bytes,
-                                grad_bytes=grad_bytes), layers=len(blocks), vocab=model_vocab)
+    shape = replace(models.dims(cfg.model, seq=cfg.seq_len // cfg.context_parallel, micro_batch=cfg.micro_batch_size,
+                                dtype_bytes=weight_bytes, grad_bytes=grad_bytes),
+                    layers=len(blocks), vocab=model_vocab)  # what a rank computes: its slice of each sequence
     if cfg.loss == AUTO:
         cfg = replace(cfg, loss=_loss(kind, shape))
     try:
@@ -285,6 +287,25 @@ def _check_memory(cfg: TrainConfig, topology: Topology, plan: Plan, blocks: list
                          "the host), --dtype bfloat16, a smaller --micro-batch-size or --seq-len, or a smaller model "
                          "(--model, --layers)")
     return f"memory estimate: {detail}" + (f"; {gib(available)} available ({where})" if available is not None else "")
+
+
+def _check_context(cfg: TrainConfig, topology: Topology, kind: str) -> None:
+    """--context-parallel's needs, before any rank starts (the engine checks them again)."""
+    c = cfg.context_parallel
+    if c == 1:
+        return
+    if kind.startswith("hf"):
+        raise ValueError(f"--context-parallel {c} applies to built-in models (whose attention takes a slice of the "
+                         "sequence); a Hugging Face model trains with --context-parallel 1")
+    if topology.per_node % c:
+        raise ValueError(f"--context-parallel {c} does not divide the {topology.per_node} ranks of a node "
+                         "(--per-node): a context group is ranks of one node")
+    if cfg.seq_len % (2 * c):
+        raise ValueError(f"--seq-len {cfg.seq_len} is not a multiple of 2 x --context-parallel = {2 * c}: each of "
+                         f"a group's {c} ranks takes two equal mirrored slices of every sequence")
+    if cfg.algo != "tawpipe":
+        raise ValueError(f"--context-parallel {c} needs --algo tawpipe, whose node's ranks run each chunk in the "
+                         f"same slot ({cfg.algo}'s do not)")
 
 
 def check_host(per_rank: list[MemoryEstimate], available: tuple[int, str] | None) -> None:
