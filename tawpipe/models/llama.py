@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import prefix_causal_attention
 from .loss import linear_cross_entropy
 from .parts import ModelParts, SequenceSlice
 from .presets import PRESETS
@@ -143,13 +144,13 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # each token rotated by its own position
-        mask = None
-        if seq is not None:
+        if seq is None:
+            # enable_gqa lets SDPA share each K/V head across its query group without copying it.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        else:  # each run of the slice's positions attends to the whole sequence's keys before it
             k, v = seq.gather(k, v)
-            mask = seq.causal_mask
-        # enable_gqa lets SDPA share each K/V head across its query group without copying it.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=seq is None,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)
+            y = torch.cat([prefix_causal_attention(q[..., i:i + n, :], k, v, start) for i, start, n in seq.runs],
+                          dim=-2)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

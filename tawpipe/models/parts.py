@@ -83,10 +83,16 @@ class SequenceSlice:
     gather: Callable[..., tuple[torch.Tensor, ...]]
 
     @cached_property
-    def causal_mask(self) -> torch.Tensor:
-        """(tokens, seq_len) bool: which of the whole sequence's tokens each of this slice's tokens
-        sees under a causal mask (itself and those before it)."""
-        return self.positions[:, None] >= torch.arange(self.seq_len, device=self.positions.device)[None, :]
+    def runs(self) -> list[tuple[int, int, int]]:
+        """The slice as runs of consecutive positions: (first index in the slice, first position,
+        length) each, in order."""
+        out: list[tuple[int, int, int]] = []
+        for i, p in enumerate(self.positions.tolist()):
+            if out and out[-1][1] + out[-1][2] == p:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((i, p, 1))
+        return out
 
 
 def call_block(block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
