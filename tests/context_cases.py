@@ -65,7 +65,7 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
         errs = {name: rel_err(p.detach(), want[name].detach()) for name, p in engine.named_parameters()}
         share = context_share_bytes(CFG.dims(seq=SEQ, micro_batch=ROWS, dtype_bytes=4), c)
         planned = steps * context_bytes(engine.plan, rank, c, share, case.get("recompute", "chunk"))
-        exchanged = engine.context_traffic()  # the steps' exchanges, before the evaluation's
+        exchanged, _ = engine.context_traffic()  # the steps' exchanges, before the evaluation's
         val = [sequences(100 + b, groups * ROWS) for b in range(2)]
         val_loss = engine.evaluate([(x[(rank // c) * ROWS:(rank // c + 1) * ROWS], y[(rank // c) * ROWS:(rank // c + 1) * ROWS])
                                     for x, y in val])

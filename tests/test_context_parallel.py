@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from tawpipe.engine.context import context_groups, slice_positions
+from tawpipe.engine.context import slice_positions
+from tawpipe.plan.context import context_groups
 from tawpipe.runtime.launch import run_local
 
 from context_cases import exactness, refusals

@@ -76,9 +76,9 @@ def test_published_runs_are_replayed_and_bounded(tmp_path):
     assert "Within ±20%" in (tmp_path / "published.md").read_text()
 
 
-def test_simulate_runs_the_peers_with_context_parallelism_at_the_same_tokens_per_device(capsys):
-    """--context-parallel C: DDP, FSDP2 and HSDP each hold a 1/C slice of C times the micro-batches
-    (the same tokens per device as TawPipe's row, which runs as it is), with less activation memory."""
+def test_simulate_runs_the_methods_with_context_parallelism_at_the_same_tokens_per_device(capsys):
+    """--context-parallel C: TawPipe, FSDP2 and HSDP each hold a 1/C slice of C times the
+    micro-batches (the same tokens per device), with less activation memory."""
     from tawpipe.cli import main
 
     argv = ["simulate", "--nodes", "2", "--per-node", "4", "--device", "h100", "--inter", "100gb", "--model", "1b",
@@ -88,12 +88,12 @@ def test_simulate_runs_the_peers_with_context_parallelism_at_the_same_tokens_per
     for c in (1, 4):
         assert main([*argv, "--context-parallel", str(c)]) == 0
         rows[c] = {r["method"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
-    for method in ("fsdp", "hsdp"):
+    for method in ("tawpipe", "fsdp", "hsdp"):
         split, whole = rows[4][method], rows[1][method]
         assert split["settings"]["context_parallel"] == 4 and "context_parallel" not in whole["settings"]
         assert split["tokens_per_s_per_device"] * split["time_s"] == pytest.approx(
             whole["tokens_per_s_per_device"] * whole["time_s"])
-        assert split["memory"]["activations"] < 0.7 * whole["memory"]["activations"]  # the loss's part stays
-    assert rows[4]["tawpipe"]["time_s"] == rows[1]["tawpipe"]["time_s"]
+        # the loss's part stays; TawPipe at its k keeps as many inputs of C times the micro-batches
+        assert split["memory"]["activations"] < (0.9 if method == "tawpipe" else 0.7) * whole["memory"]["activations"]
     assert main([*argv, "--context-parallel", "3"]) == 2
     assert "--context-parallel 3: must divide --per-node 4" in capsys.readouterr().err

@@ -33,6 +33,7 @@ _BENCHES = {
     "cluster": ("tawpipe.bench.cluster", "tawpipe vs its peers on an emulated multi-node cluster"),
     "comm": ("tawpipe.bench.comm", "communication primitives, nccl-tests style (time, algbw, busbw)"),
     "prefetch": ("tawpipe.bench.prefetch", "pinned double-buffered host offload: bandwidth and overlap"),
+    "context": ("tawpipe.bench.context", "tawpipe with and without context parallelism on an emulated cluster"),
 }
 
 

@@ -287,7 +287,7 @@ def _replicated_ring(dims: ModelDims, n: int) -> float:
 # All-gathers of K/V a backward makes per layer under each recompute (context parallelism, design
 # §3.6): "chunk" and "block" run each layer's forward again once, "layer" runs the chunk's layers
 # but its last again to keep their inputs and then each layer again, "none" keeps the forward's.
-_BACKWARD_GATHERS = {"chunk": lambda n: n, "block": lambda n: n, "layer": lambda n: 2 * n - 1, "none": lambda n: 0}
+BACKWARD_GATHERS = {"chunk": lambda n: n, "block": lambda n: n, "layer": lambda n: 2 * n - 1, "none": lambda n: 0}
 
 
 def context_share_bytes(dims: ModelDims, degree: int) -> int:
@@ -305,7 +305,7 @@ def context_bytes(plan: Plan, rank: int, degree: int, share_bytes: int, recomput
     for a in plan.actions[rank]:
         if a.op in (Op.F, Op.B):
             first, end = plan.chunk_layers[a.chunk]
-            exchanges += end - first if a.op is Op.F else end - first + _BACKWARD_GATHERS[recompute](end - first)
+            exchanges += end - first if a.op is Op.F else end - first + BACKWARD_GATHERS[recompute](end - first)
     return (degree - 1) * share_bytes * exchanges
 
 

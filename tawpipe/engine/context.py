@@ -18,25 +18,17 @@ parallelism do): every rank then attends to the same number of key positions.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from ..models.parts import SequenceSlice
-from ..plan.actions import Op
-from ..plan.plan import Plan
+from ..plan.context import context_groups
 from ..plan.topology import Topology
 from ..runtime.comm.base import Comm, Group
 
 CONTEXT_CHANNEL = "context"  # the K/V exchange's communicator: no plan op runs on it
-
-
-def context_groups(topology: Topology, degree: int) -> list[tuple[int, ...]]:
-    """The context groups: each node's ranks in runs of ``degree`` consecutive ranks."""
-    if topology.per_node % degree:
-        raise ValueError(f"context_parallel={degree} does not divide the {topology.per_node} ranks of a node: "
-                         f"a context group is {degree} ranks of one node; choose a divisor of {topology.per_node}")
-    return [tuple(range(first, first + degree)) for first in range(0, topology.world_size, degree)]
 
 
 def slice_positions(seq_len: int, degree: int, index: int) -> torch.Tensor:
@@ -51,30 +43,19 @@ def slice_positions(seq_len: int, degree: int, index: int) -> torch.Tensor:
                       torch.arange((2 * degree - 1 - index) * n, (2 * degree - index) * n)])
 
 
-def check_plan(plan: Plan, degree: int) -> None:
-    """The ranks of each context group run the same forwards and backwards in the same slots: the
-    exchanges inside them then pair up at once, and each waits only for work of its own slot (a
-    schedule where they do not, WeiPipe's ring, would wait across slots, and deadlock)."""
-    for group in context_groups(plan.topology, degree):
-        runs = [[(a.slot, a.op, a.chunk, a.mb) for a in plan.actions[r] if a.op in (Op.F, Op.B)] for r in group]
-        if any(run != runs[0] for run in runs[1:]):
-            raise ValueError(f"context_parallel={degree}: in the {plan.algo!r} plan ranks {group} do not run the same "
-                             "chunks in the same slots, so they cannot compute one micro-batch together; use the "
-                             "'tawpipe' schedule, whose node's ranks run each chunk in the same slot")
-
-
 class ContextGroup:
     """This rank's context group: the slices it computes and the K/V exchange among its members,
     on a communicator of its own (``comm``, a channel no plan op uses). ``sent`` counts the bytes
     this rank sent in exchanges since it was built: (c - 1) times its own share per all-gather or
-    reduce-scatter, as ``cost.traffic.context_bytes`` counts them."""
+    reduce-scatter, as ``cost.traffic.context_bytes`` counts them; ``seconds`` the time the
+    compute waited in them."""
 
     def __init__(self, comm: Comm, topology: Topology, degree: int, rank: int) -> None:
         self.comm, self.degree = comm, degree
         self.groups = context_groups(topology, degree)
         self.group = next(g for g in self.groups if rank in g)
         self.index = self.group.index(rank)
-        self.sent = 0
+        self.sent, self.seconds = 0, 0.0
 
     def slice(self, seq_len: int, device: torch.device) -> SequenceSlice:
         positions = slice_positions(seq_len, self.degree, self.index).to(device)
@@ -97,10 +78,12 @@ class ContextGroup:
     def exchange(self, pieces: torch.Tensor, out: torch.Tensor, gather: bool) -> None:
         """All-gather ``pieces`` into ``out`` (c times its size), or reduce-scatter ``pieces`` (c
         shares, in member order) into ``out``."""
+        t0 = time.perf_counter()
         if gather:
             self.comm.all_gather(out, pieces, self.group)
         else:
             self.comm.reduce_scatter(out, pieces, self.group)
+        self.seconds += time.perf_counter() - t0
         self.sent += (self.degree - 1) * min(pieces.numel(), out.numel()) * pieces.element_size()
 
 

@@ -27,6 +27,8 @@ import torch.nn as nn
 
 from ..models.parts import ModelParts, block_param_name, model_signature, param_signature, unique_params
 from ..plan.actions import OPS, QUEUES, Action, BufKind, Channel, Op, buf_kind
+from ..plan.context import check_plan as check_context_plan
+from ..plan.context import context_groups
 from ..plan.plan import Plan
 from ..plan.programs import eval_program, gather_program, setup_program
 from ..plan.schedule import compute_actions
@@ -39,8 +41,7 @@ from ..runtime.timeout import default_timeout
 from . import fingerprint
 from .auto import engine_plan
 from .activations import ActivationOffload
-from .context import CONTEXT_CHANNEL, ContextGroup, context_groups
-from .context import check_plan as check_context_plan
+from .context import CONTEXT_CHANNEL, ContextGroup
 from .compute import ChunkCompute, EvalState, StepState
 from .precision import Precision
 from .inputs import (check_micro_batches, check_model, check_optimizer, check_policies, check_replicated,
@@ -297,10 +298,11 @@ class TawPipe:
         to_host = self.storage.to_host + (a.stored_bytes if a is not None else 0)
         return to_host, self.storage.from_host + (a.fetched_bytes if a is not None else 0)
 
-    def context_traffic(self) -> int:
+    def context_traffic(self) -> tuple[int, float]:
         """Bytes this rank sent in the K/V exchanges of context parallelism since it was built
-        (``cost.traffic.context_bytes`` counts the same from the plan); 0 without it."""
-        return self._context.sent if self._context is not None else 0
+        (``cost.traffic.context_bytes`` counts the same from the plan), and the seconds its compute
+        spent in them; (0, 0.0) without it."""
+        return (self._context.sent, self._context.seconds) if self._context is not None else (0, 0.0)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters (own chunk and replicated) under the original names."""

@@ -183,7 +183,7 @@ def play(method: str, plan: Plan, cluster: Cluster, work: Workload, acc: int, se
     memory = memory or plan_memory(plan, work.dims, savers, chunked_loss)
     shown = {**settings, **(_savers_shown(savers) if savers != default_savers(work) else {})}
     return read_off(method, shown, simulate(graph, fabric), range(plan.replica_size), memory, cluster,
-                    work.dims, acc)
+                    work.dims, acc, work.context)
 
 
 def _savers_shown(savers: Savers) -> dict[str, Any]:

@@ -68,7 +68,9 @@ from .workload import Workload
 
 PEERS = ("ddp", "fsdp", "fsdp-mm", "fsdp-node", "hsdp", "1f1b")
 OFFLOADING = ("ddp", "fsdp", "fsdp-mm", "fsdp-node", "hsdp")  # the peers that run with torch's save_on_cpu
-CONTEXT_PARALLEL = OFFLOADING  # the peers modelled with context parallelism inside a node (``Workload.context``)
+# the methods modelled with context parallelism inside a node (``Workload.context``): the data-
+# parallel peers, and TawPipe's schedule (design §3.6; WeiPipe's ranks of a node run other slots)
+CONTEXT_PARALLEL = (*OFFLOADING, "tawpipe", "tawpipe-paper")
 DDP_FIRST_BUCKET = 2**20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, used once buckets are rebuilt
 DDP_BUCKET = 25 * 2**20  # bucket_cap_mb = 25
 MAX_PIPELINE_TASKS = 1_000_000  # 1F1B's graph grows as stages x micro-batches; past this, ask for fewer stages

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cost.memory import AUTO, MARGIN, MemoryEstimate, Savers, auto_plan
-from ..cost.traffic import chain_hops, ring_next
+from ..cost.traffic import BACKWARD_GATHERS, chain_hops, context_share_bytes, ring_next
 from ..plan.actions import OPS, Action, Channel, Hazards, Op, batches, describe
+from ..plan.context import check_plan as check_context
 from ..plan.plan import Plan
 from ..plan.schedule import build_plan
 from ..plan.topology import Topology
@@ -47,10 +48,15 @@ def plan_graph(plan: Plan, cluster: Cluster, work: Workload, *, host: bool,
     if (topo.nodes, topo.per_node) != (cluster.nodes, cluster.per_node):
         raise ValueError(f"the plan is for {topo.nodes} x {topo.per_node}, the cluster is "
                          f"{cluster.nodes} x {cluster.per_node}")
+    if work.context > 1:
+        check_context(plan, work.context)
     g = Graph()
     messages: dict[tuple, _Message] = {}
+    exchanges: dict[tuple, _Message] = {}
     for r in range(plan.replica_size):
-        _rank(g, plan, r, _Device(work, savers, cluster.host.adamw_bandwidth / cluster.per_node), host, messages)
+        _rank(g, plan, r, _Device(work, savers, cluster.host.adamw_bandwidth / cluster.per_node), host, messages,
+              exchanges)
+    _play_exchanges(g, exchanges, work, cluster, plan.replica_size)
     for key, m in messages.items():
         if m.action is None or len(m.posts) < (2 if key[0] == "p2p" else 1):
             raise ValueError(f"{key}: a message without both sides in the plan")
@@ -167,12 +173,14 @@ class _HostCopies:
         return []
 
 
-def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: dict[tuple, _Message]) -> None:
+def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: dict[tuple, _Message],
+          exchanges: dict[tuple, _Message]) -> None:
     hazards: Hazards[int] = Hazards()
     last_compute: int | None = None
     queue_last: dict[Channel, int] = {}
     collectives: Counter = Counter()
     copies = _HostCopies(g, plan, r, device)
+    context = _Context(g, plan, r, device, exchanges) if device.work.context > 1 else None
     for unit in batches(plan.actions[r]):
         rw = [(plan.reads(a), plan.writes(a)) for a in unit]
         deps = [d for reads, writes in rw for d in hazards.deps(reads, writes)]
@@ -181,8 +189,11 @@ def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: d
         if channel is Channel.COMPUTE:
             deps += [last_compute] if last_compute is not None else []
             deps += copies.before(unit[0], deps)
-            done = last_compute = g.add(describe(unit[0]), deps,
-                                        seconds=compute_seconds(plan, unit[0], device.work, device.savers), rank=r)
+            seconds = compute_seconds(plan, unit[0], device.work, device.savers)
+            if context is not None and unit[0].op in (Op.F, Op.B):
+                done = last_compute = context.compute(unit[0], deps, seconds)
+            else:
+                done = last_compute = g.add(describe(unit[0]), deps, seconds=seconds, rank=r)
         else:
             if host and last_compute is not None:
                 deps.append(last_compute)  # the calling thread gets here after the compute before it
@@ -212,6 +223,56 @@ def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: d
         copies.after(unit[0], done)
         for reads, writes in rw:
             hazards.record(done, reads, writes)
+
+
+class _Context:
+    """A forward or backward under context parallelism (``work.context`` c, design §3.6), as the
+    engine runs it: layer by layer on the compute stream, each layer's K/V all-gathered among the
+    rank's context group before it computes (once per forward, and per re-run of it in the
+    backward, ``cost.traffic.context_bytes``), and its gradients reduce-scattered after a backward,
+    every exchange blocking the compute. The group's exchanges pair up in order."""
+
+    def __init__(self, g: Graph, plan: Plan, r: int, device: _Device, exchanges: dict[tuple, _Message]) -> None:
+        c, d = device.work.context, device.work.dims
+        self.g, self.plan, self.r, self.exchanges = g, plan, r, exchanges
+        self.group = tuple(range(r - r % c, r - r % c + c))
+        self.count = 0
+        self.share = context_share_bytes(replace(d, seq=d.seq * c), c)
+        self.recompute = device.savers.recompute
+
+    def compute(self, a: Action, deps: list[int], seconds: float) -> int:
+        start, stop = self.plan.chunk_layers[a.chunk]
+        n = stop - start
+        gathers = n if a.op is Op.F else BACKWARD_GATHERS[self.recompute](n)
+        done = self.g.add("", deps)
+        for layer in range(n):
+            for _ in range(gathers // n + (layer < gathers % n)):
+                done = self._exchange(f"K/V {describe(a)}", done)
+            done = self.g.add(f"{describe(a)} layer {layer}", [done], seconds=seconds / n, rank=self.r)
+            if a.op is Op.B:
+                done = self._exchange(f"dK/dV {describe(a)}", done)
+        return done
+
+    def _exchange(self, label: str, dep: int) -> int:
+        post, done = self.g.add("", [dep]), self.g.add(label, [])
+        m = self.exchanges.setdefault((self.group, self.count), _Message([], []))
+        m.posts.append(post)
+        m.dones.append((done, False))
+        self.count += 1
+        return done
+
+
+def _play_exchanges(g: Graph, exchanges: dict[tuple, _Message], work: Workload, cluster: Cluster, size: int) -> None:
+    """Each K/V exchange once every member posted it: a ring over the group in which each member
+    sends (c − 1) shares to the next, over the node's links."""
+    c = work.context
+    share = context_share_bytes(replace(work.dims, seq=work.dims.seq * c), c)
+    for (group, _), m in exchanges.items():
+        flows = [Flow(r, group[(i + 1) % c], (c - 1) * share) for i, r in enumerate(group) if r < size]
+        t = g.add("K/V exchange", m.posts, flows=flows, latency=(c - 1) * cluster.hop_latency(False),
+                  rank=group[0], lane="cp")
+        for done, _ in m.dones:
+            g.add_deps(done, [t])
 
 
 def _flows(plan: Plan, a: Action, host: bool = False) -> tuple[list[Flow], int]:

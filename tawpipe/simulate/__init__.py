@@ -76,10 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the peers checkpoint every block with any of these); layer, a layer at a time after the "
                         "chunk again; none: keep every activation")
     m.add_argument("--context-parallel", type=int, default=1, metavar="C",
-                   help="DDP, FSDP2 and HSDP with context parallelism over C ranks of a node (each a 1/C slice of "
-                        "every sequence, C times the micro-batches, so every method runs the same tokens per device; "
-                        "keys and values all-gathered over the C ranks), as torchtitan runs it; TawPipe, WeiPipe and "
-                        "1F1B as they are")
+                   help="TawPipe, DDP, FSDP2 and HSDP with context parallelism over C ranks of a node (each a 1/C "
+                        "slice of every sequence, C times the micro-batches, so every method runs the same tokens per "
+                        "device; keys and values all-gathered over the C ranks), the peers as torchtitan runs them, "
+                        "TawPipe as tawpipe train --context-parallel does; WeiPipe and 1F1B as they are")
     m.add_argument("--offload-activations", action="store_true",
                    help="what the forwards keep goes to host memory: TawPipe's beside compute, DDP's, FSDP2's and "
                         "HSDP's through torch's save_on_cpu, in line with it")
@@ -245,7 +245,7 @@ def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
           f"{cluster.inter.name}{' per rail' if cluster.rails else ' per node'}; {args.model}: H={dims.hidden} "
           f"L={dims.layers} S={dims.seq} B={dims.micro_batch}, {args.micro_batches} micro-batches per device, "
           f"recompute {args.recompute}{', activations on the host' * args.offload_activations}"
-          f"{f', the peers with context parallelism over {args.context_parallel}' * (args.context_parallel > 1)}"
+          f"{f', context parallelism over {args.context_parallel}' * (args.context_parallel > 1)}"
           f"{', optimizer state on the host' * args.offload_state}, {args.loss} loss")
     print(table(rows))
     if advice:

@@ -159,6 +159,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the communication backend: torch (torch.distributed: gloo, or NCCL on GPUs) or another "
                         "registered one (nccl-native: tawpipe's own NCCL, GPUs under torchrun)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial model and of the batches")
+    _add_output_arguments(p, d)
+    _config_file_sets_defaults(p)
+
+
+def _add_output_arguments(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """What a run writes and watches: checkpoints, export, validation, metrics, the skip limit."""
     p.add_argument("--save", default=None, metavar="DIR",
                    help="checkpoint directory: a checkpoint at the end (and every --save-every steps)")
     p.add_argument("--save-every", type=int, default=None, metavar="N", help="also checkpoint every N steps")
@@ -175,7 +181,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-skipped-in-a-row", type=int, default=d.max_skipped_in_a_row, metavar="N",
                    help="stop with an error when N steps in a row are skipped (loss or gradients not finite), "
                         "or when every step of the run was; 0: never")
-    _config_file_sets_defaults(p)
 
 
 def _or_auto(parse: Callable[[str], Any]) -> Callable[[str], Any]:
