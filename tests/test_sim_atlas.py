@@ -193,3 +193,26 @@ def test_the_largest_fitting_sequence_fits_and_the_next_does_not():
         assert largest is not None and check(largest), name
         bigger = [s for s in seqs if s > largest]
         assert not bigger or not check(bigger[0]), name
+
+
+LONG = replace(TINY, seqs=(16384,), contexts=(1, 2, 4), context_from=16384)
+
+
+def test_at_long_s_the_map_searches_context_parallelism_for_tawpipe_and_the_peers():
+    """At S >= context_from every TawPipe setting is tried with each context-parallel degree (its
+    plans for c·acc micro-batches) and so is each data-parallel peer; the entries name the degree
+    they chose, and a degree lowers the memory it is tried with."""
+    assert LONG.contexts_at(16384) == (1, 2, 4) and LONG.contexts_at(8192) == (1,)
+    rows, stats = atlas.map_rows(LONG)
+    assert not stats["bound_violations"]
+    for r in rows:
+        tried = {t["settings"].get("context_parallel", 1) for t in r["tawpipe_tried"]}
+        assert tried == {1, 2, 4}
+        for m in ("tawpipe", "fsdp", "hsdp"):
+            e = r["methods"][m]
+            if e.get("fits"):
+                assert e["settings"].get("context_parallel", 1) in (1, 2, 4)
+        least = {c: min(t["least_memory_gib"] for t in r["tawpipe_tried"]
+                        if t["settings"].get("context_parallel", 1) == c and t.get("least_memory_gib") is not None)
+                 for c in (1, 2, 4)}
+        assert least[4] < least[2] < least[1]

@@ -24,11 +24,16 @@ The methods, and the rules that choose their settings and memory savers (design 
   PCIe direction over its rate); the candidates are played in the order of their bounds,
   skipping any whose bound times 1 + ``PRUNE`` is no less than the best time played so far
   (branch and bound: the best played is within ``PRUNE`` of the best of all). Plans are built
-  once per (nodes, model, setting): they depend on neither S nor the link.
+  once per (nodes, model, setting): they depend on neither S nor the link. At S ≥ 32k
+  (``Grid.context_from``) each setting is tried with context parallelism c ∈ {1, 2, 4, 8} too
+  (design §3.6): c·acc micro-batches of 1/c of each sequence per device (the cell's tokens), its
+  plans built for c·acc, the K/V exchange played inside the node.
 - WeiPipe: its single pipeline, where it has no more ranks than layers (N ≤ L); else n/a.
 - DDP, FSDP2 (``fsdp``: gradients reduce-scattered on the last micro-batch; ``fsdp-mm``: after
   every micro-batch), FSDP2 with intra-node reshard (``fsdp-node``), HSDP: ``compare.run``, with
-  or without per-block checkpointing and torch's ``save_on_cpu`` (``peer_entry``).
+  or without per-block checkpointing and torch's ``save_on_cpu`` (``peer_entry``); at S ≥ 32k
+  also with context parallelism c ∈ {2, 4, 8} inside a node, as torchtitan runs FSDP2 + CP (each
+  sequence split over c ranks, c times the micro-batches, K/V all-gathered per layer).
 - 1F1B: P stages per pipeline and N/P data-parallel copies; P over the divisors of N that are at
   most L and tile nodes (a multiple or a divisor of 8): the two largest, and the largest that
   divides L (equal stages), each without checkpointing where that fits; the fastest that fits.
@@ -57,7 +62,7 @@ from ..plan.schedule import HOST, RESIDENT
 from . import compare
 from .compare import TIE, taw_settings, title
 from .hardware import HOST, Cluster, Host, device, link
-from .peers import peer_memory, stage_counts
+from .peers import CONTEXT_PARALLEL, peer_memory, stage_counts
 from .play import compute_seconds, engine_plan
 from .workload import Workload, model
 
@@ -88,6 +93,16 @@ class Grid:
     grad_bytes: int = 2
     chunked_loss: bool = True  # every method's head and loss a slice of tokens at a time
     host: Host = HOST
+    # context parallelism inside a node (design §3.6), searched at S >= context_from: TawPipe and
+    # the data-parallel peers with each sequence split over c of a node's ranks
+    contexts: tuple[int, ...] = (1, 2, 4, 8)
+    context_from: int = 32768
+
+    def contexts_at(self, seq: int) -> tuple[int, ...]:
+        """The context-parallel degrees the map tries at S = ``seq``."""
+        if seq < self.context_from:
+            return (1,)
+        return tuple(c for c in self.contexts if self.per_node % c == 0 and seq % (2 * c) == 0)
 
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
@@ -186,64 +201,69 @@ def _pcie_floor(plan: Plan, work: Workload, savers: Savers, cluster: Cluster) ->
     return max(moved) / cluster.host.pcie.bandwidth
 
 
-def _tawpipe(plans: _Plans, cluster: Cluster, work: Workload, acc: int, stats: dict, *,
+def _tawpipe(plans: dict[int, _Plans], cluster: Cluster, work: Workload, acc: int, stats: dict, *,
              chunked_loss: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """TawPipe's best setting and memory savers that fit (branch and bound over ``plans`` ×
-    ``SAVERS``), and per setting what was tried: the savers played (with their time and lower
-    bound), how many were pruned (their bound cannot beat the best played by ``PRUNE``), how many
-    do not fit, and how many were dominated by savers that fit first (``compare.dominates``), or the
-    planner's error."""
-    dims = work.dims
-    tried: dict[int, dict[str, Any]] = {}
-    todo: list[tuple[float, int, int, MemoryEstimate]] = []  # (lower bound, setting, savers, memory)
-    for i, s in enumerate(plans.settings):
-        if i in plans.errors:
-            tried[i] = {"settings": s, "status": f"error: {plans.errors[i]}", "fits": False}
-            continue
-        plan = plans.plans[i]
-        link = plans.busiest_node_bytes[i] / cluster.inter.bandwidth
-        floors: dict[tuple, float] = {}
-        least: MemoryEstimate | None = None
-        t = tried[i] = {"settings": _resolved(s, plan), "played": [], "pruned": 0, "does_not_fit": 0,
-                        "dominated": 0}
-        fitting: list[Savers] = []
-        for j, savers in enumerate(SAVERS):
-            mem = compare.plan_memory(plan, dims, savers, chunked_loss, buffers=plans.buffers[i])
-            least = mem if least is None or mem.total < least.total else least
-            if not compare.fits(mem, cluster):
-                t["does_not_fit"] += 1
+    """TawPipe's best setting, memory savers and context-parallel degree c that fit (branch and
+    bound over ``plans[c]`` × ``SAVERS`` for each c given), and per setting what was tried: the
+    savers played (with their time and lower bound), how many were pruned (their bound cannot
+    beat the best played by ``PRUNE``), how many do not fit, and how many were dominated by savers
+    that fit first (``compare.dominates``), or the planner's error. With context parallelism c a
+    device runs c·acc micro-batches of 1/c of each sequence (``plans[c]`` are built for them): the
+    cell's tokens per device in one iteration, as the peers run it."""
+    tried: dict[tuple[int, int], dict[str, Any]] = {}
+    todo: list[tuple[float, int, int, int, MemoryEstimate]] = []  # (bound, context, setting, savers, memory)
+    for c, built in plans.items():
+        sliced = work.sliced(c)
+        for i, s in enumerate(built.settings):
+            shown = {**s, **({"context_parallel": c} if c > 1 else {})}
+            if i in built.errors:
+                tried[(c, i)] = {"settings": shown, "status": f"error: {built.errors[i]}", "fits": False}
                 continue
-            if any(compare.dominates(other, savers) for other in fitting):
-                t["dominated"] += 1
-                continue
-            fitting.append(savers)
-            key = (savers.recompute, savers.offload_state)
-            if key not in floors:
-                floors[key] = compute_floor(plan, work, savers=savers)
-            todo.append((max(floors[key], link, _pcie_floor(plan, work, savers, cluster)), i, j, mem))
-        t["least_memory_gib"] = _gib(least.total) if least else None
+            plan = built.plans[i]
+            link = built.busiest_node_bytes[i] / cluster.inter.bandwidth
+            floors: dict[tuple, float] = {}
+            least: MemoryEstimate | None = None
+            t = tried[(c, i)] = {"settings": {**_resolved(s, plan), **shown}, "played": [], "pruned": 0,
+                                 "does_not_fit": 0, "dominated": 0}
+            fitting: list[Savers] = []
+            for j, savers in enumerate(SAVERS):
+                mem = compare.plan_memory(plan, sliced.dims, savers, chunked_loss, buffers=built.buffers[i])
+                least = mem if least is None or mem.total < least.total else least
+                if not compare.fits(mem, cluster):
+                    t["does_not_fit"] += 1
+                    continue
+                if any(compare.dominates(other, savers) for other in fitting):
+                    t["dominated"] += 1
+                    continue
+                fitting.append(savers)
+                key = (savers.recompute, savers.offload_state)
+                if key not in floors:
+                    floors[key] = compute_floor(plan, sliced, savers=savers)
+                todo.append((max(floors[key], link, _pcie_floor(plan, sliced, savers, cluster)), c, i, j, mem))
+            t["least_memory_gib"] = _gib(least.total) if least else None
     best: tuple[float, dict] | None = None
-    for floor, i, j, mem in sorted(todo, key=lambda x: x[:3]):
+    for floor, c, i, j, mem in sorted(todo, key=lambda x: x[:4]):
+        t = tried[(c, i)]
         if best is not None and floor * (1 + PRUNE) >= best[0]:
-            tried[i]["pruned"] += 1
+            t["pruned"] += 1
             stats["pruned"] += 1
             continue
-        row = compare.play("tawpipe", plans.plans[i], cluster, work, acc, tried[i]["settings"], memory=mem,
+        row = compare.play("tawpipe", plans[c].plans[i], cluster, work.sliced(c), acc * c, t["settings"], memory=mem,
                            savers=SAVERS[j], chunked_loss=chunked_loss)
         stats["played"] += 1
         if row.time_s < floor * (1 - 1e-6):
-            stats["bound_violations"].append({"settings": tried[i]["settings"], "savers": str(SAVERS[j]),
+            stats["bound_violations"].append({"settings": t["settings"], "savers": str(SAVERS[j]),
                                               "time_s": row.time_s, "bound_s": floor})
-        tried[i]["played"].append({"savers": str(SAVERS[j]), "time_s": row.time_s, "lower_bound_s": floor})
+        t["played"].append({"savers": str(SAVERS[j]), "time_s": row.time_s, "lower_bound_s": floor})
         if best is None or row.time_s < best[0]:
             best = (row.time_s, {**_entry(row), "savers": str(SAVERS[j]), "savers_short": _short(SAVERS[j]),
                                  "lower_bound_s": floor})
-    out = [tried[i] for i in sorted(tried)]
+    out = [tried[key] for key in sorted(tried)]
     if best is not None:
         return best[1], out
-    if not plans.plans:
-        return {"error": "; ".join(sorted(set(plans.errors.values()))) or "no replica count gives a pipeline of at "
-                         "most as many ranks as layers", "fits": False, "time_s": None}, out
+    if not plans[1].plans:
+        return {"error": "; ".join(sorted(set(plans[1].errors.values()))) or "no replica count gives a pipeline of "
+                         "at most as many ranks as layers", "fits": False, "time_s": None}, out
     least = min((t for t in out if t.get("least_memory_gib") is not None), key=lambda t: t["least_memory_gib"])
     return {"time_s": None, "fits": False, "memory_gib": least["least_memory_gib"], "settings": least["settings"],
             "note": f"no setting fits (least memory {least['least_memory_gib']:.1f} GiB)"}, out
@@ -295,29 +315,36 @@ def _pipeline(cluster: Cluster, work: Workload, acc: int, chunked_loss: bool) ->
 _PEER_VARIANTS = ((False, False), (True, False), (False, True), (True, True))
 
 
-def peer_entry(method: str, cluster: Cluster, work: Workload, acc: int, chunked_loss: bool) -> dict[str, Any]:
+def peer_entry(method: str, cluster: Cluster, work: Workload, acc: int, chunked_loss: bool,
+               contexts: tuple[int, ...] = (1,)) -> dict[str, Any]:
     """``method``'s fastest variant that fits (``_PEER_VARIANTS``): per-layer checkpointing or not,
-    the forward's saved tensors on the host (``save_on_cpu``) or not."""
-    rows, played, least = [], [], None
-    for recompute, offload in _PEER_VARIANTS:
-        if any(not o and r <= recompute for r, o in played):
-            continue  # a faster variant fits
-        mem = peer_memory(method, work.dims, cluster, acc, recompute, offload=offload, chunked_loss=chunked_loss)
-        if not compare.fits(mem, cluster):
-            least = least if least is not None and least.total <= mem.total else mem
-            continue
-        try:
-            row = compare.run(method, cluster, replace(work, recompute=recompute), acc, chunked_loss=chunked_loss,
-                              savers=Savers(offload_activations=True) if offload else None)
-        except ValueError as e:
-            return {"error": str(e), "fits": False, "time_s": None}
-        e = _entry(row)
-        e["settings"] = {**e["settings"], "recompute": recompute}
-        rows.append(e)
-        played.append((recompute, offload))
+    the forward's saved tensors on the host (``save_on_cpu``) or not; and for the data-parallel
+    peers each of ``contexts``: context parallelism c inside a node as torchtitan runs it, every
+    sequence split over c ranks and c times the micro-batches (the cell's tokens per device)."""
+    rows, least = [], None
+    for c in contexts if method in CONTEXT_PARALLEL else (1,):
+        sliced, played = work.sliced(c), []
+        for recompute, offload in _PEER_VARIANTS:
+            if any(not o and r <= recompute for r, o in played):
+                continue  # a faster variant fits
+            mem = peer_memory(method, sliced.dims, cluster, acc * c, recompute, offload=offload,
+                              chunked_loss=chunked_loss)
+            if not compare.fits(mem, cluster):
+                least = least if least is not None and least.total <= mem.total else mem
+                continue
+            try:
+                row = compare.run(method, cluster, replace(sliced, recompute=recompute), acc * c,
+                                  chunked_loss=chunked_loss, savers=Savers(offload_activations=True) if offload else None)
+            except ValueError as e:
+                return {"error": str(e), "fits": False, "time_s": None}
+            e = _entry(row)
+            e["settings"] = {**e["settings"], "recompute": recompute, **({"context_parallel": c} if c > 1 else {})}
+            rows.append(e)
+            played.append((recompute, offload))
     if rows:
         return min(rows, key=lambda e: e["time_s"])
-    return _unplayed(least, cluster, {}, "does not fit with or without checkpointing or activation offload")
+    return _unplayed(least, cluster, {}, "does not fit with or without checkpointing, activation offload or "
+                                         "context parallelism")
 
 
 def decide(row: dict[str, Any]) -> dict[str, Any]:
@@ -344,7 +371,7 @@ def map_rows(grid: Grid = FULL, *, progress: Callable[[str], None] | None = None
             base = model(name, seq=grid.seqs[0], micro_batch=grid.micro_batch, dtype_bytes=grid.dtype_bytes,
                          grad_bytes=grid.grad_bytes)
             shape = Cluster(nodes, grid.per_node, dev, intra, link(grid.links[0]))
-            plans = _build_plans(shape, Workload(base, dev, grid.recompute), grid.acc)
+            plans: dict[int, _Plans] = {}  # per context-parallel degree c: for c·acc micro-batches, built once
             for seq in grid.seqs:
                 dims = model(name, seq=seq, micro_batch=grid.micro_batch, dtype_bytes=grid.dtype_bytes,
                              grad_bytes=grid.grad_bytes)
@@ -352,11 +379,15 @@ def map_rows(grid: Grid = FULL, *, progress: Callable[[str], None] | None = None
                 for li in grid.links:
                     cluster = Cluster(nodes, grid.per_node, dev, intra, link(li), host=grid.host)
                     methods: dict[str, dict] = {}
-                    methods["tawpipe"], tried = _tawpipe(plans, cluster, work, grid.acc, stats,
-                                                         chunked_loss=grid.chunked_loss)
+                    contexts = grid.contexts_at(seq)
+                    for c in contexts:
+                        if c not in plans:
+                            plans[c] = _build_plans(shape, Workload(base, dev, grid.recompute).sliced(c), grid.acc * c)
+                    methods["tawpipe"], tried = _tawpipe({c: plans[c] for c in contexts}, cluster, work, grid.acc,
+                                                         stats, chunked_loss=grid.chunked_loss)
                     methods["weipipe"] = _weipipe(cluster, work, grid.acc, grid.chunked_loss)
                     for m in DP_PEERS:
-                        methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss)
+                        methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss, contexts)
                     methods["1f1b"] = _pipeline(cluster, work, grid.acc, grid.chunked_loss)
                     row = decide({"nodes": nodes, "per_node": grid.per_node, "gpus": cluster.world_size,
                                   "link": li, "model": name, "layers": dims.layers, "seq": seq,
@@ -377,13 +408,19 @@ FIT_SEQS = tuple(2**k for k in range(12, 21))  # S = 4k to 1M tokens
 FIT_MODELS = ("7b", "13b", "70b")
 
 
-def _fits_at(method: str, cluster: Cluster, work: Workload, acc: int, plans: _Plans, chunked_loss: bool) -> bool:
-    """Whether any of ``method``'s settings and memory savers that the map tries fits ``cluster``."""
+def _fits_at(method: str, cluster: Cluster, work: Workload, acc: int, plans: dict[int, _Plans], chunked_loss: bool,
+             contexts: tuple[int, ...] = (1,)) -> bool:
+    """Whether any of ``method``'s settings, memory savers and context-parallel degrees that the map
+    tries fits ``cluster`` (``plans[c]``: TawPipe's for c·acc micro-batches)."""
     dims = work.dims
     if method == "tawpipe":
-        return any(compare.fits(compare.plan_memory(plan, dims, savers, chunked_loss, buffers=plans.buffers[i]),
-                                cluster)
-                   for i, plan in plans.plans.items() for savers in SAVERS)
+        return any(compare.fits(compare.plan_memory(plan, work.sliced(c).dims, savers, chunked_loss,
+                                                    buffers=plans[c].buffers[i]), cluster)
+                   for c in contexts for i, plan in plans[c].plans.items() for savers in SAVERS)
+    if method in CONTEXT_PARALLEL:
+        return any(compare.fits(peer_memory(method, work.sliced(c).dims, cluster, acc * c, r, offload=o,
+                                            chunked_loss=chunked_loss), cluster)
+                   for c in contexts for r, o in _PEER_VARIANTS)
     if method == "weipipe":
         if cluster.world_size > dims.layers:
             return False
@@ -407,11 +444,12 @@ def largest_fits(grid: Grid = FULL, nodes: int = 4, models: tuple[str, ...] = FI
     for name in models:
         base = model(name, seq=seqs[0], micro_batch=grid.micro_batch, dtype_bytes=grid.dtype_bytes,
                      grad_bytes=grid.grad_bytes)
-        plans = _build_plans(cluster, Workload(base, dev, grid.recompute), grid.acc)
+        plans = {c: _build_plans(cluster, Workload(base, dev, grid.recompute).sliced(c), grid.acc * c)
+                 for c in grid.contexts_at(max(seqs))}
         out[name] = {}
         for method in METHODS:
             fit = [seq for seq in seqs if _fits_at(method, cluster, Workload(replace(base, seq=seq), dev, grid.recompute),
-                                                    grid.acc, plans, grid.chunked_loss)]
+                                                    grid.acc, plans, grid.chunked_loss, grid.contexts_at(seq))]
             out[name][method] = max(fit, default=None)
     return out
 
@@ -440,23 +478,24 @@ def _short(savers: Savers) -> str:
     return f"{savers.recompute}{'+act' * savers.offload_activations}{'+state' * savers.offload_state}"
 
 
-def summary(rows: list[dict], long_from: int = 16384) -> dict[str, Any]:
+def summary(rows: list[dict], long_from: tuple[int, ...] = (16384, 32768)) -> dict[str, Any]:
     """The map in counts: cells where TawPipe is the fastest by more than ``TIE`` (``wins``), ties
-    within it, loses, does not fit while another method does, and where nothing fits; and among
-    the cells at S >= ``long_from`` where something fits, those where TawPipe is the fastest or
-    within ``TIE`` of it."""
-    out = dict.fromkeys(("wins", "ties", "loses", "tawpipe_does_not_fit", "nothing_fits"), 0)
-    long_fit = long_ok = 0
+    within it, loses, does not fit while another method does, and where nothing fits; and for each
+    S of ``long_from``, among the cells at S >= it where something fits, those where TawPipe is the
+    fastest or within ``TIE`` of it."""
+    out: dict[str, Any] = dict.fromkeys(("wins", "ties", "loses", "tawpipe_does_not_fit", "nothing_fits"), 0)
+    for s in long_from:
+        out[f"s_ge_{s}_where_something_fits"] = out[f"s_ge_{s}_tawpipe_fastest_or_within_tie"] = 0
     for r in rows:
         m = r["tawpipe_margin"]
         key = ("nothing_fits" if r["winner"] is None else "tawpipe_does_not_fit" if not r["methods"]["tawpipe"]["fits"]
                else "wins" if m is None or m >= 1 + TIE else "ties" if m > 1 - TIE else "loses")
         out[key] += 1
-        if r["seq"] >= long_from and r["winner"] is not None:
-            long_fit += 1
-            long_ok += key in ("wins", "ties")
-    return {**out, "cells": len(rows), f"s_ge_{long_from}_where_something_fits": long_fit,
-            f"s_ge_{long_from}_tawpipe_fastest_or_within_tie": long_ok}
+        for s in long_from:
+            if r["seq"] >= s and r["winner"] is not None:
+                out[f"s_ge_{s}_where_something_fits"] += 1
+                out[f"s_ge_{s}_tawpipe_fastest_or_within_tie"] += key in ("wins", "ties")
+    return {**out, "cells": len(rows)}
 
 
 def _settings_text(s: dict | None, savers: str | None = None) -> str:
@@ -467,6 +506,7 @@ def _settings_text(s: dict | None, savers: str | None = None) -> str:
     depth = "res" if s.get("resident") else f"d{s.get('prefetch_depth', 1)}"
     reuse = {True: "+reuse", HOST: "+host"}.get(s.get("reuse_weights"), "")
     return (f"R={s.get('replicas', 1)} k={s.get('mb_per_fetch', 1)} {depth}{reuse}"
+            + (f" CP{s['context_parallel']}" if s.get("context_parallel", 1) > 1 else "")
             + (f" {savers}" if savers else ""))
 
 
@@ -538,7 +578,8 @@ def markdown(rows: list[dict], grid: Grid = FULL, stats: dict | None = None) -> 
               f"in {c['ties']}, slower in {c['loses']}; it does not fit where another method does in "
               f"{c['tawpipe_does_not_fit']}, and nothing fits in {c['nothing_fits']}. At S ≥ 16k, where something fits, "
               f"it is the fastest or within {TIE:.0%} in {c['s_ge_16384_tawpipe_fastest_or_within_tie']} of "
-              f"{c['s_ge_16384_where_something_fits']}."]
+              f"{c['s_ge_16384_where_something_fits']}; at S ≥ 32k in {c['s_ge_32768_tawpipe_fastest_or_within_tie']} "
+              f"of {c['s_ge_32768_where_something_fits']}."]
     if stats:
         lines += [f"{len(rows)} cells in {stats['elapsed_s']:.0f} s; TawPipe settings and savers played "
                   f"{stats['played']}, skipped by their lower bound {stats['pruned']}."]
