@@ -138,7 +138,7 @@ def test_a_cell_the_simulator_refuses_records_why(monkeypatch):
 
 def test_main_map_writes_json_markdown_and_png(tmp_path, monkeypatch, capsys, tiny):
     rows, stats = tiny
-    monkeypatch.setattr(atlas, "QUICK", TINY)
+    monkeypatch.setattr(atlas, "QUICK", replace(TINY, contexts=(1,)))  # what fits where: without the CP search
     monkeypatch.setattr(atlas, "map_rows", lambda grid, progress=None: (rows, stats))
     assert atlas.main_map(tmp_path, quick=True) == 0
     doc = json.loads((tmp_path / "map.json").read_text())
