@@ -51,24 +51,27 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         case = dict(case)
         nodes, acc, c, steps = case.pop("nodes"), case.pop("acc"), case["context_parallel"], case.pop("steps", 2)
-        clip = case.get("max_grad_norm")
+        clip, dev = case.get("max_grad_norm"), torch.device(case.pop("device", "cpu"))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)  # every rank on the one GPU (comm "gloo-staged")
         topo = Topology(nodes=nodes, per_node=world // nodes)
         groups, n = world // c, acc * ROWS
         trained, ref_losses = reference(groups * n, steps, clip)
         want = dict(trained.named_parameters())
-        engine = make_engine(llama_parts(CFG, seed=SEED), topology=topo, micro_batches=acc, optimizer=adamw, **case)
+        engine = make_engine(llama_parts(CFG, seed=SEED, device=dev), topology=topo, micro_batches=acc, optimizer=adamw,
+                             device=dev, **case)
         losses = []
         for step in range(steps):
             x, y = sequences(step, groups * n)
             mine = slice((rank // c) * n, (rank // c + 1) * n)
-            losses.append(engine.step((x[mine], y[mine])))
-        errs = {name: rel_err(p.detach(), want[name].detach()) for name, p in engine.named_parameters()}
+            losses.append(engine.step((x[mine].to(dev), y[mine].to(dev))))
+        errs = {name: rel_err(p.detach().cpu(), want[name].detach()) for name, p in engine.named_parameters()}
         share = context_share_bytes(CFG.dims(seq=SEQ, micro_batch=ROWS, dtype_bytes=4), c)
         planned = steps * context_bytes(engine.plan, rank, c, share, case.get("recompute", "chunk"))
         exchanged, _ = engine.context_traffic()  # the steps' exchanges, before the evaluation's
         val = [sequences(100 + b, groups * ROWS) for b in range(2)]
-        val_loss = engine.evaluate([(x[(rank // c) * ROWS:(rank // c + 1) * ROWS], y[(rank // c) * ROWS:(rank // c + 1) * ROWS])
-                                    for x, y in val])
+        mine = slice((rank // c) * ROWS, (rank // c + 1) * ROWS)
+        val_loss = engine.evaluate([(x[mine].to(dev), y[mine].to(dev)) for x, y in val])
         engine.close()
         with torch.no_grad():
             want_val = sum(llama_loss(trained(x), y).item() for x, y in val) / len(val)

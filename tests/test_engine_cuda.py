@@ -105,3 +105,19 @@ def test_four_ranks_share_the_gpu_over_gloo_staged() -> None:
     for rank, errs in enumerate(run_local(_shared, 4, SHARED, timeout=300)):
         for case, err in zip(SHARED, errs):
             assert err <= 1e-5, (rank, case, err)
+
+
+def test_context_parallelism_on_the_gpu_is_exact() -> None:
+    """TawPipe with context parallelism on CUDA (the K/V exchange staged through pinned host
+    memory, the slices' attention through SDPA's lower-right causal kernels): four ranks of a 2x2
+    job sharing GPU 0 train what one process trains on whole sequences."""
+    from context_cases import exactness
+
+    cases = [dict(nodes=2, acc=2, context_parallel=2, device="cuda:0", comm="gloo-staged", mb_per_fetch=1,
+                  prefetch_depth=1, reuse_weights=False, max_grad_norm=0.05),
+             dict(nodes=2, acc=2, context_parallel=2, device="cuda:0", comm="gloo-staged", recompute="layer",
+                  offload_activations=True)]
+    for rank_results in run_local(exactness, 4, cases, timeout=300):
+        for r in rank_results:
+            assert r["param_err"] <= 1e-5, (r["case"], r["rank"], r["worst"], r["param_err"])
+            assert r["exchanged"] == r["planned"] > 0, r["case"]
