@@ -210,6 +210,16 @@ def working_set_bytes(dims: ModelDims, layers: int) -> float:
                         dims.dtype_bytes)
 
 
+def gathered_kv_bytes(dims: ModelDims, context: int) -> float:
+    """Under context parallelism over ``context`` ranks (``dims.seq`` a rank's slice): one layer's
+    keys and values of the whole sequence, gathered for its attention, and their gradients in its
+    backward (design §3.6); 0 without it."""
+    if context == 1:
+        return 0.0
+    kv_dim = dims.hidden // dims.heads * (dims.kv_heads or dims.heads)
+    return 2 * 2 * dims.micro_batch * dims.seq * context * kv_dim * dims.dtype_bytes
+
+
 def _working_set(s: int, b: int, h: int, a: int, layers: int, dtype_bytes: int) -> float:
     """``a`` heads whose scores are kept (0: none)."""
     return layers * s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2

@@ -227,7 +227,8 @@ def _tawpipe(plans: dict[int, _Plans], cluster: Cluster, work: Workload, acc: in
                                  "does_not_fit": 0, "dominated": 0}
             fitting: list[Savers] = []
             for j, savers in enumerate(SAVERS):
-                mem = compare.plan_memory(plan, sliced.dims, savers, chunked_loss, buffers=built.buffers[i])
+                mem = compare.plan_memory(plan, sliced.dims, savers, chunked_loss, buffers=built.buffers[i],
+                                          context=c)
                 least = mem if least is None or mem.total < least.total else least
                 if not compare.fits(mem, cluster):
                     t["does_not_fit"] += 1
@@ -328,7 +329,7 @@ def peer_entry(method: str, cluster: Cluster, work: Workload, acc: int, chunked_
             if any(not o and r <= recompute for r, o in played):
                 continue  # a faster variant fits
             mem = peer_memory(method, sliced.dims, cluster, acc * c, recompute, offload=offload,
-                              chunked_loss=chunked_loss)
+                              chunked_loss=chunked_loss, context=c)
             if not compare.fits(mem, cluster):
                 least = least if least is not None and least.total <= mem.total else mem
                 continue
@@ -415,11 +416,11 @@ def _fits_at(method: str, cluster: Cluster, work: Workload, acc: int, plans: dic
     dims = work.dims
     if method == "tawpipe":
         return any(compare.fits(compare.plan_memory(plan, work.sliced(c).dims, savers, chunked_loss,
-                                                    buffers=plans[c].buffers[i]), cluster)
+                                                    buffers=plans[c].buffers[i], context=c), cluster)
                    for c in contexts for i, plan in plans[c].plans.items() for savers in SAVERS)
     if method in CONTEXT_PARALLEL:
         return any(compare.fits(peer_memory(method, work.sliced(c).dims, cluster, acc * c, r, offload=o,
-                                            chunked_loss=chunked_loss), cluster)
+                                            chunked_loss=chunked_loss, context=c), cluster)
                    for c in contexts for r, o in _PEER_VARIANTS)
     if method == "weipipe":
         if cluster.world_size > dims.layers:

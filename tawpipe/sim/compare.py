@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cost.memory import AUTO, MemoryEstimate, Savers, loss_bytes, memory_per_rank, savers_ladder
+from ..cost.memory import AUTO, MemoryEstimate, Savers, gathered_kv_bytes, loss_bytes, memory_per_rank, savers_ladder
 from ..models.shape import ModelDims
 from ..plan import registry
 from ..plan.plan import Plan
@@ -151,7 +151,7 @@ def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool =
         _check_size(algo, cluster, dims, acc, int(opts.get("replicas", 1)))
         savers = savers or default_savers(work)
         plan = engine_plan(cluster, work, acc, algo=algo, **opts,
-                           memory=lambda p: plan_memory(p, dims, savers, chunked_loss))
+                           memory=lambda p: plan_memory(p, dims, savers, chunked_loss, context=work.context))
         opts["prefetch_depth"] = plan.options["prefetch_depth"]
         if AUTO in opts.values():  # what "auto" chose
             opts.update({k: plan.options[k] for k in AUTO_SETTINGS})
@@ -160,7 +160,7 @@ def run(method: str, cluster: Cluster, work: Workload, acc: int, *, host: bool =
     offload = savers is not None and savers.offload_activations
     graph, fabric = peer_graph(method, cluster, work, acc, host=host, stages=stages, offload=offload)
     memory = peer_memory(method, dims, cluster, acc, work.recompute, stages=stages, offload=offload,
-                         chunked_loss=chunked_loss)
+                         chunked_loss=chunked_loss, context=work.context)
     ranks = sorted({t.rank for t in graph.tasks if t.rank is not None})
     shown = {**({"stages": stages} if stages else {}), **({"offload_activations": True} if offload else {})}
     return read_off(method, shown, simulate(graph, fabric), ranks, memory, cluster, dims, acc, work.context)
@@ -180,7 +180,7 @@ def play(method: str, plan: Plan, cluster: Cluster, work: Workload, acc: int, se
     loss (``with_loss``)."""
     savers = savers or default_savers(work)
     graph, fabric = plan_graph(plan, cluster, work, host=host, savers=savers)
-    memory = memory or plan_memory(plan, work.dims, savers, chunked_loss)
+    memory = memory or plan_memory(plan, work.dims, savers, chunked_loss, context=work.context)
     shown = {**settings, **(_savers_shown(savers) if savers != default_savers(work) else {})}
     return read_off(method, shown, simulate(graph, fabric), range(plan.replica_size), memory, cluster,
                     work.dims, acc, work.context)
@@ -225,10 +225,12 @@ def read_off(method: str, settings: dict[str, Any], result: Result, ranks: Itera
 
 
 def plan_memory(plan: Plan, dims: ModelDims, savers: Savers, chunked_loss: bool, *,
-                buffers: tuple[int, int] | None = None) -> MemoryEstimate:
+                buffers: tuple[int, int] | None = None, context: int = 1) -> MemoryEstimate:
     """A TawPipe or WeiPipe row's memory: ``memory_per_rank`` under ``savers`` with the head and
-    loss (``with_loss``); ``buffers`` as ``memory_per_rank`` takes them."""
-    return with_loss(memory_per_rank(plan, dims, savers, buffers=buffers), dims, chunked_loss)
+    loss (``with_loss``); ``buffers`` as ``memory_per_rank`` takes them; with context parallelism
+    (``dims.seq`` a slice of ``context``), one layer's gathered keys and values too."""
+    m = with_loss(memory_per_rank(plan, dims, savers, buffers=buffers), dims, chunked_loss)
+    return dataclasses.replace(m, activations=m.activations + gathered_kv_bytes(dims, context)) if context > 1 else m
 
 
 def with_loss(m: MemoryEstimate, dims: ModelDims, chunked: bool) -> MemoryEstimate:
@@ -282,7 +284,7 @@ def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False, ch
         s = {**s, "prefetch_depth": plan.options["prefetch_depth"]}  # "resident" as the depth it is
         fitting: list[Savers] = []
         for savers in ladder:
-            memory = plan_memory(plan, work.dims, savers, chunked_loss)
+            memory = plan_memory(plan, work.dims, savers, chunked_loss, context=work.context)
             if fits(memory, cluster) and not any(dominates(f, savers) for f in fitting):
                 fitting.append(savers)
                 rows.append(play("tawpipe", plan, cluster, work, acc, s, host=host, memory=memory, savers=savers))

@@ -59,7 +59,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cost.memory import MemoryEstimate, loss_bytes, working_set_bytes
+from ..cost.memory import MemoryEstimate, gathered_kv_bytes, loss_bytes, working_set_bytes
 from ..cost.traffic import fsdp_numel
 from ..models.shape import ModelDims
 from .hardware import Cluster
@@ -433,7 +433,8 @@ def _stage_program(graph: Graph, work: Workload, p: int, stages: int, micro: int
 
 
 def peer_memory(method: str, dims: ModelDims, cluster: Cluster, acc: int, recompute: bool, *,
-                stages: int | None = None, offload: bool = False, chunked_loss: bool = False) -> MemoryEstimate:
+                stages: int | None = None, offload: bool = False, chunked_loss: bool = False,
+                context: int = 1) -> MemoryEstimate:
     """The busiest rank's memory under ``method``, in the fields of ``cost.memory``:
 
     - persistent: 16 B per own decoder parameter (float32 weight and gradient, two AdamW moments),
@@ -450,7 +451,9 @@ def peer_memory(method: str, dims: ModelDims, cluster: Cluster, acc: int, recomp
       micro-batches a stage holds (min(M, P − p) on stage p); plus what the head and loss hold
       where the head runs (``cost.memory.loss_bytes``: the whole float32 logits, or with
       ``chunked_loss`` one slice of them). With ``offload`` (``save_on_cpu``) what the layers save
-      is on the host (``host``) but for the one layer's brought back.
+      is on the host (``host``) but for the one layer's brought back. With context parallelism
+      (``dims.seq`` a slice of ``context``) one layer's gathered keys and values and their
+      gradients (``gathered_kv_bytes``).
     """
     if method not in PEERS:
         raise ValueError(f"unknown peer {method!r}; expected one of {', '.join(PEERS)}")
@@ -486,7 +489,7 @@ def peer_memory(method: str, dims: ModelDims, cluster: Cluster, acc: int, recomp
         activations, on_host = working_set_bytes(dims, 1) + (saved if recompute else 0.0), dims.layers * saved
     else:
         activations = held(dims.layers, 1)
-    activations += loss
+    activations += loss + gathered_kv_bytes(dims, context)
     if method == "ddp":
         return MemoryEstimate(persistent=16 * psi, staging=(psi + e) * dims.grad_bytes, replicated=16 * e,
                               activations=activations, host=on_host)
