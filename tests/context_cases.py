@@ -10,14 +10,10 @@ from tawpipe.cost.traffic import context_bytes, context_share_bytes
 from tawpipe.models.llama import Llama, LlamaConfig, llama_loss, llama_parts
 from tawpipe.plan.topology import Topology
 
-from engine_cases import make_engine, rel_err
+from engine_cases import adamw, make_engine, rel_err, train_alone
 
 CFG = LlamaConfig(vocab_size=64, hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=32)
 ROWS, SEQ, SEED = 2, 16, 7
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
 
 
 def sequences(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,19 +24,7 @@ def sequences(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference(rows: int, steps: int, clip: float | None) -> tuple[Llama, list[float]]:
     """Single-process training of the whole model on every sequence of each step."""
-    model = Llama(CFG, SEED)
-    opt = adamw(list(model.parameters()))
-    losses = []
-    for step in range(steps):
-        x, y = sequences(step, rows)
-        loss = llama_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return model, losses
+    return train_alone(Llama(CFG, SEED), lambda step: sequences(step, rows), llama_loss, steps, clip)
 
 
 def exactness(rank: int, cases: list[dict]) -> list[dict]:

@@ -102,12 +102,18 @@ def adamw(params):
 
 def reference_run(model: TinyLM, n_rows: int, steps: int, max_grad_norm: float | None) -> tuple[TinyLM, list[float]]:
     """Single-process training on the whole global batch: the ground truth."""
-    model = copy.deepcopy(model)
+    return train_alone(copy.deepcopy(model), lambda step: global_batch(step, n_rows), lm_loss, steps, max_grad_norm)
+
+
+def train_alone(model: nn.Module, batch, loss_fn, steps: int,
+                max_grad_norm: float | None) -> tuple[nn.Module, list[float]]:
+    """``model`` trained in place by one process with ``adamw`` on ``batch(step)`` for ``steps``
+    steps, clipped to ``max_grad_norm``; the model and its losses."""
     opt = adamw(list(model.parameters()))
     losses = []
     for step in range(steps):
-        x, y = global_batch(step, n_rows)
-        loss = lm_loss(model(x), y)
+        x, y = batch(step)
+        loss = loss_fn(model(x), y)
         opt.zero_grad()
         loss.backward()
         if max_grad_norm is not None:
