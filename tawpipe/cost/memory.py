@@ -246,6 +246,8 @@ def memory_per_rank(plan: Plan, dims: ModelDims, savers: Savers = Savers(), *,
 
 def stashed_bytes(plan: Plan, rank: int, chunk_numel: Callable[[int], int], weight_bytes: int) -> float:
     """The chunks ``rank`` keeps in host memory (``reuse_weights="host"``): each it stashes, once."""
+    if plan.options.get("reuse_weights") != HOST:
+        return 0.0
     return sum(chunk_numel(c) for c in {a.chunk for a in plan.actions[rank] if a.op is Op.STASH_W}) * weight_bytes
 
 
@@ -338,7 +340,7 @@ def host_bytes(plan: Plan, rank: int, *, own_numel: int, weight_bytes: int, grad
     ``recompute="block"`` every layer's; ``input_bytes``: B·S·H in the compute dtype) and each
     backward fetches it back."""
     to_host = from_host = 0.0
-    for a in plan.actions[rank]:
+    for a in plan.actions[rank] if plan.options.get("reuse_weights") == HOST else ():  # only it stashes
         if a.op is Op.STASH_W:
             to_host += plan.chunk_numel(a.chunk) * weight_bytes  # type: ignore[arg-type]
         elif a.op is Op.RESTORE_W:

@@ -244,13 +244,13 @@ class _Context:
         start, stop = self.plan.chunk_layers[a.chunk]
         n = stop - start
         gathers = n if a.op is Op.F else BACKWARD_GATHERS[self.recompute](n)
-        done = self.g.add("", deps)
+        done, label = self.g.add("", deps), describe(a)
         for layer in range(n):
             for _ in range(gathers // n + (layer < gathers % n)):
-                done = self._exchange(f"K/V {describe(a)}", done)
-            done = self.g.add(f"{describe(a)} layer {layer}", [done], seconds=seconds / n, rank=self.r)
+                done = self._exchange(f"K/V {label}", done)
+            done = self.g.add(f"{label} layer {layer}", [done], seconds=seconds / n, rank=self.r)
             if a.op is Op.B:
-                done = self._exchange(f"dK/dV {describe(a)}", done)
+                done = self._exchange(f"dK/dV {label}", done)
         return done
 
     def _exchange(self, label: str, dep: int) -> int:
