@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tawpipe.cost.traffic import context_bytes, context_share_bytes
+from tawpipe.cost.traffic import context_bytes
 from tawpipe.models.llama import Llama, LlamaConfig, llama_loss, llama_parts
 from tawpipe.plan.topology import Topology
 
@@ -50,8 +50,8 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
             mine = slice((rank // c) * n, (rank // c + 1) * n)
             losses.append(engine.step((x[mine].to(dev), y[mine].to(dev))))
         errs = {name: rel_err(p.detach().cpu(), want[name].detach()) for name, p in engine.named_parameters()}
-        share = context_share_bytes(CFG.dims(seq=SEQ, micro_batch=ROWS, dtype_bytes=4), c)
-        planned = steps * context_bytes(engine.plan, rank, c, share, case.get("recompute", "chunk"))
+        planned = steps * context_bytes(engine.plan, rank, CFG.dims(seq=SEQ, micro_batch=ROWS, dtype_bytes=4), c,
+                                        case.get("recompute", "chunk"))
         exchanged, _ = engine.context_traffic()  # the steps' exchanges, before the evaluation's
         val = [sequences(100 + b, groups * ROWS) for b in range(2)]
         mine = slice((rank // c) * ROWS, (rank // c + 1) * ROWS)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from tawpipe.cost.traffic import context_bytes, context_share_bytes, plan_traffic
+from tawpipe.cost.traffic import context_bytes, plan_traffic
 from tawpipe.sim import compare
 from tawpipe.sim.hardware import Cluster, device, link
 from tawpipe.sim.network import simulate
@@ -29,9 +29,8 @@ def test_the_kv_exchange_sends_what_the_cost_model_counts_inside_the_node(c, rec
     graph, _ = plan_graph(plan, CLUSTER, work, host=False, savers=Savers(recompute))
     sent = {r: sum(f.bytes for t in graph.tasks if t.lane == "cp" for f in t.flows if f.src == r)
             for r in range(CLUSTER.world_size)}
-    share = context_share_bytes(FULL, c)
     for r in range(CLUSTER.world_size):
-        assert sent[r] == pytest.approx(context_bytes(plan, r, c, share, recompute), rel=1e-12) and sent[r] > 0
+        assert sent[r] == pytest.approx(context_bytes(plan, r, FULL, c, recompute), rel=1e-12) and sent[r] > 0
     for t in graph.tasks:  # every exchange stays inside a node
         if t.lane == "cp":
             assert len({r // CLUSTER.per_node for f in t.flows for r in (f.src, f.dst)}) == 1

@@ -35,8 +35,7 @@ import torch.distributed as dist
 
 from ..cluster import Cluster, ClusterSpec, describe_compute
 from ..cluster.counters import link_bytes
-from ..cost.traffic import context_bytes, context_share_bytes, plan_traffic
-from ..cost.units import decimal
+from ..cost.traffic import context_bytes, plan_traffic
 from ..engine.engine import TawPipe
 from ..engine.policy import MemoryPolicy, SchedulePolicy
 from ..models.llama import LlamaConfig, llama_parts
@@ -111,8 +110,7 @@ def context_rank(rank: int, cfg: dict[str, Any], degree: int) -> dict[str, Any]:
         if after is not None and rank % topology.per_node == 0 else None,
         "plan_inter_node": {"sent": traffic.per_node(direction="sent"), "received": traffic.per_node(direction="received")},
         "kv_bytes": (kv_bytes_after - kv_bytes) // cfg["steps"], "kv_seconds": (kv_seconds_after - kv_seconds) / cfg["steps"],
-        "kv_planned": context_bytes(engine.plan, rank, degree, context_share_bytes(dims, degree), "chunk")
-        if degree > 1 else 0,
+        "kv_planned": context_bytes(engine.plan, rank, dims, degree, engine.policies[2].recompute) if degree > 1 else 0,
     }
 
 

@@ -297,16 +297,17 @@ def context_share_bytes(dims: ModelDims, degree: int) -> int:
     return 2 * dims.micro_batch * dims.seq // degree * kv_dim * dims.dtype_bytes
 
 
-def context_bytes(plan: Plan, rank: int, degree: int, share_bytes: int, recompute: str) -> int:
-    """Bytes ``rank`` sends in one iteration's K/V exchanges, inside its node: every layer's forward
-    all-gathers (and every re-run of one), every layer's backward reduce-scatters, each sending
-    (c - 1) shares of ``share_bytes`` (``context_share_bytes``)."""
+def context_bytes(plan: Plan, rank: int, dims: ModelDims, degree: int, recompute: str) -> int:
+    """Bytes ``rank`` sends in one iteration's K/V exchanges, inside its node, for sequences of
+    ``dims.seq`` tokens split over ``degree`` ranks: every layer's forward all-gathers (and every
+    re-run of one), every layer's backward reduce-scatters, each sending (c - 1) shares
+    (``context_share_bytes``)."""
     exchanges = 0
     for a in plan.actions[rank]:
         if a.op in (Op.F, Op.B):
             first, end = plan.chunk_layers[a.chunk]
             exchanges += end - first if a.op is Op.F else end - first + BACKWARD_GATHERS[recompute](end - first)
-    return (degree - 1) * share_bytes * exchanges
+    return (degree - 1) * context_share_bytes(dims, degree) * exchanges
 
 
 PEERS = ("ddp", "fsdp", "hsdp", "1f1b")  # the methods that pass no weights: closed forms here

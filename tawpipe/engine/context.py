@@ -31,6 +31,11 @@ from ..runtime.comm.base import Comm, Group
 CONTEXT_CHANNEL = "context"  # the K/V exchange's communicator: no plan op runs on it
 
 
+def mirrored(degree: int, member: int) -> tuple[int, int]:
+    """The two pieces (of 2·degree) that member ``member`` of a context group computes."""
+    return member, 2 * degree - 1 - member
+
+
 def slice_positions(seq_len: int, degree: int, index: int) -> torch.Tensor:
     """Positions of the tokens member ``index`` of a context group of ``degree`` computes: pieces
     ``index`` and ``2 degree - 1 - index`` of the sequence cut into ``2 degree`` equal pieces."""
@@ -39,8 +44,7 @@ def slice_positions(seq_len: int, degree: int, index: int) -> torch.Tensor:
                          f"{2 * degree} equal pieces that context parallelism balances (each rank takes two): "
                          f"make the sequence length a multiple of {2 * degree}")
     n = seq_len // (2 * degree)
-    return torch.cat([torch.arange(index * n, (index + 1) * n),
-                      torch.arange((2 * degree - 1 - index) * n, (2 * degree - index) * n)])
+    return torch.cat([torch.arange(p * n, (p + 1) * n) for p in mirrored(degree, index)])
 
 
 class ContextGroup:
@@ -96,8 +100,7 @@ def _digest(tokens: torch.Tensor) -> torch.Tensor:
 
 def _pieces(x: torch.Tensor, degree: int, member: int) -> list[tuple[int, torch.Tensor]]:
     """(piece index, piece) of member ``member``'s share ``x`` (tokens second to last)."""
-    first, second = x.chunk(2, dim=-2)
-    return [(member, first), (2 * degree - 1 - member, second)]
+    return list(zip(mirrored(degree, member), x.chunk(2, dim=-2)))
 
 
 class _Gather(torch.autograd.Function):
@@ -124,7 +127,7 @@ class _Gather(torch.autograd.Function):
         per_member = []
         n = grads[0].shape[-2] // (2 * c)
         for m in range(c):  # member m's share of each gradient, laid out as its forward sent it
-            per_member += [torch.cat([g.narrow(-2, m * n, n), g.narrow(-2, (2 * c - 1 - m) * n, n)], dim=-2).reshape(-1)
+            per_member += [torch.cat([g.narrow(-2, p * n, n) for p in mirrored(c, m)], dim=-2).reshape(-1)
                            for g in grads]
         send = torch.cat(per_member)
         mine = torch.empty(send.numel() // c, dtype=send.dtype, device=send.device)

@@ -204,11 +204,10 @@ class _Layer:
     def _keys(self, lanes: _Lanes, label: str, deps: list[int], op: str = "all-gather") -> list[int]:
         """The layer's keys and values of the whole sequence, gathered (or their gradients
         scattered) over the context-parallel ranks; [] without context parallelism."""
-        c, d = self.work.context, self.work.dims
+        c = self.work.context
         if c < 2:
             return []
-        kv = 2 * d.hidden * (d.kv_heads or d.heads) // d.heads  # key and value elements per token
-        return lanes.collective(op, Ring(c), c * d.micro_batch * d.seq * kv * d.dtype_bytes, deps, label, "cp")
+        return lanes.collective(op, Ring(c), c * self.work.kv_share_bytes(), deps, label, "cp")
 
     def _copy(self, lanes: _Lanes, label: str, direction: str, deps: list[int]) -> int:
         return lanes.add("compute", label, deps, flows=[Flow(r, r, self.saved, pcie=direction) for r in lanes.ranks])

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..cost.memory import AUTO, MARGIN, MemoryEstimate, Savers, auto_plan
-from ..cost.traffic import BACKWARD_GATHERS, chain_hops, context_share_bytes, ring_next
+from ..cost.traffic import BACKWARD_GATHERS, chain_hops, ring_next
 from ..plan.actions import OPS, Action, Channel, Hazards, Op, batches, describe
 from ..plan.context import check_plan as check_context
 from ..plan.plan import Plan
@@ -233,11 +233,10 @@ class _Context:
     every exchange blocking the compute. The group's exchanges pair up in order."""
 
     def __init__(self, g: Graph, plan: Plan, r: int, device: _Device, exchanges: dict[tuple, _Message]) -> None:
-        c, d = device.work.context, device.work.dims
+        c = device.work.context
         self.g, self.plan, self.r, self.exchanges = g, plan, r, exchanges
         self.group = tuple(range(r - r % c, r - r % c + c))
         self.count = 0
-        self.share = context_share_bytes(replace(d, seq=d.seq * c), c)
         self.recompute = device.savers.recompute
 
     def compute(self, a: Action, deps: list[int], seconds: float) -> int:
@@ -265,8 +264,7 @@ class _Context:
 def _play_exchanges(g: Graph, exchanges: dict[tuple, _Message], work: Workload, cluster: Cluster, size: int) -> None:
     """Each K/V exchange once every member posted it: a ring over the group in which each member
     sends (c − 1) shares to the next, over the node's links."""
-    c = work.context
-    share = context_share_bytes(replace(work.dims, seq=work.dims.seq * c), c)
+    c, share = work.context, work.kv_share_bytes()
     for (group, _), m in exchanges.items():
         flows = [Flow(r, group[(i + 1) % c], (c - 1) * share) for i, r in enumerate(group) if r < size]
         t = g.add("K/V exchange", m.posts, flows=flows, latency=(c - 1) * cluster.hop_latency(False),

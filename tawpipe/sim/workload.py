@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..cost.traffic import context_share_bytes
 from ..models.shape import ModelDims
 from ..models.spec import dims
 from .hardware import Device
@@ -52,6 +53,11 @@ class Workload:
         """This workload with each sequence split over ``context`` ranks (context parallelism): one
         rank's slice of it."""
         return replace(self, dims=replace(self.dims, seq=self.dims.seq // context), context=context)
+
+    def kv_share_bytes(self) -> int:
+        """Under context parallelism, one layer's keys and values of one micro-batch's slice: what
+        a rank contributes to each K/V exchange (``cost.traffic.context_share_bytes``)."""
+        return context_share_bytes(replace(self.dims, seq=self.dims.seq * self.context), self.context)
 
     @property
     def tokens(self) -> int:

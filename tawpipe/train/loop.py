@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .. import models
-from ..cost.traffic import context_bytes, context_share_bytes, plan_traffic
+from ..cost.traffic import context_bytes, plan_traffic
 from ..cost.units import decimal
 from ..engine.engine import TawPipe, default_optimizer
 from ..engine.policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
@@ -164,8 +164,7 @@ class Loop:
             return 0
         dims = models.dims(cfg.model, seq=cfg.seq_len, micro_batch=cfg.micro_batch_size,
                            dtype_bytes=DTYPES[cfg.dtype].itemsize)
-        return context_bytes(self.engine.plan, rank, cfg.context_parallel,
-                             context_share_bytes(dims, cfg.context_parallel), self.engine.policies[2].recompute)
+        return context_bytes(self.engine.plan, rank, dims, cfg.context_parallel, self.engine.policies[2].recompute)
 
     def _step(self, step: int, t0: float) -> bool:
         """One step with its validation, metrics, bar and checkpoint; whether the run stops here."""
