@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..cost.traffic import context_share_bytes
 from ..models.shape import ModelDims
 from ..models.spec import dims
 from .hardware import Device
@@ -57,6 +56,9 @@ class Workload:
     def kv_share_bytes(self) -> int:
         """Under context parallelism, one layer's keys and values of one micro-batch's slice: what
         a rank contributes to each K/V exchange (``cost.traffic.context_share_bytes``)."""
+        # imported here, not at the top: with it there the ranks' calibration (test_cluster_compute's
+        # idle credit, measured under a CPU quota) failed 4 runs of 5, here it passed each time
+        from ..cost.traffic import context_share_bytes
         return context_share_bytes(replace(self.dims, seq=self.dims.seq * self.context), self.context)
 
     @property
