@@ -168,5 +168,6 @@ def test_a_rank_measures_itself_under_its_quota_and_what_its_transfers_cost_it()
     assert all(r["transfer_rate"] is not None and 1e6 < r["transfer_rate"] < 1e11 for r in ranks)
     # after an idle spell a rank runs at its thread's whole core until the quota's leftover is
     # spent: it gets back some of the 60 ms it slept, never more (no quota: nothing comes back)
-    assert all(r["idle_credit"] is not None and 0.001 < r["idle_credit"] < 0.06 for r in ranks)
+    credits = [r["idle_credit"] for r in ranks]
+    assert all(c is not None and 0.001 < c < 0.06 for c in credits), credits
     assert dev.burst == 4.0 and dev.host_ranks == 8.0  # one thread over a quarter core; 2 cores over it

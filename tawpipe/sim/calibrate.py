@@ -89,12 +89,14 @@ def on_rank(rank: int, dims: dict[str, Any], name: str = "cpu rank, in the clust
     return dataclasses.asdict(dev)
 
 
-def idle_credit(*, spells: int = 20, idle_s: float = 0.06, work_s: float = 0.06) -> float | None:
+def idle_credit(*, spells: int = 24, idle_s: float = 0.06, work_s: float = 0.02) -> float | None:
     """Seconds of an idle spell that this rank, under a CPU quota, gets back when it computes again:
-    a block of work's sustained time less its time right after ``idle_s`` of sleep (the mean over
-    ``spells``; the quota's period phase differs from spell to spell). The ranks take turns, the
-    others waiting in a barrier, so a rank's burst meets no other rank's (``Fabric.cores`` models
-    that). Every rank must call it at once; None when nothing comes back."""
+    the median over ``spells`` of a block of work's sustained time less its time right after
+    ``idle_s`` of sleep. Each pair is measured back to back, so that a slower or busier spell of the
+    machine shifts both; the blocks are short (``work_s`` to twice that) so that what comes back, a
+    few of the quota's periods, stands out of their noise. The ranks take turns, the others waiting
+    in a barrier, so a rank's burst meets no other rank's (``Fabric.cores`` models that). Every rank
+    must call it at once; None when nothing comes back."""
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
     def block(calls: int) -> float:
@@ -110,13 +112,13 @@ def idle_credit(*, spells: int = 20, idle_s: float = 0.06, work_s: float = 0.06)
             calls = 1
             while block(calls) < work_s:  # a block of work_s to 2·work_s at the sustained rate
                 calls *= 2
-            block(4 * calls)  # spend what the wait at the barrier saved up: "sustained" must not burst
-            sustained = statistics.mean(block(calls) for _ in range(spells))
-            after = []
+            gains = []
             for _ in range(spells):
+                block(2 * calls)  # spend what the last wait saved up: "sustained" must not burst
+                sustained = block(calls)
                 time.sleep(idle_s)
-                after.append(block(calls))
-            mine = sustained - statistics.mean(after)
+                gains.append(sustained - block(calls))
+            mine = statistics.median(gains)
     dist.barrier()
     return mine if mine and mine > 0 else None
 
