@@ -139,7 +139,7 @@ def test_a_cell_the_simulator_refuses_records_why(monkeypatch):
 def test_main_map_writes_json_markdown_and_png(tmp_path, monkeypatch, capsys, tiny):
     rows, stats = tiny
     monkeypatch.setattr(atlas, "QUICK", replace(TINY, contexts=(1,)))  # what fits where: without the CP search
-    monkeypatch.setattr(atlas, "map_rows", lambda grid, progress=None: (rows, stats))
+    monkeypatch.setattr(atlas, "map_rows", lambda grid, progress=None, pool=None: (rows, stats))
     assert atlas.main_map(tmp_path, quick=True) == 0
     doc = json.loads((tmp_path / "map.json").read_text())
     assert doc["rows"] == json.loads(json.dumps(rows)) and doc["grid"]["acc"] == TINY.acc
@@ -148,6 +148,21 @@ def test_main_map_writes_json_markdown_and_png(tmp_path, monkeypatch, capsys, ti
     assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for r in rows:
         assert f"×{r['tawpipe_margin']:.2f}" in md and not math.isnan(r["tawpipe_margin"])
+
+
+def test_the_map_played_in_processes_is_the_map_played_in_one(tiny):
+    """``map_rows`` given a pool (``tawpipe simulate --map --jobs``): each (nodes, model) group in a
+    process of its own, the rows in the grid's order and their statistics summed, as in one process."""
+    grid = replace(TINY, nodes=(2, 3))
+    alone, alone_stats = atlas.map_rows(grid)
+    assert alone[:2] == tiny[0]
+    heard = []
+    with atlas.processes(2) as pool:
+        pooled, pooled_stats = atlas.map_rows(grid, pool=pool, progress=heard.append)
+    assert pooled == alone and len(heard) == len(alone) == 4
+    for key in ("played", "pruned", "bound_violations"):
+        assert pooled_stats[key] == alone_stats[key]
+    assert pooled_stats["seconds"].keys() == alone_stats["seconds"].keys() == {"2x4 1b", "3x4 1b"}
 
 
 def test_each_peer_runs_its_fastest_variant_that_fits():

@@ -47,9 +47,13 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -360,45 +364,74 @@ def decide(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def map_rows(grid: Grid = FULL, *, progress: Callable[[str], None] | None = None) -> tuple[list[dict], dict]:
-    """One row per cell of ``grid`` (see the module's docstring), and the run's statistics."""
+def _group_rows(grid: Grid, nodes: int, name: str,
+                progress: Callable[[str], None] | None = None) -> tuple[list[dict], dict[str, Any]]:
+    """The rows of one model on one node count (its plans are built once for them all), and their
+    statistics."""
     dev, intra = device(grid.device), link(grid.intra)
     stats: dict[str, Any] = {"played": 0, "pruned": 0, "bound_violations": [], "seconds": {}}
     rows = []
+    t0 = time.perf_counter()
+    base = model(name, seq=grid.seqs[0], micro_batch=grid.micro_batch, dtype_bytes=grid.dtype_bytes,
+                 grad_bytes=grid.grad_bytes)
+    shape = Cluster(nodes, grid.per_node, dev, intra, link(grid.links[0]))
+    plans: dict[int, _Plans] = {}  # per context-parallel degree c: for c·acc micro-batches, built once
+    for seq in grid.seqs:
+        dims = model(name, seq=seq, micro_batch=grid.micro_batch, dtype_bytes=grid.dtype_bytes,
+                     grad_bytes=grid.grad_bytes)
+        work = Workload(dims, dev, grid.recompute)
+        for li in grid.links:
+            cluster = Cluster(nodes, grid.per_node, dev, intra, link(li), host=grid.host)
+            methods: dict[str, dict] = {}
+            contexts = grid.contexts_at(seq)
+            for c in contexts:
+                if c not in plans:
+                    plans[c] = _build_plans(shape, Workload(base, dev, grid.recompute).sliced(c), grid.acc * c)
+            methods["tawpipe"], tried = _tawpipe({c: plans[c] for c in contexts}, cluster, work, grid.acc,
+                                                 stats, chunked_loss=grid.chunked_loss)
+            methods["weipipe"] = _weipipe(cluster, work, grid.acc, grid.chunked_loss)
+            for m in DP_PEERS:
+                methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss, contexts)
+            methods["1f1b"] = _pipeline(cluster, work, grid.acc, grid.chunked_loss)
+            row = decide({"nodes": nodes, "per_node": grid.per_node, "gpus": cluster.world_size,
+                          "link": li, "model": name, "layers": dims.layers, "seq": seq,
+                          "micro_batch": grid.micro_batch, "acc": grid.acc,
+                          "tokens_per_device": grid.acc * seq * grid.micro_batch,
+                          "methods": methods, "tawpipe_tried": tried})
+            rows.append(row)
+            if progress:
+                progress(_progress_text(row))
+    stats["seconds"][f"{nodes}x{grid.per_node} {name}"] = round(time.perf_counter() - t0, 2)
+    return rows, stats
+
+
+def _progress_text(row: dict) -> str:
+    return f"{row['gpus']:>5} GPUs {row['link']:>6} {row['model']:>4} S={row['seq']:>6}: {_cell_text(row)}"
+
+
+def map_rows(grid: Grid = FULL, *, progress: Callable[[str], None] | None = None,
+             pool: Executor | None = None) -> tuple[list[dict], dict]:
+    """One row per cell of ``grid`` (see the module's docstring), and the run's statistics. Given a
+    ``pool`` (``processes``), the (nodes, model) groups play in it, the largest models first: the
+    same rows, and ``progress`` hears of a group's cells when the group ends."""
+    groups = [(nodes, name) for nodes in grid.nodes for name in grid.models]
     start = time.perf_counter()
-    for nodes in grid.nodes:
-        for name in grid.models:
-            t0 = time.perf_counter()
-            base = model(name, seq=grid.seqs[0], micro_batch=grid.micro_batch, dtype_bytes=grid.dtype_bytes,
-                         grad_bytes=grid.grad_bytes)
-            shape = Cluster(nodes, grid.per_node, dev, intra, link(grid.links[0]))
-            plans: dict[int, _Plans] = {}  # per context-parallel degree c: for c·acc micro-batches, built once
-            for seq in grid.seqs:
-                dims = model(name, seq=seq, micro_batch=grid.micro_batch, dtype_bytes=grid.dtype_bytes,
-                             grad_bytes=grid.grad_bytes)
-                work = Workload(dims, dev, grid.recompute)
-                for li in grid.links:
-                    cluster = Cluster(nodes, grid.per_node, dev, intra, link(li), host=grid.host)
-                    methods: dict[str, dict] = {}
-                    contexts = grid.contexts_at(seq)
-                    for c in contexts:
-                        if c not in plans:
-                            plans[c] = _build_plans(shape, Workload(base, dev, grid.recompute).sliced(c), grid.acc * c)
-                    methods["tawpipe"], tried = _tawpipe({c: plans[c] for c in contexts}, cluster, work, grid.acc,
-                                                         stats, chunked_loss=grid.chunked_loss)
-                    methods["weipipe"] = _weipipe(cluster, work, grid.acc, grid.chunked_loss)
-                    for m in DP_PEERS:
-                        methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss, contexts)
-                    methods["1f1b"] = _pipeline(cluster, work, grid.acc, grid.chunked_loss)
-                    row = decide({"nodes": nodes, "per_node": grid.per_node, "gpus": cluster.world_size,
-                                  "link": li, "model": name, "layers": dims.layers, "seq": seq,
-                                  "micro_batch": grid.micro_batch, "acc": grid.acc,
-                                  "tokens_per_device": grid.acc * seq * grid.micro_batch,
-                                  "methods": methods, "tawpipe_tried": tried})
-                    rows.append(row)
-                    if progress:
-                        progress(f"{cluster.world_size:>5} GPUs {li:>6} {name:>4} S={seq:>6}: {_cell_text(row)}")
-            stats["seconds"][f"{nodes}x{grid.per_node} {name}"] = round(time.perf_counter() - t0, 2)
+    done: dict[tuple[int, str], tuple[list[dict], dict]] = {}
+    if pool is not None:
+        largest_first = sorted(groups, key=lambda g: (grid.models.index(g[1]), g[0]), reverse=True)
+        futures = {pool.submit(_group_rows, grid, *g): g for g in largest_first}
+        for f in as_completed(futures):
+            done[futures[f]] = f.result()
+            for row in done[futures[f]][0] if progress else ():
+                progress(_progress_text(row))
+    else:
+        done = {g: _group_rows(grid, *g, progress=progress) for g in groups}
+    rows: list[dict] = []
+    stats: dict[str, Any] = {"played": 0, "pruned": 0, "bound_violations": [], "seconds": {}}
+    for g in groups:
+        rows += done[g][0]
+        for key, value in done[g][1].items():
+            stats[key] = {**stats[key], **value} if isinstance(value, dict) else stats[key] + value
     stats["elapsed_s"] = round(time.perf_counter() - start, 2)
     return rows, stats
 
@@ -668,13 +701,23 @@ def _png_text(row: dict) -> str:
     return f"{SHORT[w]}\n×{margin:.2f}" if w == "tawpipe" else f"{SHORT[w]}\nTaw ×{margin:.2f}"
 
 
-def main_map(out: Path, quick: bool = False) -> int:
-    """Compute the map (``QUICK`` or the full grid), print its table, and write ``map.json``,
-    ``map.md`` and ``map.png`` into ``out``."""
+def processes(jobs: int) -> ProcessPoolExecutor | nullcontext[None]:
+    """A pool of ``jobs`` processes for ``map_rows`` (spawned: the simulator holds no state a fork
+    should copy), or none for 1."""
+    if jobs > 1:
+        return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    return nullcontext()
+
+
+def main_map(out: Path, quick: bool = False, jobs: int = 1) -> int:
+    """Compute the map (``QUICK`` or the full grid) in ``jobs`` processes, print its table, and
+    write ``map.json``, ``map.md`` and ``map.png`` into ``out``."""
     grid = QUICK if quick else FULL
     out.mkdir(parents=True, exist_ok=True)
-    rows, stats = map_rows(grid, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    fits = largest_fits(grid)
+    with processes(jobs) as pool:
+        fitting = pool.submit(largest_fits, grid) if pool else None
+        rows, stats = map_rows(grid, progress=lambda s: print(s, file=sys.stderr, flush=True), pool=pool)
+        fits = fitting.result() if fitting else largest_fits(grid)
     md = markdown(rows, grid, stats) + "\n\n" + fits_markdown(fits, grid)
     print(md)
     write_json(rows, out / "map.json", grid, {**stats, "largest_fits": fits})
@@ -686,5 +729,5 @@ def main_map(out: Path, quick: bool = False) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m tawpipe.sim.atlas OUT [--quick]
-    sys.exit(main_map(Path(sys.argv[1]), quick="--quick" in sys.argv[2:]))
+if __name__ == "__main__":  # python -m tawpipe.sim.atlas OUT [--quick]: tawpipe simulate --map OUT
+    sys.exit(main_map(Path(sys.argv[1]), quick="--quick" in sys.argv[2:], jobs=os.cpu_count() or 1))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,6 +114,8 @@ def _modes(p: argparse.ArgumentParser) -> None:
     o.add_argument("--map", type=Path, metavar="OUT",
                    help="instead: the map of which method wins from 24 to 1,024 GPUs, models of 1B to 70B, S from "
                         "4k to 128k, over 10 GbE to 400 Gb (map.json, map.md, map.png in OUT)")
+    o.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="with --map: processes that play its cells (default: this machine's cores)")
     o.add_argument("--published", type=Path, metavar="OUT",
                    help="instead: training runs published by others (torchtitan's Llama 3.1 8B on H100s, FSDP and "
                         "FSDP + context parallelism) replayed, predicted tokens/s per GPU against theirs "
@@ -140,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
     if args.map:
         from ..sim.atlas import main_map  # matplotlib, only here
 
-        return main_map(args.map)
+        return main_map(args.map, jobs=args.jobs)
     if args.paper:
         return _paper(args)
     if args.published:
@@ -170,7 +173,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"{modes[0]} and {modes[1]} are runs of their own: give one of them")
     for flag, low in (("--nodes", 1), ("--per-node", 1), ("--seq-len", 1), ("--micro-batch-size", 1),
                       ("--micro-batches", 1), ("--dtype-bytes", 1), ("--grad-bytes", 1), ("--replicas", 1),
-                      ("--mb-per-fetch", 1), ("--prefetch-depth", 1), ("--stages", 2), ("--threads", 1)):
+                      ("--mb-per-fetch", 1), ("--prefetch-depth", 1), ("--stages", 2), ("--threads", 1),
+                      ("--jobs", 1)):
         value = getattr(args, flag[2:].replace("-", "_"))
         if isinstance(value, int) and value < low:
             raise UsageError(f"{flag} {value}: must be at least {low}")
