@@ -139,7 +139,7 @@ def test_a_cell_the_simulator_refuses_records_why(monkeypatch):
 def test_main_map_writes_json_markdown_and_png(tmp_path, monkeypatch, capsys, tiny):
     rows, stats = tiny
     monkeypatch.setattr(atlas, "QUICK", replace(TINY, contexts=(1,)))  # what fits where: without the CP search
-    monkeypatch.setattr(atlas, "map_rows", lambda grid, progress=None, pool=None: (rows, stats))
+    monkeypatch.setattr(atlas, "map_rows", lambda grid, **_: (rows, stats))
     assert atlas.main_map(tmp_path, quick=True) == 0
     doc = json.loads((tmp_path / "map.json").read_text())
     assert doc["rows"] == json.loads(json.dumps(rows)) and doc["grid"]["acc"] == TINY.acc
@@ -163,6 +163,23 @@ def test_the_map_played_in_processes_is_the_map_played_in_one(tiny):
     for key in ("played", "pruned", "bound_violations"):
         assert pooled_stats[key] == alone_stats[key]
     assert pooled_stats["seconds"].keys() == alone_stats["seconds"].keys() == {"2x4 1b", "3x4 1b"}
+
+
+def test_a_map_cut_short_goes_on_from_the_cells_it_saved(tmp_path, monkeypatch, tiny):
+    """``map_rows(cells=...)``: every cell played is saved; run again, the cells saved under the
+    same fingerprint are read instead of played, and one saved under another is played again."""
+    rows, stats = atlas.map_rows(TINY, cells=tmp_path)
+    assert rows == tiny[0] and stats["played"] == tiny[1]["played"]
+    saved = sorted(tmp_path.glob("*.json"))
+    assert [f.name for f in saved] == ["2x4-1b-2048-10gbe.json", "2x4-1b-2048-400gb.json"]
+    stale = json.loads(saved[0].read_text())
+    saved[0].write_text(json.dumps({**stale, "fingerprint": "another", "row": {**stale["row"], "winner": "x"}}))
+    played = []
+    real = atlas._tawpipe
+    monkeypatch.setattr(atlas, "_tawpipe", lambda *a, **k: played.append(a[2].dims.seq) or real(*a, **k))
+    again, again_stats = atlas.map_rows(TINY, cells=tmp_path)
+    assert again == rows and again_stats["played"] == stats["played"] and len(played) == 1
+    assert json.loads(saved[0].read_text())["fingerprint"] == atlas.fingerprint(TINY) != "another"
 
 
 def test_each_peer_runs_its_fastest_variant_that_fits():

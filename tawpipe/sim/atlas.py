@@ -45,6 +45,7 @@ A cell the simulator refuses (a plan too large, more stages than layers) records
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import multiprocessing
@@ -59,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cost.memory import MemoryEstimate, Savers, host_bytes, savers_ladder, staging_buffers
-from ..cost.traffic import plan_traffic
+from ..cost.traffic import context_bytes, plan_traffic
 from ..plan.actions import OPS, Channel, batches
 from ..plan.plan import Plan
 from ..plan.schedule import HOST, RESIDENT
@@ -205,6 +206,16 @@ def _pcie_floor(plan: Plan, work: Workload, savers: Savers, cluster: Cluster) ->
     return max(moved) / cluster.host.pcie.bandwidth
 
 
+def _context_floor(plan: Plan, work: Workload, savers: Savers, cluster: Cluster, c: int) -> float:
+    """Rank 0's K/V exchanges under context parallelism ``c`` at its intra-node port's whole rate,
+    each with its hops' latency: they block its compute (``play._Context``), so they add to it."""
+    if c == 1:
+        return 0.0
+    sent = context_bytes(plan, 0, work.dims, c, savers.recompute)
+    exchanges = sent / ((c - 1) * work.sliced(c).kv_share_bytes())
+    return sent / cluster.intra.bandwidth + exchanges * (c - 1) * cluster.hop_latency(False)
+
+
 def _tawpipe(plans: dict[int, _Plans], cluster: Cluster, work: Workload, acc: int, stats: dict, *,
              chunked_loss: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """TawPipe's best setting, memory savers and context-parallel degree c that fit (branch and
@@ -243,7 +254,8 @@ def _tawpipe(plans: dict[int, _Plans], cluster: Cluster, work: Workload, acc: in
                 fitting.append(savers)
                 key = (savers.recompute, savers.offload_state)
                 if key not in floors:
-                    floors[key] = compute_floor(plan, sliced, savers=savers)
+                    floors[key] = compute_floor(plan, sliced, savers=savers) + \
+                        _context_floor(plan, work, savers, cluster, c)
                 todo.append((max(floors[key], link, _pcie_floor(plan, sliced, savers, cluster)), c, i, j, mem))
             t["least_memory_gib"] = _gib(least.total) if least else None
     best: tuple[float, dict] | None = None
@@ -364,14 +376,37 @@ def decide(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _group_rows(grid: Grid, nodes: int, name: str,
-                progress: Callable[[str], None] | None = None) -> tuple[list[dict], dict[str, Any]]:
-    """The rows of one model on one node count (its plans are built once for them all), and their
-    statistics."""
+def _no_stats() -> dict[str, Any]:
+    return {"played": 0, "pruned": 0, "bound_violations": [], "seconds": {}}
+
+
+def _add_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    for key, value in part.items():
+        total[key] = {**total[key], **value} if isinstance(value, dict) else total[key] + value
+    return total
+
+
+def fingerprint(grid: Grid) -> str:
+    """What a cell's row depends on: the grid, and the source that computes it (the simulator, the
+    cost model, the planner, the model shapes). A saved cell of another fingerprint is played again."""
+    h = hashlib.sha256(json.dumps(grid.describe(), sort_keys=True, default=str).encode())
+    root = Path(__file__).resolve().parent.parent
+    sources = [f for package in ("sim", "cost", "plan") for f in (root / package).rglob("*.py")]
+    sources += [root / "models" / f"{m}.py" for m in ("shape", "spec", "presets")]
+    for f in sorted(sources):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _group_rows(grid: Grid, nodes: int, name: str, progress: Callable[[str], None] | None = None,
+                cells: Path | None = None, key: str = "") -> tuple[list[dict], dict[str, Any]]:
+    """The rows of one model on one node count (its plans are built once for them all, when a cell
+    first needs them), and their statistics. With ``cells`` (a folder) each cell played is saved
+    there under the fingerprint ``key``, and a cell saved under ``key`` is read, not played: a map
+    cut short goes on where it stopped."""
     dev, intra = device(grid.device), link(grid.intra)
-    stats: dict[str, Any] = {"played": 0, "pruned": 0, "bound_violations": [], "seconds": {}}
+    stats = _no_stats()
     rows = []
-    t0 = time.perf_counter()
     base = model(name, seq=grid.seqs[0], micro_batch=grid.micro_batch, dtype_bytes=grid.dtype_bytes,
                  grad_bytes=grid.grad_bytes)
     shape = Cluster(nodes, grid.per_node, dev, intra, link(grid.links[0]))
@@ -381,27 +416,39 @@ def _group_rows(grid: Grid, nodes: int, name: str,
                      grad_bytes=grid.grad_bytes)
         work = Workload(dims, dev, grid.recompute)
         for li in grid.links:
-            cluster = Cluster(nodes, grid.per_node, dev, intra, link(li), host=grid.host)
-            methods: dict[str, dict] = {}
-            contexts = grid.contexts_at(seq)
-            for c in contexts:
-                if c not in plans:
-                    plans[c] = _build_plans(shape, Workload(base, dev, grid.recompute).sliced(c), grid.acc * c)
-            methods["tawpipe"], tried = _tawpipe({c: plans[c] for c in contexts}, cluster, work, grid.acc,
-                                                 stats, chunked_loss=grid.chunked_loss)
-            methods["weipipe"] = _weipipe(cluster, work, grid.acc, grid.chunked_loss)
-            for m in DP_PEERS:
-                methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss, contexts)
-            methods["1f1b"] = _pipeline(cluster, work, grid.acc, grid.chunked_loss)
-            row = decide({"nodes": nodes, "per_node": grid.per_node, "gpus": cluster.world_size,
-                          "link": li, "model": name, "layers": dims.layers, "seq": seq,
-                          "micro_batch": grid.micro_batch, "acc": grid.acc,
-                          "tokens_per_device": grid.acc * seq * grid.micro_batch,
-                          "methods": methods, "tawpipe_tried": tried})
-            rows.append(row)
+            saved = cells / f"{nodes}x{grid.per_node}-{name}-{seq}-{li}.json" if cells else None
+            cell = json.loads(saved.read_text()) if saved and saved.exists() else {}
+            if cell.get("fingerprint") != key or not key:
+                t0, cell_stats = time.perf_counter(), _no_stats()
+                cluster = Cluster(nodes, grid.per_node, dev, intra, link(li), host=grid.host)
+                methods: dict[str, dict] = {}
+                contexts = grid.contexts_at(seq)
+                for c in contexts:
+                    if c not in plans:
+                        plans[c] = _build_plans(shape, Workload(base, dev, grid.recompute).sliced(c), grid.acc * c)
+                methods["tawpipe"], tried = _tawpipe({c: plans[c] for c in contexts}, cluster, work, grid.acc,
+                                                     cell_stats, chunked_loss=grid.chunked_loss)
+                methods["weipipe"] = _weipipe(cluster, work, grid.acc, grid.chunked_loss)
+                for m in DP_PEERS:
+                    methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss, contexts)
+                methods["1f1b"] = _pipeline(cluster, work, grid.acc, grid.chunked_loss)
+                row = decide({"nodes": nodes, "per_node": grid.per_node, "gpus": cluster.world_size,
+                              "link": li, "model": name, "layers": dims.layers, "seq": seq,
+                              "micro_batch": grid.micro_batch, "acc": grid.acc,
+                              "tokens_per_device": grid.acc * seq * grid.micro_batch,
+                              "methods": methods, "tawpipe_tried": tried})
+                cell = json.loads(json.dumps({"fingerprint": key, "row": row, "stats": cell_stats,
+                                              "seconds": time.perf_counter() - t0}, default=str))
+                if saved:
+                    part = saved.with_suffix(".part")
+                    part.write_text(json.dumps(cell))
+                    os.replace(part, saved)
+            rows.append(cell["row"])
+            _add_stats(stats, cell["stats"])
+            group = f"{nodes}x{grid.per_node} {name}"
+            stats["seconds"][group] = round(stats["seconds"].get(group, 0.0) + cell["seconds"], 2)
             if progress:
-                progress(_progress_text(row))
-    stats["seconds"][f"{nodes}x{grid.per_node} {name}"] = round(time.perf_counter() - t0, 2)
+                progress(_progress_text(cell["row"]))
     return rows, stats
 
 
@@ -410,28 +457,33 @@ def _progress_text(row: dict) -> str:
 
 
 def map_rows(grid: Grid = FULL, *, progress: Callable[[str], None] | None = None,
-             pool: Executor | None = None) -> tuple[list[dict], dict]:
-    """One row per cell of ``grid`` (see the module's docstring), and the run's statistics. Given a
-    ``pool`` (``processes``), the (nodes, model) groups play in it, the largest models first: the
-    same rows, and ``progress`` hears of a group's cells when the group ends."""
+             pool: Executor | None = None, cells: Path | None = None) -> tuple[list[dict], dict]:
+    """One row per cell of ``grid`` (see the module's docstring), and the run's statistics (a
+    group's seconds: its cells' when they were played). Given a ``pool`` (``processes``), the
+    (nodes, model) groups play in it, the largest models first: the same rows, and ``progress``
+    hears of a group's cells when the group ends. Given ``cells``, a folder, every cell is saved
+    there once played, and the cells saved there by a run of the same ``fingerprint`` are not
+    played again."""
     groups = [(nodes, name) for nodes in grid.nodes for name in grid.models]
+    key = fingerprint(grid) if cells else ""
+    if cells:
+        cells.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     done: dict[tuple[int, str], tuple[list[dict], dict]] = {}
     if pool is not None:
         largest_first = sorted(groups, key=lambda g: (grid.models.index(g[1]), g[0]), reverse=True)
-        futures = {pool.submit(_group_rows, grid, *g): g for g in largest_first}
+        futures = {pool.submit(_group_rows, grid, *g, cells=cells, key=key): g for g in largest_first}
         for f in as_completed(futures):
             done[futures[f]] = f.result()
             for row in done[futures[f]][0] if progress else ():
                 progress(_progress_text(row))
     else:
-        done = {g: _group_rows(grid, *g, progress=progress) for g in groups}
+        done = {g: _group_rows(grid, *g, progress=progress, cells=cells, key=key) for g in groups}
     rows: list[dict] = []
-    stats: dict[str, Any] = {"played": 0, "pruned": 0, "bound_violations": [], "seconds": {}}
+    stats = _no_stats()
     for g in groups:
         rows += done[g][0]
-        for key, value in done[g][1].items():
-            stats[key] = {**stats[key], **value} if isinstance(value, dict) else stats[key] + value
+        _add_stats(stats, done[g][1])
     stats["elapsed_s"] = round(time.perf_counter() - start, 2)
     return rows, stats
 
@@ -711,12 +763,14 @@ def processes(jobs: int) -> ProcessPoolExecutor | nullcontext[None]:
 
 def main_map(out: Path, quick: bool = False, jobs: int = 1) -> int:
     """Compute the map (``QUICK`` or the full grid) in ``jobs`` processes, print its table, and
-    write ``map.json``, ``map.md`` and ``map.png`` into ``out``."""
+    write ``map.json``, ``map.md`` and ``map.png`` into ``out``. Each cell is kept in ``out/cells``
+    as it is played: run again after a stop, the map plays only the cells it lacks."""
     grid = QUICK if quick else FULL
     out.mkdir(parents=True, exist_ok=True)
     with processes(jobs) as pool:
         fitting = pool.submit(largest_fits, grid) if pool else None
-        rows, stats = map_rows(grid, progress=lambda s: print(s, file=sys.stderr, flush=True), pool=pool)
+        rows, stats = map_rows(grid, progress=lambda s: print(s, file=sys.stderr, flush=True), pool=pool,
+                               cells=out / "cells")
         fits = fitting.result() if fitting else largest_fits(grid)
     md = markdown(rows, grid, stats) + "\n\n" + fits_markdown(fits, grid)
     print(md)
