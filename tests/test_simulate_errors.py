@@ -49,6 +49,8 @@ FLAG_CASES = [
     (["--replicas", "0", "--methods", "tawpipe"], "--replicas 0: must be at least 1"),
     (["--replicas", "2", "--nodes", "3", "--methods", "tawpipe"], "--replicas 2 does not divide --nodes 3"),
     (["--micro-batches", "0"], "--micro-batches 0: must be at least 1"),
+    (["--map", "out", "--jobs", "0"], "--jobs 0: must be at least 1"),
+    (["--jobs", "2"], "--jobs is how many processes play the map's cells: give it with --map"),
     (["--micro-batches", "-1"], "--micro-batches -1: must be at least 1"),
     (["--mb-per-fetch", "0", "--methods", "tawpipe"], "--mb-per-fetch 0: must be at least 1"),
     (["--mb-per-fetch", "3", "--micro-batches", "2", "--methods", "tawpipe"], "--mb-per-fetch 3 does not divide"),

@@ -114,7 +114,7 @@ def _modes(p: argparse.ArgumentParser) -> None:
     o.add_argument("--map", type=Path, metavar="OUT",
                    help="instead: the map of which method wins from 24 to 1,024 GPUs, models of 1B to 70B, S from "
                         "4k to 128k, over 10 GbE to 400 Gb (map.json, map.md, map.png in OUT)")
-    o.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+    o.add_argument("--jobs", type=int,
                    help="with --map: processes that play its cells (default: this machine's cores)")
     o.add_argument("--published", type=Path, metavar="OUT",
                    help="instead: training runs published by others (torchtitan's Llama 3.1 8B on H100s, FSDP and "
@@ -143,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
     if args.map:
         from ..sim.atlas import main_map  # matplotlib, only here
 
-        return main_map(args.map, jobs=args.jobs)
+        return main_map(args.map, jobs=args.jobs or os.cpu_count() or 1)
     if args.paper:
         return _paper(args)
     if args.published:
@@ -192,6 +192,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--timeline writes TawPipe's iteration: add tawpipe to --methods")
     if args.out and not args.validate:
         raise UsageError("--out is where --validate writes its table: give it with --validate")
+    if args.jobs is not None and not args.map:
+        raise UsageError("--jobs is how many processes play the map's cells: give it with --map")
     for flag, directory in (("--timeline", False), ("--calibrate", False), ("--paper", True), ("--map", True),
                             ("--published", True), ("--out", True)):
         if getattr(args, flag[2:]):
