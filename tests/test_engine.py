@@ -126,16 +126,22 @@ def test_exact_full_matrix(world: int) -> None:
 
 def test_low_precision_loss_trajectory_follows_fp32() -> None:
     """bf16 compute, and fp16 with dynamic loss scaling: float32 masters and accumulators keep the
-    loss trajectory within 2e-2 of single-process float32 training."""
+    loss trajectory within 2e-2 of single-process float32 training, with gradients on the wire in
+    bf16 too (the replicas' sums included), each transfer as the plan sizes it."""
     cases = [dict(nodes=2, acc=2, layers=4, steps=6, dtype=dt) for dt in (torch.bfloat16, torch.float16)]
     # gradients on the wire in the compute dtype (still accumulated in float32 by the owner)
     cases.append(dict(nodes=2, acc=2, layers=4, steps=6, dtype=torch.bfloat16, grad_wire_dtype=torch.bfloat16,
                       mb_per_fetch=2))
+    # ... and the replicas' sum of their accumulators too, at half the bytes of float32 (the plan's)
+    cases.append(dict(nodes=2, acc=2, layers=4, steps=6, dtype=torch.bfloat16, grad_wire_dtype=torch.bfloat16,
+                      replicas=2, max_grad_norm=0.5))
     cases.append(dict(nodes=2, acc=2, layers=8, steps=6, dtype=torch.bfloat16, recompute="layer",
                       offload_activations=True))
     cases.append(dict(nodes=2, acc=2, layers=8, steps=6, dtype=torch.bfloat16, recompute="block",
                       offload_activations=True))
     results = run_local(exactness, 4, cases, timeout=240)
+    _check_traffic(results)
+    assert any(rec[0] == "replicas" for rec in results[0][3]["recorded"])
     for r in results[0]:
         diffs = [abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])]
         assert r["finite"] and max(diffs) <= 2e-2, (r["case"], diffs)

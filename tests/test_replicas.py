@@ -195,12 +195,17 @@ def test_closed_form_bytes_follow_the_plan() -> None:
     """The advice's closed form against the plan: exact where a replica is one node (but for the
     step's 16-byte statistics), within the turnarounds' 10% otherwise (design §7.1)."""
     dims = ModelDims(hidden=64, layers=16, heads=4, vocab=100, seq=32)
-    sizes = dict(layer_numel=dims.layer_numel, weight_bytes=2, grad_bytes=4, replicated_numel=dims.replicated_numel)
-    for r, tol in ((4, 1e-5), (2, 0.1)):
-        plan = build_plan(Topology(4, 2), 16, 8, replicas=r, **sizes)
-        measured = max(plan_traffic(plan).per_node())
-        assert estimate("tawpipe", dims, Topology(4, 2), 8, replicas=r).inter_node_per_node == \
-            pytest.approx(measured, rel=tol)
+    for grad_bytes in (4, 2):  # the replicas' sums cross in the gradients' wire dtype
+        sizes = dict(layer_numel=dims.layer_numel, weight_bytes=2, grad_bytes=grad_bytes,
+                     replicated_numel=dims.replicated_numel)
+        for r, tol in ((4, 2e-5), (2, 0.1)):
+            plan = build_plan(Topology(4, 2), 16, 8, replicas=r, **sizes)
+            sums = [a for rank in plan.actions for a in rank if a.op is Op.ALLREDUCE_G]
+            assert sums and all(a.bytes == plan.chunk_numel(a.chunk) * grad_bytes for a in sums)
+            measured = max(plan_traffic(plan).per_node())
+            d = dataclasses.replace(dims, grad_bytes=grad_bytes)
+            assert estimate("tawpipe", d, Topology(4, 2), 8, replicas=r).inter_node_per_node == \
+                pytest.approx(measured, rel=tol)
 
 
 def test_plan_command_prints_replicas_and_advice(capsys) -> None:

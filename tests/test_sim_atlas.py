@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from tawpipe.cost.memory import Savers, memory_per_rank
-from tawpipe.sim import atlas, compare
+from tawpipe.sim import atlas, atlas_report, compare
 from tawpipe.sim.atlas import Grid
 from tawpipe.sim.hardware import Cluster, device, link
 from tawpipe.sim.peers import peer_memory
@@ -138,9 +138,9 @@ def test_a_cell_the_simulator_refuses_records_why(monkeypatch):
 
 def test_main_map_writes_json_markdown_and_png(tmp_path, monkeypatch, capsys, tiny):
     rows, stats = tiny
-    monkeypatch.setattr(atlas, "QUICK", replace(TINY, contexts=(1,)))  # what fits where: without the CP search
-    monkeypatch.setattr(atlas, "map_rows", lambda grid, **_: (rows, stats))
-    assert atlas.main_map(tmp_path, quick=True) == 0
+    monkeypatch.setattr(atlas_report, "QUICK", replace(TINY, contexts=(1,)))  # what fits where: without CP
+    monkeypatch.setattr(atlas_report, "map_rows", lambda grid, **_: (rows, stats))
+    assert atlas_report.main_map(tmp_path, quick=True) == 0
     doc = json.loads((tmp_path / "map.json").read_text())
     assert doc["rows"] == json.loads(json.dumps(rows)) and doc["grid"]["acc"] == TINY.acc
     md = (tmp_path / "map.md").read_text()
@@ -157,12 +157,21 @@ def test_the_map_played_in_processes_is_the_map_played_in_one(tiny):
     alone, alone_stats = atlas.map_rows(grid)
     assert alone[:2] == tiny[0]
     heard = []
-    with atlas.processes(2) as pool:
+    with atlas_report.processes(2) as pool:
         pooled, pooled_stats = atlas.map_rows(grid, pool=pool, progress=heard.append)
     assert pooled == alone and len(heard) == len(alone) == 4
     for key in ("played", "pruned", "bound_violations"):
         assert pooled_stats[key] == alone_stats[key]
     assert pooled_stats["seconds"].keys() == alone_stats["seconds"].keys() == {"2x4 1b", "3x4 1b"}
+
+
+def test_the_tables_name_each_setting():
+    """A TawPipe setting in the map's tables: the fetched chunks kept on the host show as "+host"
+    (the map's legend promises it), reuse as "+reuse", context parallelism as "CPc"."""
+    shown = atlas_report._settings_text
+    assert shown({"replicas": 2, "mb_per_fetch": 4, "prefetch_depth": 1, "reuse_weights": "host"}) == "R=2 k=4 d1+host"
+    assert shown({"resident": True, "reuse_weights": True, "context_parallel": 4}, "chunk") == "R=1 k=1 res+reuse CP4 chunk"
+    assert shown({"prefetch_depth": 1, "reuse_weights": False}) == "R=1 k=1 d1"
 
 
 def test_a_map_cut_short_goes_on_from_the_cells_it_saved(tmp_path, monkeypatch, tiny):

@@ -216,7 +216,7 @@ def estimate(method: str, dims: ModelDims, topology: Topology, micro_batches: in
         raise ValueError(f"unknown method {method!r}; expected one of {methods()}")
     one = Topology(G // replicas, s)
     sent, inter = registry.get(method).closed_form(dims, one, acc)
-    exchange = 2 * (replicas - 1) / replicas * dims.decoder_numel / one.world_size * 4  # per rank
+    exchange = 2 * (replicas - 1) / replicas * dims.decoder_numel / one.world_size * dims.grad_bytes  # per rank
     return Estimate(method, sent + rep + exchange, inter + cross * rep + s * exchange)
 
 
@@ -280,8 +280,9 @@ def weight_passing_bytes(dims: ModelDims, topology: Topology, micro_batches: int
 
 
 def _replicated_ring(dims: ModelDims, n: int) -> float:
-    """Bytes a rank sends in the ring all-reduce of the replicated gradients over ``n`` ranks."""
-    return 2 * (n - 1) / n * dims.replicated_numel * dims.grad_bytes
+    """Bytes a rank sends in the ring all-reduce of the replicated gradients over ``n`` ranks (in
+    float32: the engine sums them with the loss in one buffer)."""
+    return 2 * (n - 1) / n * dims.replicated_numel * 4
 
 
 # All-gathers of K/V a backward makes per layer under each recompute (context parallelism, design

@@ -579,9 +579,10 @@ class TawPipe:
                         tuple(a.tag for a in unit), self.timeout)
 
     def _all_reduce_grad(self, comm: Comm, group: tuple[int, ...]) -> None:
-        """The own chunk's accumulator summed with its owners' in the other replicas."""
+        """The own chunk's accumulator summed with its owners' in the other replicas, in the dtype
+        gradients travel in (``PrecisionPolicy.grad_wire_dtype``)."""
         acc = self.storage.grad_acc
-        summed = acc.to(self.device)  # a copy when offloaded to the host
+        summed = acc.to(self.device, self.storage.grad_dtype)  # a copy when offloaded, or cast
         comm.all_reduce(summed, group)
         if summed is not acc:
             acc.copy_(summed)

@@ -150,12 +150,14 @@ class Plan:
         if kind == "grads":
             return self.chunk_numel(chunk) * int(self.options.get("grad_bytes", 1))
         if kind == "replicated":
-            return int(self.options.get("replicated_numel", 0)) * int(self.options.get("grad_bytes", 1))
+            return int(self.options.get("replicated_numel", 0)) * 4  # float32, with the loss sum
         if kind == "stats":
             return STATS_BYTES
         if kind == "eval":
             return EVAL_BYTES
-        if kind in ("state", "replica"):  # float32 masters; float32 accumulators
+        if kind == "replica":  # the float32 accumulators, summed over the replicas in the wire dtype
+            return self.chunk_numel(chunk) * int(self.options.get("grad_bytes", 1))
+        if kind == "state":  # float32 masters
             return self.chunk_numel(chunk) * 4
         return 0  # "setup": sized by the engine's fingerprint
 

@@ -107,7 +107,7 @@ def build_plan(
         stop = start + base + (1 if p < extra else 0)
         positions.append((start, stop))
         start = stop
-    sizes = dict(w=weight_bytes, g=grad_bytes, replica=4)  # the replicas add float32 accumulators
+    sizes = dict(w=weight_bytes, g=grad_bytes, replica=grad_bytes)  # accumulators cross as every gradient does
     options: dict[str, Any] = {
         "layer_numel": layer_numel, "weight_bytes": weight_bytes, "grad_bytes": grad_bytes,
         "replicated_numel": replicated_numel, "prefetch_depth": prefetch_depth,
@@ -117,7 +117,7 @@ def build_plan(
         options["grad_route"] = grad_route
     chunk_layers, owner = schedule.layout(topology, positions)
     nbytes = {kind: [(e - s) * layer_numel * b for s, e in chunk_layers] for kind, b in sizes.items()}
-    rbytes = replicated_numel * grad_bytes
+    rbytes = replicated_numel * 4  # float32: the engine sums them with the loss in one buffer
     events, num_slots = schedule.events(topology, micro_batches, owner, nbytes, rbytes, options)
     programs = events.project(n)
     large = sum(map(len, programs)) >= SETTLE_ACTIONS  # a plan this large lives on: no collection need walk it

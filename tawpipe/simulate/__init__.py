@@ -141,7 +141,7 @@ def _modes(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     _check(args)
     if args.map:
-        from ..sim.atlas import main_map  # matplotlib, only here
+        from ..sim.atlas_report import main_map  # matplotlib, only here
 
         return main_map(args.map, jobs=args.jobs or os.cpu_count() or 1)
     if args.paper:
