@@ -55,13 +55,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..cost.memory import (
-    MemoryEstimate,
-    Savers,
-    host_bytes,
-    savers_ladder,
-    staging_buffers,
-)
+from ..cost.memory import MemoryEstimate, Savers, host_bytes, savers_ladder, staging_buffers
 from ..cost.traffic import context_bytes, plan_traffic
 from ..plan.actions import OPS, Channel, batches
 from ..plan.plan import Plan
@@ -219,9 +213,8 @@ def _context_floor(plan: Plan, work: Workload, savers: Savers, cluster: Cluster,
     each with its hops' latency: they block its compute (``play._Context``), so they add to it."""
     if c == 1:
         return 0.0
-    sent = context_bytes(plan, 0, work.dims, c, savers.recompute)
-    exchanges = sent / ((c - 1) * work.sliced(c).kv_share_bytes())
-    return sent / cluster.intra.bandwidth + exchanges * (c - 1) * cluster.hop_latency(False)
+    sent = context_bytes(plan, 0, work.dims, c, savers.recompute)  # (c - 1) shares per exchange, c - 1 hops
+    return sent / cluster.intra.bandwidth + sent / work.sliced(c).kv_share_bytes() * cluster.hop_latency(False)
 
 
 def _tawpipe(plans: dict[int, _Plans], cluster: Cluster, work: Workload, acc: int, stats: dict, *,
@@ -406,6 +399,24 @@ def fingerprint(grid: Grid) -> str:
     return h.hexdigest()[:16]
 
 
+def _play_cell(grid: Grid, name: str, li: str, cluster: Cluster, work: Workload, plans: dict[int, _Plans],
+               stats: dict) -> dict:
+    """The row of model ``name`` over link ``li``: every method played on ``cluster`` (TawPipe over
+    ``plans``, one per context-parallel degree the cell tries), the winner decided."""
+    contexts = tuple(plans)
+    methods: dict[str, dict] = {}
+    methods["tawpipe"], tried = _tawpipe(plans, cluster, work, grid.acc, stats, chunked_loss=grid.chunked_loss)
+    methods["weipipe"] = _weipipe(cluster, work, grid.acc, grid.chunked_loss)
+    for m in DP_PEERS:
+        methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss, contexts)
+    methods["1f1b"] = _pipeline(cluster, work, grid.acc, grid.chunked_loss)
+    d = work.dims
+    return decide({"nodes": cluster.nodes, "per_node": grid.per_node, "gpus": cluster.world_size,
+                   "link": li, "model": name, "layers": d.layers, "seq": d.seq, "micro_batch": grid.micro_batch,
+                   "acc": grid.acc, "tokens_per_device": grid.acc * d.seq * grid.micro_batch,
+                   "methods": methods, "tawpipe_tried": tried})
+
+
 def _group_rows(grid: Grid, nodes: int, name: str, progress: Callable[[dict], None] | None = None,
                 cells: Path | None = None, key: str = "") -> tuple[list[dict], dict[str, Any]]:
     """The rows of one model on one node count (its plans are built once for them all, when a cell
@@ -428,23 +439,12 @@ def _group_rows(grid: Grid, nodes: int, name: str, progress: Callable[[dict], No
             cell = json.loads(saved.read_text()) if saved and saved.exists() else {}
             if cell.get("fingerprint") != key or not key:
                 t0, cell_stats = time.perf_counter(), _no_stats()
-                cluster = Cluster(nodes, grid.per_node, dev, intra, link(li), host=grid.host)
-                methods: dict[str, dict] = {}
                 contexts = grid.contexts_at(seq)
                 for c in contexts:
                     if c not in plans:
                         plans[c] = _build_plans(shape, Workload(base, dev, grid.recompute).sliced(c), grid.acc * c)
-                methods["tawpipe"], tried = _tawpipe({c: plans[c] for c in contexts}, cluster, work, grid.acc,
-                                                     cell_stats, chunked_loss=grid.chunked_loss)
-                methods["weipipe"] = _weipipe(cluster, work, grid.acc, grid.chunked_loss)
-                for m in DP_PEERS:
-                    methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss, contexts)
-                methods["1f1b"] = _pipeline(cluster, work, grid.acc, grid.chunked_loss)
-                row = decide({"nodes": nodes, "per_node": grid.per_node, "gpus": cluster.world_size,
-                              "link": li, "model": name, "layers": dims.layers, "seq": seq,
-                              "micro_batch": grid.micro_batch, "acc": grid.acc,
-                              "tokens_per_device": grid.acc * seq * grid.micro_batch,
-                              "methods": methods, "tawpipe_tried": tried})
+                cluster = Cluster(nodes, grid.per_node, dev, intra, link(li), host=grid.host)
+                row = _play_cell(grid, name, li, cluster, work, {c: plans[c] for c in contexts}, cell_stats)
                 cell = json.loads(json.dumps({"fingerprint": key, "row": row, "stats": cell_stats,
                                               "seconds": time.perf_counter() - t0}, default=str))
                 if saved:

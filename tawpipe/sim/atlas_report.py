@@ -15,18 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..plan.schedule import HOST
-from .atlas import (
-    FIT_SEQS,
-    FULL,
-    METHODS,
-    PRUNE,
-    QUICK,
-    SHORT,
-    GiB,
-    Grid,
-    largest_fits,
-    map_rows,
-)
+from .atlas import FIT_SEQS, FULL, METHODS, PRUNE, QUICK, SHORT, GiB, Grid, largest_fits, map_rows
 from .compare import TIE, title
 from .hardware import device
 
