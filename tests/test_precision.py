@@ -19,7 +19,7 @@ def _grads(seed: int, n_own: int = 37, n_rep: int = 11, mul: float = 1.0) -> tup
 
 def _step(p: Precision, own: torch.Tensor, rep: torch.Tensor, loss: float = 1.0, step: int = 0) -> bool:
     """One engine-like step on one rank: own-chunk stats, then ``finish`` (in place)."""
-    return p.finish(step, Precision.local_stats(own), loss, rep, own)
+    return p.finish(step, Precision.local_stats(own, torch.tensor(loss)), loss, rep, own)
 
 
 def _sgd(p: Precision, params: torch.Tensor, own: torch.Tensor, rep: torch.Tensor, loss: float) -> bool:
@@ -32,17 +32,19 @@ def _sgd(p: Precision, params: torch.Tensor, own: torch.Tensor, rep: torch.Tenso
 
 
 def test_local_stats_are_squared_norm_and_flag() -> None:
-    """local_stats is [sum of squares in float64, 0/1 non-finite flag]; on a host each piece's dot
-    product is float32, so it agrees with a float64 reference to float32 rounding."""
+    """local_stats is [sum of squares in float64, 0/1 non-finite flag, loss sum]; on a host each
+    piece's dot product is float32, so it agrees with a float64 reference to float32 rounding."""
     own, _ = _grads(0)
-    s = Precision.local_stats(own)
+    loss = torch.rand((), dtype=torch.float32) * 10
+    s = Precision.local_stats(own, loss)
     assert s.dtype == torch.float64
     assert s[0].item() == pytest.approx(own.double().square().sum().item(), rel=1e-6)
     assert s[1].item() == 0
+    assert s[2].item() == loss.item()
     own[3] = float("inf")
-    assert Precision.local_stats(own)[1].item() == 1
+    assert Precision.local_stats(own, loss)[1].item() == 1
     own[3] = float("nan")
-    assert Precision.local_stats(own)[1].item() == 1
+    assert Precision.local_stats(own, loss)[1].item() == 1
 
 
 def test_no_scaling_leaves_gradients_unchanged() -> None:
@@ -123,7 +125,7 @@ def test_clipping_uses_all_reduced_stats() -> None:
     """The norm comes from ``stats`` (other ranks' owned chunks) plus this rank's replicated part."""
     own_a, rep = _grads(50)
     own_b, _ = _grads(51)  # another rank's chunk
-    stats = Precision.local_stats(own_a) + Precision.local_stats(own_b)
+    stats = Precision.local_stats(own_a, torch.tensor(1.0)) + Precision.local_stats(own_b, torch.tensor(2.0))
     total = math.sqrt(stats[0].item() + rep.double().square().sum().item())
     p = Precision(max_grad_norm=total / 4)
     ref_own, ref_rep = own_a * (total / 4) / (total + 1e-6), rep * (total / 4) / (total + 1e-6)
@@ -136,7 +138,7 @@ def test_overflow_flag_in_stats_skips() -> None:
     """A non-finite flag in the all-reduced stats (another rank's overflow) skips, even with a finite norm."""
     p = Precision(loss_scale="dynamic", init_scale=8.0)
     own, rep = _grads(55)
-    stats = Precision.local_stats(own) + torch.tensor([0.0, 1.0], dtype=torch.float64)
+    stats = Precision.local_stats(own, torch.tensor(1.0)) + torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)
     assert not p.finish(0, stats, 1.0, rep, own)
     assert p.scale == 4.0 and p.skipped_steps == 1
 
@@ -215,15 +217,15 @@ def test_the_norm_of_a_gradient_is_summed_in_float64_without_a_copy(numel):
     step's peak on a GPU); a non-finite element is flagged wherever it is."""
     g = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
     with _Allocations() as made:
-        sq, flag = Precision.local_stats(g)
-    assert max(made.numels, default=0) <= max(2, numel // NORM_PIECE + 1)
+        sq, flag, _ = Precision.local_stats(g, torch.tensor(1.0))
+    assert max(made.numels, default=0) <= max(3, numel // NORM_PIECE + 1)  # 3: the stats row
     assert sq.dtype == torch.float64 and flag == 0
     assert sq.item() == pytest.approx(g.double().square().sum().item(), rel=1e-6, abs=1e-6)
     if numel:
         g[numel - 1] = float("inf")
-        assert Precision.local_stats(g)[1] == 1
+        assert Precision.local_stats(g, torch.tensor(1.0))[1] == 1
         g[0] = float("nan")
-        assert Precision.local_stats(g)[1] == 1
+        assert Precision.local_stats(g, torch.tensor(1.0))[1] == 1
 
 
 class _Allocations(TorchDispatchMode):

@@ -339,19 +339,24 @@ def host_bytes(plan: Plan, rank: int, *, own_numel: int, weight_bytes: int, grad
     ``offload_activations`` each forward stores what it keeps (its chunk input, or with
     ``recompute="block"`` every layer's; ``input_bytes``: B·S·H in the compute dtype) and each
     backward fetches it back."""
+    count = Counter((a.op, a.chunk) for a in plan.actions[rank])  # one pass: the map asks for many plans
+
+    def layers(op: Op) -> int:
+        return sum(n * (plan.chunk_layers[c][1] - plan.chunk_layers[c][0]) for (o, c), n in count.items() if o is op)
+
+    def ops(op: Op) -> int:
+        return sum(n for (o, _), n in count.items() if o is op)
+
     to_host = from_host = 0.0
-    for a in plan.actions[rank] if plan.options.get("reuse_weights") == HOST else ():  # only it stashes
-        if a.op is Op.STASH_W:
-            to_host += plan.chunk_numel(a.chunk) * weight_bytes  # type: ignore[arg-type]
-        elif a.op is Op.RESTORE_W:
-            from_host += plan.chunk_numel(a.chunk) * weight_bytes  # type: ignore[arg-type]
+    if plan.options.get("reuse_weights") == HOST:  # only it stashes
+        to_host += layers(Op.STASH_W) * int(plan.options.get("layer_numel", 1)) * weight_bytes
+        from_host += layers(Op.RESTORE_W) * int(plan.options.get("layer_numel", 1)) * weight_bytes
     if savers.offload_state:
-        count = Counter(a.op for a in plan.actions[rank])
-        to_host += count[Op.ACC_G] * grad_bytes * own_numel
-        from_host += count[Op.LOAD_W] * 4 * own_numel
+        to_host += ops(Op.ACC_G) * grad_bytes * own_numel
+        from_host += ops(Op.LOAD_W) * 4 * own_numel
     if savers.offload_activations:  # what each forward keeps goes, and comes back for its backward
-        kept = sum(savers.kept_per_forward(plan.chunk_layers[a.chunk][1] - plan.chunk_layers[a.chunk][0])
-                   for a in plan.actions[rank] if a.op is Op.F) * input_bytes
+        kept = sum(n * savers.kept_per_forward(plan.chunk_layers[c][1] - plan.chunk_layers[c][0])
+                   for (o, c), n in count.items() if o is Op.F) * input_bytes
         to_host += kept
         from_host += kept
     return to_host, from_host

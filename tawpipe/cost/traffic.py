@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from ..models.shape import ModelDims
 from ..plan import registry
 from ..plan.actions import OPS, Action, Op
-from ..plan.plan import REPLICATED_BYTES, Plan
+from ..plan.plan import Plan
 from ..plan.topology import Topology
 from .units import decimal
 
@@ -281,7 +281,7 @@ def weight_passing_bytes(dims: ModelDims, topology: Topology, micro_batches: int
 
 def _replicated_ring(dims: ModelDims, n: int) -> float:
     """Bytes a rank sends in the ring all-reduce of the replicated gradients over ``n`` ranks."""
-    return 2 * (n - 1) / n * dims.replicated_numel * REPLICATED_BYTES
+    return 2 * (n - 1) / n * dims.replicated_numel * dims.grad_bytes
 
 
 # All-gathers of K/V a backward makes per layer under each recompute (context parallelism, design

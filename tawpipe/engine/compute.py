@@ -164,7 +164,7 @@ class ChunkCompute:
             with self._autocast():
                 loss = checked_loss(self.head_loss(y, st.targets[m]))
             (loss.float() * st.grad_scale).backward()
-        self.s.rep[-1] += loss.detach().float()
+        self.s.loss_sum += loss.detach().double()
         st.dy[(pos, m)] = y.grad
 
     @torch.no_grad()

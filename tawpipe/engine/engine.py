@@ -106,7 +106,7 @@ class TawPipe:
             topology, len(blocks), micro_batches, device=self.device, budget=memory.budget, savers=memory.savers(),
             layer_numel=sum(p.numel() for p in blocks[0].parameters()),
             weight_bytes=precision.compute_dtype.itemsize, grad_bytes=precision.grad_wire_dtype.itemsize,
-            replicated_numel=sum(p.numel() for _, p in replicated) + 1,  # + the loss sum
+            replicated_numel=sum(p.numel() for _, p in replicated),
             **schedule.plan_options())
         if compute_actions(topology, micro_batches, schedule.replicas) <= VERIFY_COMPUTE_ACTIONS:
             verify(self.plan)  # a schedule bug is a PlanError here, not a silently wrong gradient
@@ -566,11 +566,11 @@ class TawPipe:
         if a.op is Op.REDUCE_G:
             return lambda: comm.reduce(s.chunk(a.buf, a.chunk), a.root, a.group)
         if a.op is Op.ALLREDUCE_REPLICATED:
-            return lambda: comm.all_reduce(s.rep, a.group)
+            return lambda: self._all_reduce_in_wire(comm, s.rep, a.group)
         if a.op is Op.ALLREDUCE_STATS:
             return lambda: self._all_reduce_stats(comm, a.group)
         if a.op is Op.ALLREDUCE_G:
-            return lambda: self._all_reduce_grad(comm, a.group)
+            return lambda: self._all_reduce_in_wire(comm, s.grad_acc, a.group)
         raise ValueError(f"the engine cannot execute {a.op}")
 
     def _p2p(self, unit: list[Action], tensor: Callable[[Action], torch.Tensor]) -> Messages:
@@ -578,17 +578,17 @@ class TawPipe:
                         tuple(P2P(OPS[a.op].transfer, tensor(a), a.peer) for a in unit),
                         tuple(a.tag for a in unit), self.timeout)
 
-    def _all_reduce_grad(self, comm: Comm, group: tuple[int, ...]) -> None:
-        """The own chunk's accumulator summed with its owners' in the other replicas, in the dtype
-        gradients travel in (``PrecisionPolicy.grad_wire_dtype``)."""
-        acc = self.storage.grad_acc
-        summed = acc.to(self.device, self.storage.grad_dtype)  # a copy when offloaded, or cast
+    def _all_reduce_in_wire(self, comm: Comm, grads: torch.Tensor, group: tuple[int, ...]) -> None:
+        """A float32 gradient buffer (the own chunk's accumulator, summed over the replicas; the
+        replicated modules', over the job) summed in the dtype gradients travel in
+        (``PrecisionPolicy.grad_wire_dtype``)."""
+        summed = grads.to(self.device, self.storage.grad_dtype)  # a copy when offloaded, or cast
         comm.all_reduce(summed, group)
-        if summed is not acc:
-            acc.copy_(summed)
+        if summed is not grads:
+            grads.copy_(summed)
 
     def _all_reduce_stats(self, comm: Comm, group: tuple[int, ...]) -> None:
-        stats = Precision.local_stats(self.storage.grad_acc).to(self.device)
+        stats = Precision.local_stats(self.storage.grad_acc, self.storage.loss_sum).to(self.device)
         if self.plan.replica_of(self.rank) > 0:
             stats[0] = 0  # each chunk's norm counted once: its owners in every replica hold the same sum
         comm.all_reduce(stats, group)
@@ -597,8 +597,8 @@ class TawPipe:
     def _optimizer_step(self) -> None:
         s = self.storage
         n_total = self.topology.world_size * self.micro_batches
-        self._last_loss = s.rep[-1].item() / n_total
-        if self.precision.finish(self.steps, self._stats, self._last_loss, s.rep[:-1], s.grad_acc):
+        self._last_loss = self._stats[2].item() / n_total
+        if self.precision.finish(self.steps, self._stats, self._last_loss, s.rep, s.grad_acc):
             if s.offload is not None:
                 s.offload.synchronize()  # streamed loads have finished reading the master
             self.optimizer.step()
@@ -606,3 +606,4 @@ class TawPipe:
                 self.scheduler.step()
         s.grad_acc.zero_()
         s.rep.zero_()
+        s.loss_sum.zero_()

@@ -86,7 +86,7 @@ class PrecisionPolicy:
     """The numerics (design §6.4): masters, optimizer state and accumulators are float32
     whatever ``compute_dtype``. ``grad_wire_dtype`` (float32 or the compute dtype) is the dtype
     gradients travel in, to their owner and between the replicas' owners of a chunk, always
-    accumulated in float32 by the owner (the replicated modules' all-reduce stays float32). ``loss_scale``: "auto"
+    accumulated in float32 by the owner (the replicated modules' all-reduce too). ``loss_scale``: "auto"
     (dynamic for float16, none otherwise), None, a number, or "dynamic"; ``max_grad_norm`` clips
     the global norm; ``nonfinite``: "skip" a step whose loss or gradients are not finite, or
     "raise" FloatingPointError."""

@@ -74,11 +74,11 @@ class Precision:
         self.skipped_steps = 0
 
     @staticmethod
-    def local_stats(grad_acc: torch.Tensor) -> torch.Tensor:
-        """[squared norm, non-finite flag] of this rank's own-chunk gradient, to be all-reduced
-        (``squared_norm``: no copy of the gradient, on a GPU as on a host)."""
+    def local_stats(grad_acc: torch.Tensor, loss_sum: torch.Tensor) -> torch.Tensor:
+        """[squared norm, non-finite flag] of this rank's own-chunk gradient and its loss sum, to be
+        all-reduced (``squared_norm``: no copy of the gradient, on a GPU as on a host)."""
         sq = squared_norm(grad_acc)
-        return torch.stack([sq, (~torch.isfinite(sq)).double()])
+        return torch.stack([sq, (~torch.isfinite(sq)).double(), loss_sum.to(sq.device, torch.float64)])
 
     def finish(self, step: int, stats: torch.Tensor, loss: float, rep_grad: torch.Tensor,
                own_grad: torch.Tensor) -> bool:

@@ -9,8 +9,9 @@ the state lives: its parameters are views of the host master, so the state it cr
 memory too, 16 B per parameter read and written there (on the device it would move 28 B per
 parameter across PCIe every step instead). The replicated modules
 (embedding, head) keep their own parameters, whose ``.grad`` are views of one flat buffer
-``rep`` that also holds this rank's loss sum, so the replicated all-reduce is one collective on
-memory that backward writes directly. Staging buffers are the plan's named buffers; with
+``rep``, so the replicated all-reduce is one collective on memory that backward writes directly;
+the rank's loss sum rides in the step's statistics instead (``loss_sum``), so ``rep`` can cross
+in the gradients' wire dtype. Staging buffers are the plan's named buffers; with
 ``reuse_weights="host"`` each chunk the plan stashes (``STASH_W``) also has a compute-dtype copy
 in pinned host memory, written right after the chunk's fetch and read back by ``RESTORE_W``.
 
@@ -154,7 +155,8 @@ class ChunkStorage:
     def _init_replicated(self, replicated: list[tuple[str, nn.Parameter]]) -> None:
         self.replicated = replicated
         layout = ShardLayout.from_tensors([p for _, p in replicated], align=1)
-        self.rep = torch.zeros(layout.numel + 1, dtype=torch.float32, device=self.device)  # + loss sum
+        self.rep = torch.zeros(layout.numel, dtype=torch.float32, device=self.device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for (_, p), view in zip(replicated, layout.views(self.rep)):  # float32 on the device: the engine checked
             p.grad = view
 

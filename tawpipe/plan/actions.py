@@ -128,8 +128,9 @@ def settle() -> None:
 
 # Named state besides the staging buffers an action names in ``buf``/``grad_buf`` (design §4.2):
 ACC = "g_acc"  # the owner's float32 gradient accumulator of its own chunk
-REP = "rep"  # the replicated modules' gradients and this rank's loss sum
-STATS = "stats"  # the step's statistics (squared gradient norm, non-finite flag)
+REP = "rep"  # the replicated modules' gradients
+LOSS = "loss"  # this rank's loss sum
+STATS = "stats"  # the step's statistics (squared gradient norm, non-finite flag, loss sum)
 MASTER = "master"  # the float32 master of the own chunk (and of the replicated modules)
 FINGERPRINT = "fingerprint"  # every rank's configuration, compared before the first step
 EVAL = "eval"  # a validation pass's hidden states and loss sum
@@ -250,7 +251,7 @@ def _none(_a: Action, _p: Plan) -> Names:
 
 
 def _f_writes(a: Action, p: Plan) -> Names:
-    return (REP,) if a.chunk == p.model_order[-1] else ()  # head + loss backward
+    return (REP, LOSS) if a.chunk == p.model_order[-1] else ()  # head + loss backward
 
 
 def _b_reads(a: Action, _p: Plan) -> Names:
@@ -287,7 +288,7 @@ OPS: dict[Op, OpSpec] = {
     # a cast of the own master, on the weights channel: right before the sends or broadcast that
     # read it, and off the compute thread (with host offload it is a stream from host memory)
     Op.LOAD_W: OpSpec(Channel.WEIGHTS, None, None, _const(MASTER), _buf),
-    Op.STEP: OpSpec(Channel.COMPUTE, None, None, _const(ACC, REP, STATS), _const(MASTER, ACC, REP)),
+    Op.STEP: OpSpec(Channel.COMPUTE, None, None, _const(ACC, REP, STATS), _const(MASTER, ACC, REP, LOSS)),
     Op.SEND_W: OpSpec(Channel.WEIGHTS, "send", "weights", _buf, _none),
     # floats like every message (design §5.2): held in its queue place, a fetch also held back the
     # sends batched with it, which other groups were waiting for
@@ -307,7 +308,7 @@ OPS: dict[Op, OpSpec] = {
     # once the replica's last contribution is in; on its own channel, so the rest of the backward
     # goes on meanwhile
     Op.ALLREDUCE_G: OpSpec(Channel.REPLICAS, "collective", "replica", _const(ACC), _const(ACC), scope="job"),
-    Op.ALLREDUCE_STATS: OpSpec(Channel.STEP, "collective", "stats", _const(ACC), _const(STATS), scope="job"),
+    Op.ALLREDUCE_STATS: OpSpec(Channel.STEP, "collective", "stats", _const(ACC, LOSS), _const(STATS), scope="job"),
     Op.SEND_MASTER: OpSpec(Channel.STEP, "send", "state", _const(MASTER), _none),
     Op.RECV_MASTER: OpSpec(Channel.STEP, "recv", "state", _none, _buf),
     # every rank's fingerprint of its configuration, compared before the first step (an all-gather

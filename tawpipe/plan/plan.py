@@ -21,9 +21,8 @@ from .topology import Topology
 GRAD_ROUTES = ("rail", "leader")
 _JSON_FORMAT = "tawpipe-plan/3"
 _JSON_FORMAT_ONE_REPLICA = "tawpipe-plan/2"  # before replicas: still read
-STATS_BYTES = 16  # two float64: the squared gradient norm of the own chunk, the non-finite flag
+STATS_BYTES = 24  # three float64: the squared gradient norm of the own chunk, the non-finite flag, the loss sum
 EVAL_BYTES = 8  # one float64: a rank's validation loss sum
-REPLICATED_BYTES = 4  # per replicated gradient: float32, since the engine sums them with the loss in one buffer
 
 
 def shift(a: Action, offset: int) -> Action:
@@ -151,7 +150,7 @@ class Plan:
         if kind == "grads":
             return self.chunk_numel(chunk) * int(self.options.get("grad_bytes", 1))
         if kind == "replicated":
-            return int(self.options.get("replicated_numel", 0)) * REPLICATED_BYTES
+            return int(self.options.get("replicated_numel", 0)) * int(self.options.get("grad_bytes", 1))
         if kind == "stats":
             return STATS_BYTES
         if kind == "eval":

@@ -18,7 +18,7 @@ from typing import Any
 
 from . import registry
 from .actions import OPS, Action, Op, no_gc, settle
-from .plan import REPLICATED_BYTES, Plan, Programs
+from .plan import Plan, Programs
 from .topology import Topology
 
 RESIDENT = "resident"
@@ -117,7 +117,7 @@ def build_plan(
         options["grad_route"] = grad_route
     chunk_layers, owner = schedule.layout(topology, positions)
     nbytes = {kind: [(e - s) * layer_numel * b for s, e in chunk_layers] for kind, b in sizes.items()}
-    rbytes = replicated_numel * REPLICATED_BYTES
+    rbytes = replicated_numel * grad_bytes  # the replicated gradients cross as every gradient does
     events, num_slots = schedule.events(topology, micro_batches, owner, nbytes, rbytes, options)
     programs = events.project(n)
     large = sum(map(len, programs)) >= SETTLE_ACTIONS  # a plan this large lives on: no collection need walk it

@@ -226,11 +226,15 @@ def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: d
 
 
 class _Context:
-    """A forward or backward under context parallelism (``work.context`` c, design §3.6), as the
-    engine runs it: layer by layer on the compute stream, each layer's K/V all-gathered among the
+    """A forward or backward under context parallelism (``work.context`` c, design §3.6). The
+    engine runs it layer by layer on the compute stream, each layer's K/V all-gathered among the
     rank's context group before it computes (once per forward, and per re-run of it in the
     backward, ``cost.traffic.context_bytes``), and its gradients reduce-scattered after a backward,
-    every exchange blocking the compute. The group's exchanges pair up in order."""
+    every exchange blocking the compute. Since each blocks the compute, the player lumps an
+    action's gathers into one exchange before its compute and its reduce-scatters into one after:
+    the same bytes, hop latencies and blocking, in a graph a layer count smaller (a 70B map cell
+    at c = 8 is otherwise millions of tasks); what it gives up is the exchanges' interleaving with
+    other traffic on the node's links at a layer's grain. The group's exchanges pair up in order."""
 
     def __init__(self, g: Graph, plan: Plan, r: int, device: _Device, exchanges: dict[tuple, _Message]) -> None:
         c = device.work.context
@@ -244,17 +248,17 @@ class _Context:
         n = stop - start
         gathers = n if a.op is Op.F else BACKWARD_GATHERS[self.recompute](n)
         done, label = self.g.add("", deps), describe(a)
-        for layer in range(n):
-            for _ in range(gathers // n + (layer < gathers % n)):
-                done = self._exchange(f"K/V {label}", done)
-            done = self.g.add(f"{label} layer {layer}", [done], seconds=seconds / n, rank=self.r)
-            if a.op is Op.B:
-                done = self._exchange(f"dK/dV {label}", done)
+        if gathers:
+            done = self._exchange(f"K/V {label}", done, gathers)
+        done = self.g.add(f"{label} ({n} layers)", [done], seconds=seconds, rank=self.r)
+        if a.op is Op.B:
+            done = self._exchange(f"dK/dV {label}", done, n)
         return done
 
-    def _exchange(self, label: str, dep: int) -> int:
+    def _exchange(self, label: str, dep: int, times: int) -> int:
+        """``times`` exchanges of the group in one, posted after ``dep``."""
         post, done = self.g.add("", [dep]), self.g.add(label, [])
-        m = self.exchanges.setdefault((self.group, self.count), _Message([], []))
+        m = self.exchanges.setdefault((self.group, self.count, times), _Message([], []))
         m.posts.append(post)
         m.dones.append((done, False))
         self.count += 1
@@ -263,11 +267,11 @@ class _Context:
 
 def _play_exchanges(g: Graph, exchanges: dict[tuple, _Message], work: Workload, cluster: Cluster, size: int) -> None:
     """Each K/V exchange once every member posted it: a ring over the group in which each member
-    sends (c − 1) shares to the next, over the node's links."""
+    sends (c − 1) shares to the next, over the node's links, as many times as it lumps."""
     c, share = work.context, work.kv_share_bytes()
-    for (group, _), m in exchanges.items():
-        flows = [Flow(r, group[(i + 1) % c], (c - 1) * share) for i, r in enumerate(group) if r < size]
-        t = g.add("K/V exchange", m.posts, flows=flows, latency=(c - 1) * cluster.hop_latency(False),
+    for (group, _, times), m in exchanges.items():
+        flows = [Flow(r, group[(i + 1) % c], times * (c - 1) * share) for i, r in enumerate(group) if r < size]
+        t = g.add("K/V exchange", m.posts, flows=flows, latency=times * (c - 1) * cluster.hop_latency(False),
                   rank=group[0], lane="cp")
         for done, _ in m.dones:
             g.add_deps(done, [t])
@@ -303,7 +307,7 @@ def engine_plan(cluster: Cluster, work: Workload, micro_batches: int, *,
     d = work.dims
     topology = Topology(cluster.nodes, cluster.per_node)
     sizes = dict(layer_numel=d.layer_numel, weight_bytes=d.dtype_bytes, grad_bytes=d.grad_bytes,
-                 replicated_numel=d.replicated_numel + 1)
+                 replicated_numel=d.replicated_numel)
     if AUTO not in options.values():
         return build_plan(topology, d.layers, micro_batches, **sizes, **options)
     if memory is None:

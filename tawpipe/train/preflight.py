@@ -162,7 +162,7 @@ def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], e
         savers=savers, grad_route=cfg.grad_route, algo=cfg.algo, mb_per_fetch=cfg.mb_per_fetch,
         prefetch_depth=cfg.prefetch_depth, reuse_weights=cfg.reuse_weights, replicas=cfg.replicas,
         layer_numel=sum(p.numel() for p in blocks[0].parameters()), weight_bytes=weight_bytes, grad_bytes=grad_bytes,
-        replicated_numel=sizes["replicated_numel"] + 1)  # + the loss sum
+        replicated_numel=sizes["replicated_numel"])
     return plan, chosen, why and as_flags(why)
 
 
