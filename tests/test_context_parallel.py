@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tawpipe.engine.context import slice_positions
+from tawpipe.models.parts import position_runs
 from tawpipe.plan.context import context_groups
 from tawpipe.runtime.launch import run_local
 
@@ -39,6 +40,30 @@ def test_context_groups_are_runs_of_a_nodes_ranks():
     with pytest.raises(ValueError, match="divisor of 4"):
         context_groups(Topology(1, 4), 3)
 
+
+
+def test_a_slices_runs_are_its_positions_cut_where_they_jump():
+    """``position_runs`` against a loop over the positions: random ascending positions, and every
+    member's slice of a mirrored cut (two runs, or one for the middle member)."""
+    def by_loop(positions: list[int]) -> list[tuple[int, int, int]]:
+        out: list[tuple[int, int, int]] = []
+        for i, p in enumerate(positions):
+            if out and out[-1][1] + out[-1][2] == p:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((i, p, 1))
+        return out
+
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 2, 17, 300):
+        positions = torch.randperm(3 * n, generator=g)[:n].sort().values
+        assert list(position_runs(positions)) == by_loop(positions.tolist())
+    for degree in (1, 2, 4):
+        for i in range(degree):
+            positions = slice_positions(64, degree, i)
+            assert list(position_runs(positions)) == by_loop(positions.tolist())
+            assert len(position_runs(positions)) == (1 if i == degree - 1 else 2)
+    assert position_runs(torch.tensor([], dtype=torch.int64)) == ()
 
 CASES = [
     dict(nodes=2, acc=2, context_parallel=2, max_grad_norm=0.05, **PAPER),  # a node's 2 ranks, clipping

@@ -193,15 +193,17 @@ def test_memory_closed_form_equals_the_plan_count(g, s, r, depth, k) -> None:
 
 def test_closed_form_bytes_follow_the_plan() -> None:
     """The advice's closed form against the plan: exact where a replica is one node (but for the
-    step's 16-byte statistics), within the turnarounds' 10% otherwise (design §7.1)."""
+    step's 24-byte statistics), within the turnarounds' 10% otherwise (design §7.1)."""
     dims = ModelDims(hidden=64, layers=16, heads=4, vocab=100, seq=32)
-    for grad_bytes in (4, 2):  # the replicas' sums cross in the gradients' wire dtype
+    for grad_bytes in (4, 2):  # the replicas' and the replicated sums cross in the gradients' wire dtype
         sizes = dict(layer_numel=dims.layer_numel, weight_bytes=2, grad_bytes=grad_bytes,
                      replicated_numel=dims.replicated_numel)
         for r, tol in ((4, 2e-5), (2, 0.1)):
             plan = build_plan(Topology(4, 2), 16, 8, replicas=r, **sizes)
             sums = [a for rank in plan.actions for a in rank if a.op is Op.ALLREDUCE_G]
             assert sums and all(a.bytes == plan.chunk_numel(a.chunk) * grad_bytes for a in sums)
+            replicated = [a for rank in plan.actions for a in rank if a.op is Op.ALLREDUCE_REPLICATED]
+            assert len(replicated) == 8 and all(a.bytes == dims.replicated_numel * grad_bytes for a in replicated)
             measured = max(plan_traffic(plan).per_node())
             d = dataclasses.replace(dims, grad_bytes=grad_bytes)
             assert estimate("tawpipe", d, Topology(4, 2), 8, replicas=r).inter_node_per_node == \

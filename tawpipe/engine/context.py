@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..models.parts import SequenceSlice
+from ..models.parts import SequenceSlice, position_runs
 from ..plan.context import context_groups
 from ..plan.topology import Topology
 from ..runtime.comm.base import Comm, Group
@@ -62,8 +62,9 @@ class ContextGroup:
         self.sent, self.seconds = 0, 0.0
 
     def slice(self, seq_len: int, device: torch.device) -> SequenceSlice:
-        positions = slice_positions(seq_len, self.degree, self.index).to(device)
-        return SequenceSlice(positions, seq_len, lambda *xs: _Gather.apply(self, seq_len, *xs))
+        positions = slice_positions(seq_len, self.degree, self.index)
+        return SequenceSlice(positions.to(device), seq_len, lambda *xs: _Gather.apply(self, seq_len, *xs),
+                             position_runs(positions))
 
     def check_same_batches(self, world: Group, tokens: list[torch.Tensor]) -> None:
         """Every member of every context group was given the same sequences (each takes its slice

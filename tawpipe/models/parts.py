@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -76,23 +75,25 @@ class SequenceSlice:
     tensors over this slice's tokens (the token dimension second to last, e.g. keys and values
     (batch, heads, tokens, head_dim)) into the same tensors over the whole sequence's tokens, in
     sequence order, differentiably. Whoever gives it (the engine) does the exchange; a model only
-    calls it, so models stay free of distribution code."""
+    calls it, so models stay free of distribution code. ``runs``: the slice as runs of consecutive
+    positions, (first index in the slice, first position, length) each, in order, known on the
+    host (``position_runs``) so that a model reading them makes no device sync."""
 
     positions: torch.Tensor  # (tokens,) int64
     seq_len: int  # of the whole sequence
     gather: Callable[..., tuple[torch.Tensor, ...]]
+    runs: tuple[tuple[int, int, int], ...]
 
-    @cached_property
-    def runs(self) -> list[tuple[int, int, int]]:
-        """The slice as runs of consecutive positions: (first index in the slice, first position,
-        length) each, in order."""
-        out: list[tuple[int, int, int]] = []
-        for i, p in enumerate(self.positions.tolist()):
-            if out and out[-1][1] + out[-1][2] == p:
-                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-            else:
-                out.append((i, p, 1))
-        return out
+
+def position_runs(positions: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """Ascending ``positions`` (on the host) as runs of consecutive ones: (first index, first
+    position, length) each."""
+    if positions.numel() == 0:
+        return ()
+    starts = [0, *((positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1).tolist()]
+    ends = [*starts[1:], positions.numel()]
+    first = positions[starts].tolist()
+    return tuple((i, p, e - i) for i, p, e in zip(starts, first, ends))
 
 
 def call_block(block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
