@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -189,6 +190,21 @@ def test_a_map_cut_short_goes_on_from_the_cells_it_saved(tmp_path, monkeypatch, 
     again, again_stats = atlas.map_rows(TINY, cells=tmp_path)
     assert again == rows and again_stats["played"] == stats["played"] and len(played) == 1
     assert json.loads(saved[0].read_text())["fingerprint"] == atlas.fingerprint(TINY) != "another"
+
+
+def test_the_fingerprint_follows_the_played_sources_only(monkeypatch):
+    """A cell's fingerprint changes with the source that plays it (the player) and not with the
+    report's or the calibration's, so the tables can change without the map played again."""
+    base, real = atlas.fingerprint(TINY), Path.read_bytes
+
+    def edited(name: str):
+        return lambda f: real(f) + (b"# edited" if f.name == name else b"")
+
+    for name, changes in (("play.py", True), ("memory.py", True), ("atlas_report.py", False), ("calibrate.py", False)):
+        monkeypatch.setattr(Path, "read_bytes", edited(name))
+        assert (atlas.fingerprint(TINY) != base) is changes, name
+    monkeypatch.setattr(Path, "read_bytes", real)
+    assert atlas.fingerprint(TINY) == base != atlas.fingerprint(replace(TINY, acc=TINY.acc + 1))
 
 
 def test_each_peer_runs_its_fastest_variant_that_fits():

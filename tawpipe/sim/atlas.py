@@ -68,6 +68,7 @@ from .play import compute_seconds, engine_plan
 from .workload import Workload, model
 
 GiB = 2**30
+UNPLAYED = ("sim/atlas_report.py", "sim/calibrate.py")  # sources no cell's row depends on
 PRUNE = 0.005  # a TawPipe setting is played only if its lower bound is below best / (1 + PRUNE)
 SAVERS = savers_ladder()  # TawPipe's memory savers on a GPU, fastest first, the host's AdamW last
 DP_PEERS = ("ddp", "fsdp", "fsdp-mm", "fsdp-node", "hsdp")
@@ -389,10 +390,12 @@ def _add_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
 
 def fingerprint(grid: Grid) -> str:
     """What a cell's row depends on: the grid, and the source that computes it (the simulator, the
-    cost model, the planner, the model shapes). A saved cell of another fingerprint is played again."""
+    cost model, the planner, the model shapes; not ``UNPLAYED``, which only presents rows or
+    measures a machine). A saved cell of another fingerprint is played again."""
     h = hashlib.sha256(json.dumps(grid.describe(), sort_keys=True, default=str).encode())
     root = Path(__file__).resolve().parent.parent
-    sources = [f for package in ("sim", "cost", "plan") for f in (root / package).rglob("*.py")]
+    sources = [f for package in ("sim", "cost", "plan") for f in (root / package).rglob("*.py")
+               if f.relative_to(root).as_posix() not in UNPLAYED]
     sources += [root / "models" / f"{m}.py" for m in ("shape", "spec", "presets")]
     for f in sorted(sources):
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
