@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from tawpipe.cost.memory import Savers, memory_per_rank
 from tawpipe.sim import atlas, atlas_report, compare
@@ -164,6 +165,56 @@ def test_the_map_played_in_processes_is_the_map_played_in_one(tiny):
     for key in ("played", "pruned", "bound_violations"):
         assert pooled_stats[key] == alone_stats[key]
     assert pooled_stats["seconds"].keys() == alone_stats["seconds"].keys() == {"2x4 1b", "3x4 1b"}
+
+
+def _played(time_s: float, compute_s: float, inter_gb: float = 1.0, **settings) -> dict:
+    return {"time_s": time_s, "compute_s": compute_s, "exposed_comm_s": time_s - compute_s, "fits": True,
+            "inter_gb": inter_gb, "bottleneck": "inter-node link", "settings": settings, "pcie_gb": 0.0}
+
+
+def _cell(seq: int, gpus: int, **methods: dict) -> dict:
+    taw = methods.pop("tawpipe", None) or {"fits": False, "time_s": None}
+    row = {"seq": seq, "gpus": gpus, "link": "10gbe", "model": "7b", "tawpipe_tried": [{"least_memory_gib": 91.5}],
+           "methods": {"tawpipe": taw, **{m.replace("_", "-"): e for m, e in methods.items()}}}
+    return atlas.decide(row)
+
+
+def test_the_report_counts_standings_and_names_each_shortfall_with_why():
+    """TawPipe against the fastest other method, or the fastest of FSDP2's ways to shard: wins by
+    more than TIE, ties, loses, fits alone or not; the losing cells named with the larger of the
+    extra compute and the extra exposed communication, or the memory TawPipe would need."""
+    g = torch.Generator().manual_seed(3)
+    base = 10 + 5 * torch.rand((), generator=g).item()
+    rows = [
+        _cell(4096, 24, tawpipe=_played(base, 0.7 * base, 30.0, replicas=3), fsdp=_played(1.2 * base, 0.8 * base),
+              **{"1f1b": _played(0.8 * base, 0.7 * base, 3.0, stages=4, recompute=True)}),  # 1F1B wins: comm
+        _cell(32768, 24, tawpipe=_played(base, 0.95 * base, recompute="layer"),
+              hsdp=_played(1.01 * base, 0.5 * base, context_parallel=2)),  # tie with HSDP
+        _cell(32768, 128, tawpipe=_played(base, 0.97 * base, replicas=1), ddp=_played(0.9 * base, 0.8 * base),
+              fsdp_mm=_played(1.5 * base, base)),  # DDP wins on compute; beats FSDP2
+        _cell(65536, 24, fsdp=_played(base, base)),  # TawPipe does not fit
+        _cell(65536, 128, tawpipe=_played(base, base)),  # only TawPipe fits
+        _cell(131072, 128),  # nothing fits
+    ]
+    assert atlas_report.standings(rows) == {"loses": 2, "ties": 1, "TawPipe does not fit": 1,
+                                            "only TawPipe fits": 1, "neither fits": 1}
+    assert atlas_report.standings(rows, atlas_report.FSDP2_FAMILY, 32768) == {
+        "ties": 1, "wins": 1, "TawPipe does not fit": 1, "only TawPipe fits": 1, "neither fits": 1}
+    c = atlas_report.summary(rows)
+    assert (c["wins"], c["ties"], c["loses"], c["tawpipe_does_not_fit"], c["nothing_fits"]) == (1, 1, 2, 1, 1)
+    assert (c["s_ge_32768_tawpipe_fastest_or_within_tie"], c["s_ge_32768_where_something_fits"]) == (2, 4)
+    long = atlas_report.shortfalls(rows, 16384)
+    assert [s["cell"] for s in long] == ["7B, 128 GPUs, 10gbe, 32k", "7B, 24 GPUs, 10gbe, 64k"]
+    assert long[0]["winner"] == "DDP" and long[0]["margin"] == pytest.approx(0.9)
+    assert long[0]["why"] == (f"compute: {0.97 * base:.3g} s against {0.8 * base:.3g} (TawPipe R=1 k=1 d1 no savers; "
+                              "DDP no checkpointing)")
+    assert long[1]["why"] == "does not fit: 92 GiB per device at the least" and long[1]["margin"] is None
+    short = atlas_report.shortfalls(rows, 0, 16384)
+    assert len(short) == 1 and short[0]["winner"] == "1F1B"
+    assert short[0]["why"].startswith(f"communication: {0.3 * base:.3g} s exposed against {0.1 * base:.3g}, 30 GB")
+    text = atlas_report.shortfalls_markdown(rows)
+    assert text.count("| 7B, ") == 3 and "None." not in text
+    assert "| 7B, 24 GPUs, 10gbe, 4k | 1F1B | ×0.80 | communication" in text
 
 
 def test_the_tables_name_each_setting():

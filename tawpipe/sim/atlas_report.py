@@ -51,16 +51,106 @@ def summary(rows: list[dict], long_from: tuple[int, ...] = (16384, 32768)) -> di
     out: dict[str, Any] = dict.fromkeys(("wins", "ties", "loses", "tawpipe_does_not_fit", "nothing_fits"), 0)
     for s in long_from:
         out[f"s_ge_{s}_where_something_fits"] = out[f"s_ge_{s}_tawpipe_fastest_or_within_tie"] = 0
+    keys = {"neither fits": "nothing_fits", "TawPipe does not fit": "tawpipe_does_not_fit", "only TawPipe fits": "wins"}
     for r in rows:
-        m = r["tawpipe_margin"]
-        key = ("nothing_fits" if r["winner"] is None else "tawpipe_does_not_fit" if not r["methods"]["tawpipe"]["fits"]
-               else "wins" if m is None or m >= 1 + TIE else "ties" if m > 1 - TIE else "loses")
+        standing = _standing(r)
+        key = keys.get(standing, standing)
         out[key] += 1
         for s in long_from:
             if r["seq"] >= s and r["winner"] is not None:
                 out[f"s_ge_{s}_where_something_fits"] += 1
                 out[f"s_ge_{s}_tawpipe_fastest_or_within_tie"] += key in ("wins", "ties")
     return {**out, "cells": len(rows)}
+
+
+FSDP2_FAMILY = ("fsdp", "fsdp-mm", "fsdp-node", "hsdp")  # FSDP2's ways to shard, CP tried in each
+STANDINGS = ("wins", "ties", "loses", "only TawPipe fits", "TawPipe does not fit", "neither fits")
+
+
+def _standing(row: dict, others: tuple[str, ...] | None = None) -> str:
+    """TawPipe against the fastest other method that fits (or the fastest of ``others``): "wins"
+    (by more than ``TIE``), "ties", "loses", "only TawPipe fits", "TawPipe does not fit", "neither fits"."""
+    ok = {m: e for m, e in row["methods"].items() if e.get("fits") and e.get("time_s") is not None}
+    rivals = [e["time_s"] for m, e in ok.items() if m != "tawpipe" and (others is None or m in others)]
+    if "tawpipe" not in ok:
+        return "TawPipe does not fit" if rivals else "neither fits"
+    if not rivals:
+        return "only TawPipe fits"
+    m = min(rivals) / ok["tawpipe"]["time_s"]
+    return "wins" if m >= 1 + TIE else "ties" if m > 1 - TIE else "loses"
+
+
+def standings(rows: list[dict], others: tuple[str, ...] | None = None, seq_from: int = 0) -> dict[str, int]:
+    """How often TawPipe wins, ties or loses against the fastest of ``others`` (every other method:
+    None) at S >= ``seq_from`` (``_standing``)."""
+    out: dict[str, int] = {}
+    for r in rows:
+        if r["seq"] >= seq_from:
+            key = _standing(r, others)
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def why_not(row: dict) -> str:
+    """Why TawPipe is not the fastest in ``row`` or within ``TIE`` of it, from the played times: it
+    does not fit (its least memory per device), or the larger of its extra compute (its memory
+    savers) and its extra exposed communication against the winner's."""
+    taw, w = row["methods"]["tawpipe"], row["methods"][row["winner"]]
+    if not taw.get("fits"):
+        least = min((t["least_memory_gib"] for t in row.get("tawpipe_tried", []) if "least_memory_gib" in t),
+                    default=None)
+        return "does not fit" + (f": {least:.0f} GiB per device at the least" if least is not None else "")
+    extra_compute = taw["compute_s"] - w["compute_s"]
+    extra_comm = taw["exposed_comm_s"] - w["exposed_comm_s"]
+    if extra_comm >= extra_compute:
+        return (f"communication: {taw['exposed_comm_s']:.3g} s exposed against {w['exposed_comm_s']:.3g}, "
+                f"{taw['inter_gb']:.3g} GB through the busiest node's port against {w['inter_gb']:.3g} "
+                f"(TawPipe's bottleneck: {taw['bottleneck']})")
+    return (f"compute: {taw['compute_s']:.3g} s against {w['compute_s']:.3g} (TawPipe "
+            f"{_method_text('tawpipe', taw)}; {title(row['winner'])} {_method_text(row['winner'], w)})")
+
+
+def _method_text(method: str, entry: dict) -> str:
+    """A played method's setting and memory savers in a few words."""
+    s = entry.get("settings") or {}
+    if method in ("tawpipe", "weipipe"):
+        return _settings_text(s, entry.get("savers_short") or "no savers")
+    words = [f"P={s['stages']}"] if "stages" in s else []
+    words.append("checkpointing" if s.get("recompute") else "no checkpointing")
+    if entry.get("pcie_gb"):
+        words.append("save_on_cpu")
+    if s.get("context_parallel", 1) > 1:
+        words.append(f"CP{s['context_parallel']}")
+    return ", ".join(words)
+
+
+def shortfalls(rows: list[dict], seq_from: int = 0, seq_below: int | None = None) -> list[dict]:
+    """The cells at ``seq_from`` <= S < ``seq_below`` where something fits and TawPipe is neither
+    the fastest nor within ``TIE`` of it, each with the winner, TawPipe's margin and ``why_not``."""
+    out = []
+    for r in sorted(rows, key=lambda r: (r["model"], r["seq"], _row_key(r))):
+        if r["seq"] < seq_from or (seq_below is not None and r["seq"] >= seq_below) or r["winner"] is None:
+            continue
+        if _standing(r) in ("loses", "TawPipe does not fit"):
+            out.append({"cell": f"{r['model'].upper()}, {r['gpus']} GPUs, {r['link']}, {r['seq'] // 1024}k",
+                        "winner": title(r["winner"]), "margin": r["tawpipe_margin"], "why": why_not(r)})
+    return out
+
+
+def shortfalls_markdown(rows: list[dict]) -> str:
+    """The cells TawPipe does not win or tie, named with why: at S >= 16k, and below it."""
+    lines = []
+    for head, low, below in (("at S ≥ 16k", 16384, None), ("below S = 16k", 0, 16384)):
+        found = shortfalls(rows, low, below)
+        lines += [f"## Where TawPipe is not the fastest or within {TIE:.0%}, {head}", ""]
+        if not found:
+            lines += ["None.", ""]
+            continue
+        lines += ["| cell | fastest | TawPipe's margin | why |", "|---|---|---|---|"]
+        lines += [f"| {s['cell']} | {s['winner']} | " + ("–" if s["margin"] is None else f"×{s['margin']:.2f}")
+                  + f" | {s['why']} |" for s in found]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _settings_text(s: dict | None, savers: str | None = None) -> str:
@@ -145,6 +235,10 @@ def markdown(rows: list[dict], grid: Grid = FULL, stats: dict | None = None) -> 
               f"it is the fastest or within {TIE:.0%} in {c['s_ge_16384_tawpipe_fastest_or_within_tie']} of "
               f"{c['s_ge_16384_where_something_fits']}; at S ≥ 32k in {c['s_ge_32768_tawpipe_fastest_or_within_tie']} "
               f"of {c['s_ge_32768_where_something_fits']}."]
+    against = standings(rows, FSDP2_FAMILY, 32768)
+    lines += ["", "Against FSDP2 (its fastest way to shard that fits, context parallelism tried in each) at S ≥ 32k, in "
+              f"{sum(against.values())} cells: " + ", ".join(f"{k} {against[k]}" for k in STANDINGS if k in against) + "."]
+    lines += ["", shortfalls_markdown(rows)]
     if stats:
         lines += [f"{len(rows)} cells in {stats['elapsed_s']:.0f} s; TawPipe settings and savers played "
                   f"{stats['played']}, skipped by their lower bound {stats['pruned']}."]
