@@ -1,6 +1,6 @@
-"""TawPipe with context parallelism in the simulator (design §3.6, §9.3): each forward and
-backward layer by layer, their K/V exchanged among a context group over the node's links, the
-bytes the cost model counts; the inter-node bytes those of the plan without it."""
+"""TawPipe with context parallelism in the simulator (design §3.6, §9.3): each forward's and
+backward's K/V exchanged among a context group over the node's links, the bytes the cost model
+counts; the inter-node bytes those of the plan without it."""
 
 from __future__ import annotations
 
