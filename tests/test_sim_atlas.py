@@ -212,6 +212,10 @@ def test_the_report_counts_standings_and_names_each_shortfall_with_why():
     short = atlas_report.shortfalls(rows, 0, 16384)
     assert len(short) == 1 and short[0]["winner"] == "1F1B"
     assert short[0]["why"].startswith(f"communication: {0.3 * base:.3g} s exposed against {0.1 * base:.3g}, 30 GB")
+    waits = _cell(16384, 24, tawpipe=_played(base, 0.8 * base, 2.0, replicas=2), fsdp=_played(0.9 * base, 0.85 * base, 9.0))
+    assert atlas_report.why_not(waits).startswith(
+        f"waits: {0.2 * base:.3g} s beyond its compute against {0.05 * base:.3g}, with fewer bytes through the busiest "
+        "node's port (2 GB against 9): its pipeline's fill and drain (TawPipe's bottleneck")
     text = atlas_report.shortfalls_markdown(rows)
     assert text.count("| 7B, ") == 3 and "None." not in text
     assert "| 7B, 24 GPUs, 10gbe, 4k | 1F1B | ×0.80 | communication" in text

@@ -94,7 +94,8 @@ def standings(rows: list[dict], others: tuple[str, ...] | None = None, seq_from:
 def why_not(row: dict) -> str:
     """Why TawPipe is not the fastest in ``row`` or within ``TIE`` of it, from the played times: it
     does not fit (its least memory per device), or the larger of its extra compute (its memory
-    savers) and its extra exposed communication against the winner's."""
+    savers) and its extra exposed time against the winner's: communication where it moves more
+    bytes between nodes, else its schedule's waits."""
     taw, w = row["methods"]["tawpipe"], row["methods"][row["winner"]]
     if not taw.get("fits"):
         least = min((t["least_memory_gib"] for t in row.get("tawpipe_tried", []) if "least_memory_gib" in t),
@@ -102,6 +103,11 @@ def why_not(row: dict) -> str:
         return "does not fit" + (f": {least:.0f} GiB per device at the least" if least is not None else "")
     extra_compute = taw["compute_s"] - w["compute_s"]
     extra_comm = taw["exposed_comm_s"] - w["exposed_comm_s"]
+    if extra_comm >= extra_compute and taw["inter_gb"] < w["inter_gb"]:  # not the bytes: the schedule's waits
+        host = " and its savers' host transfers" if taw.get("pcie_gb") else ""
+        return (f"waits: {taw['exposed_comm_s']:.3g} s beyond its compute against {w['exposed_comm_s']:.3g}, with "
+                f"fewer bytes through the busiest node's port ({taw['inter_gb']:.3g} GB against {w['inter_gb']:.3g}): "
+                f"its pipeline's fill and drain{host} (TawPipe's bottleneck: {taw['bottleneck']})")
     if extra_comm >= extra_compute:
         return (f"communication: {taw['exposed_comm_s']:.3g} s exposed against {w['exposed_comm_s']:.3g}, "
                 f"{taw['inter_gb']:.3g} GB through the busiest node's port against {w['inter_gb']:.3g} "
