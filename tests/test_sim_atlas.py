@@ -260,6 +260,7 @@ def test_the_fingerprint_follows_the_played_sources_only(monkeypatch):
         assert (atlas.fingerprint(TINY) != base) is changes, name
     monkeypatch.setattr(Path, "read_bytes", real)
     assert atlas.fingerprint(TINY) == base != atlas.fingerprint(replace(TINY, acc=TINY.acc + 1))
+    assert atlas.fingerprint(replace(TINY, seqs=TINY.seqs[:1], links=TINY.links[1:])) == base  # a cell of it
 
 
 def test_each_peer_runs_its_fastest_variant_that_fits():

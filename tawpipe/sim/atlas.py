@@ -69,6 +69,7 @@ from .workload import Workload, model
 
 GiB = 2**30
 UNPLAYED = ("sim/atlas_report.py", "sim/calibrate.py")  # sources no cell's row depends on
+CELL_AXES = ("nodes", "links", "models", "seqs", "link_detail")  # which cells a grid has, not what one holds
 PRUNE = 0.005  # a TawPipe setting is played only if its lower bound is below best / (1 + PRUNE)
 SAVERS = savers_ladder()  # TawPipe's memory savers on a GPU, fastest first, the host's AdamW last
 DP_PEERS = ("ddp", "fsdp", "fsdp-mm", "fsdp-node", "hsdp")
@@ -391,8 +392,10 @@ def _add_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
 def fingerprint(grid: Grid) -> str:
     """What a cell's row depends on: the grid, and the source that computes it (the simulator, the
     cost model, the planner, the model shapes; not ``UNPLAYED``, which only presents rows or
-    measures a machine). A saved cell of another fingerprint is played again."""
-    h = hashlib.sha256(json.dumps(grid.describe(), sort_keys=True, default=str).encode())
+    measures a machine; nor which other cells the grid has, so a cell played in a smaller grid of the
+    same settings is the same cell). A saved cell of another fingerprint is played again."""
+    shared = {k: v for k, v in grid.describe().items() if k not in CELL_AXES}  # a cell's row: not the other cells'
+    h = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode())
     root = Path(__file__).resolve().parent.parent
     sources = [f for package in ("sim", "cost", "plan") for f in (root / package).rglob("*.py")
                if f.relative_to(root).as_posix() not in UNPLAYED]
