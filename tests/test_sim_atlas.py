@@ -232,19 +232,63 @@ def test_the_tables_name_each_setting():
 
 def test_a_map_cut_short_goes_on_from_the_cells_it_saved(tmp_path, monkeypatch, tiny):
     """``map_rows(cells=...)``: every cell played is saved; run again, the cells saved under the
-    same fingerprint are read instead of played, and one saved under another is played again."""
+    same fingerprint are read instead of played, and one saved under another (TawPipe's own too) is
+    played again."""
     rows, stats = atlas.map_rows(TINY, cells=tmp_path)
     assert rows == tiny[0] and stats["played"] == tiny[1]["played"]
     saved = sorted(tmp_path.glob("*.json"))
     assert [f.name for f in saved] == ["2x4-1b-2048-10gbe.json", "2x4-1b-2048-400gb.json"]
     stale = json.loads(saved[0].read_text())
-    saved[0].write_text(json.dumps({**stale, "fingerprint": "another", "row": {**stale["row"], "winner": "x"}}))
+    saved[0].write_text(json.dumps({**stale, "fingerprint": "another", "tawpipe_fingerprint": "another",
+                                    "row": {**stale["row"], "winner": "x"}}))
     played = []
     real = atlas._tawpipe
     monkeypatch.setattr(atlas, "_tawpipe", lambda *a, **k: played.append(a[2].dims.seq) or real(*a, **k))
     again, again_stats = atlas.map_rows(TINY, cells=tmp_path)
     assert again == rows and again_stats["played"] == stats["played"] and len(played) == 1
     assert json.loads(saved[0].read_text())["fingerprint"] == atlas.fingerprint(TINY) != "another"
+
+
+def test_a_cell_whose_tawpipe_search_is_current_plays_only_the_other_methods_again(tmp_path, monkeypatch, tiny):
+    """A saved cell of another fingerprint but TawPipe's own: its TawPipe entry and what its search
+    tried are kept, the others played again and the winner decided again."""
+    atlas.map_rows(TINY, cells=tmp_path)
+    saved = sorted(tmp_path.glob("*.json"))[0]
+    cell = json.loads(saved.read_text())
+    assert cell["tawpipe_fingerprint"] == atlas.fingerprint(TINY, atlas.PEERS_ONLY)
+    row = cell["row"]
+    kept = {**row["methods"]["tawpipe"], "time_s": row["methods"]["tawpipe"]["time_s"] / 10}  # marks what is kept
+    fsdp = row["methods"]["fsdp"]
+    row = {**row, "methods": {**row["methods"], "tawpipe": kept, "fsdp": {**fsdp, "time_s": 1e-9}}, "winner": "fsdp"}
+    saved.write_text(json.dumps({**cell, "fingerprint": "another", "row": row, "searched_seconds": 100.0}))
+    monkeypatch.setattr(atlas, "_tawpipe", lambda *a, **k: pytest.fail("TawPipe searched again"))
+    again, _ = atlas.map_rows(TINY, cells=tmp_path)
+    assert again[0]["methods"]["tawpipe"] == kept and again[0]["tawpipe_tried"] == cell["row"]["tawpipe_tried"]
+    assert again[0]["methods"]["fsdp"] == tiny[0][0]["methods"]["fsdp"] != row["methods"]["fsdp"]
+    assert again[0]["winner"] == "tawpipe" and again[1:] == tiny[0][1:]
+    resaved = json.loads(saved.read_text())
+    assert resaved["fingerprint"] == atlas.fingerprint(TINY) and resaved["searched_seconds"] == 100.0
+    assert 100.0 < resaved["seconds"] < 100.0 + cell["seconds"]
+
+
+def test_tawpipes_search_calls_nothing_of_the_peers_model(monkeypatch):
+    """Why TawPipe's fingerprint may leave ``sim/peers.py`` out: with every function and class of
+    it failing wherever it was imported, TawPipe's search of a cell still runs."""
+    import sys
+
+    from tawpipe.sim import peers
+
+    def fail(*a, **k):
+        raise AssertionError("TawPipe's search called the peers' model")
+
+    for module in [m for n, m in sys.modules.items() if n.startswith("tawpipe.")]:
+        for attr, value in list(vars(module).items()):
+            if callable(value) and getattr(value, "__module__", None) == peers.__name__:
+                monkeypatch.setattr(module, attr, fail)
+    searched = []
+    monkeypatch.setattr(atlas, "_play_cell", lambda *a: searched.append(a[-1]()) or {})
+    atlas.map_rows(TINY)
+    assert len(searched) == 2 and all(entry["time_s"] > 0 and tried for entry, tried in searched)
 
 
 def test_the_fingerprint_follows_the_played_sources_only(monkeypatch):
@@ -255,9 +299,12 @@ def test_the_fingerprint_follows_the_played_sources_only(monkeypatch):
     def edited(name: str):
         return lambda f: real(f) + (b"# edited" if f.name == name else b"")
 
-    for name, changes in (("play.py", True), ("memory.py", True), ("atlas_report.py", False), ("calibrate.py", False)):
+    taw = atlas.fingerprint(TINY, atlas.PEERS_ONLY)
+    for name, changes, taw_changes in (("play.py", True, True), ("memory.py", True, True), ("peers.py", True, False),
+                                       ("atlas_report.py", False, False), ("calibrate.py", False, False)):
         monkeypatch.setattr(Path, "read_bytes", edited(name))
         assert (atlas.fingerprint(TINY) != base) is changes, name
+        assert (atlas.fingerprint(TINY, atlas.PEERS_ONLY) != taw) is taw_changes, name
     monkeypatch.setattr(Path, "read_bytes", real)
     assert atlas.fingerprint(TINY) == base != atlas.fingerprint(replace(TINY, acc=TINY.acc + 1))
     assert atlas.fingerprint(replace(TINY, seqs=TINY.seqs[:1], links=TINY.links[1:])) == base  # a cell of it

@@ -69,6 +69,7 @@ from .workload import Workload, model
 
 GiB = 2**30
 UNPLAYED = ("sim/atlas_report.py", "sim/calibrate.py")  # sources no cell's row depends on
+PEERS_ONLY = ("sim/peers.py",)  # sources only the other methods' entries depend on, not TawPipe's
 CELL_AXES = ("nodes", "links", "models", "seqs", "link_detail")  # which cells a grid has, not what one holds
 PRUNE = 0.005  # a TawPipe setting is played only if its lower bound is below best / (1 + PRUNE)
 SAVERS = savers_ladder()  # TawPipe's memory savers on a GPU, fastest first, the host's AdamW last
@@ -389,29 +390,30 @@ def _add_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
     return total
 
 
-def fingerprint(grid: Grid) -> str:
+def fingerprint(grid: Grid, leave_out: tuple[str, ...] = ()) -> str:
     """What a cell's row depends on: the grid, and the source that computes it (the simulator, the
     cost model, the planner, the model shapes; not ``UNPLAYED``, which only presents rows or
     measures a machine; nor which other cells the grid has, so a cell played in a smaller grid of the
-    same settings is the same cell). A saved cell of another fingerprint is played again."""
+    same settings is the same cell). A saved cell of another fingerprint is played again, but for
+    TawPipe's search where its own fingerprint (``leave_out=PEERS_ONLY``) is the saved one's."""
     shared = {k: v for k, v in grid.describe().items() if k not in CELL_AXES}  # a cell's row: not the other cells'
     h = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode())
     root = Path(__file__).resolve().parent.parent
     sources = [f for package in ("sim", "cost", "plan") for f in (root / package).rglob("*.py")
-               if f.relative_to(root).as_posix() not in UNPLAYED]
+               if f.relative_to(root).as_posix() not in UNPLAYED + leave_out]
     sources += [root / "models" / f"{m}.py" for m in ("shape", "spec", "presets")]
     for f in sorted(sources):
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
-def _play_cell(grid: Grid, name: str, li: str, cluster: Cluster, work: Workload, plans: dict[int, _Plans],
-               stats: dict) -> dict:
-    """The row of model ``name`` over link ``li``: every method played on ``cluster`` (TawPipe over
-    ``plans``, one per context-parallel degree the cell tries), the winner decided."""
-    contexts = tuple(plans)
+def _play_cell(grid: Grid, name: str, li: str, cluster: Cluster, work: Workload, contexts: tuple[int, ...],
+               taw: Callable[[], tuple[dict, list[dict]]]) -> dict:
+    """The row of model ``name`` over link ``li``: TawPipe's entry and what its search tried
+    (``taw``), every other method played on ``cluster`` (those with context parallelism at each of
+    ``contexts``), the winner decided."""
     methods: dict[str, dict] = {}
-    methods["tawpipe"], tried = _tawpipe(plans, cluster, work, grid.acc, stats, chunked_loss=grid.chunked_loss)
+    methods["tawpipe"], tried = taw()
     methods["weipipe"] = _weipipe(cluster, work, grid.acc, grid.chunked_loss)
     for m in DP_PEERS:
         methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss, contexts)
@@ -424,11 +426,12 @@ def _play_cell(grid: Grid, name: str, li: str, cluster: Cluster, work: Workload,
 
 
 def _group_rows(grid: Grid, nodes: int, name: str, progress: Callable[[dict], None] | None = None,
-                cells: Path | None = None, key: str = "") -> tuple[list[dict], dict[str, Any]]:
+                cells: Path | None = None, key: str = "", taw_key: str = "") -> tuple[list[dict], dict[str, Any]]:
     """The rows of one model on one node count (its plans are built once for them all, when a cell
     first needs them), and their statistics. With ``cells`` (a folder) each cell played is saved
-    there under the fingerprint ``key``, and a cell saved under ``key`` is read, not played: a map
-    cut short goes on where it stopped."""
+    there under the fingerprint ``key`` and TawPipe's ``taw_key``; a cell saved under ``key`` is
+    read, not played (a map cut short goes on where it stopped), and one saved under ``taw_key``
+    only has the other methods played again (TawPipe's search is most of a cell's time)."""
     dev, intra = device(grid.device), link(grid.intra)
     stats = _no_stats()
     rows = []
@@ -444,15 +447,25 @@ def _group_rows(grid: Grid, nodes: int, name: str, progress: Callable[[dict], No
             saved = cells / f"{nodes}x{grid.per_node}-{name}-{seq}-{li}.json" if cells else None
             cell = json.loads(saved.read_text()) if saved and saved.exists() else {}
             if cell.get("fingerprint") != key or not key:
-                t0, cell_stats = time.perf_counter(), _no_stats()
-                contexts = grid.contexts_at(seq)
-                for c in contexts:
-                    if c not in plans:
-                        plans[c] = _build_plans(shape, Workload(base, dev, grid.recompute).sliced(c), grid.acc * c)
+                t0, contexts = time.perf_counter(), grid.contexts_at(seq)
                 cluster = Cluster(nodes, grid.per_node, dev, intra, link(li), host=grid.host)
-                row = _play_cell(grid, name, li, cluster, work, {c: plans[c] for c in contexts}, cell_stats)
-                cell = json.loads(json.dumps({"fingerprint": key, "row": row, "stats": cell_stats,
-                                              "seconds": time.perf_counter() - t0}, default=str))
+                if taw_key and cell.get("tawpipe_fingerprint") == taw_key:  # TawPipe's search as saved
+                    cell_stats, searched = cell["stats"], cell["searched_seconds"]
+                    row = _play_cell(grid, name, li, cluster, work, contexts,
+                                     lambda: (cell["row"]["methods"]["tawpipe"], cell["row"]["tawpipe_tried"]))
+                else:
+                    cell_stats, searched = _no_stats(), 0.0
+                    for c in contexts:
+                        if c not in plans:
+                            plans[c] = _build_plans(shape, Workload(base, dev, grid.recompute).sliced(c), grid.acc * c)
+                    row = _play_cell(grid, name, li, cluster, work, contexts,
+                                     lambda: _tawpipe({c: plans[c] for c in contexts}, cluster, work, grid.acc,
+                                                      cell_stats, chunked_loss=grid.chunked_loss))
+                played = time.perf_counter() - t0
+                # searched_seconds: the play that searched TawPipe's settings; seconds: all the cell's plays
+                cell = json.loads(json.dumps({"fingerprint": key, "tawpipe_fingerprint": taw_key, "row": row,
+                                              "stats": cell_stats, "searched_seconds": searched or played,
+                                              "seconds": searched + played}, default=str))
                 if saved:
                     part = saved.with_suffix(".part")
                     part.write_text(json.dumps(cell))
@@ -475,20 +488,20 @@ def map_rows(grid: Grid = FULL, *, progress: Callable[[dict], None] | None = Non
     there once played, and the cells saved there by a run of the same ``fingerprint`` are not
     played again."""
     groups = [(nodes, name) for nodes in grid.nodes for name in grid.models]
-    key = fingerprint(grid) if cells else ""
+    key, taw_key = (fingerprint(grid), fingerprint(grid, PEERS_ONLY)) if cells else ("", "")
     if cells:
         cells.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     done: dict[tuple[int, str], tuple[list[dict], dict]] = {}
     if pool is not None:
         largest_first = sorted(groups, key=lambda g: (grid.models.index(g[1]), g[0]), reverse=True)
-        futures = {pool.submit(_group_rows, grid, *g, cells=cells, key=key): g for g in largest_first}
+        futures = {pool.submit(_group_rows, grid, *g, cells=cells, key=key, taw_key=taw_key): g for g in largest_first}
         for f in as_completed(futures):
             done[futures[f]] = f.result()
             for row in done[futures[f]][0] if progress else ():
                 progress(row)
     else:
-        done = {g: _group_rows(grid, *g, progress=progress, cells=cells, key=key) for g in groups}
+        done = {g: _group_rows(grid, *g, progress=progress, cells=cells, key=key, taw_key=taw_key) for g in groups}
     rows: list[dict] = []
     stats = _no_stats()
     for g in groups:
