@@ -48,6 +48,24 @@ def test_the_key_value_exchange_is_its_closed_form(c):
         peer_graph("fsdp", cluster, Workload(local, DEV, context=3), acc, host=False)
 
 
+@pytest.mark.parametrize("method", ["ddp", "fsdp", "hsdp"])
+def test_a_peers_backward_waits_for_the_key_value_gradients_it_scatters(method):
+    """A layer's input gradient needs its keys' and values' gradients back from the context group,
+    so the layer below starts its backward only after their reduce-scatter, as TawPipe's engine
+    does (and its player plays, ``tests/test_sim_context.py``)."""
+    cluster = Cluster(2, 4, DEV, link("100gb"), link("100gb"))
+    work = Workload(dataclasses.replace(DIMS, seq=DIMS.seq // 2), DEV, recompute=False, context=2)
+    result = simulate(*peer_graph(method, cluster, work, 2, host=False))
+    when = {(t.label, t.lane): (s, e) for t, s, e in zip(result.graph.tasks, result.start, result.end) if t.rank == 0}
+    checked = 0
+    for m in range(2):
+        for i in range(1, DIMS.layers):
+            scattered = when[(f"dK/dV B{i} m{m}", "cp")][1]
+            assert when[(f"B{i - 1} m{m}", "compute")][0] >= scattered > when[(f"B{i} m{m}", "compute")][1], (i, m)
+            checked += 1
+    assert checked == 2 * (DIMS.layers - 1)
+
+
 def test_context_parallelism_divides_a_ranks_activations_and_tokens():
     cluster = Cluster(1, 8, DEV, link("nvlink"), link("100gb"))
     whole = compare.run("fsdp", cluster, Workload(DIMS, DEV), 1)

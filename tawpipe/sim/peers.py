@@ -182,8 +182,10 @@ class _Layer:
     Under context parallelism (``work.context`` c > 1, the c consecutive ranks of a node) attention
     needs every rank's keys and values: each forward (the backward's re-run one too) all-gathers
     them over the c ranks before it computes, and each backward reduce-scatters their gradients
-    after it, on a lane of their own; all-gather CP as Llama 3 ran it (torch's ring attention
-    moves the same bytes in c − 1 steps beside the compute; this model exposes them)."""
+    after it, on a lane of their own, before the next backward starts (the layer's input
+    gradient and its K/V projections' need them, as in TawPipe's engine, design §3.6); all-gather
+    CP as Llama 3 ran it (torch's ring attention moves the same bytes in c − 1 steps beside the
+    compute; this model exposes them)."""
 
     work: Workload
     saved: float
@@ -198,8 +200,7 @@ class _Layer:
             deps = [self._copy(lanes, f"unpack {label}", "h2d", deps)]
         keys = self._keys(lanes, f"K/V {label}", deps) if self.work.recompute else []
         task = lanes.add("compute", label, [*deps, *keys], seconds=self.work.layer_backward())
-        self._keys(lanes, f"dK/dV {label}", [task], "reduce-scatter")
-        return task
+        return (self._keys(lanes, f"dK/dV {label}", [task], "reduce-scatter") or [task])[0]
 
     def _keys(self, lanes: _Lanes, label: str, deps: list[int], op: str = "all-gather") -> list[int]:
         """The layer's keys and values of the whole sequence, gathered (or their gradients
