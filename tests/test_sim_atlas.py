@@ -286,7 +286,7 @@ def test_tawpipes_search_calls_nothing_of_the_peers_model(monkeypatch):
             if callable(value) and getattr(value, "__module__", None) == peers.__name__:
                 monkeypatch.setattr(module, attr, fail)
     searched = []
-    monkeypatch.setattr(atlas, "_play_cell", lambda *a: searched.append(a[-1]()) or {})
+    monkeypatch.setattr(atlas, "_play_cell", lambda *a: searched.append(a[-1]) or {})
     atlas.map_rows(TINY)
     assert len(searched) == 2 and all(entry["time_s"] > 0 and tried for entry, tried in searched)
 

@@ -408,12 +408,12 @@ def fingerprint(grid: Grid, leave_out: tuple[str, ...] = ()) -> str:
 
 
 def _play_cell(grid: Grid, name: str, li: str, cluster: Cluster, work: Workload, contexts: tuple[int, ...],
-               taw: Callable[[], tuple[dict, list[dict]]]) -> dict:
+               taw: tuple[dict, list[dict]]) -> dict:
     """The row of model ``name`` over link ``li``: TawPipe's entry and what its search tried
     (``taw``), every other method played on ``cluster`` (those with context parallelism at each of
     ``contexts``), the winner decided."""
     methods: dict[str, dict] = {}
-    methods["tawpipe"], tried = taw()
+    methods["tawpipe"], tried = taw
     methods["weipipe"] = _weipipe(cluster, work, grid.acc, grid.chunked_loss)
     for m in DP_PEERS:
         methods[m] = peer_entry(m, cluster, work, grid.acc, grid.chunked_loss, contexts)
@@ -449,23 +449,23 @@ def _group_rows(grid: Grid, nodes: int, name: str, progress: Callable[[dict], No
             if cell.get("fingerprint") != key or not key:
                 t0, contexts = time.perf_counter(), grid.contexts_at(seq)
                 cluster = Cluster(nodes, grid.per_node, dev, intra, link(li), host=grid.host)
-                if taw_key and cell.get("tawpipe_fingerprint") == taw_key:  # TawPipe's search as saved
-                    cell_stats, searched = cell["stats"], cell["searched_seconds"]
-                    row = _play_cell(grid, name, li, cluster, work, contexts,
-                                     lambda: (cell["row"]["methods"]["tawpipe"], cell["row"]["tawpipe_tried"]))
+                kept = bool(taw_key) and cell.get("tawpipe_fingerprint") == taw_key  # TawPipe's search as saved
+                if kept:
+                    cell_stats, earlier = cell["stats"], cell["searched_seconds"]
+                    taw = (cell["row"]["methods"]["tawpipe"], cell["row"]["tawpipe_tried"])
                 else:
-                    cell_stats, searched = _no_stats(), 0.0
+                    cell_stats, earlier = _no_stats(), 0.0
                     for c in contexts:
                         if c not in plans:
                             plans[c] = _build_plans(shape, Workload(base, dev, grid.recompute).sliced(c), grid.acc * c)
-                    row = _play_cell(grid, name, li, cluster, work, contexts,
-                                     lambda: _tawpipe({c: plans[c] for c in contexts}, cluster, work, grid.acc,
-                                                      cell_stats, chunked_loss=grid.chunked_loss))
+                    taw = _tawpipe({c: plans[c] for c in contexts}, cluster, work, grid.acc, cell_stats,
+                                   chunked_loss=grid.chunked_loss)
+                row = _play_cell(grid, name, li, cluster, work, contexts, taw)
                 played = time.perf_counter() - t0
                 # searched_seconds: the play that searched TawPipe's settings; seconds: all the cell's plays
                 cell = json.loads(json.dumps({"fingerprint": key, "tawpipe_fingerprint": taw_key, "row": row,
-                                              "stats": cell_stats, "searched_seconds": searched or played,
-                                              "seconds": searched + played}, default=str))
+                                              "stats": cell_stats, "searched_seconds": earlier if kept else played,
+                                              "seconds": earlier + played}, default=str))
                 if saved:
                     part = saved.with_suffix(".part")
                     part.write_text(json.dumps(cell))
