@@ -71,9 +71,32 @@ def train_and_export(rank: int, cases: list[dict[str, Any]]) -> list[dict[str, A
 
 
 def train_export_and_meta_init(rank: int, cases: list[dict[str, Any]], config: Any, seed: int,
-                               topologies: list[tuple[int, int]]) -> dict[str, Any]:
-    """Both jobs in one local cluster (starting ranks that import transformers is the slow part)."""
-    return {"train": train_and_export(rank, cases), "meta": meta_init(rank, config, seed, topologies)}
+                               topologies: list[tuple[int, int]], sliced: list[dict[str, Any]]) -> dict[str, Any]:
+    """The three jobs in one local cluster (starting ranks that import transformers is the slow part)."""
+    return {"train": train_and_export(rank, cases), "meta": meta_init(rank, config, seed, topologies),
+            "sliced": train_sliced(rank, sliced)}
+
+
+def train_sliced(rank: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case: load ``dir``, train with context parallelism on ``nodes`` nodes (the other keys
+    are the engine's options), each context group on its own rows of every global batch. Returns
+    the losses, the bytes of the K/V exchange and (rank 0) the gathered state dict."""
+    world = torch.distributed.get_world_size()
+    out = []
+    for case in cases:
+        case = dict(case)
+        path, batches, nodes, acc = case.pop("dir"), case.pop("batches"), case.pop("nodes"), case.pop("acc")
+        c = case["context_parallel"]
+        engine = make_engine(hf.from_pretrained(path), topology=Topology(nodes, world // nodes), micro_batches=acc,
+                             optimizer=adamw, **case)
+        rows = batches[0][0].shape[0] // (world // c)
+        group = rank // c
+        losses = [engine.step((x[group * rows:(group + 1) * rows], y[group * rows:(group + 1) * rows]))
+                  for x, y in batches]
+        out.append({"losses": losses, "exchanged": engine.context_traffic()[0],
+                    "full": _arrays(engine.full_state_dict())})
+        engine.close()
+    return out
 
 
 def meta_init(rank: int, config: Any, seed: int, topologies: list[tuple[int, int]]) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -32,7 +33,7 @@ from tawpipe.models.parts import parts_signature
 from tawpipe.models.weights import SafetensorsCheckpoint
 from tawpipe.plan.topology import Topology
 import hf_cases  # noqa: E402
-from engine_cases import adamw, make_engine  # noqa: E402
+from engine_cases import make_engine, train_alone  # noqa: E402
 from test_engine_errors import NoComm  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -82,17 +83,45 @@ def test_parts_compute_the_models_logits(tmp_path, name):
     torch.testing.assert_close(parts_logits(parts, tokens), want, rtol=0, atol=2e-6)
 
 
-def _train_reference(path, batches):
-    """Single-process Hugging Face training with the same AdamW as the ranks."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    opt = adamw(list(model.parameters()))
-    losses = []
-    for x, y in batches:
-        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+@torch.no_grad()
+def test_routed_attention_leaves_whole_sequences_as_the_model_computes_them():
+    """``from_model`` routes a real model's attention through ``tawpipe+<its own>``: its own
+    forward, and the parts', give the logits they gave before, bit for bit, for each of
+    transformers' implementations; cutting it twice routes it once."""
+    for impl in ("sdpa", "eager"):
+        config = small(Qwen3Config, head_dim=8)
+        config._attn_implementation = impl
+        model = Qwen3ForCausalLM(config).eval()
+        tokens = torch.randint(0, VOCAB, (2, 12))
+        want = model(tokens).logits
+        parts = hf.from_model(model)
+        hf.from_model(model)
+        assert model.config._attn_implementation == f"tawpipe+{impl}"
+        assert torch.equal(model(tokens).logits, want)
+        assert torch.equal(parts_logits(parts, tokens), want)
+
+
+def test_chunked_head_loss_equals_the_plain_loss_of_the_logits():
+    cls, config = FAMILIES["llama"]
+    parts = hf.from_model(cls(config))
+    assert parts.head_loss is hf.chunked_head_loss
+    hidden = torch.randn(3, 7, SMALL["hidden_size"], requires_grad=True)
+    targets = torch.randint(0, VOCAB, (3, 7))
+    got = parts.head_loss(parts.head, hidden, targets)
+    want = parts.loss_fn(parts.head(hidden), targets)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    params = [hidden, *parts.head.parameters()]
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # a head an adapter scales has no chunked loss: its logits are not the projection's
+    assert not hf.has_chunked_loss(nn.Sequential(parts.head))
+
+
+def _train_reference(path, batches, max_grad_norm=None):
+    """Single-process Hugging Face training on whole sequences with the same AdamW as the ranks."""
+    model, losses = train_alone(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), batches.__getitem__,
+                                lambda out, y: F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten()),
+                                len(batches), max_grad_norm)
     return model.eval(), losses
 
 
@@ -104,6 +133,12 @@ def _hf_names(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 TOPOLOGIES = [(2, 2), (1, 4), (4, 1)]
+PAPER = dict(mb_per_fetch=1, prefetch_depth=1, reuse_weights=False)
+SLICED = [  # context parallelism: family, engine options (rows per micro-batch: 2, 16 tokens)
+    ("llama", dict(nodes=2, acc=2, context_parallel=2, chunked_loss=True, max_grad_norm=0.05, **PAPER)),
+    ("qwen3", dict(nodes=1, acc=1, context_parallel=4, recompute="layer", **PAPER)),  # q/k norms, head_dim 8
+    ("qwen2", dict(nodes=2, acc=2, context_parallel=2, replicas=2, recompute="block")),  # tied, biases
+]
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +163,16 @@ def cluster(tmp_path_factory):
     model.save_pretrained(tmp_path / "llama-trained")
     seed = int(torch.randint(0, 2**31, ()))
     config = small(Qwen2Config, layers=6, tie_word_embeddings=True)
-    results = run_local(hf_cases.train_export_and_meta_init, 4, cases, config, seed, TOPOLOGIES)
+    sliced = []
+    for name, options in SLICED:
+        _, path = saved(tmp_path / "sliced", name)
+        groups = 4 // options["context_parallel"]  # each context group its own rows
+        x = torch.randint(0, VOCAB, (2, groups * options["acc"] * 2, 16))
+        sliced.append({"dir": str(path), "batches": list(zip(x, torch.randint(0, VOCAB, x.shape))), **options})
+    results = run_local(hf_cases.train_export_and_meta_init, 4, cases, config, seed, TOPOLOGIES, sliced)
     return {"cases": cases, "refs": refs, "train": [r["train"] for r in results],
-            "meta": [r["meta"] for r in results], "seed": seed, "config": config}
+            "meta": [r["meta"] for r in results], "seed": seed, "config": config,
+            "sliced_cases": sliced, "sliced": [r["sliced"] for r in results]}
 
 
 @pytest.mark.parametrize("i, name", [(0, "llama"), (1, "qwen2")])
@@ -166,6 +208,29 @@ def test_2x2_training_matches_single_process_hf_and_export_loads(cluster, i, nam
         got = exported(tokens).logits
         assert torch.equal(got, engine_model(tokens).logits)
         torch.testing.assert_close(got, ref(tokens).logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("i", range(len(SLICED)))
+def test_context_parallel_training_equals_single_process_hf_on_whole_sequences(cluster, i):
+    """Each context group's ranks split every sequence, their attention routed through
+    ``tawpipe+sdpa`` (sliced on a slice, the model's own on whole sequences); the losses and the
+    trained weights equal transformers' own training on whole sequences."""
+    name, options = SLICED[i]
+    case = cluster["sliced_cases"][i]
+    ref, ref_losses = _train_reference(case["dir"], case["batches"], options.get("max_grad_norm"))
+    ranks = [r[i] for r in cluster["sliced"]]
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        assert r["exchanged"] > 0  # the keys and values crossed the group: the sliced attention ran
+    want = ref.state_dict()  # a tied projection under both names, as the gathered state has it
+    got = _hf_names(ranks[0]["full"])
+    assert set(got) == set(want)
+    for n, p in got.items():
+        if n.endswith("k_proj.bias"):  # its true gradient is 0 (a shift of every score of a query): AdamW
+            torch.testing.assert_close(p, want[n], rtol=0, atol=1e-5)  # steps on rounding noise, lr-sized
+        else:
+            err = ((p - want[n]).norm() / want[n].norm()).item()
+            assert err <= 1e-5, (name, n, err)
 
 
 def test_meta_init_gives_each_chunk_the_whole_models_weights_on_any_topology(cluster):
@@ -231,6 +296,17 @@ def test_unknown_family_names_the_fix():
 
     with pytest.raises(ValueError, match=r"no tawpipe adapter for model_type 'granite'.*register\('granite'"):
         hf.from_config(small(GraniteConfig))
+
+
+@pytest.mark.parametrize("config, why", [
+    (small(MistralConfig, sliding_window=5), r"sliding-window attention \(5 tokens\)"),
+    (small(LlamaConfig, attention_dropout=0.1), r"attention dropout \(0.1\).*attention_dropout=0"),
+])
+def test_what_cannot_attend_from_a_slice_is_refused_context_parallelism_with_the_reason(config, why):
+    parts = hf.from_config(config, seed=1)
+    assert parts.sliced_context is None and parts.blocks[0].self_attn.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match=f"context_parallel=2: .*{why}.* has no sliced_context"):
+        make_engine(parts, topology=Topology(1, 2), micro_batches=1, comm=NoComm(2), context_parallel=2)
 
 
 def test_mixed_attention_kinds_are_refused():

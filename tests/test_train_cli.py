@@ -143,6 +143,41 @@ def test_context_parallel_trains_the_curve_of_one_rank_on_whole_sequences(runs, 
     assert len(curves["split"]) == 4 and curves["split"] == pytest.approx(curves["whole"], rel=1e-5)
 
 
+def test_a_hugging_face_model_trains_with_context_parallelism_and_the_chunked_loss(runs, tmp_path) -> None:
+    """A Hugging Face LLaMA (a config: seeded random init, the same on any topology) with
+    --context-parallel 2 and --loss chunked trains the curve of one rank on whole sequences with
+    the plain loss, to float32 rounding."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(tmp_path / "hf")
+    curves = {}
+    for name, options in (("split", ["--per-node", "2", "--context-parallel", "2", "--loss", "chunked"]),
+                          ("whole", ["--per-node", "1", "--loss", "plain"])):
+        args = ["--model", str(tmp_path / "hf"), "--nodes", "1", "--seq-len", "32", "--micro-batch-size", "2",
+                "--steps", "3", "--warmup", "1", "--data", str(runs["data"]), *options,
+                "--metrics", str(tmp_path / name)]
+        r = _tawpipe("train", *args)
+        assert r.returncode == 0, r.stderr
+        curves[name] = [json.loads(x)["loss"] for x in (tmp_path / name).read_text().splitlines()]
+        if name == "split":
+            assert "context parallel: each 2 ranks of a node share them, 16 tokens of each sequence per rank" in r.stdout
+            assert "; chunked loss (the head a slice of tokens at a time)" in r.stdout
+    assert len(curves["split"]) == 3 and curves["split"] == pytest.approx(curves["whole"], rel=1e-5)
+
+
+def test_a_hugging_face_model_that_cannot_attend_from_a_slice_is_refused(tmp_path, monkeypatch, capsys) -> None:
+    transformers = pytest.importorskip("transformers")
+    _no_workers(monkeypatch)
+    transformers.MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2,
+                               sliding_window=8).save_pretrained(tmp_path / "hf")
+    said = refused(capsys, "train", "--model", str(tmp_path / "hf"), "--nodes", "1", "--per-node", "2",
+                   "--seq-len", "32", "--context-parallel", "2")
+    assert re.match(r"tawpipe train: --context-parallel 2: this model cannot attend from a slice of the sequence: "
+                    r"its sliding-window attention \(8 tokens\); train it with --context-parallel 1", said), said
+
+
 def test_metrics_truncation_keeps_the_records_up_to_the_step(tmp_path) -> None:
     from tawpipe.train.metrics import truncate_after
 

@@ -30,12 +30,21 @@ Three ways in. Each materialises, on a rank, only the replicated modules and (th
 
 ``ModelParts.checkpoint_name`` and ``save_config`` let ``tawpipe.io.safetensors.export`` write
 the trained model back as a ``save_pretrained`` directory, each rank its own chunk.
+
+Long sequences. A model whose layers all attend fully and causally (no sliding window) and without
+attention dropout trains with context parallelism: :func:`from_model` routes its attention through
+an implementation registered with transformers (``tawpipe+<its own>``) that calls the model's own
+implementation on whole sequences and, given a :class:`SequenceSlice`, gathers the keys and values
+and attends each run of the slice to the keys before it (``models.attention.sliced_attention``).
+A head that is the final norm and a bias-free projection has the chunked loss (``head_loss``).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,8 +52,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from .attention import sliced_attention
 from .llama import llama_loss
-from .parts import PART_NAMES, ModelParts
+from .loss import linear_cross_entropy
+from .parts import PART_NAMES, ModelParts, SequenceSlice
 from .seeding import draw_seed, layer_part, seeded
 from .weights import INDEX, SINGLE, SafetensorsCheckpoint, has_safetensors
 
@@ -116,6 +127,24 @@ class Adapter:
         rotary = model.get_submodule(self.rotary)
         return {"attention_mask": mask, "position_ids": position_ids,
                 "position_embeddings": rotary(hidden, position_ids)}
+
+    def sliced_context(self, model: PreTrainedModel, hidden: torch.Tensor, seq: SequenceSlice) -> dict[str, Any]:
+        """``context`` for the tokens of ``seq``'s slice of a sequence (context parallelism): the
+        rotary tables at the slice's positions and the slice itself, which the attention routed by
+        :func:`from_model` reads; no mask (the sliced attention is causal by position)."""
+        position_ids = seq.positions.to(hidden.device).unsqueeze(0)
+        rotary = model.get_submodule(self.rotary)
+        return {"attention_mask": None, "position_ids": position_ids,
+                "position_embeddings": rotary(hidden, position_ids), "seq": seq}
+
+    def context_parallel_refusal(self, config: PretrainedConfig) -> str | None:
+        """Why this model cannot attend from a slice of the sequence (None: it can)."""
+        if self.attention_kind(config) != "full_attention":
+            return f"its sliding-window attention ({getattr(config, 'sliding_window', None)} tokens)"
+        if getattr(config, "attention_dropout", 0.0):
+            return (f"its attention dropout ({config.attention_dropout}), which the sliced attention does not "
+                    "draw: set attention_dropout=0")
+        return None
 
     def block_forward(self, block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
         """One layer; older layers return a tuple whose first element is the hidden states."""
@@ -227,10 +256,15 @@ def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
     own chunk only. Their weights come from ``checkpoint``, else from seeded random
     initialisation (``seed`` None: drawn from the global torch RNG, so every rank must seed it
     alike). Real parts are used as they are; the replicated modules (and the rotary tables) move
-    to ``device`` in float32, in place. Every check runs here, before any communication.
+    to ``device`` in float32, in place. Where the model can attend from a slice of the sequence
+    (``Adapter.context_parallel_refusal``), its config's attention implementation becomes
+    ``tawpipe+<its own>``, which runs its own on whole sequences (module doc). Every check runs
+    here, before any communication.
     """
     adapter = adapter or adapter_for(model.config)
-    adapter.attention_kind(model.config)  # refuses mixed attention kinds now
+    refusal = adapter.context_parallel_refusal(model.config)  # also refuses mixed attention kinds now
+    if refusal is None:
+        model.config._attn_implementation = _sliceable(model.config._attn_implementation or "eager")
     device = torch.device(device)
     seed = draw_seed() if seed is None else seed
     blocks = list(model.get_submodule(adapter.layers))
@@ -253,10 +287,14 @@ def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
             _load(real, checkpoint, {n: [prefix + n] for n, _ in real.named_parameters()})
         return real
 
+    def stand_in(tokens: torch.Tensor) -> torch.Tensor:  # the embeddings' shape, dtype and device
+        return torch.zeros((), dtype=compute_dtype, device=device).expand(*tokens.shape, model.config.hidden_size)
+
     def block_context(tokens: torch.Tensor) -> dict[str, Any]:
-        b, t = tokens.shape
-        stand_in = torch.zeros((), dtype=compute_dtype, device=device).expand(b, t, model.config.hidden_size)
-        return adapter.context(model, stand_in, torch.arange(t, device=device).unsqueeze(0))
+        return adapter.context(model, stand_in(tokens), torch.arange(tokens.shape[1], device=device).unsqueeze(0))
+
+    def sliced_context(tokens: torch.Tensor, seq: SequenceSlice) -> dict[str, Any]:
+        return adapter.sliced_context(model, stand_in(tokens), seq)
 
     def save_config(directory: Path, dtype: torch.dtype) -> None:
         config = copy.deepcopy(model.config)
@@ -264,14 +302,34 @@ def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
         config.save_pretrained(directory)
 
     source = f"weights from {checkpoint.path}" if checkpoint is not None else f"random init, seed {seed}"
+    unsliceable = "" if refusal is None else f"; no context parallelism: {refusal}"
     return ModelParts(
         blocks=blocks, embed=embed, head=head, loss_fn=llama_loss, block_forward=adapter.block_forward,
-        block_context=block_context,
+        block_context=block_context, sliced_context=sliced_context if refusal is None else None,
         materialize=materialize if any(p.is_meta for b in blocks for p in b.parameters()) else None,
         vocab_size=model.config.vocab_size,
-        description=f"{type(model).__name__} ({model.config.model_type}, {len(blocks)} layers, {source})",
+        description=f"{type(model).__name__} ({model.config.model_type}, {len(blocks)} layers, {source}{unsliceable})",
         config=model.config.to_dict(), checkpoint_name=names.checkpoint_name, save_config=save_config,
+        head_loss=chunked_head_loss if has_chunked_loss(head) else None,
     )
+
+
+def context_parallel_refusal(config: PretrainedConfig) -> str | None:
+    """Why a model of ``config`` cannot attend from a slice of the sequence, as its family's
+    adapter says (None: it trains with context parallelism)."""
+    return adapter_for(config).context_parallel_refusal(config)
+
+
+def has_chunked_loss(head: nn.Module) -> bool:
+    """Whether ``head`` is the final norm and a bias-free projection, whose loss
+    :func:`chunked_head_loss` computes without the logits (an adapter's own head may scale them)."""
+    return type(head) is Head and type(head.lm_head) is nn.Linear and head.lm_head.bias is None
+
+
+def chunked_head_loss(head: Head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``llama_loss(head(hidden), targets)`` without the [tokens, vocabulary] float32 logits
+    (``models.loss.linear_cross_entropy``): the engine's ``head_loss`` for long sequences."""
+    return linear_cross_entropy(head.norm(hidden), head.lm_head.weight, targets)
 
 
 @torch.no_grad()
@@ -289,6 +347,38 @@ def initialize(model: PreTrainedModel, seed: int, adapter: Adapter | None = None
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+
+def _sliceable(base: str) -> str:
+    """The attention implementation ``tawpipe+<base>`` (registered with transformers on first use):
+    ``base`` on whole sequences, :func:`sliced_attention` on a slice's tokens (module doc). The
+    masks of whole sequences are ``base``'s."""
+    if base.startswith("tawpipe+"):
+        return base  # routed already (the same model cut twice)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = f"tawpipe+{base}"
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, functools.partial(_attention, base))
+        if base in ALL_MASK_ATTENTION_FUNCTIONS:
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
+def _attention(base: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, *, seq: SequenceSlice | None = None, scaling: float | None = None,
+               dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Transformers' attention call: queries (B, heads, tokens, d), keys and values (B, kv heads,
+    tokens, d) -> output (B, tokens, heads, d) and no weights. No dropout on a slice:
+    ``context_parallel_refusal`` leaves a model with attention dropout unrouted."""
+    if seq is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        eager = sys.modules[type(module).__module__].eager_attention_forward if base == "eager" else None
+        return ALL_ATTENTION_FUNCTIONS.get_interface(base, eager)(module, query, key, value, attention_mask,
+                                                                  scaling=scaling, dropout=dropout, **kwargs)
+    return sliced_attention(query, key, value, seq, scaling).transpose(1, 2).contiguous(), None
 
 
 class _NameMap:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import prefix_causal_attention
+from .attention import sliced_attention
 from .loss import linear_cross_entropy
 from .parts import ModelParts, SequenceSlice
 from .presets import PRESETS
@@ -147,10 +147,8 @@ class Attention(nn.Module):
         if seq is None:
             # enable_gqa lets SDPA share each K/V head across its query group without copying it.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
-        else:  # each run of the slice's positions attends to the whole sequence's keys before it
-            k, v = seq.gather(k, v)
-            y = torch.cat([prefix_causal_attention(q[..., i:i + n, :], k, v, start) for i, start, n in seq.runs],
-                          dim=-2)
+        else:
+            y = sliced_attention(q, k, v, seq)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

@@ -138,13 +138,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="C ranks of a node compute each micro-batch together, each on two mirrored slices of its "
                         "sequences (keys and values exchanged inside the node): a rank keeps 1/C of the "
                         "activations; C divides --per-node, --seq-len is a multiple of 2C; the global batch is "
-                        "then nodes x per-node / C x micro-batches sequences (built-in models)")
+                        "then nodes x per-node / C x micro-batches sequences (built-in models, and Hugging Face "
+                        "ones whose layers attend fully, without attention dropout)")
     p.add_argument("--grad-wire-dtype", choices=("float32", "compute"), default=d.grad_wire_dtype,
                    help="dtype gradients travel in; the owner accumulates in float32 either way")
     p.add_argument("--loss", choices=("plain", "chunked", "auto"), default=d.loss,
                    help="chunked: the head and cross-entropy a slice of tokens at a time, never the whole "
-                        "[tokens, vocabulary] float32 logits (equal to plain to ~1e-6; built-in models); auto: "
-                        "chunked where a built-in model's logits would outweigh a layer's activations")
+                        "[tokens, vocabulary] float32 logits (equal to plain to ~1e-6; a head that is a norm and a "
+                        "bias-free projection, as built-in and Hugging Face models have); auto: chunked where such "
+                        "a model's logits would outweigh a layer's activations")
     p.add_argument("--recompute", choices=("chunk", "layer", "block", "none", "auto"), default=d.recompute,
                    help="what a backward runs again: the chunk from its input (the paper's), the same a layer at a "
                         "time (one layer's activations alive at once), each layer from its input kept by the "

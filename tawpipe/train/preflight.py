@@ -70,9 +70,6 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     kind = models.check(cfg.model)
     if cfg.layers is not None and kind.startswith("hf"):
         raise ValueError("--layers applies to built-in models; a Hugging Face model's layers come from its config")
-    if cfg.loss == "chunked" and kind.startswith("hf"):
-        raise ValueError("--loss chunked applies to built-in models (their head loss without the whole logits); "
-                         "a Hugging Face model trains with --loss plain")
     try:
         models.check_weights(cfg.model)
     except (ValueError, OSError) as e:
@@ -88,6 +85,14 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     vocab = _vocab(cfg)
     overrides = builtin_overrides(cfg, vocab)
     blocks, embed, head, model_vocab = models.meta_model(cfg.model, **overrides)
+    chunkable = True  # a built-in model's head
+    if kind.startswith("hf"):
+        from ..models.hf import has_chunked_loss
+
+        chunkable = has_chunked_loss(head)
+    if cfg.loss == "chunked" and not chunkable:
+        raise ValueError(f"--loss chunked: this model's head ({type(head).__name__}) is not the final norm and a "
+                         "bias-free projection, whose loss tawpipe computes without the whole logits; use --loss plain")
     if len(blocks) < world:
         each = f" of each of the {cfg.replicas} replicas" if cfg.replicas > 1 else ""
         raise ValueError(f"{len(blocks)} layers for {world} ranks{each}: every rank needs at least one layer "
@@ -99,7 +104,7 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
                                 dtype_bytes=weight_bytes, grad_bytes=grad_bytes),
                     layers=len(blocks), vocab=model_vocab)  # what a rank computes: its slice of each sequence
     if cfg.loss == AUTO:
-        cfg = replace(cfg, loss=_loss(kind, shape))
+        cfg = replace(cfg, loss=_loss(chunkable, shape))
     try:
         plan, savers, auto = _plan(replace(cfg, **ran), topology, blocks, embed, head, shape)
         cfg = replace(cfg, recompute=savers.recompute, offload_state=savers.offload_state,
@@ -166,14 +171,13 @@ def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], e
     return plan, chosen, why and as_flags(why)
 
 
-def _loss(kind: str, shape: models.ModelDims) -> str:
-    """--loss auto: chunked where the model has a chunked loss (built-in ones) and a micro-batch's
+def _loss(chunkable: bool, shape: models.ModelDims) -> str:
+    """--loss auto: chunked where the model has a chunked loss (``chunkable``) and a micro-batch's
     float32 logits, with their softmax and gradient, would outweigh one layer's activations without
     attention scores (12·V against 17·H·dtype bytes per token: LLaMA-sized vocabularies); plain
     otherwise."""
-    builtin = not kind.startswith("hf")
     layer = working_set_bytes(replace(shape, scores=False), 1)
-    return "chunked" if builtin and logits_bytes(shape) > layer else "plain"
+    return "chunked" if chunkable and logits_bytes(shape) > layer else "plain"
 
 
 def _wire_bytes(cfg: TrainConfig) -> tuple[int, int]:
@@ -295,8 +299,15 @@ def _check_context(cfg: TrainConfig, topology: Topology, kind: str) -> None:
     if c == 1:
         return
     if kind.startswith("hf"):
-        raise ValueError(f"--context-parallel {c} applies to built-in models (whose attention takes a slice of the "
-                         "sequence); a Hugging Face model trains with --context-parallel 1")
+        from transformers import AutoConfig
+
+        from ..models.hf import context_parallel_refusal
+
+        why = context_parallel_refusal(AutoConfig.from_pretrained(Path(cfg.model, "config.json") if kind == "hf-dir"
+                                                                  else cfg.model))
+        if why is not None:
+            raise ValueError(f"--context-parallel {c}: this model cannot attend from a slice of the sequence: {why}; "
+                             "train it with --context-parallel 1")
     if topology.per_node % c:
         raise ValueError(f"--context-parallel {c} does not divide the {topology.per_node} ranks of a node "
                          "(--per-node): a context group is ranks of one node")
