@@ -2,7 +2,7 @@
 
     python examples/hf_model.py                      # a small random LLaMA, saved locally first
     python examples/hf_model.py --model DIR          # any local save_pretrained directory
-                                                     # (LLaMA, Mistral, Qwen2, Qwen3 families)
+                                                     # (LLaMA, Mistral, Qwen, Gemma, Phi-3, ...)
 
 Each of the 4 ranks (2 emulated nodes x 2) reads from the safetensors only its own chunk of
 decoder layers plus the embedding and head, trains, and writes its own chunk back into a

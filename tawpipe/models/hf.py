@@ -6,7 +6,7 @@ engine counts once. The rotary tables, the position ids and the attention mask r
 through ``block_context``, computed per micro-batch the way the family's own model computes them.
 
 An :class:`Adapter` says where a family keeps these parts. The default fits the layout LLaMA,
-Mistral, Qwen2 and Qwen3 share. Another family takes a few lines, overriding only what differs;
+Mistral, Qwen2, Qwen3, Gemma, Phi-3, OLMo, StarCoder2 and others share (``LLAMA_LAYOUT``). Another family takes a few lines, overriding only what differs;
 ``examples/hf_custom_family.py`` adds IBM's Granite, whose embedding and logits are scaled::
 
     class GraniteAdapter(Adapter):
@@ -34,8 +34,10 @@ the trained model back as a ``save_pretrained`` directory, each rank its own chu
 Long sequences. A model whose layers all attend fully and causally (no sliding window) and without
 attention dropout trains with context parallelism: :func:`from_model` routes its attention through
 an implementation registered with transformers (``tawpipe+<its own>``) that calls the model's own
-implementation on whole sequences and, given a :class:`SequenceSlice`, gathers the keys and values
-and attends each run of the slice to the keys before it (``models.attention.sliced_attention``).
+implementation on whole sequences and, while a layer computes a :class:`SequenceSlice` (which the
+parts' ``block_forward`` sets for the layer's call, as layers need not pass it on), gathers the
+keys and values and attends each run of the slice to the keys before it
+(``models.attention.sliced_attention``).
 A head that is the final norm and a bias-free projection has the chunked loss (``head_loss``).
 """
 
@@ -45,6 +47,8 @@ import copy
 import functools
 import os
 import sys
+from contextvars import ContextVar
+from dataclasses import dataclass
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,14 +132,15 @@ class Adapter:
         return {"attention_mask": mask, "position_ids": position_ids,
                 "position_embeddings": rotary(hidden, position_ids)}
 
-    def sliced_context(self, model: PreTrainedModel, hidden: torch.Tensor, seq: SequenceSlice) -> dict[str, Any]:
-        """``context`` for the tokens of ``seq``'s slice of a sequence (context parallelism): the
-        rotary tables at the slice's positions and the slice itself, which the attention routed by
-        :func:`from_model` reads; no mask (the sliced attention is causal by position)."""
-        position_ids = seq.positions.to(hidden.device).unsqueeze(0)
+    def sliced_context(self, model: PreTrainedModel, hidden: torch.Tensor,
+                       positions: torch.Tensor) -> dict[str, Any]:
+        """``context`` for the tokens of a slice of a sequence at ``positions`` (context
+        parallelism): the rotary tables at those positions and no mask (the attention that
+        :func:`from_model` routes attends causally by position)."""
+        position_ids = positions.to(hidden.device).unsqueeze(0)
         rotary = model.get_submodule(self.rotary)
         return {"attention_mask": None, "position_ids": position_ids,
-                "position_embeddings": rotary(hidden, position_ids), "seq": seq}
+                "position_embeddings": rotary(hidden, position_ids)}
 
     def context_parallel_refusal(self, config: PretrainedConfig) -> str | None:
         """Why this model cannot attend from a slice of the sequence (None: it can)."""
@@ -152,7 +157,10 @@ class Adapter:
         return out[0] if isinstance(out, tuple) else out
 
 
-ADAPTERS: dict[str, Adapter] = {t: Adapter() for t in ("llama", "mistral", "qwen2", "qwen3")}
+# Families laid out like LLaMA, each checked against its own model's logits, whole and sliced (tests/test_hf.py)
+LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "olmo2", "starcoder2", "stablelm",
+                "smollm3", "glm4", "ernie4_5")
+ADAPTERS: dict[str, Adapter] = {t: Adapter() for t in LLAMA_LAYOUT}
 
 
 def register(model_type: str, adapter: Adapter) -> None:
@@ -294,7 +302,13 @@ def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
         return adapter.context(model, stand_in(tokens), torch.arange(tokens.shape[1], device=device).unsqueeze(0))
 
     def sliced_context(tokens: torch.Tensor, seq: SequenceSlice) -> dict[str, Any]:
-        return adapter.sliced_context(model, stand_in(tokens), seq)
+        return {**adapter.sliced_context(model, stand_in(tokens), seq.positions), "seq": seq}
+
+    def block_forward(block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
+        seq = ctx.pop("seq", None)
+        if seq is None:
+            return adapter.block_forward(block, hidden, **ctx)
+        return _sliced_layer(adapter, block, hidden, seq, ctx)
 
     def save_config(directory: Path, dtype: torch.dtype) -> None:
         config = copy.deepcopy(model.config)
@@ -304,7 +318,7 @@ def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
     source = f"weights from {checkpoint.path}" if checkpoint is not None else f"random init, seed {seed}"
     unsliceable = "" if refusal is None else f"; no context parallelism: {refusal}"
     return ModelParts(
-        blocks=blocks, embed=embed, head=head, loss_fn=llama_loss, block_forward=adapter.block_forward,
+        blocks=blocks, embed=embed, head=head, loss_fn=llama_loss, block_forward=block_forward,
         block_context=block_context, sliced_context=sliced_context if refusal is None else None,
         materialize=materialize if any(p.is_meta for b in blocks for p in b.parameters()) else None,
         vocab_size=model.config.vocab_size,
@@ -366,19 +380,50 @@ def _sliceable(base: str) -> str:
     return name
 
 
+@dataclass
+class _Slicing:
+    """The slice a layer is computing (``_SLICING``) and how often its attention attended from it."""
+
+    seq: SequenceSlice
+    calls: int = 0
+
+
+_SLICING: ContextVar[_Slicing | None] = ContextVar("tawpipe_slicing", default=None)
+
+
+def _sliced_layer(adapter: Adapter, block: nn.Module, hidden: torch.Tensor, seq: SequenceSlice,
+                  ctx: dict[str, Any]) -> torch.Tensor:
+    """One layer on a slice's tokens: its routed attention reads the slice from ``_SLICING`` (a
+    layer need not pass keyword arguments on to its attention, and some do not). A layer whose
+    attention never came is refused: it would have attended within the slice alone."""
+    slicing = _Slicing(seq)
+    token = _SLICING.set(slicing)
+    try:
+        out = adapter.block_forward(block, hidden, **ctx)
+    finally:
+        _SLICING.reset(token)
+    if slicing.calls == 0:
+        raise RuntimeError(f"{type(block).__name__} did not call its attention through transformers' "
+                           "AttentionInterface, so it cannot attend from a slice of the sequence: train this family "
+                           "with context_parallel=1")
+    return out
+
+
 def _attention(base: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, *, seq: SequenceSlice | None = None, scaling: float | None = None,
-               dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+               attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Transformers' attention call: queries (B, heads, tokens, d), keys and values (B, kv heads,
     tokens, d) -> output (B, tokens, heads, d) and no weights. No dropout on a slice:
     ``context_parallel_refusal`` leaves a model with attention dropout unrouted."""
-    if seq is None:
+    slicing = _SLICING.get()
+    if slicing is None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         eager = sys.modules[type(module).__module__].eager_attention_forward if base == "eager" else None
         return ALL_ATTENTION_FUNCTIONS.get_interface(base, eager)(module, query, key, value, attention_mask,
                                                                   scaling=scaling, dropout=dropout, **kwargs)
-    return sliced_attention(query, key, value, seq, scaling).transpose(1, 2).contiguous(), None
+    slicing.calls += 1
+    return sliced_attention(query, key, value, slicing.seq, scaling).transpose(1, 2).contiguous(), None
 
 
 class _NameMap:

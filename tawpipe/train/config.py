@@ -94,7 +94,8 @@ def flag(name: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     p.epilog = (f"Built-in models for --model: {', '.join(PRESETS)}. Hugging Face model types: llama, mistral, "
-                "qwen2, qwen3 (tawpipe.models.hf.register adds others).")
+                "qwen2, qwen3, gemma, phi3, olmo, olmo2, starcoder2, stablelm, smollm3, glm4, ernie4_5 "
+                "(tawpipe.models.hf.register adds others).")
     p.add_argument("--config", default=None, help="TOML or YAML file of flag values, keys named as the flags "
                    "(micro-batches = 4); flags on the command line override it")
     p.add_argument("--nodes", type=int, default=d.nodes, help="emulated nodes (local cluster only)")
