@@ -70,6 +70,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--hidden", type=int, help="hidden size H (a model of your own, instead of --model)")
     m.add_argument("--heads", type=int, default=32, help="attention heads (with --hidden)")
     m.add_argument("--kv-heads", type=int, default=None, help="key/value heads (with --hidden; default: --heads)")
+    m.add_argument("--head-dim", type=int, default=None, help="size of a head (with --hidden; default: H / --heads)")
     m.add_argument("--vocab", type=int, default=32000, help="vocabulary size (with --hidden)")
     m.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     m.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
@@ -110,7 +111,7 @@ def _dims_and_sizes(args: argparse.Namespace) -> tuple[ModelDims | None, dict]:
         dims = dims if args.layers is None else dataclasses.replace(dims, layers=args.layers)
     elif args.hidden is not None:
         dims = ModelDims(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                         vocab=args.vocab, **batch)
+                         head_dim=args.head_dim, vocab=args.vocab, **batch)
     else:
         return None, dict(layer_numel=1, weight_bytes=1, grad_bytes=1, replicated_numel=0)
     return dims, dict(layer_numel=dims.layer_numel, weight_bytes=dims.dtype_bytes,

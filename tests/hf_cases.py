@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from engine_cases import adamw, make_engine  # AdamW with eps 1e-6: rounding-noise gradients do not become lr-sized steps
+from tawpipe import models
+from tawpipe.cost.traffic import context_bytes
 from tawpipe.models import hf
 from tawpipe.io.safetensors import export
 from tawpipe.models.weights import SafetensorsCheckpoint
@@ -80,7 +82,8 @@ def train_export_and_meta_init(rank: int, cases: list[dict[str, Any]], config: A
 def train_sliced(rank: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each case: load ``dir``, train with context parallelism on ``nodes`` nodes (the other keys
     are the engine's options), each context group on its own rows of every global batch. Returns
-    the losses, the bytes of the K/V exchange and (rank 0) the gathered state dict."""
+    the losses, the bytes of the K/V exchange, those the cost model counts from the config's
+    shape, and (rank 0) the gathered state dict."""
     world = torch.distributed.get_world_size()
     out = []
     for case in cases:
@@ -93,7 +96,9 @@ def train_sliced(rank: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]
         group = rank // c
         losses = [engine.step((x[group * rows:(group + 1) * rows], y[group * rows:(group + 1) * rows]))
                   for x, y in batches]
-        out.append({"losses": losses, "exchanged": engine.context_traffic()[0],
+        shape = models.dims(path, seq=batches[0][0].shape[1], micro_batch=rows // acc, dtype_bytes=4)
+        planned = len(batches) * context_bytes(engine.plan, rank, shape, c, case.get("recompute", "chunk"))
+        out.append({"losses": losses, "exchanged": engine.context_traffic()[0], "planned": planned,
                     "full": _arrays(engine.full_state_dict())})
         engine.close()
     return out

@@ -152,6 +152,12 @@ def test_a_hugging_face_config_gives_the_models_shapes(tmp_path):
     # q and o are H x H, k and v H x (H / heads * kv_heads), three H x F projections, two norms
     assert dims.layer_numel == 2 * 512 * 512 + 2 * 512 * 128 + 3 * 512 * 1536 + 2 * 512
     assert (dims.layers, dims.vocab, dims.seq, dims.micro_batch) == (6, 1000, 128, 2)
+    # a head size of its own (Qwen3's, Gemma's): q and o are H x (heads x head_dim), k and v
+    # H x (kv_heads x head_dim), whatever H / heads is
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "head_dim": 96}))
+    wide = model(str(tmp_path), seq=128, micro_batch=2)
+    assert (wide.q_dim, wide.kv_dim) == (8 * 96, 2 * 96)
+    assert wide.layer_numel == 2 * 512 * 768 + 2 * 512 * 192 + 3 * 512 * 1536 + 2 * 512
     del cfg["vocab_size"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="vocab_size"):

@@ -110,8 +110,15 @@ def test_model_dims_match_the_spec_model_sizes():
     assert big.decoder_numel + big.replicated_numel == pytest.approx(9.81e9, rel=0.002)
     gqa = ModelDims(hidden=1024, layers=48, heads=16, kv_heads=4)
     assert small.layer_numel - gqa.layer_numel == 2 * 1024 * (1024 - 256)
-    with pytest.raises(ValueError, match="heads"):
+    with pytest.raises(ValueError, match=r"heads=32 \(or give head_dim\)"):
         ModelDims(hidden=1000, layers=2, heads=32)
+    # a head size of its own: the attention's widths follow it, not H / heads
+    own = ModelDims(hidden=1000, layers=2, heads=32, kv_heads=8, head_dim=40)
+    assert (own.q_dim, own.kv_dim) == (1280, 320)
+    assert own.layer_numel == 2 * 1000 * 1280 + 2 * 1000 * 320 + 3 * 1000 * own.ffn_hidden + 2 * 1000
+    # a head size of H / heads, given, changes nothing
+    assert ModelDims(hidden=1024, layers=2, heads=16, head_dim=64).layer_numel == ModelDims(
+        hidden=1024, layers=2, heads=16).layer_numel
 
 
 def test_estimates_agree_with_plans_and_with_each_other():

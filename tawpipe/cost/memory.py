@@ -216,8 +216,7 @@ def gathered_kv_bytes(dims: ModelDims, context: int) -> float:
     backward (design §3.6); 0 without it."""
     if context == 1:
         return 0.0
-    kv_dim = dims.hidden // dims.heads * (dims.kv_heads or dims.heads)
-    return 2 * 2 * dims.micro_batch * dims.seq * context * kv_dim * dims.dtype_bytes
+    return 2 * 2 * dims.micro_batch * dims.seq * context * dims.kv_dim * dims.dtype_bytes
 
 
 def _working_set(s: int, b: int, h: int, a: int, layers: int, dtype_bytes: int) -> float:

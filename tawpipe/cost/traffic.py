@@ -248,13 +248,12 @@ def fsdp_numel(dims: ModelDims, shards: int) -> tuple[int, int]:
     all-gathers of an iteration (H = 128, F = 352, 6 ranks) are exactly these sizes, 2% above the
     unpadded ones. The root is the embedding and head (one tensor where tied) plus the final
     norm, as ``replicated_numel`` counts it."""
-    h, f = dims.hidden, dims.ffn_hidden
-    kv = h // dims.heads * (dims.heads if dims.kv_heads is None else dims.kv_heads)
+    h, f, q, kv = dims.hidden, dims.ffn_hidden, dims.q_dim, dims.kv_dim
 
     def pad(rows: int) -> int:
         return -(-rows // shards) * shards
 
-    block = 2 * pad(h) * h + 2 * pad(kv) * h + 2 * pad(f) * h + pad(h) * f + 2 * pad(h)
+    block = pad(q) * h + pad(h) * q + 2 * pad(kv) * h + 2 * pad(f) * h + pad(h) * f + 2 * pad(h)
     return block, (1 if dims.tied else 2) * pad(dims.vocab) * h + pad(h)
 
 
@@ -293,8 +292,7 @@ BACKWARD_GATHERS = {"chunk": lambda n: n, "block": lambda n: n, "layer": lambda 
 def context_share_bytes(dims: ModelDims, degree: int) -> int:
     """One layer's keys and values of one micro-batch's slice under context parallelism of
     ``degree``: what a rank contributes to each all-gather, and gets back from each reduce-scatter."""
-    kv_dim = dims.hidden // dims.heads * (dims.kv_heads or dims.heads)
-    return 2 * dims.micro_batch * dims.seq // degree * kv_dim * dims.dtype_bytes
+    return 2 * dims.micro_batch * dims.seq // degree * dims.kv_dim * dims.dtype_bytes
 
 
 def context_bytes(plan: Plan, rank: int, dims: ModelDims, degree: int, recompute: str) -> int:

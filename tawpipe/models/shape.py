@@ -31,6 +31,7 @@ class ModelDims:
     ffn: int | None = None  # None: the LLaMA sizing of ``ffn_hidden``
     scores: bool = True  # attention keeps its S x S scores for backward (False: FlashAttention)
     tied: bool = True  # the head's weight is the embedding's (False: a second V x H matrix)
+    head_dim: int | None = None  # None: hidden // heads (Qwen3's and Gemma's configs set their own)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -38,26 +39,35 @@ class ModelDims:
             if f.name in ("scores", "tied"):
                 if not isinstance(value, bool):
                     raise ValueError(f"{f.name} must be true or false, got {value!r}")
-            elif not (value is None and f.name in ("kv_heads", "ffn")) and (
+            elif not (value is None and f.name in ("kv_heads", "ffn", "head_dim")) and (
                     not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be a whole number, got {value!r}")
         kv = self.heads if self.kv_heads is None else self.kv_heads
         if min(self.hidden, self.layers, self.heads, kv, self.vocab, self.seq, self.micro_batch,
-               self.dtype_bytes, self.grad_bytes, self.ffn or 1) < 1:
+               self.dtype_bytes, self.grad_bytes, self.ffn or 1, self.head_dim or 1) < 1:
             raise ValueError(f"every dimension must be >= 1: {self}")
-        if self.hidden % self.heads or self.heads % kv:
-            raise ValueError(f"hidden={self.hidden} must divide into heads={self.heads}, which must "
-                             f"divide into kv_heads={kv} groups")
+        if (self.head_dim is None and self.hidden % self.heads) or self.heads % kv:
+            raise ValueError(f"hidden={self.hidden} must divide into heads={self.heads} (or give head_dim), which "
+                             f"must divide into kv_heads={kv} groups")
 
     @property
     def ffn_hidden(self) -> int:
         return self.ffn if self.ffn is not None else 32 * -(-8 * self.hidden // 96)  # 32 * ceil((8H/3) / 32)
 
     @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention output): heads x head size."""
+        return self.heads * (self.head_dim if self.head_dim is not None else self.hidden // self.heads)
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys (and of the values): key/value heads x head size."""
+        return self.q_dim // self.heads * (self.heads if self.kv_heads is None else self.kv_heads)
+
+    @property
     def layer_numel(self) -> int:
         h = self.hidden
-        kv_dim = h // self.heads * (self.heads if self.kv_heads is None else self.kv_heads)
-        return 2 * h * h + 2 * h * kv_dim + 3 * h * self.ffn_hidden + 2 * h
+        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * self.ffn_hidden + 2 * h
 
     @property
     def decoder_numel(self) -> int:
@@ -75,7 +85,7 @@ class ModelDims:
 # config.json field: ModelDims field (those without a default must be there)
 _HF_FIELDS = {"hidden_size": "hidden", "num_hidden_layers": "layers", "num_attention_heads": "heads",
               "num_key_value_heads": "kv_heads", "vocab_size": "vocab", "intermediate_size": "ffn",
-              "tie_word_embeddings": "tied"}
+              "tie_word_embeddings": "tied", "head_dim": "head_dim"}
 _HF_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 

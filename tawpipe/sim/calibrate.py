@@ -46,7 +46,7 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
     try:
         t, h, f = dims.seq * dims.micro_batch, dims.hidden, dims.ffn_hidden
         heads = dims.heads
-        q, k, v = (torch.randn(dims.micro_batch, heads, dims.seq, h // heads, device=dev, dtype=dtype,
+        q, k, v = (torch.randn(dims.micro_batch, heads, dims.seq, dims.q_dim // heads, device=dev, dtype=dtype,
                                requires_grad=True) for _ in range(3))
         n = 1 << 24  # 64 MB per tensor: well beyond the caches
         p = torch.nn.Parameter(torch.randn(n, device=dev))
@@ -67,7 +67,7 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
     return Device(
         name=name,
         matmul_flops=scale * 6 * t * h * f / linear,
-        attention_flops=scale * 3.5 * 2 * dims.micro_batch * dims.seq ** 2 * h / attention,
+        attention_flops=scale * 3.5 * 2 * dims.micro_batch * dims.seq ** 2 * dims.q_dim / attention,
         memory_bandwidth=scale * ADAMW_BYTES * n / step,
         memory=memory,
     )

@@ -241,9 +241,9 @@ def with_loss(m: MemoryEstimate, dims: ModelDims, chunked: bool) -> MemoryEstima
 
 def model_flops(dims: ModelDims, context: int = 1) -> float:
     """Training FLOPs per token, forward and backward, without recompute: 6 per decoder and head
-    parameter plus causal attention's 6·S·H per layer (the usual MFU count); ``context``: ``dims.seq``
-    is a context-parallel slice of a sequence that many times as long."""
-    return 6 * (dims.decoder_numel + dims.vocab * dims.hidden) + 6 * dims.layers * dims.seq * context * dims.hidden
+    parameter plus causal attention's 6·S·H per layer (the usual MFU count; H the queries' width);
+    ``context``: ``dims.seq`` is a context-parallel slice of a sequence that many times as long."""
+    return 6 * (dims.decoder_numel + dims.vocab * dims.hidden) + 6 * dims.layers * dims.seq * context * dims.q_dim
 
 
 def bottleneck(row: Row, cluster: Cluster) -> str:

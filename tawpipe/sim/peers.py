@@ -220,9 +220,8 @@ class _Layer:
 def _layer_params(dims: ModelDims) -> list[int]:
     """A LLaMA block's parameters in the order backward produces their gradients: the MLP's down,
     up and gate projections, its norm, then attention's output, value, key, query and its norm."""
-    h, f = dims.hidden, dims.ffn_hidden
-    kv = h // dims.heads * (dims.heads if dims.kv_heads is None else dims.kv_heads)
-    return [h * f, f * h, f * h, h, h * h, h * kv, h * kv, h * h, h]
+    h, f, q, kv = dims.hidden, dims.ffn_hidden, dims.q_dim, dims.kv_dim
+    return [h * f, f * h, f * h, h, h * q, h * kv, h * kv, h * q, h]
 
 
 def _buckets(ready: list[tuple[int, list[int]]], elem_bytes: int) -> list[tuple[float, int]]:

@@ -72,7 +72,7 @@ class Workload:
     def attention_flops(self) -> float:
         """Forward FLOPs of one layer's causal attention products for one micro-batch."""
         d = self.dims
-        return 2 * d.micro_batch * d.seq * d.seq * self.context * d.hidden
+        return 2 * d.micro_batch * d.seq * d.seq * self.context * d.q_dim
 
     def layer_forward(self, micro_batches: int = 1) -> float:
         dev, d = self.device, self.dims
