@@ -89,12 +89,14 @@ def train_sliced(rank: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]
     for case in cases:
         case = dict(case)
         path, batches, nodes, acc = case.pop("dir"), case.pop("batches"), case.pop("nodes"), case.pop("acc")
-        c = case["context_parallel"]
-        engine = make_engine(hf.from_pretrained(path), topology=Topology(nodes, world // nodes), micro_batches=acc,
-                             optimizer=adamw, **case)
+        c, dev = case["context_parallel"], torch.device(case.pop("device", "cpu"))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)  # every rank on the one GPU (comm "gloo-staged")
+        engine = make_engine(hf.from_pretrained(path, device=dev), topology=Topology(nodes, world // nodes),
+                             micro_batches=acc, optimizer=adamw, device=dev, **case)
         rows = batches[0][0].shape[0] // (world // c)
         group = rank // c
-        losses = [engine.step((x[group * rows:(group + 1) * rows], y[group * rows:(group + 1) * rows]))
+        losses = [engine.step((x[group * rows:(group + 1) * rows].to(dev), y[group * rows:(group + 1) * rows].to(dev)))
                   for x, y in batches]
         shape = models.dims(path, seq=batches[0][0].shape[1], micro_batch=rows // acc, dtype_bytes=4)
         planned = len(batches) * context_bytes(engine.plan, rank, shape, c, case.get("recompute", "chunk"))

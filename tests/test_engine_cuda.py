@@ -107,6 +107,30 @@ def test_four_ranks_share_the_gpu_over_gloo_staged() -> None:
             assert err <= 1e-5, (rank, case, err)
 
 
+def test_hugging_face_context_parallelism_on_the_gpu_is_exact(tmp_path) -> None:
+    """A Hugging Face LLaMA whose head size is not H / heads, its attention routed through
+    ``tawpipe+sdpa`` (SDPA's lower-right causal kernels with the model's score scale on a slice),
+    four ranks of a 2x2 job sharing GPU 0 with context parallelism 2 and the chunked loss: the
+    losses and weights of transformers' own training on whole sequences, the K/V bytes counted."""
+    pytest.importorskip("transformers")
+    import hf_cases
+    from test_hf import VOCAB, _hf_names, _train_reference, small
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(small(LlamaConfig, head_dim=16, tie_word_embeddings=False)).save_pretrained(tmp_path / "m")
+    x = torch.randint(0, VOCAB, (2, 2 * 2 * 2, 16))
+    case = dict(dir=str(tmp_path / "m"), batches=list(zip(x, torch.randint(0, VOCAB, x.shape))), nodes=2, acc=2,
+                context_parallel=2, device="cuda:0", comm="gloo-staged", chunked_loss=True, recompute="layer")
+    ranks = [r[0] for r in run_local(hf_cases.train_sliced, 4, [case], timeout=300)]
+    ref, ref_losses = _train_reference(case["dir"], case["batches"])
+    want = ref.state_dict()
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        assert r["exchanged"] == r["planned"] > 0
+    for n, p in _hf_names(ranks[0]["full"]).items():
+        assert rel_err(p, want[n]) <= 1e-4, (n, rel_err(p, want[n]))
+
+
 def test_context_parallelism_on_the_gpu_is_exact() -> None:
     """TawPipe with context parallelism on CUDA (the K/V exchange staged through pinned host
     memory, the slices' attention through SDPA's lower-right causal kernels): four ranks of a 2x2
