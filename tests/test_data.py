@@ -118,6 +118,37 @@ def test_bin_round_trip(tmp_path: Path):
     assert int(x.max()) <= int(toks.max()) and torch.equal(x[:, 1:], y[:, :-1])
 
 
+def test_npy_round_trip_with_tokens_past_uint16(tmp_path: Path):
+    """A LLaMA-3-sized vocabulary needs 32-bit tokens: a .npy of any integer width is mapped, and
+    its windows are the stream's."""
+    for dtype, top in ((np.uint32, 128_256), (np.int64, 151_936), (np.uint16, 50_000)):
+        toks = rng.integers(0, top, size=5000).astype(dtype)
+        path = tmp_path / f"train-{np.dtype(dtype).name}.npy"
+        np.save(path, toks)
+        src = load_tokens(str(path))
+        assert isinstance(src.tokens, np.memmap) and src.tokens.dtype == dtype
+        assert src.vocab_size == int(toks.max()) + 1 and np.dtype(dtype).name in src.description
+        x, y = batch(src.tokens, 32, 3, seed=5, step=2, index=1)
+        starts = np.random.default_rng([5, 2, 1]).integers(0, len(toks) - 32, size=3)
+        want = torch.from_numpy(np.stack([toks[s:s + 33] for s in starts]).astype(np.int64))
+        assert torch.equal(x, want[:, :-1]) and torch.equal(y, want[:, 1:])
+        assert int(x.max()) > 65_535 or dtype == np.uint16
+
+
+def test_npy_files_that_are_not_token_streams_are_refused(tmp_path: Path):
+    for name, array, message in (
+            ("two.npy", np.zeros((3, 4), dtype=np.uint32), "a 2-D array of uint32; .*flatten it"),
+            ("float.npy", np.ones(8, dtype=np.float32), "a 1-D array of float32; .*astype"),
+            ("negative.npy", np.array([3, -2, 5], dtype=np.int32), "token -2 is negative"),
+            ("objects.npy", np.array([1, "a"], dtype=object), "not a NumPy array of integer tokens")):
+        np.save(tmp_path / name, array, allow_pickle=True)
+        with pytest.raises(ValueError, match=message):
+            load_tokens(str(tmp_path / name))
+    (tmp_path / "text.npy").write_bytes(b"not numpy at all")
+    with pytest.raises(ValueError, match="not a NumPy array of integer tokens"):
+        load_tokens(str(tmp_path / "text.npy"))
+
+
 def test_errors(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="not found"):
         load_tokens(str(tmp_path / "missing.txt"))

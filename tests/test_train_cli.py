@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,19 +144,22 @@ def test_context_parallel_trains_the_curve_of_one_rank_on_whole_sequences(runs, 
     assert len(curves["split"]) == 4 and curves["split"] == pytest.approx(curves["whole"], rel=1e-5)
 
 
-def test_a_hugging_face_model_trains_with_context_parallelism_and_the_chunked_loss(runs, tmp_path) -> None:
-    """A Hugging Face LLaMA (a config: seeded random init, the same on any topology) with
-    --context-parallel 2 and --loss chunked trains the curve of one rank on whole sequences with
-    the plain loss, to float32 rounding."""
+def test_a_hugging_face_model_trains_with_context_parallelism_and_the_chunked_loss(tmp_path) -> None:
+    """A Hugging Face LLaMA (a config: seeded random init, the same on any topology) with a
+    vocabulary past 65,536 tokens, trained on a uint32 .npy, with --context-parallel 2 and --loss
+    chunked trains the curve of one rank on whole sequences with the plain loss, to float32
+    rounding."""
     transformers = pytest.importorskip("transformers")
-    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    transformers.LlamaConfig(vocab_size=70_000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=64).save_pretrained(tmp_path / "hf")
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(3).integers(0, 70_000, size=20_000).astype(np.uint32))
     curves = {}
     for name, options in (("split", ["--per-node", "2", "--context-parallel", "2", "--loss", "chunked"]),
                           ("whole", ["--per-node", "1", "--loss", "plain"])):
         args = ["--model", str(tmp_path / "hf"), "--nodes", "1", "--seq-len", "32", "--micro-batch-size", "2",
-                "--steps", "3", "--warmup", "1", "--data", str(runs["data"]), *options,
+                "--steps", "3", "--warmup", "1", "--data", str(data), *options,
                 "--metrics", str(tmp_path / name)]
         r = _tawpipe("train", *args)
         assert r.returncode == 0, r.stderr

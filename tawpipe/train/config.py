@@ -104,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a built-in model (below), a Hugging Face save_pretrained directory, or a config .json "
                         "(a Hugging Face config.json, or LlamaConfig fields)")
     p.add_argument("--layers", type=int, default=None, help="override a built-in model's layer count")
-    p.add_argument("--data", default=None, help="text file or uint16 .bin (default: Python stdlib sources)")
+    p.add_argument("--data", default=None, help="text file, uint16 .bin (nanoGPT's), or .npy of integer tokens of any "
+                   "width (uint32 past 65,536 tokens) (default: Python stdlib sources)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per rank per step")
     p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="sequences per micro-batch")

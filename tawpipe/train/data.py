@@ -5,6 +5,8 @@ Sources:
 * ``None`` / ``"stdlib"`` — bytes of the running Python's own standard-library ``*.py`` files: a
   real corpus on every machine, with no download, identical wherever the Python version is;
 * a path ending in ``.bin`` — pre-tokenised uint16 tokens (nanoGPT's format), memory-mapped;
+* a path ending in ``.npy`` — a 1-D NumPy array of integer tokens of any width (``np.save``; uint32
+  for vocabularies past 65,536, as LLaMA 3's, Qwen's and Gemma's), memory-mapped;
 * any other path — a text file, read as bytes (vocabulary 256).
 
 :func:`batch` draws random windows from a generator keyed by (seed, step, index) alone, so a
@@ -32,7 +34,7 @@ _NOT_STDLIB = frozenset({"site-packages", "dist-packages"})
 
 @dataclass(frozen=True)
 class TokenSource:
-    tokens: np.ndarray  # 1-D uint8 (bytes) or uint16 (.bin, possibly a np.memmap)
+    tokens: np.ndarray  # 1-D: uint8 (bytes), uint16 (.bin) or a .npy's integers; files memory-mapped
     vocab_size: int
     description: str
 
@@ -87,9 +89,9 @@ def load_tokens(source: str | os.PathLike[str] | None = None,
                 vocab_size: int | None = None) -> TokenSource:
     """Load a token stream (see the module docstring for ``source``).
 
-    ``max_bytes`` caps the byte sources (stdlib, text); ``.bin`` files are mapped whole.
-    ``vocab_size`` defaults to 256 for bytes and to max token + 1 for ``.bin``; a token at or
-    above a given ``vocab_size`` is an error, since it would index past the embedding.
+    ``max_bytes`` caps the byte sources (stdlib, text); ``.bin`` and ``.npy`` files are mapped
+    whole. ``vocab_size`` defaults to 256 for bytes and to max token + 1 for token files; a token
+    at or above a given ``vocab_size`` is an error, since it would index past the embedding.
     """
     if source is None or str(source) == "stdlib":
         corpus, description = stdlib_corpus(max_bytes)
@@ -108,6 +110,10 @@ def load_tokens(source: str | os.PathLike[str] | None = None,
             tokens = np.memmap(path, dtype=np.uint16, mode="r")
             description = f"{path.name} (uint16 tokens, {len(tokens)} tokens)"
             default_vocab = None
+        elif path.suffix == ".npy":
+            tokens = _npy_tokens(path)
+            description = f"{path.name} ({tokens.dtype} tokens, {len(tokens)} tokens)"
+            default_vocab = None
         else:
             with path.open("rb") as f:
                 corpus = f.read() if max_bytes is None else f.read(max_bytes)
@@ -121,6 +127,21 @@ def load_tokens(source: str | os.PathLike[str] | None = None,
     if top >= vocab:
         raise ValueError(f"{description}: token {top} does not fit vocab_size={vocab}")
     return TokenSource(tokens=tokens, vocab_size=vocab, description=description)
+
+
+def _npy_tokens(path: Path) -> np.ndarray:
+    """A .npy file's 1-D integer array, memory-mapped; ValueError naming what it holds otherwise."""
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:  # not a .npy, or an array of Python objects
+        raise ValueError(f"{path}: not a NumPy array of integer tokens ({e}); write one with "
+                         "np.save(path, np.asarray(tokens, dtype=np.uint32))") from None
+    if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
+        raise ValueError(f"{path}: a {tokens.ndim}-D array of {tokens.dtype}; token files hold one 1-D array of "
+                         "integers (flatten it, or cast it with .astype(np.uint32))")
+    if tokens.dtype.kind == "i" and len(tokens) and int(tokens.min()) < 0:
+        raise ValueError(f"{path}: token {int(tokens.min())} is negative; tokens index the embedding from 0")
+    return tokens
 
 
 def batch(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, step: int,
