@@ -182,6 +182,26 @@ def test_a_hugging_face_model_that_cannot_attend_from_a_slice_is_refused(tmp_pat
                     r"its sliding-window attention \(8 tokens\); train it with --context-parallel 1", said), said
 
 
+def test_a_head_that_scales_its_logits_is_refused_the_chunked_loss(tmp_path, monkeypatch, capsys) -> None:
+    """Granite's adapter (examples/hf_custom_family.py) scales the logits in its head: the chunked
+    loss, which never forms them, would train another model."""
+    transformers = pytest.importorskip("transformers")
+    from tawpipe.models import hf
+
+    _no_workers(monkeypatch)
+    monkeypatch.setattr(hf, "ADAPTERS", dict(hf.ADAPTERS))  # the example registers Granite on import
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from hf_custom_family import GraniteAdapter
+
+    hf.register("granite", GraniteAdapter())
+    transformers.GraniteConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, logits_scaling=4.0).save_pretrained(tmp_path / "granite")
+    said = refused(capsys, "train", "--model", str(tmp_path / "granite"), "--nodes", "1", "--per-node", "2",
+                   "--seq-len", "32", "--loss", "chunked")
+    assert re.match(r"tawpipe train: --loss chunked: this model's head \(Scaled\) is not the final norm and a "
+                    r"bias-free projection.*use --loss plain", said), said
+
+
 def test_metrics_truncation_keeps_the_records_up_to_the_step(tmp_path) -> None:
     from tawpipe.train.metrics import truncate_after
 

@@ -6,8 +6,9 @@ engine counts once. The rotary tables, the position ids and the attention mask r
 through ``block_context``, computed per micro-batch the way the family's own model computes them.
 
 An :class:`Adapter` says where a family keeps these parts. The default fits the layout LLaMA,
-Mistral, Qwen2, Qwen3, Gemma, Phi-3, OLMo, StarCoder2 and others share (``LLAMA_LAYOUT``). Another family takes a few lines, overriding only what differs;
-``examples/hf_custom_family.py`` adds IBM's Granite, whose embedding and logits are scaled::
+Mistral, Qwen2, Qwen3, Gemma, Phi-3, OLMo, StarCoder2 and others share (``LLAMA_LAYOUT``).
+Another family takes a few lines, overriding only what differs; ``examples/hf_custom_family.py``
+adds IBM's Granite, whose embedding and logits are scaled::
 
     class GraniteAdapter(Adapter):
         def embed_module(self, model):
@@ -47,9 +48,9 @@ import copy
 import functools
 import os
 import sys
+from collections.abc import Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -371,9 +372,10 @@ def _sliceable(base: str) -> str:
         return base  # routed already (the same model cut twice)
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = f"tawpipe+{base}"
-    if name not in AttentionInterface._global_mapping:
+    if name not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(name, functools.partial(_attention, base))
         if base in ALL_MASK_ATTENTION_FUNCTIONS:
             AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
@@ -419,6 +421,7 @@ def _attention(base: str, module: nn.Module, query: torch.Tensor, key: torch.Ten
     if slicing is None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        # "eager" is no entry of transformers' interface: each family's module has its own function
         eager = sys.modules[type(module).__module__].eager_attention_forward if base == "eager" else None
         return ALL_ATTENTION_FUNCTIONS.get_interface(base, eager)(module, query, key, value, attention_mask,
                                                                   scaling=scaling, dropout=dropout, **kwargs)
