@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -369,18 +370,25 @@ def test_train_defaults_choose_and_the_budget_is_a_flag(monkeypatch, capsys):
                     r"--reuse-weights yourself", refused(capsys, "train", "--memory-budget", "0.001"))
 
 
-def test_train_chunks_the_loss_where_the_logits_outweigh_a_layer():
+def test_train_chunks_the_loss_where_the_logits_outweigh_a_layer(tmp_path):
     """--loss auto (the default): plain for a small vocabulary, chunked for a LLaMA-sized one
-    (the paper's model: 32,000 against hidden 1,024), plain for a Hugging Face model (no chunked loss)."""
+    (the paper's model: 32,000 against hidden 1,024), a Hugging Face LLaMA's too; plain for a model
+    without a chunked loss (a head that scales its logits)."""
     from tawpipe.models import dims
 
     assert preflight.validate(TrainConfig()).schedule["loss"] == "plain"  # tiny: vocabulary 256, hidden 128
     assert preflight.validate(TrainConfig(loss="chunked")).schedule["loss"] == "chunked"  # as given
-    assert preflight._loss("preset", dims("paper", seq=8192)) == "chunked"
-    assert preflight._loss("preset", dims("7b", seq=512)) == "chunked"
-    assert preflight._loss("hf-dir", dims("paper", seq=8192)) == "plain"
+    assert preflight._loss(True, dims("paper", seq=8192)) == "chunked"
+    assert preflight._loss(True, dims("7b", seq=512)) == "chunked"
+    assert preflight._loss(False, dims("paper", seq=8192)) == "plain"
     # the byte corpus trains a built-in model with a vocabulary of 256: its logits are small
-    assert preflight._loss("preset", replace(dims("paper", seq=8192), vocab=256)) == "plain"
+    assert preflight._loss(True, replace(dims("paper", seq=8192), vocab=256)) == "plain"
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=32_000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4).save_pretrained(tmp_path / "hf")
+    np.save(tmp_path / "data.npy", np.arange(4096, dtype=np.uint32) * 7)
+    pre = preflight.validate(TrainConfig(model=str(tmp_path / "hf"), data=str(tmp_path / "data.npy"), seq_len=256))
+    assert pre.schedule["loss"] == "chunked"
 
 
 def test_train_chooses_the_memory_savers_with_recompute_auto():
