@@ -114,7 +114,7 @@ def test_hugging_face_context_parallelism_on_the_gpu_is_exact(tmp_path) -> None:
     losses and weights of transformers' own training on whole sequences, the K/V bytes counted."""
     pytest.importorskip("transformers")
     import hf_cases
-    from test_hf import VOCAB, _hf_names, _train_reference, small
+    from test_hf import VOCAB, assert_sliced_training_matches, small
     from transformers import LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(small(LlamaConfig, head_dim=16, tie_word_embeddings=False)).save_pretrained(tmp_path / "m")
@@ -122,13 +122,7 @@ def test_hugging_face_context_parallelism_on_the_gpu_is_exact(tmp_path) -> None:
     case = dict(dir=str(tmp_path / "m"), batches=list(zip(x, torch.randint(0, VOCAB, x.shape))), nodes=2, acc=2,
                 context_parallel=2, device="cuda:0", comm="gloo-staged", chunked_loss=True, recompute="layer")
     ranks = [r[0] for r in run_local(hf_cases.train_sliced, 4, [case], timeout=300)]
-    ref, ref_losses = _train_reference(case["dir"], case["batches"])
-    want = ref.state_dict()
-    for r in ranks:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-        assert r["exchanged"] == r["planned"] > 0
-    for n, p in _hf_names(ranks[0]["full"]).items():
-        assert rel_err(p, want[n]) <= 1e-4, (n, rel_err(p, want[n]))
+    assert_sliced_training_matches(case, ranks, None, "llama on cuda")
 
 
 def test_context_parallelism_on_the_gpu_is_exact() -> None:

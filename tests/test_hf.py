@@ -308,9 +308,14 @@ def test_context_parallel_training_equals_single_process_hf_on_whole_sequences(c
     ``tawpipe+sdpa`` (sliced on a slice, the model's own on whole sequences); the losses and the
     trained weights equal transformers' own training on whole sequences."""
     name, options = SLICED[i]
-    case = cluster["sliced_cases"][i]
-    ref, ref_losses = _train_reference(case["dir"], case["batches"], options.get("max_grad_norm"))
-    ranks = [r[i] for r in cluster["sliced"]]
+    assert_sliced_training_matches(cluster["sliced_cases"][i], [r[i] for r in cluster["sliced"]],
+                                   options.get("max_grad_norm"), name)
+
+
+def assert_sliced_training_matches(case: dict, ranks: list[dict], max_grad_norm: float | None, name: str) -> None:
+    """``hf_cases.train_sliced``'s results for ``case`` against transformers' own training on whole
+    sequences: every rank's losses, its K/V bytes against the cost model's, rank 0's weights."""
+    ref, ref_losses = _train_reference(case["dir"], case["batches"], max_grad_norm)
     for r in ranks:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         # the keys and values crossed the group (the sliced attention ran), as many bytes as the cost
