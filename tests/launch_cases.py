@@ -95,16 +95,16 @@ def _socket_addresses(pid: int) -> list[tuple[str, str]]:
     return out
 
 
-def long_job(rank: int, seconds: float) -> dict:
+def long_job(rank: int, seconds: float, launcher: int) -> dict:
     """All-reduce every 0.2 s for ``seconds`` (many times the per-wait timeout); report this
-    rank's and the launcher's TCP sockets."""
+    rank's and the launcher's (process ``launcher``) TCP sockets."""
     t0, n = time.monotonic(), 0
     while time.monotonic() - t0 < seconds:
         t = torch.ones(1)
         dist.all_reduce(t)
         n += 1
         time.sleep(0.2)
-    return {"rounds": n, "sockets": _socket_addresses(os.getpid()), "launcher": _socket_addresses(os.getppid())}
+    return {"rounds": n, "sockets": _socket_addresses(os.getpid()), "launcher": _socket_addresses(launcher)}
 
 
 def forever(rank: int, directory: str) -> None:
@@ -139,6 +139,16 @@ def random_tensors(rank: int, seed: int) -> dict:
             "layers": {f"p{i}": torch.randn(64, 64, generator=g).to(torch.float16 if i % 2 else torch.float32)
                        for i in range(20)},
             "view": torch.randn(100, generator=g)[10:20]}
+
+
+def inherited(rank: int, name: str, token: str) -> dict:
+    """Write ``token`` to stdout and stderr; report the environment variable ``name`` and this
+    rank's parent and grandparent."""
+    print(f"rank {rank} out {token}", flush=True)
+    print(f"rank {rank} err {token}", file=sys.stderr, flush=True)
+    parent = os.getppid()
+    stat = Path(f"/proc/{parent}/stat").read_text()
+    return {"env": os.environ.get(name), "parent": parent, "grandparent": int(stat.rsplit(")", 1)[1].split()[1])}
 
 
 def counts(rank: int, directory: str) -> dict:

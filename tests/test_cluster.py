@@ -460,8 +460,8 @@ def _fail(rank: int) -> None:
 
 
 def _our_children() -> list[int]:
-    """Child processes of this test process, except multiprocessing's resource tracker (started
-    once per process by run_local in other tests, and meant to outlive them)."""
+    """Child processes of this test process, except multiprocessing's resource tracker and fork
+    server (started once per process by run_local in other tests, and meant to outlive them)."""
     me = str(os.getpid())
     kids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -470,8 +470,9 @@ def _our_children() -> list[int]:
                 if f.read().rsplit(")", 1)[1].split()[1] != me:
                     continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"resource_tracker" not in f.read():
-                    kids.append(int(pid))
+                cmdline = f.read()
+            if not any(helper in cmdline for helper in (b"resource_tracker", b"forkserver")):
+                kids.append(int(pid))
         except (FileNotFoundError, IndexError, ProcessLookupError):
             pass
     return kids

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch_cases import (bar_then_killed, ends_at_start, freezes, late_stop, long_job, raises, random_tensors,
+from launch_cases import (bar_then_killed, ends_at_start, freezes, inherited, late_stop, long_job, raises, random_tensors,
                           train_then)
 from tawpipe.runtime import progress
 from tawpipe.io.checkpoint import PeerCheckpointError
@@ -123,7 +124,7 @@ def test_no_job_deadline_and_loopback_only(seconds) -> None:
     """A job lives as long as its waits succeed, far past its per-wait timeout (the old launcher
     killed every job at timeout + 60 s); every socket of the job is on loopback."""
     t0 = time.monotonic()
-    results = run_local(long_job, 2, seconds, timeout=1)
+    results = run_local(long_job, 2, seconds, os.getpid(), timeout=1)
     assert time.monotonic() - t0 > seconds
     loopback = ("0100007F:", "0000000000000000FFFF00000100007F:")
     for r in results:
@@ -330,6 +331,47 @@ def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def test_a_later_job_gets_the_environment_and_output_the_launcher_has_then(monkeypatch, tmp_path) -> None:
+    """The fork server that starts the workers outlives a job; it started with the first job's
+    environment and output. A later job's workers still see the launcher's environment and write
+    where the launcher's output goes now (here: files this test points its stdout and stderr to)."""
+    name = "TAWPIPE_TEST_INHERITED"
+    monkeypatch.delenv(name, raising=False)
+    first = run_local(inherited, 2, name, "first")
+    token = os.urandom(6).hex()
+    monkeypatch.setenv(name, token)
+    files = {fd: tmp_path / f"fd{fd}" for fd in (1, 2)}
+    saved = {fd: os.dup(fd) for fd in files}
+    try:
+        for fd, path in files.items():
+            with open(path, "wb") as f:
+                os.dup2(f.fileno(), fd)
+        later = run_local(inherited, 2, name, token)
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+    assert [r["env"] for r in first] == [None, None]
+    assert [r["env"] for r in later] == [token, token]
+    out, err = files[1].read_text(), files[2].read_text()
+    for rank in range(2):
+        assert f"rank {rank} out {token}" in out, out  # the ranks' lines may interleave
+        assert f"rank {rank} err {token}" in err, err
+    # forked by one server, shared by both jobs, whose parent is this process
+    servers = {r["parent"] for r in first + later}
+    assert len(servers) == 1 and {r["grandparent"] for r in first + later} == {os.getpid()}
+
+
+def test_a_job_launched_from_another_thread_spawns_its_workers() -> None:
+    """A parent's death signal follows the thread that started the child: a fork server started
+    by a thread that ends would take later jobs' workers with it, so another thread spawns."""
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(run_local(inherited, 2, "HOME", "thread")))
+    thread.start()
+    thread.join(timeout=120)
+    assert results and [r["parent"] for r in results[0]] == [os.getpid()] * 2
 
 
 def test_ranks_return_tensors() -> None:

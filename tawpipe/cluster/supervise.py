@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..runtime.launch import die_with_parent
+from ..runtime.workers import die_with_parent
 from . import cgroups, host
 from .cgroups import CpuQuota, cpu_controller
 from .counters import LINK_ENV, LinkBytes, node_link_bytes

@@ -1,6 +1,6 @@
 """Starting ranks: a local emulated cluster (processes + gloo on this machine) or torchrun.
 
-``run_local(fn, world_size, *args)`` spawns one process per rank, joins them with gloo over
+``run_local(fn, world_size, *args)`` starts one process per rank, joins them with gloo over
 loopback and returns every rank's return value, so tests and the default ``tawpipe train`` run
 a real multi-process job without a launcher. Under torchrun, ``init_distributed()`` reads the
 environment.
@@ -8,8 +8,10 @@ environment.
 A local job has no deadline: liveness is per wait (every wait of the engine times out after
 ``TAWPIPE_TIMEOUT`` seconds), so a job runs as long as it makes progress. It ends at its first
 failure, which it names: a rank that died ("rank 3 died (SIGKILL)"), a rank that raised, or, when
-a wait timed out, the rank the progress board (``tawpipe.runtime.progress``) shows stuck. Workers lead
-their own process groups and die with the launcher (PR_SET_PDEATHSIG). A worker's stderr notes
+a wait timed out, the rank the progress board (``tawpipe.runtime.progress``) shows stuck. Workers are
+forked by a server that imported torch once (``workers``, shared by the launcher's jobs; they
+get the launcher's environment and output as they are at each job's start), lead their own
+process groups and die with the launcher (PR_SET_PDEATHSIG, through the server). A worker's stderr notes
 whether it left a line open (a progress bar): the launcher ends that line before the job's end is
 told, so that the message starts a line of its own. The store and gloo bind to loopback only.
 Return values travel pickled to bytes by the standard pickler (tensors included: no shared memory
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import faulthandler
 import os
 import pickle
@@ -53,11 +54,11 @@ from typing import Any, Callable, TextIO
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from . import progress
 from .comm.base import CommTimeout
 from .timeout import default_timeout
+from .workers import Inherited, die_with_parent, start_context
 
 LOOPBACK = "127.0.0.1"
 _GRACE = 1.0  # after a first failure, how long to look for the rank that caused it
@@ -228,15 +229,6 @@ def _on_stop_signal(signum: int, _frame: Any) -> None:
     _stop_asked = True
 
 
-def die_with_parent(parent: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG), and exit now
-    if the parent is already gone."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _loopback_interface() -> str | None:
     return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
 
@@ -325,8 +317,9 @@ class _LineEnds:
 
 
 def _worker(rank: int, world_size: int, parent: int, port: int, timeout: float, board: Any, line_open: Any,
-            conn: Connection, fn: Callable, args: tuple) -> None:
+            launcher: Inherited, conn: Connection, fn: Callable, args: tuple) -> None:
     die_with_parent(parent)
+    launcher.restore()
     if sys.stderr is not None:
         sys.stderr = _LineEnds(sys.stderr, line_open)
     faulthandler.enable(all_threads=True)  # a native crash leaves every thread's Python stack in stderr
@@ -370,7 +363,7 @@ class _LocalJob:
 
     def __init__(self, world_size: int, timeout: float) -> None:
         self.world, self.timeout = world_size, timeout
-        self.ctx = mp.get_context("spawn")
+        self.ctx = start_context()
         self.board_buffer = self.ctx.RawArray("b", progress.Board.nbytes(world_size))
         self.board = progress.Board(self.board_buffer, world_size)
         self.line_open = self.ctx.RawValue("b", 0)  # a worker left a line open on stderr (``_LineEnds``)
@@ -392,7 +385,7 @@ class _LocalJob:
             p = self.ctx.Process(
                 target=_worker, name=f"tawpipe-rank{rank}",
                 args=(rank, self.world, os.getpid(), self.port, self.timeout, self.board_buffer, self.line_open,
-                      writer, fn, args),
+                      Inherited(), writer, fn, args),
             )
             p.start()
             writer.close()
