@@ -146,9 +146,9 @@ def inherited(rank: int, name: str, token: str) -> dict:
     rank's parent and grandparent."""
     print(f"rank {rank} out {token}", flush=True)
     print(f"rank {rank} err {token}", file=sys.stderr, flush=True)
-    parent = os.getppid()
-    stat = Path(f"/proc/{parent}/stat").read_text()
-    return {"env": os.environ.get(name), "parent": parent, "grandparent": int(stat.rsplit(")", 1)[1].split()[1])}
+    from tawpipe.runtime.workers import parent_of
+
+    return {"env": os.environ.get(name), "parent": os.getppid(), "grandparent": parent_of(os.getppid())}
 
 
 def counts(rank: int, directory: str) -> dict:

@@ -27,6 +27,7 @@ from tawpipe.bench.cluster import method, report
 from tawpipe.cluster import ClusterSpec, LinkBytes, command, host, netns
 from tawpipe.commands import UsageError
 from tawpipe.plan.topology import Topology
+from tawpipe.runtime.workers import parent_of
 from tawpipe.simulate.inputs import shape_dims
 
 
@@ -462,13 +463,11 @@ def _fail(rank: int) -> None:
 def _our_children() -> list[int]:
     """Child processes of this test process, except multiprocessing's resource tracker and fork
     server (started once per process by run_local in other tests, and meant to outlive them)."""
-    me = str(os.getpid())
     kids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[1] != me:
-                    continue
+            if parent_of(int(pid)) != os.getpid():
+                continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
             if not any(helper in cmdline for helper in (b"resource_tracker", b"forkserver")):

@@ -21,11 +21,11 @@ def die_with_parent(parent: int) -> None:
     workers are forked by a server that ends when its launcher does (``start_context``)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    if parent not in (os.getppid(), _parent_of(os.getppid())):
+    if parent not in (os.getppid(), parent_of(os.getppid())):
         os._exit(1)
 
 
-def _parent_of(pid: int) -> int | None:
+def parent_of(pid: int) -> int | None:
     """``pid``'s parent, from /proc (None where there is no /proc or ``pid`` is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -68,9 +68,6 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-_PRELOAD = ["tawpipe.runtime.fork_server"]
-
-
 def start_context() -> Any:
     """multiprocessing's fork server, which has imported torch once (``fork_server``), not spawn: a
     spawned worker is a new interpreter that imports torch again (2-3 s of CPU each: 4 ranks on 2
@@ -81,5 +78,5 @@ def start_context() -> Any:
     if "forkserver" not in mp.get_all_start_methods() or threading.current_thread() is not threading.main_thread():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(["tawpipe.runtime.fork_server"])
     return ctx
