@@ -151,6 +151,11 @@ def inherited(rank: int, name: str, token: str) -> dict:
     return {"env": os.environ.get(name), "parent": os.getppid(), "grandparent": parent_of(os.getppid())}
 
 
+def loaded(rank: int, names: list[str]) -> dict[str, bool]:
+    """Which of the modules ``names`` this rank had imported before it ran."""
+    return {name: name in sys.modules for name in names}
+
+
 def counts(rank: int, directory: str) -> dict:
     """All-reduce until asked to stop; every rank agrees on the iteration to stop at."""
     from tawpipe.runtime.launch import stop_requested

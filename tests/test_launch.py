@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch_cases import (bar_then_killed, ends_at_start, freezes, inherited, late_stop, long_job, raises, random_tensors,
-                          train_then)
+from launch_cases import (bar_then_killed, ends_at_start, freezes, inherited, late_stop, long_job, loaded, raises,
+                          random_tensors, train_then)
 from tawpipe.runtime import progress
 from tawpipe.io.checkpoint import PeerCheckpointError
 from tawpipe.runtime.comm.base import CommTimeout
@@ -372,6 +372,51 @@ def test_a_job_launched_from_another_thread_spawns_its_workers() -> None:
     thread.start()
     thread.join(timeout=120)
     assert results and [r["parent"] for r in results[0]] == [os.getpid()] * 2
+
+
+def test_workers_start_with_what_the_launcher_imported_already_imported(tmp_path) -> None:
+    """The fork server imports, once, the parts of tawpipe its launcher has (here the simulator's
+    map, which no worker's code imports) and torch._dynamo, which torch imports on a worker's first
+    optimizer step: each worker paid 1.7-2.5 s of CPU for it, 4 ranks on 2 cores 5 s a job."""
+    names = ["tawpipe.sim.atlas", "torch._dynamo"]
+    launcher = ("import json, sys, tawpipe.sim.atlas; from tawpipe.runtime.launch import run_local; "
+                "from launch_cases import loaded; print(json.dumps(run_local(loaded, 2, sys.argv[1:])))")
+    done = subprocess.run([sys.executable, "-c", launcher, *names], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)])))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [dict.fromkeys(names, True)] * 2
+
+
+def test_the_fork_servers_imports_make_no_cuda_call() -> None:
+    """Every worker is forked from the server, and a process forked from one that has initialised
+    the CUDA driver (torch.cuda.is_available() does, by asking the runtime for the device count)
+    cannot use CUDA. So importing all of tawpipe, as the server may, calls none of torch's CUDA
+    queries (checked by replacing them before the imports)."""
+    check = """
+import importlib, pkgutil, torch
+calls = []
+def spy(owner, name):
+    real = getattr(owner, name)
+    setattr(owner, name, lambda *a, **k: calls.append(name) or real(*a, **k))
+for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "get_device_properties",
+             "get_device_capability", "get_device_name", "is_bf16_supported", "mem_get_info"):
+    spy(torch.cuda, name)
+for name in ("_cuda_getDeviceCount", "_cuda_init", "_cuda_getDevice"):
+    if hasattr(torch._C, name):  # a CUDA build's
+        spy(torch._C, name)
+import tawpipe, tawpipe.runtime.fork_server
+for module in pkgutil.walk_packages(tawpipe.__path__, "tawpipe."):
+    if not module.name.endswith("__main__"):
+        try:
+            importlib.import_module(module.name)
+        except ImportError:  # an extension this build has not (tawpipe._nccl without NCCL)
+            pass
+assert not calls, calls
+print(len(calls), "calls")
+"""
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHONPATH=str(TESTS.parent)))
+    assert done.returncode == 0 and done.stdout.strip() == "0 calls", done.stdout + done.stderr
 
 
 def test_ranks_return_tensors() -> None:

@@ -69,14 +69,18 @@ def _is_open(fd: int) -> bool:
 
 
 def start_context() -> Any:
-    """multiprocessing's fork server, which has imported torch once (``fork_server``), not spawn: a
-    spawned worker is a new interpreter that imports torch again (2-3 s of CPU each: 4 ranks on 2
-    cores waited 10 s to start), which dominated short jobs and a test run of many. The server is
-    started by this process's first job and shared by its later ones. Only the main thread starts
-    it: a parent's death signal follows the thread that started the child, and a server that died
-    with a finished thread would take later jobs' workers with it."""
+    """multiprocessing's fork server, which has imported torch once (``fork_server``) and the parts
+    of tawpipe this process has imported, not spawn: a spawned worker is a new interpreter that
+    imports torch again (2-3 s of CPU each: 4 ranks on 2 cores waited 10 s to start), which
+    dominated short jobs and a test run of many. The server is started by this process's first job
+    and shared by its later ones. Only the main thread starts it: a parent's death signal follows
+    the thread that started the child, and a server that died with a finished thread would take
+    later jobs' workers with it."""
     if "forkserver" not in mp.get_all_start_methods() or threading.current_thread() is not threading.main_thread():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tawpipe.runtime.fork_server"])
+    # what this process has of tawpipe is what its workers run (the engine, a model, the training
+    # loop), which each of them would import again
+    ours = sorted(name for name in sys.modules if name.startswith("tawpipe."))
+    ctx.set_forkserver_preload(["tawpipe.runtime.fork_server", *ours])
     return ctx
