@@ -112,6 +112,13 @@ needs_netns = pytest.mark.skipif(cl.unavailable_reason(ClusterSpec(1, 1)) is not
 SPIN_S = 1.5
 
 
+def _throttled_s(cgroup: str) -> float:
+    """How long the kernel has held ``cgroup`` back for its quota (cgroup v1 or v2)."""
+    with open(os.path.join(cgroup, "cpu.stat")) as f:
+        stat = dict(line.split() for line in f)
+    return int(stat["throttled_time"]) / 1e9 if "throttled_time" in stat else int(stat["throttled_usec"]) / 1e6
+
+
 def _spin_or_sleep(rank: int) -> dict:
     """Rank 0 sleeps, the others spin: each reports the CPU seconds it got in SPIN_S of wall time."""
     import torch.distributed as dist
@@ -135,6 +142,11 @@ def test_a_rank_gets_its_quota_and_not_the_idle_ranks_time():
     with cl.Cluster(s) as c:
         assert os.path.isdir(os.path.join(controller[0], s.run_id, "r1"))
         out = c.run(_spin_or_sleep, timeout=120)
+        # the quota holds the rank's work only: rank 0 only slept, and its start and its exit (seconds
+        # of CPU for the interpreter and torch, four times that in wall time at a quarter core) are not
+        # a device's work
+        held = _throttled_s(os.path.join(controller[0], s.run_id, "r0"))
+    assert held < 0.5, f"the quota held back a rank that only slept for {held:.1f} s: its start ran under it"
     assert not os.path.exists(os.path.join(controller[0], s.run_id)), "the cgroups outlived the cluster"
     spun = out[1]["cpu_s"] / SPIN_S
     assert 0.15 < spun < 0.33, f"a rank with a quota of 0.25 core got {spun:.2f} core while the other slept"

@@ -31,9 +31,11 @@ def cpu_controller(roots: Sequence[str] = CGROUP_ROOTS) -> tuple[str, int] | Non
 class CpuQuota:
     """One cgroup per rank, ``<root>/<run id>/r<rank>``, limited to ``spec.rank_cpus`` cores.
 
-    A rank's process joins its cgroup before it execs (its pid into ``procs_file``), so
-    everything the rank runs, gloo's threads included, shares the quota, as a GPU's compute
-    and its copy engines share one device's time."""
+    A rank's process joins its cgroup (its pid into ``procs_file``) before it runs anything of its
+    own: a command before it execs, a Python worker once it has imported what it runs (a device's
+    time starts with its work, not with an interpreter's start, which took 10-16 s at a quarter
+    core). Everything the rank runs from then on, gloo's threads included, shares the quota, as a
+    GPU's compute and its copy engines share one device's time."""
 
     def __init__(self, spec: ClusterSpec, controller: tuple[str, int]) -> None:
         self.spec = spec
@@ -66,9 +68,16 @@ class CpuQuota:
         return remove_cgroups([self.base])
 
 
-def join(procs_file: str) -> None:
-    """Move this process into the cgroup of ``procs_file`` (``CpuQuota.procs_file``)."""
-    _write(procs_file, str(os.getpid()))
+def join(procs: str | int) -> None:
+    """Move this process into a rank's cgroup: ``procs`` is its ``CpuQuota.procs_file``, or a
+    descriptor open on it, which this closes (inside ``ip netns exec``, /sys has no cgroups)."""
+    if isinstance(procs, str):
+        _write(procs, str(os.getpid()))
+        return
+    try:
+        os.write(procs, str(os.getpid()).encode())
+    finally:
+        os.close(procs)
 
 
 def _write(path: str, value: str) -> None:
