@@ -219,7 +219,7 @@ class TawPipe:
         self._check_loaded_shards_agree()
         self._state = state
         try:
-            self.executor.run(self.plan.actions[self.rank], self._work)
+            self.executor.run(self.plan.actions[self.rank], self._work, traced=True)
         except BaseException as e:
             self._failure = e
             self.executor.close()  # queued work refers to this step's buffers: stop the channels

@@ -70,16 +70,25 @@ class Executor:
                  rank: int = 0) -> None:
         self.plan, self.timeout, self.device, self.overlap, self.rank = plan, timeout, device, overlap, rank
         self.channels = {name: ChannelQueue(name, timeout, device) for name in QUEUES}
-        # TAWPIPE_TRACE=DIR: every unit's host start and end, written as DIR/trace_rank<r>.json
-        # (Chrome trace format, one row per channel) when the executor closes
-        self._trace_dir = os.environ.get("TAWPIPE_TRACE")
-        self._trace: list[tuple[str, str, Handle]] = []
+        self._trace_dir = os.environ.get("TAWPIPE_TRACE")  # see ``run``
 
-    def run(self, actions: Sequence[Action], work: Work) -> None:
+    def run(self, actions: Sequence[Action], work: Work, traced: bool = False) -> None:
         """Execute ``actions``; ``work(unit)`` returns the callable that performs one unit.
 
         Returns when every unit has finished, so nothing of this list is in flight afterwards.
+        ``traced``, under TAWPIPE_TRACE=DIR: each unit's host start and end go to
+        DIR/trace_rank<r>.json (Chrome trace format, one row per channel) as the run ends or fails,
+        in place of the last traced run's. The engine traces its steps: the file is the last one,
+        and a run's trace is dropped with it (a trace of every run grew for as long as a job ran).
         """
+        trace: list[tuple[str, str, Handle]] | None = [] if traced and self._trace_dir else None
+        try:
+            self._run(actions, work, trace)
+        finally:
+            if trace:
+                self._write_trace(trace)
+
+    def _run(self, actions: Sequence[Action], work: Work, trace: list[tuple[str, str, Handle]] | None) -> None:
         hazards: Hazards[Handle] = Hazards()
         issued: list[Handle] = []
         for unit in batches(actions):
@@ -108,8 +117,8 @@ class Executor:
                     self._wait(handle)
             for reads, writes in rw:
                 hazards.record(handle, reads, writes)
-            if self._trace_dir:
-                self._trace.append((channel, label, handle))
+            if trace is not None:
+                trace.append((channel, label, handle))
         for h in issued:
             self._wait(h)
         progress.publish(progress.OUTSIDE)
@@ -161,17 +170,19 @@ class Executor:
     def close(self) -> None:
         for ch in self.channels.values():
             ch.close()
-        if self._trace_dir and self._trace:
-            self._write_trace()
 
-    def _write_trace(self) -> None:
-        t0 = min(h.start for _, _, h in self._trace if h.start)
+    def _write_trace(self, trace: list[tuple[str, str, Handle]]) -> None:
+        started = [(channel, label, h) for channel, label, h in trace if h.start]
+        if not started:
+            return
+        t0 = min(h.start for _, _, h in started)
         events = [{"name": label, "ph": "X", "pid": self.rank, "tid": channel, "ts": (h.start - t0) * 1e6,
-                   "dur": max(h.end - h.start, 0.0) * 1e6} for channel, label, h in self._trace if h.start]
+                   "dur": max(h.end - h.start, 0.0) * 1e6} for channel, label, h in started]
         os.makedirs(self._trace_dir, exist_ok=True)
-        with open(os.path.join(self._trace_dir, f"trace_rank{self.rank}.json"), "w") as f:
+        path = os.path.join(self._trace_dir, f"trace_rank{self.rank}.json")
+        with open(path + ".part", "w") as f:
             json.dump({"traceEvents": events}, f)
-        self._trace.clear()
+        os.replace(path + ".part", path)
 
 
 def _when_ready(deps: Sequence[Handle], label: str, start: Callable[[Handle], None]) -> Handle:
