@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import statistics
 import sys
@@ -59,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from tawpipe.atomic import write_atomic
 from tawpipe.bench import DEFAULT_OUT, provenance
 from tawpipe.bench.baselines import RunConfig, update_error
 from tawpipe.cost.memory import Savers, memory_per_rank
@@ -498,9 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     label = "cpu" if args.device == "cpu" else name.lower().replace("nvidia ", "").replace(" ", "_")
     path = out / f"memory_bench_{label}{'_small' if args.small else ''}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(result, indent=1))
     print(table(result))
     print(f"wrote {path}")
     return 0 if all(ok for checks in result["checks"].values() for ok in checks.values()) else 1

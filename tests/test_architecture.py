@@ -19,7 +19,7 @@ PACKAGE = ROOT / "tawpipe"
 
 # Design §1, bottom to top. A module may import its own unit and the units on lower floors.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("version", "lazy", "_C", "_nccl"),
+    ("version", "lazy", "atomic", "_C", "_nccl"),
     ("ops",),
     ("models",),
     ("plan",),

@@ -279,7 +279,8 @@ def test_save_atomic_removes_what_crashed_writes_left_and_only_that(tmp_path) ->
     left = [p.name for p in tmp_path.glob(".tmp-*")]
     assert len(left) == 1 and not (tmp_path / "a.pt").exists()
     # temporary files of writers that may still be writing: this process, another host, an unknown name
-    alive = [f".tmp-{checkpoint._HOST}-{os.getpid()}-0123.pt", ".tmp-otherhost-1-0123.pt", ".tmp-0123abcd.pt"]
+    host = left[0][len(".tmp-"):].rsplit("-", 2)[0]  # the crashed writer's, which is this host
+    alive = [f".tmp-{host}-{os.getpid()}-0123.pt", ".tmp-otherhost-1-0123.pt", ".tmp-0123abcd.pt"]
     for name in alive:
         (tmp_path / name).write_bytes(b"x")
     obj = _object()

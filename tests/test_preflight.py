@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tawpipe import cli, models
+from tawpipe import atomic, cli, models
 from tawpipe.cost.memory import Savers, rank_memory
 from tawpipe.io import checkpoint
 from tawpipe.io import safetensors as st_io
@@ -325,7 +325,7 @@ def test_exported_files_follow_the_umask_like_checkpoint_shards(tmp_path, umask)
     old = os.umask(umask)
     try:
         st_io._write(tmp_path / "model.safetensors", {"a": torch.ones(3)}, torch.float32)
-        checkpoint.write_atomic(tmp_path / "index.json", lambda f: f.write(b"{}"), ".json")  # how the index is written
+        atomic.write_atomic(tmp_path / "index.json", "{}", ".json")  # how the index is written
         checkpoint.save_atomic({"a": 1}, tmp_path / "shard.pt")
     finally:
         os.umask(old)
@@ -382,14 +382,14 @@ def test_the_skipped_step_check():
 
 def _full_disk(monkeypatch, after: int = 1000) -> None:
     """The checkpoint writer's file fails as a full disk does, after ``after`` bytes."""
-    write = checkpoint._Hashing.write
+    write = atomic._Hashing.write
 
     def full(self, data):
         if self.size + len(data) > after:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write(self, data)
 
-    monkeypatch.setattr(checkpoint._Hashing, "write", full)
+    monkeypatch.setattr(atomic._Hashing, "write", full)
 
 
 def test_a_full_disk_while_saving_is_named_in_one_line(tmp_path, monkeypatch):

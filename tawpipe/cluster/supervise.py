@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
+from ..atomic import write_atomic
 from ..runtime.workers import die_with_parent
 from . import cgroups, host
 from .cgroups import CpuQuota, cpu_controller
@@ -316,10 +317,7 @@ def _work(task_path: str, rank: int, procs_fd: int) -> int:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        part = os.path.join(out, f"result{rank}.json.part")
-        with open(part, "w") as f:
-            json.dump(value, f)
-        os.replace(part, os.path.join(out, f"result{rank}.json"))
+        write_atomic(os.path.join(out, f"result{rank}.json"), json.dumps(value))
         return 0
     except BaseException:  # noqa: BLE001 - reported to the launcher
         with open(os.path.join(out, f"error{rank}.txt"), "w") as f:

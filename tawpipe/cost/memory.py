@@ -30,9 +30,10 @@ from .units import decimal, gib
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank. ``activations`` = saved chunk inputs (exact) + the recompute working set of
-    one chunk for one micro-batch (estimated, see ``working_set_bytes``). ``host``: what the memory
-    savers keep in host memory instead (``Savers``); not part of ``total``, the device's."""
+    """Bytes per rank. ``activations``: what the forwards keep on the device for their backwards
+    (exact) plus the backward's working set for one micro-batch (estimated, ``working_set_bytes``),
+    both as the memory savers run (``Savers.activations``). ``host``: what the savers keep in host
+    memory instead; not part of ``total``, the device's."""
 
     persistent: float  # float32 master, two AdamW moments, float32 gradient accumulator
     staging: float  # the plan's weight and gradient buffers

@@ -34,15 +34,15 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..atomic import remove_temporary, write_atomic
 from ..version import __version__
 
 if TYPE_CHECKING:
@@ -50,8 +50,6 @@ if TYPE_CHECKING:
 
 FORMAT = "tawpipe-checkpoint/1"
 MANIFEST = "manifest.json"
-_TMP = ".tmp-"
-_HOST = "".join(c if c.isalnum() or c == "." else "_" for c in socket.gethostname()) or "host"
 CHECKED = "tawpipe-checked/1"  # save_atomic's file: {CHECKED: 1, "sha256": ..., "object": ...}
 
 
@@ -65,59 +63,11 @@ class PeerCheckpointError(CheckpointError):
     about_a_peer = True  # tawpipe.runtime.launch then names the other rank's error first
 
 
-class _Hashing:
-    """A write-only file that hashes what passes through it."""
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-
-    def write(self, data: bytes) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None], suffix: str) -> tuple[str, int]:
-    """Write ``path`` through a temporary file in its directory (mode 0o666 less the umask), fsync,
-    rename: a crash leaves the old file or the new one. Returns the SHA-256 and size written."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    # the writer's host and pid in the name: a later save_atomic can tell a crashed write's file
-    tmp = os.path.join(directory, f"{_TMP}{_HOST}-{os.getpid()}-{secrets.token_hex(8)}{suffix}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as the umask allows, like open()
-    try:
-        with os.fdopen(fd, "wb") as f:
-            out = _Hashing(f)
-            write(out)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power loss
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return out.sha.hexdigest(), out.size
-
-
 def save_atomic(obj: Any, path: str | os.PathLike[str]) -> str:
-    """Write to a temporary file in the same directory, fsync, then rename over `path`, so a
-    crash leaves either the old file or the new one, never a torn one. Returns its SHA-256.
+    """Write ``obj`` to ``path`` atomically (``tawpipe.atomic``: a crash leaves either the old file
+    or the new one, never a torn one). Returns its SHA-256.
 
-    The file holds ``obj`` with the SHA-256 of its content, which ``load`` checks (and unwraps).
-    Temporary files that writes on this host which have since died left in the directory are
-    removed first."""
-    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
-    if os.path.isdir(directory):
-        _remove_temporary([Path(directory)], only_dead_writers=True)
+    The file holds ``obj`` with the SHA-256 of its content, which ``load`` checks (and unwraps)."""
     checked = {CHECKED: 1, "sha256": content_sha256(obj), "object": obj}
     return write_atomic(path, lambda f: torch.save(checked, f), ".pt")[0]
 
@@ -286,39 +236,10 @@ def check_model(manifest: dict[str, Any], signature: dict[str, Any], where: str 
         raise CheckpointError(f"checkpoint {where} is of a different model: {diff}")
 
 
-def _writer_is_gone(tmp: Path) -> bool:
-    """Whether the write that made temporary file ``tmp`` has died: its name holds the writer's
-    host and pid (``write_atomic``); a writer on another host, or a name without them, counts as
-    alive (its file stays)."""
-    try:
-        host, pid, _ = tmp.name[len(_TMP):].rsplit("-", 2)
-        pid_number = int(pid)
-    except ValueError:
-        return False
-    if host != _HOST or pid_number == os.getpid():
-        return False
-    try:
-        os.kill(pid_number, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # another user's process: alive
-        return False
-    return False
-
-
-def _remove_temporary(directories: list[Path], *, only_dead_writers: bool) -> None:
-    """Remove the temporary files (``.tmp-*``) of writes that crashed in ``directories``: all of them
-    (nothing of this job writes there now), or only those whose writer is gone (others may be writing)."""
-    for d in directories:
-        for tmp in d.glob(f"{_TMP}*"):
-            if not only_dead_writers or _writer_is_gone(tmp):
-                tmp.unlink(missing_ok=True)
-
-
 def _remove_stale(root: Path, step: Path) -> None:
     """Temporary files of saves that crashed, and the manifest of the step about to be rewritten
     (until the new one lands, the directory is incomplete)."""
-    _remove_temporary([root, *root.glob("step-*")], only_dead_writers=False)
+    remove_temporary([root, *root.glob("step-*")], only_dead_writers=False)
     (step / MANIFEST).unlink(missing_ok=True)
 
 

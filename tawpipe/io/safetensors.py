@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..models.weights import INDEX, SINGLE, shard_names
-from .checkpoint import write_atomic
+from ..atomic import write_atomic
 
 if TYPE_CHECKING:
     from ..engine.engine import TawPipe
@@ -66,7 +66,7 @@ def save_sharded(engine: TawPipe, directory: str | os.PathLike[str], checkpoint_
         weight_map[checkpoint_name(n)] = files[-1]
         total += p.numel() * item
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_atomic(directory / INDEX, lambda f: f.write((json.dumps(index, indent=2) + "\n").encode()), ".json")
+    write_atomic(directory / INDEX, json.dumps(index, indent=2) + "\n", ".json")
     # Weights of an earlier save: transformers would read a stale model.safetensors before the index.
     for stale in [directory / SINGLE, *directory.glob("model-*-of-*.safetensors")]:
         if stale.name not in files and stale.exists():
@@ -79,4 +79,4 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> 
     # Own copies: the engine's parameters are views of one flat buffer, which safetensors refuses.
     data = {n: t.detach().to("cpu", dtype, copy=True).contiguous() for n, t in tensors.items()}
     blob = save(data, metadata={"format": "pt"})
-    write_atomic(path, lambda f: f.write(blob), ".safetensors")
+    write_atomic(path, blob, ".safetensors")

@@ -79,7 +79,7 @@ class LlamaConfig:
     def from_dims(cls, dims: ModelDims, **overrides: Any) -> LlamaConfig:
         """The built-in model of the shape ``dims``, sized for ``dims.seq`` tokens."""
         return cls(**{**dict(vocab_size=dims.vocab, hidden=dims.hidden, n_layers=dims.layers, n_heads=dims.heads,
-                             n_kv_heads=dims.kv_heads or dims.heads, ffn_hidden=dims.ffn, max_seq_len=dims.seq,
+                             n_kv_heads=dims.kv_groups, ffn_hidden=dims.ffn, max_seq_len=dims.seq,
                              tie_embeddings=dims.tied),
                       **overrides})
 

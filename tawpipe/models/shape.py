@@ -42,7 +42,7 @@ class ModelDims:
             elif not (value is None and f.name in ("kv_heads", "ffn", "head_dim")) and (
                     not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be a whole number, got {value!r}")
-        kv = self.heads if self.kv_heads is None else self.kv_heads
+        kv = self.kv_groups
         if min(self.hidden, self.layers, self.heads, kv, self.vocab, self.seq, self.micro_batch,
                self.dtype_bytes, self.grad_bytes, self.ffn or 1, self.head_dim or 1) < 1:
             raise ValueError(f"every dimension must be >= 1: {self}")
@@ -55,14 +55,24 @@ class ModelDims:
         return self.ffn if self.ffn is not None else 32 * -(-8 * self.hidden // 96)  # 32 * ceil((8H/3) / 32)
 
     @property
+    def head_size(self) -> int:
+        """Width of one head: ``head_dim`` where the config sets it, else H / heads."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def kv_groups(self) -> int:
+        """Key/value heads: ``kv_heads``, or one per query head (multi-head attention)."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
     def q_dim(self) -> int:
         """Width of the queries (and of the attention output): heads x head size."""
-        return self.heads * (self.head_dim if self.head_dim is not None else self.hidden // self.heads)
+        return self.heads * self.head_size
 
     @property
     def kv_dim(self) -> int:
         """Width of the keys (and of the values): key/value heads x head size."""
-        return self.q_dim // self.heads * (self.heads if self.kv_heads is None else self.kv_heads)
+        return self.kv_groups * self.head_size
 
     @property
     def layer_numel(self) -> int:

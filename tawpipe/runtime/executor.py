@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..atomic import write_atomic
 from ..plan.actions import OPS, QUEUES, Action, Channel, Hazards, batches, describe
 from ..plan.plan import Plan
 from . import progress
@@ -178,11 +179,7 @@ class Executor:
         t0 = min(h.start for _, _, h in started)
         events = [{"name": label, "ph": "X", "pid": self.rank, "tid": channel, "ts": (h.start - t0) * 1e6,
                    "dur": max(h.end - h.start, 0.0) * 1e6} for channel, label, h in started]
-        os.makedirs(self._trace_dir, exist_ok=True)
-        path = os.path.join(self._trace_dir, f"trace_rank{self.rank}.json")
-        with open(path + ".part", "w") as f:
-            json.dump({"traceEvents": events}, f)
-        os.replace(path + ".part", path)
+        write_atomic(os.path.join(self._trace_dir, f"trace_rank{self.rank}.json"), json.dumps({"traceEvents": events}))
 
 
 def _when_ready(deps: Sequence[Handle], label: str, start: Callable[[Handle], None]) -> Handle:

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, as_completed
@@ -55,6 +54,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_atomic
 from ..cost.memory import MemoryEstimate, Savers, host_bytes, savers_ladder, staging_buffers
 from ..cost.traffic import context_bytes, plan_traffic
 from ..plan.actions import OPS, Channel, batches
@@ -467,9 +467,7 @@ def _group_rows(grid: Grid, nodes: int, name: str, progress: Callable[[dict], No
                                               "stats": cell_stats, "searched_seconds": earlier if kept else played,
                                               "seconds": earlier + played}, default=str))
                 if saved:
-                    part = saved.with_suffix(".part")
-                    part.write_text(json.dumps(cell))
-                    os.replace(part, saved)
+                    write_atomic(saved, json.dumps(cell), ".part")
             rows.append(cell["row"])
             _add_stats(stats, cell["stats"])
             group = f"{nodes}x{grid.per_node} {name}"

@@ -46,7 +46,7 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
     try:
         t, h, f = dims.seq * dims.micro_batch, dims.hidden, dims.ffn_hidden
         heads = dims.heads
-        q, k, v = (torch.randn(dims.micro_batch, heads, dims.seq, dims.q_dim // heads, device=dev, dtype=dtype,
+        q, k, v = (torch.randn(dims.micro_batch, heads, dims.seq, dims.head_size, device=dev, dtype=dtype,
                                requires_grad=True) for _ in range(3))
         n = 1 << 24  # 64 MB per tensor: well beyond the caches
         p = torch.nn.Parameter(torch.randn(n, device=dev))

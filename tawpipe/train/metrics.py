@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..atomic import write_atomic
+
 
 def peak_host_bytes() -> int:
     """This process's peak resident set size, in bytes."""
@@ -108,15 +110,7 @@ def truncate_after(path: str | os.PathLike[str], step: int) -> int:
             and _step_of(line) <= step]
     if keep == lines:
         return 0
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, "".join(keep))
     return len(lines) - len(keep)
 
 

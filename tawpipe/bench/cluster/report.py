@@ -9,6 +9,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
+from ...atomic import write_atomic
 from ...cost.traffic import crossover_tokens
 from ...simulate.inputs import shape_dims
 from ..baselines import RunConfig
@@ -147,12 +148,8 @@ def write_results(result: dict[str, Any], out: str) -> str:
         result["crossovers"] = sweep_crossovers(result)
     result["notes"] = _notes(result)
     md = markdown(result)
-    os.makedirs(out, exist_ok=True)
     for name, text in (("cluster.json", json.dumps(result, indent=1)), ("cluster.md", md)):
-        part = os.path.join(out, f"{name}.part")
-        with open(part, "w") as f:
-            f.write(text)
-        os.replace(part, os.path.join(out, name))
+        write_atomic(os.path.join(out, name), text)
     return md
 
 
