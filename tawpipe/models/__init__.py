@@ -2,7 +2,7 @@
 
 * ``tawpipe.models.shape``: ``ModelDims``, the one model-shape type of the plan, the cost model
   and the simulator; ``tawpipe.models.presets``: the built-in models by name;
-* ``tawpipe.models.spec``: ``check``, ``dims``, ``load`` and ``meta_model`` of a ``--model``;
+* ``tawpipe.models.spec``: ``check``, ``dims``, ``hf_config``, ``load`` and ``meta_model`` of a ``--model``;
 * ``tawpipe.models.llama``: the built-in LLaMA-style decoder;
 * ``tawpipe.models.hf``: Hugging Face ``transformers`` decoders (optional dependency);
 * ``tawpipe.models.parts``: :class:`ModelParts`, what both hand to the engine.
@@ -23,13 +23,13 @@ if TYPE_CHECKING:
     from .parts import ModelParts
     from .presets import PRESETS
     from .shape import ModelDims
-    from .spec import check, check_weights, dims, load, meta_model
+    from .spec import check, check_weights, dims, hf_config, load, meta_model
 
 _NAMES = {  # public name: the module of this package that defines it
     "PRESETS": f"{__name__}.presets",
     "ModelDims": f"{__name__}.shape",
     "ModelParts": f"{__name__}.parts",
-    **dict.fromkeys(("check", "check_weights", "dims", "load", "meta_model"), f"{__name__}.spec"),
+    **dict.fromkeys(("check", "check_weights", "dims", "hf_config", "load", "meta_model"), f"{__name__}.spec"),
     **dict.fromkeys(("Block", "Llama", "LlamaConfig", "block_forward", "block_numel", "embed_head_numel",
                      "llama_loss", "llama_parts", "num_params"), f"{__name__}.llama"),
 }

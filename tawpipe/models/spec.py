@@ -17,6 +17,7 @@ from .shape import ModelDims, from_hf_config
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PretrainedConfig
 
     from .llama import LlamaConfig
     from .parts import ModelParts
@@ -105,11 +106,11 @@ def meta_model(spec: str, *, layers: int | None = None, vocab_size: int | None =
 
     kind = check(spec)
     if kind in ("hf-dir", "hf-json"):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         from tawpipe.models.hf import adapter_for
 
-        config = AutoConfig.from_pretrained(Path(spec) / "config.json" if kind == "hf-dir" else spec)
+        config = hf_config(spec)
         adapter = adapter_for(config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -163,13 +164,21 @@ def _llama_config(doc: dict, path: Path) -> LlamaConfig:
         raise ValueError(f"--model {path}: {e}") from None
 
 
-def _hf_config(path: Path) -> None:
+def hf_config(spec: str | Path) -> PretrainedConfig:
+    """The Hugging Face config of the model ``spec`` names: a ``save_pretrained`` directory's
+    config.json, or the file itself; ValueError where transformers is not installed."""
+    path = Path(spec)
     try:
         from transformers import AutoConfig
     except ImportError:
         raise ValueError(f"--model {path} is a Hugging Face model: pip install 'tawpipe[hf]' "
                          "(transformers and safetensors)") from None
+    return AutoConfig.from_pretrained(path / "config.json" if path.is_dir() else path)
+
+
+def _hf_config(path: Path) -> None:
+    """Whether tawpipe can train the Hugging Face model of config ``path``: ValueError if not."""
     from tawpipe.models.hf import adapter_for
 
-    config = AutoConfig.from_pretrained(path)
+    config = hf_config(path)
     adapter_for(config).attention_kind(config)

@@ -299,12 +299,9 @@ def _check_context(cfg: TrainConfig, topology: Topology, kind: str) -> None:
     if c == 1:
         return
     if kind.startswith("hf"):
-        from transformers import AutoConfig
-
         from ..models.hf import context_parallel_refusal
 
-        why = context_parallel_refusal(AutoConfig.from_pretrained(Path(cfg.model, "config.json") if kind == "hf-dir"
-                                                                  else cfg.model))
+        why = context_parallel_refusal(models.hf_config(cfg.model))
         if why is not None:
             raise ValueError(f"--context-parallel {c}: this model cannot attend from a slice of the sequence: {why}; "
                              "train it with --context-parallel 1")
