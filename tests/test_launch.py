@@ -387,6 +387,56 @@ def test_workers_start_with_what_the_launcher_imported_already_imported(tmp_path
     assert json.loads(done.stdout.splitlines()[-1]) == [dict.fromkeys(names, True)] * 2
 
 
+def test_a_server_started_early_serves_the_first_job(tmp_path) -> None:
+    """``start_server`` (``tawpipe train`` calls it before its checks, 2-2.5 s of a 16 s quick
+    start) starts the fork server that the launcher's first job then forks its workers from: no
+    second server, and the workers have what the launcher had imported when it started."""
+    launcher = ("import json, sys, pathlib, tawpipe.sim.atlas; from tawpipe.runtime import workers; "
+                "from tawpipe.runtime.launch import run_local; from launch_cases import inherited, loaded\n"
+                "workers.start_server()\n"
+                "def servers():\n"
+                "    kids = pathlib.Path(f'/proc/self/task/{__import__(\"os\").getpid()}/children').read_text().split()\n"
+                "    return [int(k) for k in kids if b'forkserver' in pathlib.Path(f'/proc/{k}/cmdline').read_bytes()]\n"
+                "before = servers()\n"
+                "jobs = run_local(inherited, 2, 'X', 'token'), run_local(loaded, 2, ['tawpipe.sim.atlas'])\n"
+                "print(json.dumps({'before': before, 'after': servers(), 'parents': [r['parent'] for r in jobs[0]],"
+                " 'loaded': jobs[1]}))")
+    done = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)])))
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert len(got["before"]) == 1 and got["after"] == got["before"] == got["parents"][:1] == got["parents"][1:]
+    assert got["loaded"] == [{"tawpipe.sim.atlas": True}] * 2
+
+
+def test_a_launcher_that_ends_while_its_server_imports_leaves_no_process() -> None:
+    """A run refused after ``start_server`` ends while the server is still importing torch (about
+    4 s of CPU): the server dies with it at once, not after its imports."""
+    mark = f"TAWPIPE_TEST_MARK={os.getpid()}-{time.monotonic_ns()}"
+    launcher = "import os; from tawpipe.runtime import workers; workers.start_server(); os._exit(2)"
+    done = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(TESTS.parent), TAWPIPE_TEST_MARK=mark.split("=")[1]))
+    assert done.returncode == 2, done.stderr
+
+    def marked() -> list[int]:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and mark.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                    found.append(int(proc.name))
+            except OSError:  # gone meanwhile
+                pass
+        return found
+
+    deadline = time.monotonic() + 1.0
+    while marked() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = marked()
+    for pid in left:  # not to leave them running if this fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"the server outlived its launcher: {left}"
+
+
 def test_the_fork_servers_imports_make_no_cuda_call() -> None:
     """Every worker is forked from the server, and a process forked from one that has initialised
     the CUDA driver (torch.cuda.is_available() does, by asking the runtime for the device count)

@@ -9,14 +9,18 @@ Nothing imported here may touch CUDA (``tests/test_launch.py`` checks): a proces
 one that has initialised the CUDA driver cannot use it, and every worker is forked from this one.
 
 The server outlives a job: the launcher's later jobs fork from it too. Each worker dies with the
-server (``workers.die_with_parent``), so a launcher killed outright leaves no process behind.
+server (``workers.die_with_parent``), so a launcher killed outright leaves no process behind. The
+server dies with the launcher from before its first import of torch, so a launcher that ends while
+the server is still importing (a run its checks refused, ``workers.start_server``) leaves nothing
+running either.
 """
 
 import os
 
-import torch._dynamo  # noqa: F401 - see above
-
-from . import launch  # noqa: F401 - imported here once for every worker (torch with it)
-from .workers import die_with_parent
+from .workers import die_with_parent  # torch-free
 
 die_with_parent(os.getppid())  # the launcher
+
+import torch._dynamo  # noqa: E402,F401 - see above
+
+from . import launch  # noqa: E402,F401 - imported here once for every worker (torch with it)

@@ -12,8 +12,6 @@ import threading
 from multiprocessing import reduction
 from typing import Any
 
-import torch.multiprocessing as mp
-
 
 def die_with_parent(parent: int) -> None:
     """Ask Linux to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG), and exit now
@@ -76,6 +74,8 @@ def start_context() -> Any:
     and shared by its later ones. Only the main thread starts it: a parent's death signal follows
     the thread that started the child, and a server that died with a finished thread would take
     later jobs' workers with it."""
+    import torch.multiprocessing as mp  # here: the fork server imports this module first, torch after
+
     if "forkserver" not in mp.get_all_start_methods() or threading.current_thread() is not threading.main_thread():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -84,3 +84,15 @@ def start_context() -> Any:
     ours = sorted(name for name in sys.modules if name.startswith("tawpipe."))
     ctx.set_forkserver_preload(["tawpipe.runtime.fork_server", *ours])
     return ctx
+
+
+def start_server() -> None:
+    """Start the fork server now, with what this process has imported so far, so that its imports
+    (torch's, 4-5 s of CPU) overlap what this process does before its first job (``tawpipe
+    train``'s checks) instead of following it. A refused run loses nothing: the server dies with
+    this process from its first line (``fork_server``)."""
+    ctx = start_context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()

@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import argparse
 
+from .. import models
+from ..commands import UsageError, as_flags
 from .config import DESCRIPTION, TrainConfig, add_arguments, check
 
 __all__ = ["DESCRIPTION", "TrainConfig", "add_arguments", "main"]
 
 
 def main(args: argparse.Namespace) -> int:
-    check(TrainConfig.from_args(args))  # a value out of range: refused before torch is imported
+    cfg = TrainConfig.from_args(args)
+    check(cfg)  # a value out of range, or a --model that names nothing: refused before torch is imported
+    try:
+        models.check(cfg.model)  # reads at most a config file (a Hugging Face one imports transformers)
+    except ValueError as e:
+        raise UsageError(as_flags(str(e))) from None
     from .job import main as run
 
     return run(args)

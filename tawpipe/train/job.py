@@ -19,6 +19,7 @@ from ..commands import UsageError, as_flags
 from ..io import checkpoint
 from ..plan.topology import Topology
 from ..runtime.launch import JobFailed, JobStopped, init_distributed, run_local
+from ..runtime.workers import start_server
 from .config import TrainConfig
 from .loop import TrainError, local_rank, train_rank
 from .preflight import Preflight, leader, under_torchrun, validate
@@ -48,6 +49,8 @@ def _holding_save(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not under_torchrun():
+        start_server()  # a local job's workers: their server imports torch while the checks run
     cfg, pre = _config(args)
     with _holding_save(cfg):
         return _run(cfg, pre)
