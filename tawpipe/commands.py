@@ -46,6 +46,7 @@ FLAGS = {
     "prefetch_depth": "--prefetch-depth",
     "reuse_weights": "--reuse-weights",
     "memory_budget": "--memory-budget",
+    "MemoryPolicy.budget": "--memory-budget",
     "grad_route": "--grad-route",
     "replicas": "--replicas",
     "algo": "--algo",
@@ -67,7 +68,7 @@ def as_flags(message: str) -> str:
 
     names = "|".join(sorted(map(re.escape, FLAGS), key=len, reverse=True))
     message = re.sub(rf"\b({names})=('[^']*'|\"[^\"]*\"|[^\s,;:)]+)", value, message)
-    bare = "|".join(re.escape(n) for n in FLAGS if "_" in n)
+    bare = "|".join(re.escape(n) for n in FLAGS if "_" in n or "." in n)
     return re.sub(rf"(?<![-\w])({bare})\b", lambda m: FLAGS[m[1]], message)
 
 

@@ -67,7 +67,7 @@ def test_a_tight_budget_falls_back_to_a_smaller_k_or_depth():
 
 def test_nothing_fits_is_an_error_naming_the_options():
     with pytest.raises(NothingFits, match=r"no schedule fits within 512\.0 MiB per rank: the least memory, k=1, "
-                                          r"depth 1, no reuse, takes 1\.00 GiB per rank; .*memory_budget"
+                                          r"depth 1, no reuse, takes 1\.00 GiB per rank; .*MemoryPolicy\.budget"
                                           r".*mb_per_fetch, prefetch_depth and reuse_weights") as e:
         choose(OPTIONS, 0.5 * GiB)
     assert e.value.least == (1, 1, False)
@@ -148,7 +148,7 @@ def test_auto_plan_on_real_plans():
     assert plan.options["mb_per_fetch"] == 1 and why.endswith("(k=1 given)")
     assert _auto(mb_per_fetch=1, prefetch_depth=1, reuse_weights=False)[1] is None  # nothing left to choose
     plan, why = _auto(algo="weipipe")
-    with pytest.raises(NothingFits, match="weipipe runs the paper's settings only: give a larger memory_budget"):
+    with pytest.raises(NothingFits, match=r"weipipe runs the paper's settings only: give a larger MemoryPolicy\.budget"):
         _auto(1.0, algo="weipipe")  # a schedule with nothing to choose is held to the budget too
     assert [plan.options[n] for n in ("mb_per_fetch", "prefetch_depth", "reuse_weights")] == [1, 1, False]
     with pytest.raises(ValueError, match="reuse_weights=True"):
@@ -268,7 +268,7 @@ def auto_rank(rank: int, cases: list[dict]) -> list[dict]:
 
 
 def test_the_engine_takes_the_choosers_pick_and_stays_exact():
-    """Defaults on 2 x 2 (every option fits: the fewest bytes), a memory_budget that leaves out the
+    """Defaults on 2 x 2 (every option fits: the fewest bytes), a MemoryPolicy.budget that leaves out the
     resident depth, and a given k: each engine builds what the chooser says, and trains exactly
     like one process."""
     torch.manual_seed(0)
@@ -285,7 +285,7 @@ def test_the_engine_takes_the_choosers_pick_and_stays_exact():
         default, budgeted, given = rank_results
         assert default["choice"] == fits_all
         assert default["why"].startswith("k=2, resident depth 3, reuse — the fewest")
-        assert budgeted["choice"] == tight and "(memory_budget)" in budgeted["why"]
+        assert budgeted["choice"] == tight and "(MemoryPolicy.budget)" in budgeted["why"]
         assert given["choice"] == _choice(model, math.inf, mb_per_fetch=1) and given["choice"][0] == 1
         assert given["why"].endswith("(k=1 given)")
         for r in rank_results:
@@ -306,7 +306,7 @@ def test_the_measured_budget(monkeypatch):
 def test_an_explicit_memory_budget_that_nothing_fits_is_refused_before_anything_is_sent():
     torch.manual_seed(0)
     m = TinyLM(4)
-    with pytest.raises(NothingFits, match="no schedule fits within 0.0 MiB per rank \\(memory_budget\\)"):
+    with pytest.raises(NothingFits, match="no schedule fits within 0.0 MiB per rank \\(MemoryPolicy\\.budget\\)"):
         make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
                     memory_budget=1)
     with pytest.raises(ValueError, match="budget must be None .* or bytes per rank > 0"):
@@ -316,7 +316,7 @@ def test_an_explicit_memory_budget_that_nothing_fits_is_refused_before_anything_
 
 def test_ranks_that_chose_differently_are_told_why():
     """The fingerprint holds the resolved options: ranks whose "auto" chose another depth get a
-    ValueError naming the field and memory_budget, from the same CHECK as every disagreement."""
+    ValueError naming the field and MemoryPolicy.budget, from the same CHECK as every disagreement."""
     torch.manual_seed(0)
     m = TinyLM(4)
     rows = []
@@ -328,7 +328,7 @@ def test_ranks_that_chose_differently_are_told_why():
     assert "reuse_weights" in [name for name, _, _ in rows[0]]
     table = [[v for _, v, _ in row] for row in rows]
     with pytest.raises(ValueError, match=r"rank 1 disagrees with rank 0 on prefetch_depth \(rank 0: 3, rank 1: 1\).*"
-                                         r"\"auto\" .* memory_budget \(tawpipe train --memory-budget\)"):
+                                         r"\"auto\" .* MemoryPolicy\.budget \(tawpipe train --memory-budget\)"):
         fingerprint.compare(table, rows[0], 0)
 
 

@@ -125,6 +125,8 @@ def test_library_keywords_are_given_as_flags():
     assert said == ("--mb-per-fetch 3 does not divide --micro-batches 2; pass --reuse-weights, or give "
                     "--memory-budget; --prefetch-depth resident needs --reuse-weights")
     assert commands.as_flags("reuse_weights=False") == "--no-reuse-weights"
+    assert commands.as_flags("a larger MemoryPolicy.budget, or (MemoryPolicy.budget)") == \
+        "a larger --memory-budget, or (--memory-budget)"
     assert commands.as_flags("the --micro-batches flag and num_layers") == "the --micro-batches flag and --layers"
 
 

@@ -128,3 +128,36 @@ def test_what_cannot_split_a_sequence_is_refused_before_any_rank_connects():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="context_parallel must be an integer"):
             SchedulePolicy(context_parallel=bad)
+
+
+def test_a_backend_without_groups_smaller_than_a_node_is_refused_before_it_is_built():
+    """Context groups smaller than a node need communicators the topology does not have (as
+    nccl-native has none yet): refused before the backend is built, not by a NotImplementedError
+    after its communicators exist. A whole node's group is the node's own."""
+    from tawpipe.engine.engine import TawPipe
+    from tawpipe.engine.policy import CommPolicy, SchedulePolicy
+    from tawpipe.models.llama import llama_parts
+    from tawpipe.plan.topology import Topology
+    from tawpipe.runtime import comm as comm_backends
+    from tawpipe.runtime.comm.torch_dist import TorchDistComm
+
+    from context_cases import CFG
+
+    class NodeGroupsOnly(TorchDistComm):
+        supports_replicas = False
+
+        @classmethod
+        def create(cls, topology, timeout, device):
+            raise AssertionError("the backend was built")
+
+    comm_backends.register("node-groups-only", NodeGroupsOnly)
+    try:
+        parts = llama_parts(CFG, seed=1)
+        with pytest.raises(ValueError, match=r"context_parallel=2 on nodes of 4 ranks needs comm='torch'"):
+            TawPipe(parts, topology=Topology(1, 4), micro_batches=1, schedule=SchedulePolicy(context_parallel=2),
+                    comm=CommPolicy("node-groups-only"))
+        with pytest.raises(AssertionError, match="the backend was built"):  # passed every check
+            TawPipe(parts, topology=Topology(1, 4), micro_batches=1, schedule=SchedulePolicy(context_parallel=4),
+                    comm=CommPolicy("node-groups-only"))
+    finally:
+        comm_backends.unregister("node-groups-only")

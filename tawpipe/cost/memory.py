@@ -431,7 +431,7 @@ def choose(options: Mapping[Choice, tuple[float, MemoryEstimate]], budget: float
         least = min(options, key=lambda c: (options[c][1].total, options[c][0], _key(c)))
         raise NothingFits(
             f"no schedule fits {within}: the least memory, {describe(least, resident)}, takes "
-            f"{gib(options[least][1].total)} per rank; if the ranks have more, say how much with memory_budget, "
+            f"{gib(options[least][1].total)} per rank; if the ranks have more, say how much with MemoryPolicy.budget, "
             "or give mb_per_fetch, prefetch_depth and reuse_weights yourself", least)
     best = fits[0]
     inter, memory = options[best][0], f"{gib(options[best][1].total)} per rank"
@@ -502,7 +502,7 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
     asked = {"mb_per_fetch": mb_per_fetch, "prefetch_depth": prefetch_depth, "reuse_weights": reuse_weights}
     given = {name: v for name, v in asked.items() if v != AUTO}
     if len(given) == len(asked):
-        return fixed(asked, None, 'leave them "auto" to choose what fits, or give a larger memory_budget')
+        return fixed(asked, None, 'leave them "auto" to choose what fits, or give a larger MemoryPolicy.budget')
     shown = {"mb_per_fetch": f"k={mb_per_fetch}", "prefetch_depth": f"depth {prefetch_depth}",
              "reuse_weights": {True: "reuse", HOST: "reuse with the host"}.get(reuse_weights, "no reuse")}
     note = f" ({', '.join(shown[n] for n in given)} given)" if given else ""
@@ -510,7 +510,7 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
     if not registry.get(algo).tunable:
         return fixed({"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": False, **given},
                      f"{describe((1, 1, False))} — {algo} runs the paper's settings only{note}",
-                     f"{algo} runs the paper's settings only: give a larger memory_budget")
+                     f"{algo} runs the paper's settings only: give a larger MemoryPolicy.budget")
     todo = candidates(micro_batches, **asked, weights_on_host=weights_on_host)
     computes = compute_actions(topology, micro_batches, plan_args.get("replicas", 1))
     large = computes * len(todo) > AUTO_BUILD_COMPUTE_ACTIONS

@@ -3,7 +3,7 @@
 The choice itself is ``tawpipe.cost.memory.auto_plan``'s (design §7.3). The budget is this rank's
 own: free memory differs from rank to rank, so ranks near a boundary may choose differently. The
 setup CHECK compares what every rank chose (``fingerprint``), so that is a ValueError naming
-``memory_budget``, never a hang.
+``MemoryPolicy.budget``, never a hang.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def engine_plan(topology: Topology, num_layers: int, micro_batches: int, *, devi
         raise ValueError("choosing the memory savers needs the batch (seq, micro_batch, ...): their savings are "
                          "activations")
     if budget is not None:
-        measured, where = float(budget), "memory_budget"
+        measured, where = float(budget), "MemoryPolicy.budget"
     elif AUTO in asked.values() or len(ladder) > 1:
         measured, where = memory_budget(device, local_ranks(topology), host_available())
         if reserve:

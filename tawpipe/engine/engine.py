@@ -90,7 +90,7 @@ class TawPipe:
                  precision: PrecisionPolicy = PrecisionPolicy(), memory: MemoryPolicy = MemoryPolicy(),
                  comm: CommPolicy = CommPolicy()) -> None:
         blocks = check_model(model, topology, optimizer, lr_scheduler)
-        check_policies(model, schedule, memory, comm)
+        check_policies(model, topology, schedule, memory, comm)
         check_micro_batches(topology, micro_batches, schedule.replicas)
         self.precision, self.policies = precision.numerics(), (schedule, precision, memory, comm)
         self.timeout = float(comm.timeout) if comm.timeout is not None else default_timeout()

@@ -69,11 +69,17 @@ def check_model(model: ModelParts, topology: Topology, optimizer: Any, lr_schedu
     return blocks
 
 
-def check_policies(model: ModelParts, schedule: SchedulePolicy, memory: MemoryPolicy, comm: CommPolicy) -> None:
-    """What the policies ask of each other and of the model."""
+def check_policies(model: ModelParts, topology: Topology, schedule: SchedulePolicy, memory: MemoryPolicy,
+                   comm: CommPolicy) -> None:
+    """What the policies ask of each other, of the model and of the topology; before any backend
+    is built."""
     if schedule.replicas > 1 and not comm.supports_replicas():
         raise ValueError(f"replicas={schedule.replicas} needs comm='torch' (NCCL through torch.distributed on GPUs): "
                          f"the {comm.backend!r} backend has no communicators across replicas yet")
+    if 1 < schedule.context_parallel < topology.per_node and not comm.supports_replicas():
+        raise ValueError(f"context_parallel={schedule.context_parallel} on nodes of {topology.per_node} ranks needs "
+                         f"comm='torch': the {comm.backend!r} backend has no communicators over groups smaller than "
+                         f"a node yet (context_parallel={topology.per_node} uses the node's own)")
     if schedule.context_parallel > 1 and model.sliced_context is None:
         raise ValueError(f"context_parallel={schedule.context_parallel}: {model.description or 'this model'} has no "
                          "sliced_context (the block context of a slice of the sequence, whose attention gathers the "

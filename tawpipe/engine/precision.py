@@ -5,7 +5,7 @@ Masters, optimizer state and gradient accumulators are float32 whatever the comp
 by the global norm, and to never let a non-finite loss or gradient reach the parameters.
 
 Each chunk has exactly one owner, so the owners' squared norms add up to the global one: one
-16-byte all-reduce (the plan's ALLREDUCE_STATS) gives every rank the norm and the overflow flag.
+24-byte all-reduce (the plan's ALLREDUCE_STATS) gives every rank the norm and the overflow flag.
 Replicated gradients are identical on every rank after their all-reduce and count once.
 """
 

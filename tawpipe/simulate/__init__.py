@@ -92,10 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("methods")
     t.add_argument("--methods", nargs="+", choices=compare.methods(), default=list(compare.methods()),
                    metavar="METHOD", help=f"the methods to play, of {', '.join(compare.methods())} (default: all)")
-    t.add_argument("--mb-per-fetch", type=int, help="TawPipe k (default: --micro-batches)")
-    t.add_argument("--prefetch-depth", type=prefetch_depth_arg, help="TawPipe depth (default: resident)")
+    t.add_argument("--mb-per-fetch", type=int, help="TawPipe k (default: auto, the engine's choice within the device's memory)")
+    t.add_argument("--prefetch-depth", type=prefetch_depth_arg, help="TawPipe depth (default: auto)")
     add_reuse_weights(t, default=None, help="TawPipe reuse; 'host': the fetched chunks kept in host memory "
-                                            "(default: on)")
+                                            "(default: auto)")
     t.add_argument("--replicas", type=int, default=1, help="TawPipe replicas R, each over nodes/R nodes (default: 1)")
     t.add_argument("--stages", type=int, help="1F1B stages per pipeline (default: one per device)")
     t.add_argument("--advise", action="store_true", help="try TawPipe's settings and name the fastest that fits")

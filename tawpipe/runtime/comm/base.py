@@ -41,7 +41,8 @@ class Comm(abc.ABC):
 
     rank: int
     world_size: int
-    # collectives over groups beyond the topology's (a plan's replicas, design §3.5)
+    # collectives over groups beyond the topology's (a plan's replicas, design §3.5; context groups
+    # smaller than a node, §3.6)
     supports_replicas = True
 
     @classmethod
@@ -66,7 +67,8 @@ class Comm(abc.ABC):
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> None: ...
 
-    # Optional: the engine's plans never gather or scatter; ``tawpipe bench comm`` measures both.
+    # Optional: context parallelism gathers a layer's keys and values and scatters their gradients
+    # (design §3.6); ``tawpipe bench comm`` measures both. A plan's own programs use neither.
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> None:
         """``output`` = every member's ``input``, concatenated in the order of their ranks
         (``output`` holds len(group) times ``input``'s elements)."""
@@ -100,10 +102,12 @@ class Comm(abc.ABC):
 
     def add_groups(self, groups: Sequence[Group]) -> None:
         """Make collectives over ``groups`` possible, on this comm and every channel it has made
-        or will make (a plan's ``replica_groups``). Every rank calls it with the same groups.
-        This default has none beyond the world and the topology's groups."""
+        or will make (a plan's ``replica_groups``, context groups smaller than a node). Every rank
+        calls it with the same groups. This default has none beyond the world and the topology's
+        groups (the engine refuses what would need them before building a backend)."""
         if any(len(g) > 1 for g in groups):
-            raise NotImplementedError(f"{type(self).__name__} has no collectives across replicas: use comm='torch'")
+            raise NotImplementedError(f"{type(self).__name__} has no collectives over groups beyond the topology's "
+                                      "(replicas, context groups smaller than a node): use comm='torch'")
 
     @abc.abstractmethod
     def channel_comm(self, name: str) -> "Comm":
