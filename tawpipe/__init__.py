@@ -26,16 +26,16 @@ if TYPE_CHECKING:
     from . import ops
     from .engine import TawPipe
     from .engine.policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
-    from .engine.precision import Precision
+    from .engine.precision import DynamicScaling, Precision
     from .models.parts import ModelParts
     from .plan import Plan, Topology, build_plan, verify
 
-__all__ = ["CommPolicy", "MemoryPolicy", "ModelParts", "Plan", "Precision", "PrecisionPolicy", "SchedulePolicy",
-           "TawPipe", "Topology", "__version__", "build_plan", "ops", "verify"]
+__all__ = ["CommPolicy", "DynamicScaling", "MemoryPolicy", "ModelParts", "Plan", "Precision", "PrecisionPolicy",
+           "SchedulePolicy", "TawPipe", "Topology", "__version__", "build_plan", "ops", "verify"]
 
 __getattr__, __dir__ = lazy(__name__, {
     "TawPipe": "tawpipe.engine",
-    "Precision": "tawpipe.engine.precision",
+    **dict.fromkeys(("DynamicScaling", "Precision"), "tawpipe.engine.precision"),
     "ModelParts": "tawpipe.models.parts",
     **dict.fromkeys(("CommPolicy", "MemoryPolicy", "PrecisionPolicy", "SchedulePolicy"), "tawpipe.engine.policy"),
     **dict.fromkeys(("Plan", "Topology", "build_plan", "verify"), "tawpipe.plan"),

@@ -9,7 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tawpipe.engine.precision import NORM_PIECE, Precision
+from tawpipe.engine.policy import PrecisionPolicy
+from tawpipe.engine.precision import NORM_PIECE, DynamicScaling, Precision
 
 
 def _grads(seed: int, n_own: int = 37, n_rep: int = 11, mul: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +81,39 @@ def test_dynamic_scale_grows_after_interval() -> None:
         torch.testing.assert_close(own, ref)
         scales.append(p.scale)
     assert scales == [1024, 1024, 2048, 2048, 2048, 4096, 4096]
+
+
+def test_the_policy_moves_a_dynamic_scale_as_its_scaling_says() -> None:
+    """``PrecisionPolicy(scaling=DynamicScaling(...))``: the engine's numerics (``numerics()``, what
+    ``TawPipe`` builds) start, grow and back off as asked, under float16's "auto" scaling."""
+    p = PrecisionPolicy(torch.float16, scaling=DynamicScaling(init_scale=64.0, growth=4.0, backoff=0.25,
+                                                              growth_interval=2)).numerics()
+    assert p.dynamic and p.scale == 64.0
+    scales = []
+    for i in range(5):
+        own, rep = _grads(40 + i, mul=p.scale)
+        if i == 3:
+            own[0] = float("inf")
+        _step(p, own, rep)
+        scales.append(p.scale)
+    assert scales == [64.0, 256.0, 256.0, 64.0, 64.0]
+    assert PrecisionPolicy(torch.float16).numerics().scale == 2.0**16  # torch's GradScaler's start
+    assert PrecisionPolicy(torch.float32, scaling=DynamicScaling(init_scale=8.0)).numerics().scale == 1.0  # no scaling
+
+
+@pytest.mark.parametrize("scaling,message", [
+    (dict(init_scale=0.0), "init_scale must be > 0"), (dict(growth=1.0), "growth must be > 1"),
+    (dict(backoff=1.0), r"backoff must be in \(0, 1\)"), (dict(growth_interval=0), "growth_interval must be"),
+    (dict(growth_interval=2.5), "growth_interval must be"), (dict(init_scale=True), "init_scale must be a finite"),
+    (dict(growth=float("nan")), "growth must be a finite"),
+])
+def test_a_bad_dynamic_scaling_is_refused_naming_the_field(scaling, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        DynamicScaling(**scaling)
+    with pytest.raises(ValueError, match=message):  # Precision's own fields, the same checks
+        Precision(loss_scale="dynamic", **scaling)
+    with pytest.raises(ValueError, match="scaling must be a tawpipe.engine.precision.DynamicScaling"):
+        PrecisionPolicy(scaling=scaling)
 
 
 def test_dynamic_overflow_backs_off_and_skips() -> None:

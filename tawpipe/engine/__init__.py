@@ -11,6 +11,7 @@ Imports ``ops``, ``models`` (the model contract), ``plan``, ``cost`` and ``runti
 
 from .engine import TawPipe, default_optimizer
 from .policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
+from .precision import DynamicScaling
 
-__all__ = ["CommPolicy", "MemoryPolicy", "PrecisionPolicy", "SchedulePolicy", "TawPipe",
+__all__ = ["CommPolicy", "DynamicScaling", "MemoryPolicy", "PrecisionPolicy", "SchedulePolicy", "TawPipe",
            "default_optimizer"]

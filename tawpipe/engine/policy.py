@@ -11,7 +11,7 @@ builds the same objects from its flags (``tawpipe.train.job``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from ..plan.plan import GRAD_ROUTES
 from ..plan.schedule import HOST, RESIDENT
 from ..runtime import comm as comm_backends
 from ..runtime.comm import Comm
-from .precision import Precision
+from .precision import DynamicScaling, Precision
 
 
 
@@ -87,7 +87,8 @@ class PrecisionPolicy:
     whatever ``compute_dtype``. ``grad_wire_dtype`` (float32 or the compute dtype) is the dtype
     gradients travel in, to their owner and between the replicas' owners of a chunk, always
     accumulated in float32 by the owner (the replicated modules' all-reduce too). ``loss_scale``: "auto"
-    (dynamic for float16, none otherwise), None, a number, or "dynamic"; ``max_grad_norm`` clips
+    (dynamic for float16, none otherwise), None, a number, or "dynamic", which moves as ``scaling``
+    says (``DynamicScaling``: torch's GradScaler's defaults); ``max_grad_norm`` clips
     the global norm; ``nonfinite``: "skip" a step whose loss or gradients are not finite, or
     "raise" FloatingPointError."""
 
@@ -96,8 +97,11 @@ class PrecisionPolicy:
     loss_scale: float | str | None = "auto"
     max_grad_norm: float | None = None
     nonfinite: str = "skip"
+    scaling: DynamicScaling = field(default_factory=DynamicScaling)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.scaling, DynamicScaling):
+            raise ValueError(f"scaling must be a tawpipe.engine.precision.DynamicScaling, got {self.scaling!r}")
         if self.compute_dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"compute_dtype {self.compute_dtype} unsupported; use one of {SUPPORTED_DTYPES}")
         if self.grad_wire_dtype not in (torch.float32, self.compute_dtype):
@@ -110,7 +114,7 @@ class PrecisionPolicy:
         scale = self.loss_scale
         if scale == "auto":
             scale = "dynamic" if self.compute_dtype == torch.float16 else None
-        return Precision(scale, self.max_grad_norm, self.nonfinite)
+        return Precision(scale, self.max_grad_norm, self.nonfinite, **asdict(self.scaling))
 
 
 @dataclass(frozen=True)

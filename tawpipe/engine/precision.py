@@ -32,13 +32,43 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     return pieces + torch.linalg.vector_norm(flat[whole:]).double().square()
 
 
+@dataclass(frozen=True)
+class DynamicScaling:
+    """How a dynamic loss scale moves (the defaults are torch's ``GradScaler``'s): it starts at
+    ``init_scale``, is multiplied by ``backoff`` on an overflow (that step is skipped) and by
+    ``growth`` after ``growth_interval`` finite steps in a row."""
+
+    init_scale: float = 2.0**16
+    growth: float = 2.0
+    backoff: float = 0.5
+    growth_interval: int = 1000
+
+    def __post_init__(self) -> None:
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            return float(value)
+
+        if not number("init_scale") > 0:
+            raise ValueError(f"init_scale must be > 0 (the first loss scale, e.g. 2**16), got {self.init_scale!r}")
+        if not number("growth") > 1:
+            raise ValueError(f"growth must be > 1 (e.g. 2.0), got {self.growth!r}")
+        if not 0 < number("backoff") < 1:
+            raise ValueError(f"backoff must be in (0, 1) (e.g. 0.5), got {self.backoff!r}")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
+                or self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be a whole number >= 1 (finite steps before the scale "
+                             f"grows, e.g. 1000), got {self.growth_interval!r}")
+
+
 @dataclass
 class Precision:
     """The per-step numerics; its mutable state is the loss scale and the step counters.
 
     ``loss_scale``: None (no scaling), a positive number (static) or "dynamic" (start at
     ``init_scale``, multiply by ``backoff`` on overflow, by ``growth`` after ``growth_interval``
-    good steps). ``nonfinite``: "skip" the step (parameters and optimizer state untouched) or
+    good steps: ``DynamicScaling``). ``nonfinite``: "skip" the step (parameters and optimizer state untouched) or
     "raise" FloatingPointError. Under dynamic scaling an overflow is routine and always skips.
     """
 
@@ -63,11 +93,7 @@ class Precision:
             raise ValueError(f"max_grad_norm must be a finite number > 0 (or None), got {self.max_grad_norm}")
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}")
-        for name in ("init_scale", "growth"):
-            if not getattr(self, name) > (0 if name == "init_scale" else 1):
-                raise ValueError(f"{name} must be {'> 0' if name == 'init_scale' else '> 1'}")
-        if not 0 < self.backoff < 1 or self.growth_interval < 1:
-            raise ValueError("backoff must be in (0, 1) and growth_interval >= 1")
+        DynamicScaling(self.init_scale, self.growth, self.backoff, self.growth_interval)  # its checks
         self.dynamic = self.loss_scale == "dynamic"
         self.scale = self.init_scale if self.dynamic else float(self.loss_scale or 1.0)
         self.good_steps = 0
