@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 if TYPE_CHECKING:
     from .parts import SequenceSlice
@@ -37,6 +36,8 @@ def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     if q.device.type == "cpu":
         return _PrefixCausal.apply(q, k[..., :offset, :], v[..., :offset, :], k[..., offset:offset + n, :],
                                    v[..., offset:offset + n, :], scale)
+    from torch.nn.attention.bias import causal_lower_right  # here: it imports torch._dynamo (2.6 s of CPU)
+
     return F.scaled_dot_product_attention(q, k[..., :offset + n, :], v[..., :offset + n, :],
                                           attn_mask=causal_lower_right(n, offset + n), scale=scale, enable_gqa=gqa)
 

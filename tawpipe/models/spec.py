@@ -112,14 +112,36 @@ def meta_model(spec: str, *, layers: int | None = None, vocab_size: int | None =
 
         config = hf_config(spec)
         adapter = adapter_for(config)
-        with torch.device("meta"):
+        with _no_random_fill_on_meta(), torch.device("meta"):  # the device's mode above this one
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return (list(model.get_submodule(adapter.layers)), adapter.embed_module(model), adapter.head_module(model),
                 config.vocab_size)
     cfg = _builtin_config(spec, kind, layers=layers, vocab_size=vocab_size, max_seq_len=max_seq_len)
-    with torch.device("meta"):
+    with _no_random_fill_on_meta(), torch.device("meta"):  # the device's mode above this one
         model = Llama(cfg, seed=0)
     return list(model.blocks), model.embed, model.head, cfg.vocab_size
+
+
+def _no_random_fill_on_meta() -> torch.overrides.TorchFunctionMode:
+    """A mode in which initialisation (``torch.nn.init``, and the tensors' random fills) leaves
+    meta tensors as they are: they hold no values, and torch runs them on meta through Python references that import
+    ``torch._dynamo`` (2.5 s of CPU, most of ``tawpipe train``'s checks)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    fills = {getattr(torch.Tensor, f) for f in ("normal_", "uniform_", "erfinv_", "exponential_", "bernoulli_",
+                                                 "random_", "log_normal_", "cauchy_", "geometric_")}
+
+    class NoRandomFillOnMeta(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            init = func in fills or getattr(func, "__module__", None) == "torch.nn.init"  # every one fills in place
+            tensor = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by name
+            if init and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+            return func(*args, **kwargs)
+
+    return NoRandomFillOnMeta()
 
 
 def check_weights(spec: str) -> None:

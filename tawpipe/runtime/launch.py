@@ -54,6 +54,7 @@ from typing import Any, Callable, TextIO
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401 - its reductions: tensors passed to workers go through shared memory
 
 from . import progress
 from .comm.base import CommTimeout

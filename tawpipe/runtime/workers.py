@@ -8,7 +8,9 @@ import ctypes
 import os
 import signal
 import sys
+import multiprocessing as mp
 import threading
+from collections.abc import Sequence
 from multiprocessing import reduction
 from typing import Any
 
@@ -66,32 +68,31 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def start_context() -> Any:
-    """multiprocessing's fork server, which has imported torch once (``fork_server``) and the parts
-    of tawpipe this process has imported, not spawn: a spawned worker is a new interpreter that
+def start_context(preload: Sequence[str] = ()) -> Any:
+    """multiprocessing's fork server, which has imported torch once (``fork_server``), the parts
+    of tawpipe this process has imported and the modules ``preload`` names, not spawn: a spawned worker is a new interpreter that
     imports torch again (2-3 s of CPU each: 4 ranks on 2 cores waited 10 s to start), which
     dominated short jobs and a test run of many. The server is started by this process's first job
-    and shared by its later ones. Only the main thread starts it: a parent's death signal follows
+    (or by ``start_server``, before it) and shared by its later ones. Only the main thread starts it: a parent's death signal follows
     the thread that started the child, and a server that died with a finished thread would take
     later jobs' workers with it."""
-    import torch.multiprocessing as mp  # here: the fork server imports this module first, torch after
-
     if "forkserver" not in mp.get_all_start_methods() or threading.current_thread() is not threading.main_thread():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # what this process has of tawpipe is what its workers run (the engine, a model, the training
     # loop), which each of them would import again
     ours = sorted(name for name in sys.modules if name.startswith("tawpipe."))
-    ctx.set_forkserver_preload(["tawpipe.runtime.fork_server", *ours])
+    ctx.set_forkserver_preload(["tawpipe.runtime.fork_server", *ours, *(m for m in preload if m not in ours)])
     return ctx
 
 
-def start_server() -> None:
-    """Start the fork server now, with what this process has imported so far, so that its imports
-    (torch's, 4-5 s of CPU) overlap what this process does before its first job (``tawpipe
-    train``'s checks) instead of following it. A refused run loses nothing: the server dies with
-    this process from its first line (``fork_server``)."""
-    ctx = start_context()
+def start_server(preload: Sequence[str] = ()) -> None:
+    """Start the fork server now, with what this process has imported so far and the modules
+    ``preload`` names (what its workers will run), so that its imports (torch's, 4-5 s of CPU)
+    overlap what this process does before its first job (``tawpipe train``'s own imports and
+    checks) instead of following it. Needs no torch here. A refused run loses nothing: the server
+    dies with this process from its first line (``fork_server``)."""
+    ctx = start_context(preload)
     if ctx.get_start_method() == "forkserver":
         from multiprocessing import forkserver
 

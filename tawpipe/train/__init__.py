@@ -12,7 +12,8 @@ import argparse
 
 from .. import models
 from ..commands import UsageError, as_flags
-from .config import DESCRIPTION, TrainConfig, add_arguments, check
+from ..runtime.workers import start_server
+from .config import DESCRIPTION, TrainConfig, add_arguments, check, under_torchrun
 
 __all__ = ["DESCRIPTION", "TrainConfig", "add_arguments", "main"]
 
@@ -24,6 +25,8 @@ def main(args: argparse.Namespace) -> int:
         models.check(cfg.model)  # reads at most a config file (a Hugging Face one imports transformers)
     except ValueError as e:
         raise UsageError(as_flags(str(e))) from None
+    if not under_torchrun():  # a local job: its workers' server imports torch and the job while this process does
+        start_server(["tawpipe.train.job"])
     from .job import main as run
 
     return run(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -292,3 +293,8 @@ def check(cfg: TrainConfig) -> None:
             raise UsageError(f"{flag(name)} must be a finite number > 0, got {value}")
     if cfg.save_every is not None and cfg.save is None:
         raise UsageError("--save-every needs --save DIR")
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank torchrun started (its environment says so)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -19,10 +19,10 @@ from ..commands import UsageError, as_flags
 from ..io import checkpoint
 from ..plan.topology import Topology
 from ..runtime.launch import JobFailed, JobStopped, init_distributed, run_local
-from ..runtime.workers import start_server
 from .config import TrainConfig
 from .loop import TrainError, local_rank, train_rank
-from .preflight import Preflight, leader, under_torchrun, validate
+from .config import under_torchrun
+from .preflight import Preflight, leader, validate
 
 
 def _config(args: argparse.Namespace) -> tuple[TrainConfig, Preflight]:
@@ -49,8 +49,6 @@ def _holding_save(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not under_torchrun():
-        start_server()  # a local job's workers: their server imports torch while the checks run
     cfg, pre = _config(args)
     with _holding_save(cfg):
         return _run(cfg, pre)

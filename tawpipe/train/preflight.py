@@ -33,7 +33,7 @@ from ..plan.schedule import check_replicas
 from ..plan.topology import Topology
 from ..runtime import comm as comm_backends
 from ..runtime.timeout import default_timeout
-from .config import NOT_TRAINING, TrainConfig, check, flag
+from .config import NOT_TRAINING, TrainConfig, check, flag, under_torchrun
 from .data import load_tokens
 from .metrics import check_tensorboard
 
@@ -52,11 +52,6 @@ class Preflight:
 
 RUNTIME_BYTES = 384 * 2**20  # a rank's own footprint besides the model: torch, the data, the communicator
 # (measured: the peak RSS of a rank of the built-in "micro" model, whose own memory is a few MiB)
-
-
-def under_torchrun() -> bool:
-    """Whether this process is a rank torchrun started (its environment says so)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 
