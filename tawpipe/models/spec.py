@@ -124,8 +124,8 @@ def meta_model(spec: str, *, layers: int | None = None, vocab_size: int | None =
 
 def _no_random_fill_on_meta() -> torch.overrides.TorchFunctionMode:
     """A mode in which initialisation (``torch.nn.init``, and the tensors' random fills) leaves
-    meta tensors as they are: they hold no values, and torch runs them on meta through Python references that import
-    ``torch._dynamo`` (2.5 s of CPU, most of ``tawpipe train``'s checks)."""
+    meta tensors as they are: they hold no values, and torch runs them on meta through Python
+    references that import ``torch._dynamo`` (2.5 s of CPU, most of ``tawpipe train``'s checks)."""
     import torch
     from torch.overrides import TorchFunctionMode
 

@@ -5,10 +5,10 @@ once, given what they would have inherited from the launcher, and dying with it.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing as mp
 import os
 import signal
 import sys
-import multiprocessing as mp
 import threading
 from collections.abc import Sequence
 from multiprocessing import reduction
@@ -70,12 +70,12 @@ def _is_open(fd: int) -> bool:
 
 def start_context(preload: Sequence[str] = ()) -> Any:
     """multiprocessing's fork server, which has imported torch once (``fork_server``), the parts
-    of tawpipe this process has imported and the modules ``preload`` names, not spawn: a spawned worker is a new interpreter that
-    imports torch again (2-3 s of CPU each: 4 ranks on 2 cores waited 10 s to start), which
-    dominated short jobs and a test run of many. The server is started by this process's first job
-    (or by ``start_server``, before it) and shared by its later ones. Only the main thread starts it: a parent's death signal follows
-    the thread that started the child, and a server that died with a finished thread would take
-    later jobs' workers with it."""
+    of tawpipe this process has imported and the modules ``preload`` names, not spawn: a spawned
+    worker is a new interpreter that imports torch again (2-3 s of CPU each: 4 ranks on 2 cores
+    waited 10 s to start), which dominated short jobs and a test run of many. The server is started
+    by this process's first job (or by ``start_server``, before it) and shared by its later ones.
+    Only the main thread starts it: a parent's death signal follows the thread that started the
+    child, and a server that died with a finished thread would take later jobs' workers with it."""
     if "forkserver" not in mp.get_all_start_methods() or threading.current_thread() is not threading.main_thread():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

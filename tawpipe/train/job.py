@@ -19,9 +19,8 @@ from ..commands import UsageError, as_flags
 from ..io import checkpoint
 from ..plan.topology import Topology
 from ..runtime.launch import JobFailed, JobStopped, init_distributed, run_local
-from .config import TrainConfig
+from .config import TrainConfig, under_torchrun
 from .loop import TrainError, local_rank, train_rank
-from .config import under_torchrun
 from .preflight import Preflight, leader, validate
 
 
