@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import gc
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -123,6 +124,8 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
     missing = [f for f in ("--nodes", "--per-node", "--micro-batches") if getattr(args, f[2:].replace("-", "_")) is None]
     if missing:
         raise UsageError(f"the following arguments are required: {', '.join(missing)}")
+    if args.memory_budget is not None and not (math.isfinite(args.memory_budget) and args.memory_budget > 0):
+        raise UsageError(f"--memory-budget must be a finite number of GiB > 0, got {args.memory_budget}")
     try:
         topo = Topology(args.nodes, args.per_node)
         _savers(args)  # savers that go together, before any plan is built
@@ -254,7 +257,7 @@ def _print_auto(args: argparse.Namespace, dims: ModelDims, sizes: dict) -> None:
                                      replicas=args.replicas, weights_on_host=True, **sizes)
     except NothingFits as e:
         why = str(e)
-    print(f"auto (tawpipe train's default): {why}")
+    print("auto (tawpipe train's default): " + as_flags(why or "nothing left to choose: every option was given"))
 
 
 def _print_replicas(args: argparse.Namespace, dims: ModelDims, topo: Topology) -> None:

@@ -241,6 +241,11 @@ def test_memory_budget_picks_the_fewest_bytes_that_fit(capsys):
         assert f"largest k 2; fewest inter-node bytes with {pick} --reuse-weights" in out
     out = run(capsys, *MODEL_3X2, "--memory-budget", f"{min(k1_d3, k2_d3) - 0.01:.4f}")
     assert "nothing fits, not even k=1" in out
+    out = run(capsys, *MODEL_3X2, "--memory-budget", "0.0001")  # not even with the chunks on the host
+    auto = next(line for line in out.splitlines() if line.startswith("auto (tawpipe train's default): "))
+    assert "say how much with --memory-budget, or give --mb-per-fetch, --prefetch-depth and --reuse-weights" in auto
+    for bad in ("0", "-1", "nan", "inf"):  # as tawpipe train refuses them
+        assert "--memory-budget must be a finite number of GiB > 0" in refused(capsys, *MODEL_3X2, "--memory-budget", bad)
 
 
 def test_fitting_breaks_ties_on_memory_and_reports_the_largest_k():

@@ -330,8 +330,24 @@ def test_config_file_keys_mirror_the_flags_and_flags_win(tmp_path, suffix, text)
     assert parser().parse_args(["--steps", "9", "--config", str(file)]).steps == 9  # wherever --config is
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("no-reuse-weights = true\n", False), ("no-reuse-weights = false\n", "auto"), ("reuse-weights = true\n", True),
+    ("reuse-weights = 'host'\n", "host"), ("reuse-weights = false\n", "auto"),
+    ("reuse-weights = true\nno-reuse-weights = false\n", True),
+])
+def test_a_config_flag_without_a_value_stores_what_giving_it_stores(tmp_path, text, expected):
+    """``no-reuse-weights = true`` is ``--no-reuse-weights`` (it used to store True: reuse on), and
+    a flag set to false sets nothing."""
+    file = tmp_path / "run.toml"
+    file.write_text(text)
+    assert parser().parse_args(["--config", str(file)]).reuse_weights == expected
+
+
 @pytest.mark.parametrize("text, match", [
     ("stepz = 3\n", "unknown key 'stepz'; keys are the flags' names: .*steps"),
+    ("reuse-weights = 'yes'\n", "--reuse-weights: expected no value or one of 'host'"),
+    ("prefetch-depth = 'foo'\n", "--prefetch-depth: expected a number of slots or 'resident'"),
+    ("no-reuse-weights = 'yes'\n", "--no-reuse-weights takes true or false"),
     ("steps = 'many'\n", "--steps: invalid int value: 'many'"),
     ("dtype = 'float64'\n", "--dtype: invalid choice: 'float64'"),
     ("steps = \n", "--config .*run.toml: "),
@@ -343,6 +359,14 @@ def test_config_file_errors_name_the_key(tmp_path, text, match):
     with pytest.raises(UsageError) as e:
         parser().parse_args(["--config", str(file)])
     assert re.search(match, str(e.value))
+
+
+@pytest.mark.parametrize("field", ["n_heads", "n_kv_heads", "hidden", "n_layers"])
+def test_a_llama_config_with_a_zero_size_is_refused_naming_it(tmp_path, field):
+    file = tmp_path / "llama.json"
+    file.write_text(json.dumps({field: 0}))
+    with pytest.raises(ValueError, match=rf"llama.json: {field} must be a whole number >= 1, got 0"):
+        models.check(str(file))
 
 
 def test_model_specs(tmp_path):
@@ -407,6 +431,7 @@ def test_train_end_to_end_with_config_validation_metrics_and_export(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [("val_loss" in r) for r in records] == [False, True, True]
+    assert [r["lr"] for r in records] == pytest.approx([3e-3 * s / 5 for s in (1, 2, 3)])  # the rate each stepped at
     for r in records:
         assert r["tokens"] == r["step"] * 4 * 2 * 2 * 24 and r["tokens_per_s"] > 0
         assert len(r["peak_memory"]) == 4 and all(m["host"] > 50 * 2**20 for m in r["peak_memory"])

@@ -53,6 +53,10 @@ class LlamaConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         if self.ffn_hidden is None:
             self.ffn_hidden = 32 * math.ceil(8 * self.hidden / 3 / 32)
         if self.hidden % self.n_heads:

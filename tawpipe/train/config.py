@@ -226,8 +226,9 @@ def read_config_file(p: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         if name not in actions:
             raise UsageError(f"--config {path}: unknown key {key!r}; keys are the flags' names: "
                              f"{', '.join(sorted(f[2:] for f in actions))}")
-        if value is not None:
-            out[actions[name].dest] = _convert(actions[name], name, value, path)
+        converted = _convert(actions[name], name, value, path) if value is not None else _UNSET
+        if converted is not _UNSET:
+            out[actions[name].dest] = converted
     return out
 
 
@@ -259,18 +260,28 @@ def _load(path: str) -> dict[str, Any]:
     return values
 
 
+_UNSET = object()  # a config key that sets nothing: a flag given as false
+
+
 def _convert(action: argparse.Action, name: str, value: Any, path: str) -> Any:
-    """``value`` as ``action`` would store it from the command line."""
-    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+    """``value`` as ``action`` would store it from the command line: a flag without a value
+    (``no-reuse-weights = true``, or ``reuse-weights = true`` for its value-less form) stores what
+    giving it stores, and as false sets nothing (``_UNSET``)."""
+    if isinstance(action, argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
             raise UsageError(f"--config {path}: {name} takes true or false, got {value!r}")
         return value
+    if action.nargs == 0 or (action.nargs == "?" and isinstance(value, bool)):
+        if not isinstance(value, bool):
+            raise UsageError(f"--config {path}: {name} takes true or false, got {value!r}")
+        return action.const if value else _UNSET
     text = str(value).lower() if isinstance(value, bool) else str(value)
     try:
         converted = action.type(text) if action.type else text
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
         kind = getattr(action.type, "__name__", "")
-        raise UsageError(f"--config {path}: {name}: invalid {kind} value: {text!r}") from None
+        why = str(e) if isinstance(e, argparse.ArgumentTypeError) else f"invalid {kind} value: {text!r}"
+        raise UsageError(f"--config {path}: {name}: {why}") from None
     if action.choices is not None and converted not in action.choices:
         raise UsageError(f"--config {path}: {name}: invalid choice: {converted!r} "
                          f"(choose from {', '.join(map(repr, action.choices))})")

@@ -173,7 +173,7 @@ class Loop:
         mbs = [draw_batch(self.src.train, cfg.seq_len, cfg.micro_batch_size, seed=cfg.seed, step=step, index=i)
                for i in idx]
         t_step = time.perf_counter()
-        skipped = engine.skipped_steps
+        skipped, lr = engine.skipped_steps, engine.optimizer.param_groups[0]["lr"]  # the step's (it advances it)
         loss = engine.step((torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])))
         step_seconds = time.perf_counter() - t_step
         self.in_a_row = self.in_a_row + 1 if engine.skipped_steps > skipped else 0
@@ -182,7 +182,7 @@ class Loop:
         if self.val and (done % cfg.val_every == 0 or done == cfg.steps):
             self.val_losses[done] = engine.evaluate(self.val)
         if done % cfg.log_every == 0 or done == cfg.steps:
-            self._record(done, loss, step_seconds)
+            self._record(done, loss, lr, step_seconds)
         if self.bar is not None:
             self._show(step, loss, time.perf_counter() - t0)
         _check_skipped(cfg, self.in_a_row, done - self.start, done, loss, self.rank)
@@ -191,14 +191,15 @@ class Loop:
             _save(engine, cfg, self.parts, self.losses, self.device)
         return stopping
 
-    def _record(self, done: int, loss: float, step_seconds: float) -> None:
-        """The metrics of step ``done``: every rank's peak memory (a collective), rank 0's record."""
+    def _record(self, done: int, loss: float, lr: float, step_seconds: float) -> None:
+        """The metrics of step ``done`` (``lr``: the rate it stepped with): every rank's peak memory
+        (a collective), rank 0's record."""
         peaks = gather_peaks(self.device)  # a collective: every rank takes part
         if self.writer is None:
             return
         with _writing(*self._metrics_flag()):
             self.writer.write({
-                "step": done, "loss": loss, "lr": self.engine.optimizer.param_groups[0]["lr"],
+                "step": done, "loss": loss, "lr": lr,
                 **({"val_loss": self.val_losses[done]} if done in self.val_losses else {}),
                 "skipped_steps": self.engine.skipped_steps,
                 "tokens": self.tokens_per_step * done, "tokens_per_s": self.tokens_per_step / step_seconds,
