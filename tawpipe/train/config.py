@@ -267,14 +267,11 @@ def _convert(action: argparse.Action, name: str, value: Any, path: str) -> Any:
     """``value`` as ``action`` would store it from the command line: a flag without a value
     (``no-reuse-weights = true``, or ``reuse-weights = true`` for its value-less form) stores what
     giving it stores, and as false sets nothing (``_UNSET``)."""
-    if isinstance(action, argparse.BooleanOptionalAction):
+    both_ways = isinstance(action, argparse.BooleanOptionalAction)
+    if both_ways or action.nargs == 0 or (action.nargs == "?" and isinstance(value, bool)):
         if not isinstance(value, bool):
             raise UsageError(f"--config {path}: {name} takes true or false, got {value!r}")
-        return value
-    if action.nargs == 0 or (action.nargs == "?" and isinstance(value, bool)):
-        if not isinstance(value, bool):
-            raise UsageError(f"--config {path}: {name} takes true or false, got {value!r}")
-        return action.const if value else _UNSET
+        return value if both_ways else action.const if value else _UNSET
     text = str(value).lower() if isinstance(value, bool) else str(value)
     try:
         converted = action.type(text) if action.type else text
