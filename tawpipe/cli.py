@@ -27,7 +27,8 @@ from .models.presets import PRESETS
 from .models.shape import ModelDims
 from .plan import registry
 from .plan.plan import GRAD_ROUTES, Plan
-from .plan.schedule import HOST, RESIDENT, build_plan, check_replicas, compute_actions, depth_text, prefetch_depth_arg
+from .plan.schedule import (HOST, RESIDENT, build_plan, check_depth_gains, check_replicas, compute_actions, depth_text,
+                             prefetch_depth_arg)
 from .plan.topology import Topology
 from .plan.verify import VerifyReport, verify
 from .sim.hardware import LINKS, Link, link
@@ -129,7 +130,9 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
     try:
         topo = Topology(args.nodes, args.per_node)
         _savers(args)  # savers that go together, before any plan is built
+        _refuse_unused(parser, args)
         _check_plan_size(topo, args.micro_batches, args.replicas)
+        check_depth_gains(topo, args.prefetch_depth, args.replicas)
         dims, sizes = _dims_and_sizes(args)
         args.layers = dims.layers if dims is not None else args.layers
         build = functools.partial(build_plan, topo, args.layers, args.micro_batches, algo=args.algo,
@@ -143,7 +146,8 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
     gc.freeze()  # the plan lives to the end: the collector need not walk its millions of objects again
     report = verify(plan)
     if args.json:
-        print(plan.to_json() if args.actions else _json_summary(plan, report, dims))
+        memory = _json_memory(args, dims, sizes, build, plan) if dims is not None and not args.actions else None
+        print(plan.to_json() if args.actions else _json_summary(plan, report, dims, memory))
         return 0
     if not args.no_table:
         if plan.replicas > 1:
@@ -189,6 +193,22 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
     return 0
 
 
+_MODEL_ONLY = ("seq_len", "micro_batch_size", "dtype_bytes", "grad_bytes", "memory_budget", "recompute", "offload_state",
+               "offload_activations", "inter")  # what only a model's sizes give a meaning to
+_OWN_MODEL = ("heads", "kv_heads", "head_dim", "vocab")  # what describes a model of --hidden
+
+
+def _refuse_unused(parser: Parser, args: argparse.Namespace) -> None:
+    """ValueError for a flag this command would ignore: a size without a model, or a model's shape
+    beside --model (which gives its own)."""
+    if args.model is None and args.hidden is None and (given := parser.given(args, _MODEL_ONLY + _OWN_MODEL)):
+        raise ValueError(f"{given[0]} needs a model to count with: add --model NAME or --hidden H "
+                         "(without one the plan's traffic is counted in layers)")
+    if args.model is not None and (own := parser.given(args, _OWN_MODEL)):
+        raise ValueError(f"{own[0]} describes a model of your own (with --hidden); --model {args.model} "
+                         "gives its own: drop it")
+
+
 # One pipeline's plan holds 2 x ranks^2 x micro-batches forwards and backwards (and about twice
 # as many transfers); 16 x 8 ranks at 64 micro-batches (2.1 M, 6.1 M actions in all) is built,
 # proven and summed up in about 22 s of one core and 1.2 GB, so the limit takes about 45 s and 2.3 GB.
@@ -202,41 +222,55 @@ def _check_plan_size(topo: Topology, micro_batches: int, replicas: int) -> None:
     if computes > MOST_COMPUTE_ACTIONS:
         fits = [r for r in range(replicas, topo.nodes + 1)
                 if topo.nodes % r == 0 and compute_actions(topo, micro_batches, r) <= MOST_COMPUTE_ACTIONS]
-        hint = f"--replicas {fits[0]}" if fits else "fewer --micro-batches"
+        fewer = " or fewer --micro-batches" if micro_batches > 1 else ""
+        most = MOST_COMPUTE_ACTIONS // compute_actions(topo, 1, topo.nodes)  # micro-batches at one node per replica
+        way = (f"run the nodes as replicas (--replicas {fits[0]}){fewer}" if fits else
+               f"use at most {most} --micro-batches with --replicas {topo.nodes}" if most else
+               f"even one node of {topo.per_node} ranks is too large a pipeline to build here")
         raise ValueError(f"one pipeline of {n} ranks at {micro_batches} micro-batches holds {computes:,} forwards and "
                          f"backwards (2 x ranks^2 x micro-batches), more than the {MOST_COMPUTE_ACTIONS:,} this command "
-                         f"builds; run the nodes as replicas ({hint}) or with fewer micro-batches")
+                         f"builds: {way}")
 
 
-def _print_k_table(args: argparse.Namespace, dims: ModelDims, sizes: dict, build: Callable[..., Plan]) -> None:
-    """Bytes and memory for every k, at the given prefetch depth and with every chunk resident."""
+def _k_options(args: argparse.Namespace, dims: ModelDims, build: Callable[..., Plan]
+               ) -> dict[Choice, tuple[float, MemoryEstimate, int | str]]:
+    """The busiest node's inter-node bytes and the memory per rank for every k, at the given
+    prefetch depth and with every chunk resident; with the depth as asked, for the labels."""
     ks = [k for k in range(1, args.micro_batches + 1) if args.micro_batches % k == 0]
     depths = [(args.prefetch_depth, args.reuse_weights)]
     if args.prefetch_depth != RESIDENT:
         depths.append((RESIDENT, True))
-    options: dict[Choice, tuple[float, MemoryEstimate]] = {}
-    print(f"{'k':>4}  {'depth':>16}  {'inter-node/iter (busiest node)':>31}  {'staging/rank':>13}  "
-          f"{'activations/rank':>17}  {'host/rank':>10}  {'memory/rank':>12}")
+    options: dict[Choice, tuple[float, MemoryEstimate, int | str]] = {}
     for depth, reuse in depths:
         for k in ks:
             plan_k = build(mb_per_fetch=k, prefetch_depth=depth, reuse_weights=reuse)
             choice = (k, int(plan_k.options["prefetch_depth"]), reuse)
-            if choice in options:  # the given depth is the resident one
-                continue
-            inter, e = max(plan_traffic(plan_k).per_node()), memory_per_rank(plan_k, dims, _savers(args))
-            options[choice] = (inter, e)
-            print(f"{k:>4}  {_depth_label(choice, depth):>16}  {inter / 1e9:>28.3f} GB  "
-                  f"{e.staging / 2**30:>9.3f} GiB  {e.activations / 2**30:>13.3f} GiB  {e.host / 2**30:>6.3f} GiB  "
-                  f"{e.total / 2**30:>8.3f} GiB")
+            if choice not in options:  # else the given depth is the resident one
+                options[choice] = (max(plan_traffic(plan_k).per_node()), memory_per_rank(plan_k, dims, _savers(args)),
+                                   depth)
+    return options
+
+
+def _print_k_table(args: argparse.Namespace, dims: ModelDims, sizes: dict, build: Callable[..., Plan]) -> None:
+    """Bytes and memory for every k, at the given prefetch depth and with every chunk resident."""
+    options = _k_options(args, dims, build)
+    if args.recompute == AUTO:
+        print("memory counted with --recompute chunk (--recompute auto: the auto line weighs the other savers)")
+    print(f"{'k':>4}  {'depth':>16}  {'inter-node/iter (busiest node)':>31}  {'staging/rank':>13}  "
+          f"{'activations/rank':>17}  {'host/rank':>10}  {'memory/rank':>12}")
+    for choice, (inter, e, depth) in options.items():
+        print(f"{choice[0]:>4}  {_depth_label(choice, depth):>16}  {inter / 1e9:>28.3f} GB  "
+              f"{e.staging / 2**30:>9.3f} GiB  {e.activations / 2**30:>13.3f} GiB  {e.host / 2**30:>6.3f} GiB  "
+              f"{e.total / 2**30:>8.3f} GiB")
     if args.memory_budget is not None:
-        largest, cheapest = fitting(options, args.memory_budget * 2**30)
+        largest, cheapest = _fitting(args, options)
         if cheapest is None:
             print(f"within {args.memory_budget:g} GiB per rank: nothing fits, not even k=1")
         else:
             k, d, reuse = cheapest
             print(f"within {args.memory_budget:g} GiB per rank: largest k {largest}; fewest inter-node bytes with "
                   f"k={k}, --prefetch-depth {d}{f' {reuse_flag(reuse)}' if reuse else ''}")
-        _print_auto(args, dims, sizes)
+        print("auto (tawpipe train's default): " + _auto_choice(args, dims, sizes))
 
 
 def _savers(args: argparse.Namespace) -> Savers:
@@ -244,10 +278,38 @@ def _savers(args: argparse.Namespace) -> Savers:
     return Savers("chunk" if args.recompute == AUTO else args.recompute, args.offload_state, args.offload_activations)
 
 
-def _print_auto(args: argparse.Namespace, dims: ModelDims, sizes: dict) -> None:
+def _fitting(args: argparse.Namespace, options: dict[Choice, tuple[float, MemoryEstimate, int | str]]
+             ) -> tuple[int | None, Choice | None]:
+    """``fitting`` of the k options within --memory-budget."""
+    return fitting({c: v[:2] for c, v in options.items()}, args.memory_budget * 2**30)
+
+
+def _json_memory(args: argparse.Namespace, dims: ModelDims, sizes: dict, build: Callable[..., Plan],
+                 plan: Plan) -> dict:
+    """--json's memory: this plan's bytes per rank; for a tunable schedule those of every k (the
+    table's rows), and with --memory-budget what fits and what auto chooses (its lines)."""
+    def bytes_of(e: MemoryEstimate) -> dict:
+        return {**dataclasses.asdict(e), "total": e.total}
+
+    doc: dict = {"per_rank": bytes_of(memory_per_rank(plan, dims, _savers(args)))}
+    if registry.get(args.algo).tunable:
+        options = _k_options(args, dims, build)
+        doc["options"] = [{"mb_per_fetch": k, "prefetch_depth": d, "reuse_weights": r, "inter_node_busiest_node": inter,
+                           "per_rank": bytes_of(e)} for (k, d, r), (inter, e, _) in options.items()]
+        if args.memory_budget is not None:
+            largest, cheapest = _fitting(args, options)
+            doc["budget"] = {
+                "gib": args.memory_budget, "largest_mb_per_fetch": largest,
+                "fewest_inter_node": dict(zip(("mb_per_fetch", "prefetch_depth", "reuse_weights"), cheapest))
+                if cheapest else None,
+                "auto": _auto_choice(args, dims, sizes)}
+    return doc
+
+
+def _auto_choice(args: argparse.Namespace, dims: ModelDims, sizes: dict) -> str:
     """What "auto" (the default of ``tawpipe train`` and the engine) chooses within --memory-budget,
-    on this command's estimate of the memory (design §7.3); with --recompute auto, the memory
-    savers too (``savers_ladder``)."""
+    on this command's estimate of the memory (design §7.3), in flags; with --recompute auto, the
+    memory savers too (``savers_ladder``)."""
     ladder = savers_to_weigh(args.recompute, args.offload_state, args.offload_activations)
     try:
         _, _, why = auto_savers_plan(ladder, functools.partial(memory_per_rank, dims=dims),
@@ -257,19 +319,21 @@ def _print_auto(args: argparse.Namespace, dims: ModelDims, sizes: dict) -> None:
                                      replicas=args.replicas, weights_on_host=True, **sizes)
     except NothingFits as e:
         why = str(e)
-    print("auto (tawpipe train's default): " + as_flags(why or "nothing left to choose: every option was given"))
+    return as_flags(why or "nothing left to choose: every option was given")
 
 
 def _print_replicas(args: argparse.Namespace, dims: ModelDims, topo: Topology) -> None:
     """Per replica count R: the busiest node's inter-node bytes, the link floor and the memory per
-    rank, in closed form (design §3.5, §7), at this k and depth (without reuse): a plan per R of a
-    large cluster would take longer to build than the answer is worth."""
+    rank, in closed form (design §3.5, §7), at this k and depth, without reuse (the header says so
+    where reuse was asked): a plan per R of a large cluster would take longer to build than the
+    answer is worth."""
     k, depth = args.mb_per_fetch, args.prefetch_depth
     if depth == RESIDENT:
         return  # the closed form covers numbered depths
     rate = args.inter.rate
     budget = args.memory_budget * 2**30 if args.memory_budget is not None else None
-    print(f"replicas (closed form, k={k}, prefetch depth {depth}; R divides the {topo.nodes} nodes):")
+    reuse = f", without {reuse_flag(args.reuse_weights)} (the closed form's)" if args.reuse_weights else ""
+    print(f"replicas (closed form, k={k}, prefetch depth {depth}{reuse}; R divides the {topo.nodes} nodes):")
     print(f"{'R':>5}  {'ranks/pipeline':>14}  {'inter-node/iter (per node)':>27}  {'floor':>9}  {'memory/rank':>12}  fits")
     best = None
     for r in (r for r in range(1, topo.nodes + 1) if topo.nodes % r == 0):
@@ -288,8 +352,9 @@ def _print_replicas(args: argparse.Namespace, dims: ModelDims, topo: Topology) -
         print(f"fewest inter-node bytes{' within the budget' if budget is not None else ''}: --replicas {best[0]}")
 
 
-def _json_summary(plan: Plan, report: VerifyReport, dims: ModelDims | None) -> str:
-    """The plan without its actions, what verify proved and the traffic: small at any size."""
+def _json_summary(plan: Plan, report: VerifyReport, dims: ModelDims | None, memory: dict | None) -> str:
+    """The plan without its actions, what verify proved, the traffic and, with a model, the memory:
+    small at any size."""
     traffic = plan_traffic(plan)
     kinds = KINDS if dims is not None else LAYER_KINDS
     doc = {
@@ -302,6 +367,7 @@ def _json_summary(plan: Plan, report: VerifyReport, dims: ModelDims | None) -> s
             "by_kind_busiest_rank": {k: traffic.busiest(kind=k)[1] for k in kinds},
             "units": "bytes" if dims is not None else "layers",
         },
+        **({"memory": memory} if memory is not None else {}),  # bytes per rank
     }
     return json.dumps(doc)
 

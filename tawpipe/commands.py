@@ -111,11 +111,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or "default" in text or action.default in (None, False, argparse.SUPPRESS, []):
+        if "%(default)" in text or "default" in text or _nothing_to_show(action.default):
             return text
         if action.option_strings and action.nargs != 0:
             return text + " (default: %(default)s)"
         return text
+
+
+def _nothing_to_show(default: object) -> bool:
+    """None, False, SUPPRESS or an empty list, by identity: a default of 0 is worth showing, though
+    ``0 == False``."""
+    return default is None or default is False or default is argparse.SUPPRESS or default == []
 
 
 class Parser(argparse.ArgumentParser):
@@ -151,6 +157,21 @@ class Parser(argparse.ArgumentParser):
     def flags(self) -> list[str]:
         """Every long option string of this parser."""
         return [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+
+    def given(self, args: argparse.Namespace, dests: Iterable[str]) -> list[str]:
+        """The flags among ``dests`` whose value is not their default (a string default compared as
+        the flag's type reads it, as argparse does), in the order of ``dests``: those the user gave,
+        but for a default given again."""
+        actions = {a.dest: a for a in self._actions}
+        out = []
+        for dest in dests:
+            action = actions[dest]
+            default = action.default
+            if isinstance(default, str) and action.type is not None:
+                default = action.type(default)
+            if getattr(args, dest) != default:
+                out.append(max(action.option_strings, key=len))
+        return out
 
 
 def _did_you_mean(word: str, options: Iterable[str], quote: bool = False) -> str:

@@ -386,7 +386,7 @@ def test_train_chunks_the_loss_where_the_logits_outweigh_a_layer(tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.LlamaConfig(vocab_size=32_000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                              num_attention_heads=4).save_pretrained(tmp_path / "hf")
-    np.save(tmp_path / "data.npy", np.arange(4096, dtype=np.uint32) * 7)
+    np.save(tmp_path / "data.npy", np.arange(6144, dtype=np.uint32) * 5)  # 307 held out, for --seq-len 256
     pre = preflight.validate(TrainConfig(model=str(tmp_path / "hf"), data=str(tmp_path / "data.npy"), seq_len=256))
     assert pre.schedule["loss"] == "chunked"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -248,6 +249,30 @@ def test_memory_budget_picks_the_fewest_bytes_that_fit(capsys):
         assert "--memory-budget must be a finite number of GiB > 0" in refused(capsys, *MODEL_3X2, "--memory-budget", bad)
 
 
+def test_json_gives_the_memory_the_tables_print(capsys):
+    """--json with a model: this plan's bytes per rank (as ``memory_per_rank`` counts them), each k
+    option of the table, and within --memory-budget the lines' pick and auto's choice."""
+    topo, dims = Topology(3, 2), ModelDims(hidden=256, layers=8, heads=8, vocab=512, seq=512, dtype_bytes=4)
+    sizes = dict(layer_numel=dims.layer_numel, weight_bytes=4, grad_bytes=4, replicated_numel=dims.replicated_numel)
+    plan = build_plan(topo, 8, 2, prefetch_depth=3, reuse_weights=True, **sizes)
+    memory = json.loads(run(capsys, *MODEL_3X2, "--json"))["memory"]
+    assert memory["per_rank"]["total"] == memory_per_rank(plan, dims).total
+    assert "budget" not in memory
+    options = {(o["mb_per_fetch"], o["prefetch_depth"], o["reuse_weights"]): o for o in memory["options"]}
+    assert options.keys() == {(1, 3, True), (2, 3, True), (1, 5, True), (2, 5, True)}
+    for (k, d, r), o in options.items():
+        plan_k = build_plan(topo, 8, 2, prefetch_depth=d, mb_per_fetch=k, reuse_weights=r, **sizes)
+        assert o["inter_node_busiest_node"] == max(plan_traffic(plan_k).per_node())
+        assert o["per_rank"]["staging"] == memory_per_rank(plan_k, dims).staging
+    budget = (options[(2, 3, True)]["per_rank"]["total"] + options[(1, 5, True)]["per_rank"]["total"]) / 2 / 2**30
+    argv = [*MODEL_3X2, "--memory-budget", f"{budget:.4f}"]
+    lines = run(capsys, *argv).splitlines()
+    chosen = json.loads(run(capsys, *argv, "--json"))["memory"]["budget"]
+    assert chosen["largest_mb_per_fetch"] == 2
+    assert chosen["fewest_inter_node"] == {"mb_per_fetch": 2, "prefetch_depth": 3, "reuse_weights": True}
+    assert "auto (tawpipe train's default): " + chosen["auto"] in lines
+
+
 def test_fitting_breaks_ties_on_memory_and_reports_the_largest_k():
     def mem(gib):
         return MemoryEstimate(persistent=gib * 2**30, staging=0, replicated=0, activations=0)
@@ -264,6 +289,14 @@ def test_prefetch_depth_takes_a_number_or_resident(capsys):
                                          "--micro-batches", "1", "--prefetch-depth", "deep")
     assert "--reuse-weights" in refused(capsys, "plan", "--nodes", "2", "--per-node", "2", "--layers", "4",
                                         "--micro-batches", "1", "--prefetch-depth", "resident")
+    # beyond the resident depth (d + 1 >= the pipeline's ranks) a plan costs buffers and gains nothing
+    for replicas, most in ((1, 7), (2, 3)):
+        argv = ["plan", "--nodes", "4", "--per-node", "2", "--layers", "8", "--micro-batches", "1", "--no-table",
+                "--replicas", str(replicas), "--prefetch-depth"]
+        assert f"--prefetch-depth {most + 1} is beyond {most}, where {most + 1} staging buffers" in refused(
+            capsys, *argv, str(most + 1))
+        assert main(argv + [str(most)]) == 0
+        assert f"prefetch depth {most}," in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("algo", ["tawpipe", "weipipe"])
@@ -308,3 +341,35 @@ def test_savers_that_do_not_go_together_are_refused_naming_the_flags(capsys):
                    "--recompute", "none", "--offload-activations")
     assert "--offload-activations keeps a chunk's input on the host, which --recompute none does not run from" in line
     assert line.endswith("use --recompute chunk, --recompute layer or --recompute block")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq-len", "8192"], "--seq-len needs a model to count with: add --model NAME or --hidden H"),
+    (["--memory-budget", "4"], "--memory-budget needs a model to count with"),
+    (["--inter", "25gbe"], "--inter needs a model to count with"),
+    (["--offload-state"], "--offload-state needs a model to count with"),
+    (["--model", "tiny", "--heads", "4"], "--heads describes a model of your own (with --hidden); --model tiny gives "
+                                          "its own: drop it"),
+    (["--model", "tiny", "--vocab", "512"], "--vocab describes a model of your own"),
+])
+def test_a_flag_the_plan_would_ignore_is_refused(capsys, extra, message):
+    """Sizes mean nothing without a model, and --hidden's shape flags nothing beside --model: the
+    plan used to print as if they were not given."""
+    base = ["plan", "--nodes", "2", "--per-node", "2", "--layers", "8", "--micro-batches", "2", "--no-table"]
+    assert message in refused(capsys, *base, *extra)
+    assert main(base + ["--inter", "10gbe", "--seq-len", "4096"]) == 0  # the defaults, given again
+
+
+@pytest.mark.parametrize("shape, way", [
+    ("128 16 1", r"run the nodes as replicas \(--replicas 2\)$"),
+    ("128 16 4", r"run the nodes as replicas \(--replicas 4\) or fewer --micro-batches$"),
+    ("2 1024 4", r"use at most 1 --micro-batches with --replicas 2$"),
+    ("1 2048 1", r"even one node of 2048 ranks is too large a pipeline to build here$"),
+])
+def test_a_plan_too_large_to_build_is_refused_naming_a_way_that_fits(capsys, shape, way):
+    """Refused before anything is built (the largest allowed takes about 45 s), with a way out
+    that does fit: a replica count, fewer micro-batches only where there is more than one."""
+    nodes, per_node, acc = shape.split()
+    line = refused(capsys, "plan", "--nodes", nodes, "--per-node", per_node, "--micro-batches", acc,
+                   "--layers", "4096", "--no-table")
+    assert "more than the 4,000,000 this command builds: " in line and re.search(way, line), line

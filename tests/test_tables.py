@@ -6,7 +6,9 @@ The WeiPipe worked schedule is checked action by action in test_schedule.py; des
 
 from __future__ import annotations
 
+import pytest
 from plan_cases import parse_table
+from tawpipe.plan import registry
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
 from tawpipe.plan.verify import verify
@@ -82,3 +84,17 @@ def test_tawpipe_n6_g3_acc1_matches_the_papers_worked_example_cell_by_cell():
     assert plan.owner == (0, 2, 4, 1, 3, 5)
     assert_tables_equal(plan.table(), PAPER_N6_G3_ACC1)
     verify(plan)
+
+
+@pytest.mark.parametrize("algo", registry.names())
+def test_a_plan_of_replicas_prints_replica_0s_table(algo):
+    """Each replica runs the one-replica plan on its own nodes (design §3.5), so the table of a plan
+    of two replicas is the one-replica plan's, plus the all-reduces across the replicas."""
+    one = build_plan(Topology(2, 2), 8, 2, algo=algo).table()
+    two = build_plan(Topology(4, 2), 8, 2, algo=algo, replicas=2).table()
+    one_head, one_rows = parse_table(one)
+    two_head, two_rows = parse_table(two)
+    assert two_head == one_head and list(two_rows) == list(one_rows)
+    for slot, cells in two_rows.items():
+        kept = ["; ".join(p for p in c.split("; ") if not p.endswith("across replicas")) for c in cells]
+        assert kept == one_rows[slot], f"slot {slot}"

@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -268,6 +269,7 @@ def _no_workers(monkeypatch) -> None:
     (["--micro-batches", "-1"], "--micro-batches must be >= 1, got -1"),
     (["--mb-per-fetch", "3"], "schedule: --mb-per-fetch 3 does not divide --micro-batches 2: .*pick a divisor"),
     (["--algo", "weipipe", "--prefetch-depth", "2"], "schedule: weipipe runs the paper's settings only"),
+    (["--prefetch-depth", "4"], "schedule: --prefetch-depth 4 is beyond 3, where 4 staging buffers already hold"),
     (["--prefetch-depth", "resident", "--no-reuse-weights"],
      r"schedule: --prefetch-depth resident keeps fetched chunks only if they are reused: pass --reuse-weights, "
      r"or give the depth as a number"),
@@ -278,6 +280,8 @@ def _no_workers(monkeypatch) -> None:
     (["--resume", "{empty}"], "no complete checkpoint under"),
     (["--resume", "{file}"], "no checkpoint at .*: not a directory"),
     (["--data", "{tiny}"], "--data .*: 3 training tokens are too few for --seq-len 128"),
+    (["--data", "{short}", "--seq-len", "64"],
+     "--data .*: the held-out split has 20 tokens, too few for --seq-len 64: use more data, or --val-every 0"),
     (["--context-parallel", "0"], "--context-parallel must be >= 1, got 0"),
     (["--context-parallel", "3"], r"--context-parallel 3 does not divide the 2 ranks of a node \(--per-node\)"),
     (["--context-parallel", "2", "--seq-len", "66"], r"--seq-len 66 is not a multiple of 2 x --context-parallel = 4"),
@@ -287,8 +291,10 @@ def test_bad_arguments_fail_before_any_worker(tmp_path, monkeypatch, capsys, arg
     _no_workers(monkeypatch)
     (tmp_path / "file").write_text("x")
     (tmp_path / "tiny").write_bytes(b"abc")
+    (tmp_path / "short").write_bytes(bytes(random.Random(0).randrange(256) for _ in range(400)))
     (tmp_path / "empty").mkdir()
-    args = [a.format(file=tmp_path / "file", tiny=tmp_path / "tiny", empty=tmp_path / "empty") for a in args]
+    args = [a.format(file=tmp_path / "file", tiny=tmp_path / "tiny", short=tmp_path / "short", empty=tmp_path / "empty")
+            for a in args]
     t0 = time.monotonic()
     assert re.match(f"tawpipe train: {message}", refused(capsys, "train", *args))
     assert time.monotonic() - t0 < 2
@@ -313,6 +319,7 @@ def test_help_shows_defaults_and_presets(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--steps STEPS optimizer steps (default: 100)" in out
     assert "(default: tiny)" in out and "(default: float32)" in out
+    assert "of the batches (default: 0)" in out  # a default of 0 shows, though 0 == False
     for preset in models.PRESETS:
         assert preset in out
     assert "qwen2" in out
@@ -341,6 +348,17 @@ def test_a_config_flag_without_a_value_stores_what_giving_it_stores(tmp_path, te
     file = tmp_path / "run.toml"
     file.write_text(text)
     assert parser().parse_args(["--config", str(file)]).reuse_weights == expected
+
+
+@pytest.mark.parametrize("argv, file", [(["--max-grad-norm", "none"], ""), ([], 'max-grad-norm = "none"\n')])
+def test_clipping_can_be_turned_off(tmp_path, argv, file):
+    """``none`` is no clipping, from the command line or a config file; a number still clips."""
+    (tmp_path / "run.toml").write_text(file)
+    assert parser().parse_args(argv + ["--config", str(tmp_path / "run.toml")]).max_grad_norm is None
+    assert parser().parse_args(["--max-grad-norm", "0.5"]).max_grad_norm == 0.5
+    assert parser().parse_args([]).max_grad_norm == 1.0
+    with pytest.raises(UsageError, match="--max-grad-norm: invalid float value: 'off'"):
+        parser().parse_args(["--max-grad-norm", "off"])
 
 
 @pytest.mark.parametrize("text, match", [

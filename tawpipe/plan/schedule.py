@@ -36,6 +36,18 @@ def resident_depth(topology: Topology) -> int:
     return max(1, topology.world_size - 1)
 
 
+def check_depth_gains(job: Topology, prefetch_depth: int | str, replicas: int = 1) -> None:
+    """ValueError for a prefetch depth beyond the resident one of a pipeline of ``job``'s nodes
+    as ``replicas`` (a word, "resident" or "auto", passes): the plan is valid (the verifier's tests build such plans), but it costs
+    buffers and gains nothing, so the commands refuse it."""
+    n = job.world_size // replicas
+    most = resident_depth(Topology(job.nodes // replicas, job.per_node))
+    if isinstance(prefetch_depth, int) and prefetch_depth > most:
+        raise ValueError(f"prefetch_depth={prefetch_depth} is beyond {most}, where {most + 1} staging buffers already "
+                         f"hold every chunk of a pipeline of {n} ranks: a deeper one costs buffers and fetches nothing "
+                         f"sooner; use at most {most} (or {RESIDENT!r})")
+
+
 def prefetch_depth_arg(text: str) -> int | str:
     """The argparse type of every ``--prefetch-depth``: a number of slots, or 'resident'."""
     if text == RESIDENT:

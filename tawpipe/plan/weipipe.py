@@ -166,8 +166,9 @@ def _events(n: int, acc: int, nbytes: dict[str, list[int]], rbytes: int) -> tupl
 
 def _table(plan: Plan) -> str:
     """Rows are steps; "⇒" lists what a worker sends: f/b ring weights, g partial sums (sent in
-    the step after the B that produced them), seeds and the final gradient delivery."""
-    n, acc = plan.topology.world_size, plan.micro_batches
+    the step after the B that produced them), seeds and the final gradient delivery. A plan of
+    replicas shows replica 0's workers: the others run the same, shifted."""
+    n, acc = plan.replica_size, plan.micro_batches
     per_rank = by_slot(plan)
     head = ["step"] + [f"worker {w}" for w in range(n)]
     lines = [table_row(head), "|" + "---|" * len(head)]

@@ -114,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps, then cosine decay to 10%%")
     p.add_argument("--dtype", choices=COMPUTE_DTYPES, default=d.dtype, help="compute dtype")
-    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="clip the global gradient norm")
+    p.add_argument("--max-grad-norm", type=_or_word(float, "none", None), default=d.max_grad_norm,
+                   help="clip the global gradient norm to this; 'none': do not clip")
     p.add_argument("--grad-route", choices=("rail", "leader"), default=d.grad_route,
                    help="router of inter-node gradients")
     p.add_argument("--algo", choices=registry.names(), default=d.algo,
@@ -190,11 +191,16 @@ def _add_output_arguments(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 
 def _or_auto(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """``parse``, or "auto" (the cost model chooses the value)."""
-    def parse_or_auto(text: str) -> Any:
-        return AUTO if text == AUTO else parse(text)
+    return _or_word(parse, AUTO, AUTO)
 
-    parse_or_auto.__name__ = parse.__name__  # argparse names the type in its errors
-    return parse_or_auto
+
+def _or_word(parse: Callable[[str], Any], word: str, value: Any) -> Callable[[str], Any]:
+    """``parse``, or ``word`` meaning ``value``."""
+    def parse_or_word(text: str) -> Any:
+        return value if text == word else parse(text)
+
+    parse_or_word.__name__ = parse.__name__  # argparse names the type in its errors
+    return parse_or_word
 
 
 def _config_file_sets_defaults(p: argparse.ArgumentParser) -> None:

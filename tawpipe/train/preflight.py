@@ -29,7 +29,7 @@ from ..engine.policy import MemoryPolicy
 from ..models.parts import parts_signature, unique_params
 from ..ops import DTYPES
 from ..plan.plan import Plan
-from ..plan.schedule import check_replicas
+from ..plan.schedule import check_depth_gains, check_replicas
 from ..plan.topology import Topology
 from ..runtime import comm as comm_backends
 from ..runtime.timeout import default_timeout
@@ -101,6 +101,7 @@ def validate(cfg: TrainConfig, topology: Topology | None = None) -> Preflight:
     if cfg.loss == AUTO:
         cfg = replace(cfg, loss=_loss(chunkable, shape))
     try:
+        check_depth_gains(topology, cfg.prefetch_depth, cfg.replicas)
         plan, savers, auto = _plan(replace(cfg, **ran), topology, blocks, embed, head, shape)
         cfg = replace(cfg, recompute=savers.recompute, offload_state=savers.offload_state,
                       offload_activations=savers.offload_activations)
@@ -336,6 +337,9 @@ def _vocab(cfg: TrainConfig) -> int:
     src = load_tokens(cfg.data)
     if len(src.train) < cfg.seq_len + 1:
         raise ValueError(f"--data {cfg.data}: {len(src.train)} training tokens are too few for --seq-len {cfg.seq_len}")
+    if cfg.val_every and len(src.val) < cfg.seq_len + 1:
+        raise ValueError(f"--data {cfg.data}: the held-out split has {len(src.val)} tokens, too few for --seq-len "
+                         f"{cfg.seq_len}: use more data, or --val-every 0")
     return src.vocab_size
 
 
@@ -360,8 +364,6 @@ def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> dict[str, Any]
         print(f"tawpipe train: note: resuming with other settings than the checkpoint's ({', '.join(changed)}); "
               "the run will differ from an uninterrupted one", file=sys.stderr)
     return manifest
-
-
 
 
 def leader() -> bool:
