@@ -9,7 +9,9 @@ modules of their own that may need optional dependencies (torch among them). Suc
 Every bad input ends the same way, whatever the command: ``PROG: MESSAGE`` on one line of stderr
 and exit status 2, before anything is measured or started. A module raises ``UsageError`` for it;
 argparse's own errors take the same road, with the closest flag suggested for a mistyped one and
-the new name given for a flag that was renamed.
+the new name given for a flag that was renamed. The argparse types ``int_at_least``,
+``positive_float`` and ``nonnegative_float`` refuse a number out of its range while the command
+line is read, and ``writable`` an output that cannot be written, before a run finds either.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import math
 import re
 import sys
-from collections.abc import Iterable, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
@@ -104,6 +109,65 @@ class UsageError(ValueError):
     def __init__(self, message: str, prog: str | None = None) -> None:
         super().__init__(message)
         self.prog = prog
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """The argparse ``type`` of a count that cannot be below ``low`` (ranks, sizes, steps): a value
+    below it is refused while the command line is read, naming the flag, not deep in a run."""
+
+    def value(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {number}")
+        return number
+
+    return value
+
+
+def positive_float(text: str) -> float:
+    """The argparse ``type`` of a finite number above 0 (seconds to wait, a ratio)."""
+    return _finite(text, zero=False)
+
+
+def nonnegative_float(text: str) -> float:
+    """The argparse ``type`` of a finite number >= 0, for a flag whose help says what 0 means."""
+    return _finite(text, zero=True)
+
+
+def _finite(text: str, *, zero: bool) -> float:
+    bound = ">= 0" if zero else "> 0"
+    try:
+        number = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text!r}") from None
+    if not (math.isfinite(number) and (number >= 0 if zero else number > 0)):
+        raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text}")
+    return number
+
+
+def writable(path: Path, flag: str, *, directory: bool) -> None:
+    """UsageError unless ``path`` can be written (``directory``: made, then filled), found by
+    creating a scratch file where it would go; nothing is made."""
+    if directory and path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path}: is a file; it needs a directory")
+    if not directory and path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; name a file")
+    where = path
+    if directory:
+        while not where.exists():  # made with its parents: the deepest one there must take it
+            where = where.parent
+    else:
+        where = path.parent
+    if not where.is_dir():
+        raise UsageError(f"{flag} {path}: {where} {'is not a directory' if where.exists() else 'does not exist'}")
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write in {where} ({e.strerror})") from None
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -119,6 +119,20 @@ def test_an_old_spelling_is_refused_naming_the_new_one(capsys, argv, old, new):
     assert f"{old} is now {new}" in refused(capsys, *argv)
 
 
+def test_the_number_types_refuse_a_value_out_of_range():
+    assert commands.int_at_least(2)("3") == 3 and commands.int_at_least(0)("0") == 0
+    for text in ("1", "-4", "x", "2.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected an integer >= 2"):
+            commands.int_at_least(2)(text)
+    assert commands.positive_float("0.5") == 0.5 and commands.nonnegative_float("0") == 0.0
+    for text in ("0", "-1", "nan", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a finite number > 0"):
+            commands.positive_float(text)
+    for text in ("-0.1", "nan", "-inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a finite number >= 0"):
+            commands.nonnegative_float(text)
+
+
 def test_library_keywords_are_given_as_flags():
     said = commands.as_flags("mb_per_fetch=3 does not divide micro_batches=2; pass reuse_weights=True, or "
                              "give memory_budget; prefetch_depth='resident' needs reuse_weights")

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..commands import UsageError, add_reuse_weights, reuse_flag
+from ..commands import UsageError, add_reuse_weights, reuse_flag, writable
 from ..models.presets import PRESETS
 from ..models.shape import ModelDims
 from ..plan.schedule import HOST, RESIDENT, prefetch_depth_arg
@@ -32,7 +32,7 @@ from ..sim import compare
 from ..sim.peers import CONTEXT_PARALLEL, OFFLOADING
 from ..sim.hardware import DEVICES, LINKS, Cluster, Device
 from ..sim.workload import Workload, model
-from .inputs import EMULATED_EFFICIENCY, link_arg, load_device, model_arg, writable
+from .inputs import EMULATED_EFFICIENCY, link_arg, load_device, model_arg
 
 DESCRIPTION = (
     "Predict one training iteration of TawPipe and its peers (DDP, FSDP2, HSDP, 1F1B, WeiPipe) on a "

@@ -1,6 +1,6 @@
-"""What ``tawpipe simulate`` reads from its flags and files: the model, the links, a device (a
-preset, a calibration's JSON or this machine's CPU) and the outputs it may write, each refused
-with a ``UsageError`` naming the flag before anything is measured or written.
+"""What ``tawpipe simulate`` reads from its flags and files: the model, the links and a device (a
+preset, a calibration's JSON or this machine's CPU), each refused with a ``UsageError`` naming the
+flag before anything is measured or written.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,28 +18,6 @@ from ..sim.workload import model
 
 EMULATED_EFFICIENCY = 0.994  # payload per byte the shaper meters (GSO packets: ~0.5% headers, measured)
 LOOPBACK = "8gbit@50"  # inside an emulated node: loopback TCP between two rank processes
-
-
-def writable(path: Path, flag: str, *, directory: bool) -> None:
-    """UsageError unless ``path`` can be written (``directory``: made, then filled), found by
-    creating a scratch file where it would go."""
-    if directory and path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {path}: is a file; it needs a directory")
-    if not directory and path.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory; name a file")
-    where = path
-    if directory:
-        while not where.exists():  # made with its parents: the deepest one there must take it
-            where = where.parent
-    else:
-        where = path.parent
-    if not where.is_dir():
-        raise UsageError(f"{flag} {path}: {where} {'is not a directory' if where.exists() else 'does not exist'}")
-    try:
-        with tempfile.TemporaryFile(dir=where):
-            pass
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write in {where} ({e.strerror})") from None
 
 
 def model_arg(args: argparse.Namespace) -> ModelDims:
