@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_cases import nothing_starts, refused
+
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "benchmarks" / "results"
@@ -87,3 +89,24 @@ def test_prefetch_writes_under_out(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert prefetch.main(p.parse_args([*small, "--out", "named.json"])) == 0  # a .json path is the file itself
     assert sorted(f.name for f in tmp_path.iterdir()) == sorted([DEFAULT, "mine", "named.json"])
     assert _snapshot(COMMITTED) == before
+
+
+@pytest.mark.parametrize("what", ["comm", "prefetch", "overlap", "context", "cluster"])
+def test_an_existing_file_as_out_is_refused_before_the_bench_starts(capsys, monkeypatch, tmp_path: Path,
+                                                                   what: str) -> None:
+    nothing_starts(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").write_text("mine")
+    line = refused(capsys, "bench", what, "--out", "taken")
+    assert line.endswith("--out taken: is a file; it needs a directory"), line
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"] and (tmp_path / "taken").read_text() == "mine"
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_comm_refuses_a_file_it_cannot_write_before_any_rank_starts(capsys, monkeypatch, tmp_path: Path,
+                                                                    flag: str) -> None:
+    nothing_starts(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").write_text("")
+    line = refused(capsys, "bench", "comm", flag, "taken/comm.x")
+    assert line.endswith(f"{flag} taken/comm.x: taken is not a directory"), line

@@ -15,13 +15,15 @@ from tawpipe import cli, commands
 from tawpipe.commands import RENAMED, Parser
 from tawpipe.train import TrainConfig, preflight
 
-from cli_cases import refused
+from cli_cases import nothing_starts, refused
 
 COMMANDS = [(), ("plan",), ("train",), ("simulate",), ("bench",), ("bench", "cluster"), ("bench", "comm"),
-            ("bench", "overlap"), ("bench", "prefetch"), ("cluster",), ("cluster", "run"), ("cluster", "down")]
+            ("bench", "context"), ("bench", "overlap"), ("bench", "prefetch"), ("cluster",), ("cluster", "run"),
+            ("cluster", "down")]
 MODULES = {"train": "tawpipe.train", "simulate": "tawpipe.simulate", "bench": "tawpipe.bench",
            "cluster": "tawpipe.cluster", "bench cluster": "tawpipe.bench.cluster", "bench comm": "tawpipe.bench.comm",
-           "bench overlap": "tawpipe.bench.overlap", "bench prefetch": "tawpipe.bench.prefetch"}
+           "bench context": "tawpipe.bench.context", "bench overlap": "tawpipe.bench.overlap",
+           "bench prefetch": "tawpipe.bench.prefetch"}
 
 
 def _help(*command: str) -> str:
@@ -131,6 +133,60 @@ def test_the_number_types_refuse_a_value_out_of_range():
     for text in ("-0.1", "nan", "-inf"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected a finite number >= 0"):
             commands.nonnegative_float(text)
+
+
+# A value a bench cannot run with (what it did before: a traceback from the ranks, or a run of
+# nothing), and what its one line must name.
+BENCH_REFUSALS = [
+    (("overlap", "--nodes", "0"), "--nodes"),  # started a local job of 0 ranks
+    (("overlap", "--per-node", "-1"), "--per-node"),
+    (("overlap", "--micro-batches", "0"), "--micro-batches"),
+    (("overlap", "--steps", "0"), "--steps"),  # statistics.median of no steps
+    (("overlap", "--seq-len", "0"), "--seq-len"),
+    (("overlap", "--micro-batch-size", "0"), "--micro-batch-size"),
+    (("overlap", "--layers", "2"), "--layers 2 < world size 4"),  # the engine refused it in every rank
+    (("overlap", "--comm-ratio", "-1"), "--comm-ratio"),  # a negative sleep in every rank
+    (("overlap", "--comm-ratio", "nan"), "--comm-ratio"),
+    (("prefetch", "--numel", "0"), "--numel"),  # silently the default
+    (("prefetch", "--repeats", "0"), "--repeats"),  # statistics.median of nothing
+    (("prefetch", "--pieces", "0"), "--pieces"),
+    (("prefetch", "--pieces", "4096,x"), "--pieces"),  # a ValueError traceback
+    (("prefetch", "--pieces", ","), "--pieces"),  # measured no piece size
+    (("prefetch", "--device", "nope"), "--device nope"),  # torch's RuntimeError traceback
+    (("comm", "-T", "0"), "--timeout"),  # silently $TAWPIPE_TIMEOUT
+    (("comm", "-T", "-1"), "--timeout"),
+    (("comm", "--time-budget", "-1"), "--time-budget"),
+    (("comm", "--nodes", "0"), "--nodes"),
+    (("comm", "--per-node", "0"), "--per-node"),
+    (("comm", "--ops", ","), "--ops"),  # a sweep of nothing
+    (("context", "--nodes", "0"), "--nodes"),  # ClusterSpec's ValueError traceback
+    (("context", "--per-node", "0"), "--per-node"),
+    (("context", "--context-parallel", "1"), "--context-parallel"),  # the run without, twice
+    (("context", "--context-parallel", "3"), "--context-parallel 3 does not divide --per-node 2"),
+    (("context", "--seq-len", "8190"), "--seq-len 8190 is not a multiple of 2 x --context-parallel"),
+    (("context", "--hidden", "130"), "--hidden 130"),
+    (("context", "--layers-per-rank", "0"), "--layers-per-rank"),
+    (("context", "--micro-batches", "0"), "--micro-batches"),
+    (("context", "--steps", "0"), "--steps"),
+    (("context", "--timeout", "0"), "--timeout"),
+    (("context", "--rate", "fast"), "--rate"),
+    (("context", "--cpus-per-rank", "0"), "cpus-per-rank"),
+    (("cluster", "--prefetch-depth", "0"), "--prefetch-depth"),  # the engine refused it in every rank
+    (("cluster", "--timeout", "-5"), "--timeout"),
+    (("cluster", "--rate", "0mbit"), "--rate"),
+    (("cluster", "--queue-ms", "0"), "--queue-ms"),
+    (("cluster", "--micro-batch-size", "0"), "--micro-batch-size"),  # was named batch-size
+    (("cluster", "--layers-per-rank", "0"), "--layers-per-rank"),  # was named layers
+]
+
+
+@pytest.mark.parametrize("argv, named", BENCH_REFUSALS, ids=[" ".join(argv) for argv, _ in BENCH_REFUSALS])
+def test_a_bench_refuses_what_it_cannot_run_with_before_it_starts(capsys, monkeypatch, tmp_path, argv, named):
+    nothing_starts(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    line = refused(capsys, "bench", *argv)
+    assert named in line, line
+    assert not list(tmp_path.iterdir())  # no results folder either
 
 
 def test_library_keywords_are_given_as_flags():

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..commands import delegate
+from ..commands import delegate, writable
 from ..version import __version__
 
 DESCRIPTION = (
@@ -59,6 +59,17 @@ def checkout(package: Path) -> dict[str, Any]:
                 "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return {}  # no git, or not a work tree
+
+
+def result_file(out: str, name: str) -> Path:
+    """Where a bench writes its JSON: ``--out`` itself where it ends in .json, else ``name`` in
+    the directory ``--out``; a UsageError naming --out, before anything runs, where that cannot be
+    written (an existing file given as the directory, a folder that cannot be made)."""
+    if out.endswith(".json"):
+        writable(Path(out), "--out", directory=False)
+        return Path(out)
+    writable(Path(out), "--out", directory=True)
+    return Path(out) / name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -34,13 +34,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..cluster import LINK_ENV
-from ..commands import UsageError
+from ..commands import UsageError, int_at_least, nonnegative_float, positive_float, writable
 from ..ops import DTYPES
 from ..plan.topology import Topology
 from ..runtime import comm as comms
@@ -120,21 +121,23 @@ def _backend_help() -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="smallest size (1K)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (64M)")
-    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier between steps (2)")
-    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations, at most (20)")
-    p.add_argument("-w", "--warmup_iters", type=int, default=1, help="warm-up iterations (1, as current nccl-tests)")
+    p.add_argument("-f", "--stepfactor", type=int_at_least(2), default=2, help="size multiplier between steps (2)")
+    p.add_argument("-n", "--iters", type=int_at_least(1), default=20, help="timed iterations, at most (20)")
+    p.add_argument("-w", "--warmup_iters", type=int_at_least(0), default=1,
+                   help="warm-up iterations (1, as current nccl-tests; 0: none, and no time budget)")
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, help="check results (#wrong)")
     p.add_argument("-a", "--average", type=int, choices=(0, 1, 2, 3), default=1,
                    help="time over ranks: 0 rank 0, 1 mean, 2 min, 3 max")
-    p.add_argument("-T", "--timeout", type=float, default=None, help="seconds any wait may take ($TAWPIPE_TIMEOUT)")
+    p.add_argument("-T", "--timeout", type=positive_float, default=None,
+                   help="seconds any wait may take ($TAWPIPE_TIMEOUT)")
     p.add_argument("-d", "--datatype", choices=sorted(DTYPES), default="float32", help="element type of the buffers")
-    p.add_argument("--time-budget", type=float, default=0.5,
+    p.add_argument("--time-budget", type=nonnegative_float, default=0.5,
                    help="seconds per measurement: fewer than -n iterations when the warm-up says they would "
                         "take longer (0: always -n)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--backend", choices=(*comms.names(), *TORCH_DEVICES), default=None, help=_backend_help())
-    p.add_argument("--nodes", type=int, default=2, help="emulated nodes when spawning locally")
-    p.add_argument("--per-node", type=int, default=2, help="ranks per node when spawning locally")
+    p.add_argument("--nodes", type=int_at_least(1), default=2, help="emulated nodes when spawning locally")
+    p.add_argument("--per-node", type=int_at_least(1), default=2, help="ranks per node when spawning locally")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"directory for comm_<backend>_<G>x<s>.json and .png (default: {DEFAULT_OUT}/ in the current "
                         "directory; the committed results: --out benchmarks/results)")
@@ -298,7 +301,8 @@ class _Case:
 
 def _sizes(a: dict) -> list[int]:
     if a["minbytes"] < 1 or a["maxbytes"] < a["minbytes"] or a["stepfactor"] < 2:
-        raise ValueError("need 1 <= -b <= -e and -f >= 2")
+        raise ValueError(f"need 1 <= -b <= -e and -f >= 2, got -b {a['minbytes']}, -e {a['maxbytes']} and "
+                         f"-f {a['stepfactor']}")
     out, s = [], a["minbytes"]
     while s <= a["maxbytes"]:
         out.append(s)
@@ -351,8 +355,8 @@ def _measure(case: _Case, comm: Comm, ctl: _Control, a: dict, salt: int) -> Row:
             case.run(comm)
         _synchronize(case.device, ctl.timeout)
         per_iter = ctl.reduce([(time.perf_counter() - t0) / a["warmup_iters"]], dist.ReduceOp.MAX)[0]
-        if a["time_budget"] > 0:
-            iters = max(1, min(iters, int(a["time_budget"] / max(per_iter, 1e-9))))
+        if 0 < a["time_budget"] < per_iter * iters:  # compared, not divided: any budget, however large
+            iters = max(1, int(a["time_budget"] / per_iter))
     ctl.reduce([0.0], dist.ReduceOp.SUM)  # a barrier: every rank starts the timed loop together
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -509,15 +513,17 @@ def _validated(args: argparse.Namespace) -> dict:
     a = {k: v for k, v in vars(args).items() if k not in ("what", "bench_main")}
     a["ops"] = [o.strip() for o in a["ops"].split(",") if o.strip()]
     unknown = [o for o in a["ops"] if o not in OPS]
-    if unknown:
-        raise UsageError(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
-    if a["iters"] < 1 or a["warmup_iters"] < 0:
-        raise UsageError("need -n >= 1 and -w >= 0")
+    if unknown or not a["ops"]:
+        what = f"unknown op(s) {unknown}" if unknown else "--ops names no operation"
+        raise UsageError(f"{what}; choose from {', '.join(OPS)}")
     try:
         _sizes(a)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    a["timeout"] = a["timeout"] or default_timeout()
+    try:
+        a["timeout"] = a["timeout"] or default_timeout()
+    except ValueError as e:  # $TAWPIPE_TIMEOUT
+        raise UsageError(str(e)) from None
     backend = backend_choice(a["backend"], torch.cuda.is_available())
     if backend.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"backend {backend.label} needs CUDA; use --backend gloo on the CPU")
@@ -526,7 +532,19 @@ def _validated(args: argparse.Namespace) -> dict:
     except ValueError as e:
         raise UsageError(str(e)) from None
     a["backend"] = backend.label  # what the results say (the ranks read the backend back from it)
+    if os.environ.get("RANK", "0") == "0":  # the rank that writes the results (a local job's: this process)
+        _check_outputs(a)
     return a
+
+
+def _check_outputs(a: dict) -> None:
+    """A UsageError naming the flag where the JSON or the plot cannot be written, before any rank starts."""
+    if a["json"]:
+        writable(Path(a["json"]), "--json", directory=False)
+    else:
+        writable(Path(a["out"]), "--out", directory=True)
+    if a["plot"]:
+        writable(Path(a["plot"]), "--plot", directory=False)
 
 
 def main(args: argparse.Namespace) -> int:

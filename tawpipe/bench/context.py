@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cluster import Cluster, ClusterSpec, describe_compute
+from ..cluster import Cluster, ClusterSpec, describe_compute, host, rate_arg
 from ..cluster.counters import link_bytes
+from ..commands import UsageError, int_at_least, positive_float, writable
 from ..cost.traffic import context_bytes, plan_traffic
 from ..engine.engine import TawPipe
 from ..engine.policy import MemoryPolicy, SchedulePolicy
@@ -49,20 +50,57 @@ DESCRIPTION = ("TawPipe with context parallelism (each C ranks of a node split e
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=2, help="emulated nodes")
-    p.add_argument("--per-node", type=int, default=2, help="ranks per node")
-    p.add_argument("--context-parallel", type=int, default=2, metavar="C", help="ranks of a node that split a sequence")
-    p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
-    p.add_argument("--hidden", type=int, default=128, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--layers-per-rank", type=int, default=1, help="decoder layers per rank")
-    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per rank and step")
-    p.add_argument("--rate", default="14mbit", help="each node link's rate per direction (tc), 'none': no limit")
+    count = int_at_least(1)
+    p.add_argument("--nodes", type=count, default=2, help="emulated nodes")
+    p.add_argument("--per-node", type=count, default=2, help="ranks per node")
+    p.add_argument("--context-parallel", type=int_at_least(2), default=2, metavar="C",
+                   help="ranks of a node that split a sequence (divides --per-node; the run without, C = 1, is "
+                        "the bench's other run)")
+    p.add_argument("--seq-len", type=count, default=8192, help="tokens per sequence (a multiple of 2 x C)")
+    p.add_argument("--hidden", type=count, default=128, help="model width")
+    p.add_argument("--heads", type=count, default=4, help="attention heads")
+    p.add_argument("--layers-per-rank", type=count, default=1, help="decoder layers per rank")
+    p.add_argument("--micro-batches", type=count, default=2, help="micro-batches per rank and step")
+    p.add_argument("--rate", default="14mbit", type=rate_arg,
+                   help="each node link's rate per direction (tc), 'none': no limit")
     p.add_argument("--cpus-per-rank", type=float, default=0.3, help="each rank's CPU quota (fixed compute)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per run, after one warm-up step")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
+    p.add_argument("--steps", type=count, default=3, help="timed steps per run, after one warm-up step")
+    p.add_argument("--timeout", type=positive_float, default=1800, help="seconds a run may take")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"directory for context_cluster.json and .md (default: {DEFAULT_OUT}/; '' writes none)")
+
+
+def _model(cfg: dict[str, Any], world_size: int) -> LlamaConfig:
+    """The model of every run: the one the ranks build, built first by the check."""
+    return LlamaConfig(vocab_size=256, hidden=cfg["hidden"], n_layers=world_size * cfg["layers_per_rank"],
+                       n_heads=cfg["heads"], n_kv_heads=cfg["heads"], max_seq_len=cfg["seq_len"])
+
+
+def _check(cfg: dict[str, Any]) -> ClusterSpec:
+    """The cluster ``cfg`` asks for; a UsageError naming the flag where it or the runs on it cannot
+    work, before any namespace or rank exists."""
+    c, per_node, seq = cfg["context_parallel"], cfg["per_node"], cfg["seq_len"]
+    if per_node % c:
+        fits = [d for d in range(2, per_node + 1) if per_node % d == 0]
+        raise UsageError(f"--context-parallel {c} does not divide --per-node {per_node}: a context group is ranks of "
+                         f"one node; use {'one of ' + ', '.join(map(str, fits)) if fits else 'more ranks per node'}")
+    if seq % (2 * c):
+        raise UsageError(f"--seq-len {seq} is not a multiple of 2 x --context-parallel = {2 * c}: each of a group's "
+                         f"{c} ranks takes two equal mirrored slices of every sequence")
+    try:
+        _model(cfg, cfg["nodes"] * per_node)
+    except ValueError as e:
+        raise UsageError(f"--hidden {cfg['hidden']} and --heads {cfg['heads']} make no model: {e}") from None
+    if cfg["out"]:
+        writable(Path(cfg["out"]), "--out", directory=True)
+    try:
+        spec = ClusterSpec(cfg["nodes"], per_node, rate=cfg["rate"], cpus_per_rank=cfg["cpus_per_rank"])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    reason = host.unavailable_reason(spec)
+    if reason:
+        raise UsageError(reason)
+    return spec
 
 
 def _memory_kib(field: str) -> int:
@@ -73,8 +111,7 @@ def _memory_kib(field: str) -> int:
 def context_rank(rank: int, cfg: dict[str, Any], degree: int) -> dict[str, Any]:
     """One rank of one run: ``cfg``'s model and plan, context parallel over ``degree`` ranks."""
     topology = Topology.from_env()
-    model = LlamaConfig(vocab_size=256, hidden=cfg["hidden"], n_layers=topology.world_size * cfg["layers_per_rank"],
-                        n_heads=cfg["heads"], n_kv_heads=cfg["heads"], max_seq_len=cfg["seq_len"])
+    model = _model(cfg, topology.world_size)
     acc = cfg["micro_batches"]
     engine = TawPipe(llama_parts(model, seed=0), topology=topology, micro_batches=acc,
                      schedule=SchedulePolicy(mb_per_fetch=1, prefetch_depth=1, reuse_weights=False,
@@ -128,9 +165,7 @@ def _summary(records: list[dict[str, Any]], degree: int, seq_len: int, world: in
     }
 
 
-def run(a: dict[str, Any], log=print) -> dict[str, Any]:
-    spec = ClusterSpec(a["nodes"], a["per_node"], rate=None if a["rate"] == "none" else a["rate"],
-                       cpus_per_rank=a["cpus_per_rank"])
+def run(a: dict[str, Any], spec: ClusterSpec, log=print) -> dict[str, Any]:
     # large tensors mapped and unmapped on their own: a freed activation leaves the resident set
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     rows = []
@@ -152,9 +187,9 @@ def table(res: dict[str, Any]) -> str:
     a = res["config"]
     lines = [
         f"TawPipe with and without context parallelism on {a['nodes']} x {a['per_node']} ({res['cluster']}, links "
-        f"{a['rate']}): {a['nodes'] * a['per_node'] * a['layers_per_rank']} layers of width {a['hidden']}, "
-        f"S = {a['seq_len']}, {a['micro_batches']} micro-batches of one sequence (or its slices) per rank, "
-        "paper schedule, recompute by chunk, chunked loss",
+        f"{a['rate'] or 'unlimited'}): {a['nodes'] * a['per_node'] * a['layers_per_rank']} layers of width "
+        f"{a['hidden']}, S = {a['seq_len']}, {a['micro_batches']} micro-batches of one sequence (or its slices) "
+        "per rank, paper schedule, recompute by chunk, chunked loss",
         "",
         "| context parallel | s/step | tok/s | activation MiB per rank | busiest node link MB/step (plan) "
         "| K/V exchange MB per rank (cost model) | K/V share of the step |",
@@ -174,8 +209,9 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    spec = _check(vars(args))
     a = {k: v for k, v in vars(args).items() if k not in ("what", "out", "bench_main")}
-    res = run(a)
+    res = run(a, spec)
     text = table(res)
     print(text)
     if args.out:

@@ -10,26 +10,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from ..commands import UsageError, as_flags, int_at_least, nonnegative_float
 from ..engine.engine import TawPipe
 from ..engine.policy import CommPolicy, SchedulePolicy
 from ..models.parts import ModelParts
 from ..models.llama import Llama, LlamaConfig, block_forward, llama_loss
 from ..models.presets import PRESETS
 from ..plan.actions import OPS
+from ..plan.schedule import build_plan
 from ..plan.topology import Topology
 from ..runtime.comm import DelayComm
 from ..runtime.comm.torch_dist import TorchDistComm
 from ..runtime.launch import run_local
 from ..train.data import batch as draw_batch
 from ..train.data import load_tokens
-from . import DEFAULT_OUT, provenance
+from . import DEFAULT_OUT, provenance, result_file
 
 
 DESCRIPTION = (
@@ -39,16 +40,18 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (groups)")
-    p.add_argument("--per-node", type=int, default=2, help="ranks per node")
-    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per rank and step")
+    count = int_at_least(1)
+    p.add_argument("--nodes", type=count, default=2, help="emulated nodes (groups)")
+    p.add_argument("--per-node", type=count, default=2, help="ranks per node")
+    p.add_argument("--micro-batches", type=count, default=2, help="micro-batches per rank and step")
     p.add_argument("--model", default="micro", choices=PRESETS, metavar="MODEL",
                    help=f"a built-in model: {', '.join(PRESETS)}")
-    p.add_argument("--layers", type=int, default=8, help="decoder layers")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per variant (after one warm-up)")
-    p.add_argument("--comm-ratio", type=float, default=1.0, help="injected comm time / compute time")
+    p.add_argument("--layers", type=count, default=8, help="decoder layers (at least --nodes x --per-node)")
+    p.add_argument("--micro-batch-size", type=count, default=4, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=count, default=64, help="tokens per sequence")
+    p.add_argument("--steps", type=count, default=8, help="timed steps per variant (after one warm-up)")
+    p.add_argument("--comm-ratio", type=nonnegative_float, default=1.0,
+                   help="injected comm time / compute time (0: nothing injected, the two variants as they are)")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"directory for overlap_cpu.json (default: {DEFAULT_OUT}/ in the current directory; the "
                         "committed results: --out benchmarks/results); a path ending in .json names the file, "
@@ -114,6 +117,11 @@ def overlap(a: dict) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     a = {k: v for k, v in vars(args).items() if k not in ("what", "out", "bench_main")}
+    try:  # the engine's plan, built before any rank starts: too few layers for the ranks is refused here
+        build_plan(Topology(a["nodes"], a["per_node"]), a["layers"], a["micro_batches"])
+    except ValueError as e:
+        raise UsageError(as_flags(str(e))) from None
+    path = result_file(args.out, "overlap_cpu.json") if args.out else None
     res = overlap(a)
     print(f"overlap on {a['nodes']} nodes x {a['per_node']} ranks, {a['model']} x {a['layers']} layers, "
           f"acc {a['micro_batches']}, injected {res['delay_per_op_s'] * 1e3:.2f} ms per comm op")
@@ -122,10 +130,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'delay, serial (no overlap)':<28}{res['step_s_serial']:>36.3f}")
     print(f"{'delay, overlapped':<28}{res['step_s_overlap']:>36.3f}")
     print(f"ratio overlapped / serial = {res['ratio']:.3f}")
-    if args.out:
-        path = args.out if args.out.endswith(".json") else os.path.join(args.out, "overlap_cpu.json")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(res, f, indent=2)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=2))
         print(f"wrote {path}")
     return 0

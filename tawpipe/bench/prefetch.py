@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..commands import UsageError
+from ..commands import UsageError, int_at_least
 from ..runtime.offload import DEFAULT_PIECE_NUMEL, HostOffload
 from ..ops import ShardLayout
-from . import DEFAULT_OUT, provenance
+from . import DEFAULT_OUT, provenance, result_file
 
 TARGET_BANDWIDTH = 0.9
 TARGET_OVERLAP = 1.1
@@ -42,16 +42,47 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--numel", type=int, default=None, help="elements streamed (default 64M on CUDA, 8M on CPU)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--numel", type=int_at_least(1), default=None,
+                   help="elements streamed (default 64M on CUDA, 8M on CPU)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="compute dtype of the device buffer")
-    p.add_argument("--pieces", default=f"{1 << 20},{DEFAULT_PIECE_NUMEL},{1 << 24}",
-                   help="piece sizes (elements) to measure; the overlap uses the default piece size")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median)")
+    p.add_argument("--pieces", type=_pieces, default=f"{1 << 20},{DEFAULT_PIECE_NUMEL},{1 << 24}",
+                   help="piece sizes (elements) to measure, comma-separated; the overlap uses the default piece size")
+    p.add_argument("--repeats", type=int_at_least(1), default=7, help="timed repeats per measurement (median)")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"directory for prefetch_<device>.json (default: {DEFAULT_OUT}/ in the current directory; "
                         "the committed results: --out benchmarks/results); a path ending in .json names the file")
+
+
+def _pieces(text: str) -> list[int]:
+    """--pieces: one or more piece sizes, each at least one element."""
+    try:
+        sizes = [int(piece) for piece in text.split(",") if piece.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected piece sizes in elements, each >= 1, comma-separated; got {text!r}")
+    return sizes
+
+
+def _device(name: str | None) -> torch.device:
+    """--device as the device to measure: the CPU, or a CUDA device this machine has."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: expected cpu, cuda or cuda:N")
+    if device.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available here; use --device cpu")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return torch.device("cuda", index)
 
 
 def _sync(device: torch.device) -> None:
@@ -152,15 +183,11 @@ def measure(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[i
 
 
 def main(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda but CUDA is not available")
-        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    device = _device(args.device)
+    out = result_file(args.out, f"prefetch_{device.type}.json")
     numel = args.numel or ((64 << 20) if device.type == "cuda" else (8 << 20))
-    pieces = [int(p) for p in args.pieces.split(",") if p.strip()]
     dtype = getattr(torch, args.dtype)
-    res = measure(device, numel, dtype, pieces, args.repeats)
+    res = measure(device, numel, dtype, args.pieces, args.repeats)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     res.update({"benchmark": "prefetch", "device": name, "numel": numel, "dtype": args.dtype,
                 **provenance(), "repeats": args.repeats})
@@ -181,9 +208,7 @@ def main(args: argparse.Namespace) -> int:
               f"{'met' if res['targets']['met'] else 'NOT met'}")
     if "note" in res:
         print(f"  note: {res['note']}")
-    out = args.out if args.out.endswith(".json") else os.path.join(args.out, f"prefetch_{device.type}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out}")
     return 0

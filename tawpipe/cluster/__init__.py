@@ -37,7 +37,7 @@ from typing import Any
 
 from . import host
 from .cgroups import CGROUP_ROOTS, CPU_PERIOD_US, CpuQuota, cpu_controller, remove_cgroups, stale_cgroups
-from .command import DESCRIPTION, add_arguments, add_link_arguments, main, spec_from_args
+from .command import DESCRIPTION, add_arguments, add_link_arguments, main, rate_arg, spec_from_args
 from .counters import LINK_ENV, LinkBytes, link_bytes, network_floor
 from .netns import (COMMAND_TIMEOUT, list_namespaces, parse_netns_list, remove_namespaces, setup_commands,
                     shaper_burst, shaping_commands, stale_namespaces)
@@ -58,7 +58,7 @@ __all__ = [
     "CGROUP_ROOTS", "COMMAND_TIMEOUT", "CPU_PERIOD_US", "DESCRIPTION", "LINK_ENV", "NODE_LINK", "PREFIX", "SUBNET",
     "THREADS_ENV", "Cluster", "ClusterError", "ClusterSpec", "ClusterUnavailable", "CpuQuota", "LinkBytes",
     "add_arguments", "add_link_arguments", "cpu_controller", "describe_compute", "link_bytes", "list_namespaces",
-    "main", "network_floor", "parse_netns_list", "parse_rate", "remove_cgroups", "remove_namespaces",
+    "main", "network_floor", "parse_netns_list", "parse_rate", "rate_arg", "remove_cgroups", "remove_namespaces",
     "setup_commands", "shaper_burst", "shaping_commands", "spec_from_args", "stale_cgroups", "stale_namespaces",
     "unavailable_reason", "worker_command", "worker_cpus", "worker_env",
 ]

@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..commands import UsageError
+from ..commands import UsageError, int_at_least
 from . import host
 from .cgroups import remove_cgroups, stale_cgroups
 from .counters import network_floor
 from .netns import list_namespaces, remove_namespaces, stale_namespaces
-from .spec import ClusterSpec, describe_compute
+from .spec import ClusterSpec, describe_compute, parse_rate
 from .supervise import Cluster
 
 DESCRIPTION = (
@@ -26,12 +26,25 @@ DESCRIPTION = (
 )
 
 
+def rate_arg(text: str) -> str | None:
+    """The argparse type of every ``--rate``: a tc rate, or None for 'none' (no limit); refused
+    naming the flag while the command line is read, not when the cluster is built."""
+    if text.lower() == "none":
+        return None
+    try:
+        parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
     """The options of every command that builds a cluster: ``ClusterSpec``'s rate (None for
     'none'), queue, pinning and compute (see :func:`spec_from_args`)."""
-    p.add_argument("--rate", default="100mbit", type=lambda v: None if v.lower() == "none" else v,
+    p.add_argument("--rate", default="100mbit", type=rate_arg,
                    help="link rate per direction, tc syntax; 'none': no limit")
-    p.add_argument("--queue-ms", type=int, default=400, help="bulk queue length in ms (acknowledgements bypass it)")
+    p.add_argument("--queue-ms", type=int_at_least(1), default=400,
+                   help="bulk queue length in ms (acknowledgements bypass it)")
     p.add_argument("--pin-cpus", action="store_true",
                    help="pin each rank to one core, round-robin (default: the kernel places them)")
     p.add_argument("--compute", choices=("fixed", "shared"), default="fixed",

@@ -30,11 +30,12 @@ import argparse
 import functools
 import os
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from ...cluster import add_link_arguments, describe_compute, host, spec_from_args
-from ...commands import UsageError
-from ...plan.schedule import prefetch_depth_arg
+from ...commands import UsageError, as_flags, int_at_least, positive_float, writable
+from ...plan.schedule import build_plan, prefetch_depth_arg
 from .. import DEFAULT_OUT, baselines, provenance
 from ..baselines import RunConfig
 from .method import Method, build_engine, compute_only, engine_rank, for_shape, methods, predicted_busiest
@@ -81,35 +82,35 @@ class _Preset(argparse.Action):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = RunConfig()
+    d, count = RunConfig(), int_at_least(1)
     p.add_argument("--preset", choices=sorted(PRESETS), action=_Preset, default=None,
                    help="long: the long-context comparison at the paper's proportions (2x2 and 3x2, 31 "
                         "minutes); sweep: the same over S on 2x2 (README, 'Long context'); other options win")
-    p.add_argument("--nodes", type=int, nargs="+", default=[2, 3], help="node counts to run, one cluster each")
-    p.add_argument("--per-node", type=int, default=2, help="ranks per node")
+    p.add_argument("--nodes", type=count, nargs="+", default=[2, 3], help="node counts to run, one cluster each")
+    p.add_argument("--per-node", type=count, default=2, help="ranks per node")
     add_link_arguments(p)
-    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every method once")
-    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (after one warm-up step)")
+    p.add_argument("--rounds", type=count, default=3, help="rounds; each runs every method once")
+    p.add_argument("--steps", type=count, default=d.steps, help="timed steps per run (after one warm-up step)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="subset of: tawpipe tawpipe-best tawpipe-host weipipe fsdp fsdp-mm fsdp-node hsdp ddp 1f1b, and with "
                         "--replicas tawpipe-rR tawpipe-best-rR (default: all)")
     p.add_argument("--replicas", type=int, nargs="+", default=[], metavar="R",
                    help="also run tawpipe and the best k as R replicas of nodes/R nodes each (tawpipe-rR, "
                         "tawpipe-best-rR; engine option replicas=R), on the node counts R divides")
-    p.add_argument("--seq-len", type=int, nargs="+", default=[d.seq_len],
+    p.add_argument("--seq-len", type=count, nargs="+", default=[d.seq_len],
                    help="tokens per sequence; several: one run of every shape at each (a sweep)")
-    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size of the LLaMA model")
-    p.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
-    p.add_argument("--layers-per-rank", type=int, default=None, metavar="K",
+    p.add_argument("--hidden", type=count, default=d.hidden, help="hidden size of the LLaMA model")
+    p.add_argument("--layers", type=count, default=d.layers, help="decoder layers")
+    p.add_argument("--layers-per-rank", type=count, default=None, metavar="K",
                    help="K layers per rank on every shape (replaces --layers)")
-    p.add_argument("--heads", type=int, default=d.heads, help="attention heads")
-    p.add_argument("--vocab", type=int, default=d.vocab,
+    p.add_argument("--heads", type=count, default=d.heads, help="attention heads")
+    p.add_argument("--vocab", type=int_at_least(256), default=d.vocab,
                    help="vocabulary of the model (>= 256; the byte corpus uses the first 256 ids)")
     p.add_argument("--loss", choices=baselines.LOSSES, default=d.loss,
                    help="head and cross-entropy of every method: plain (the whole float32 logits) or chunked "
                         "(tawpipe.models.llama.chunked_head_loss, never holding them)")
-    p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="per rank and step")
-    p.add_argument("--micro-batch-size", dest="batch_size", type=int, default=d.batch_size,
+    p.add_argument("--micro-batches", type=count, default=d.micro_batches, help="per rank and step")
+    p.add_argument("--micro-batch-size", dest="batch_size", type=count, default=d.batch_size,
                    help="sequences per micro-batch")
     p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=1,
                    help="prefetch depth (slots ahead) of tawpipe at k=1; the best k keeps every chunk resident")
@@ -120,7 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=("none", "chunk"), default="none",
                    help="tawpipe and WeiPipe: keep activations like the peers (none), or recompute each "
                         "chunk in its backward as the paper does (chunk)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one method run may take")
+    p.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds one method run may take")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"directory for cluster.json, cluster.md and the PNG plots (default: {DEFAULT_OUT}/ in the "
                         "current directory; the committed results: --out benchmarks/results/cluster)")
@@ -129,8 +130,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     rate = args.rate
     try:
-        if args.rounds < 1:
-            raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
         per_rank = args.layers_per_rank
         cfgs = [RunConfig(nodes=g, per_node=args.per_node, hidden=args.hidden,
                           layers=args.layers if per_rank is None else per_rank * g * args.per_node,
@@ -152,13 +151,15 @@ def main(args: argparse.Namespace) -> int:
         bad = [n for n in free if n not in names or known[n].engine_options is None]
         if bad:
             raise ValueError(f"--compute-only {bad}: name tawpipe/WeiPipe methods that run ({names})")
+        chosen = [v for m in (known[n] for n in names)
+                  for v in ((m, compute_only(m)) if m.name in free and m.engine_options is not None else (m,))]
+        _check_plans(cfgs, chosen)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(as_flags(str(e))) from None
+    writable(Path(args.out), "--out", directory=True)
     reason = host.unavailable_reason(specs[0])
     if reason:
         raise UsageError(reason)
-    chosen = [v for m in (known[n] for n in names)
-              for v in ((m, compute_only(m)) if m.name in free and m.engine_options is not None else (m,))]
     rate_bits = specs[0].rate_bits
     result: dict[str, Any] = {
         "benchmark": "cluster", "rate": rate, "rounds": args.rounds, "machine": provenance(),
@@ -192,6 +193,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"tawpipe bench cluster: these runs did NOT compute the reference update: {failed}")
         return 1
     return 0
+
+
+def _check_plans(cfgs: list[RunConfig], chosen: list[Method]) -> None:
+    """The plan of every TawPipe/WeiPipe run, built here first: a schedule the engine would refuse
+    in its ranks (a --prefetch-depth of 0) is refused before any cluster starts."""
+    for cfg in cfgs:
+        for m in (for_shape(m, cfg.nodes, cfg.per_node) for m in chosen):
+            if m is not None and m.engine_options is not None:
+                build_plan(cfg.topology, cfg.layers, cfg.micro_batches,
+                           **{k: v for k, v in m.engine_options.items() if k != "recompute"})
 
 
 __all__ = ["DESCRIPTION", "LOSS_TOL", "PRESETS", "UPDATE_TOL", "Method", "add_arguments", "add_bounds", "build_engine",
