@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from .commands import Parser, UsageError, add_reuse_weights, as_flags, delegate, refuse, reuse_flag
+from .commands import Parser, UsageError, add_reuse_weights, as_flags, delegate, int_at_least, refuse, reuse_flag
 from .cost.memory import (AUTO, Choice, MemoryEstimate, NothingFits, Savers, auto_savers_plan, estimate_memory,
                           fitting, memory_per_rank, savers_to_weigh)
 from . import models
@@ -34,15 +34,18 @@ from .plan.verify import VerifyReport, verify
 from .sim.hardware import LINKS, Link, link
 
 
+_COUNT = int_at_least(1)  # every count and size of the plan's flags
+
+
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plan", help="print the schedule of one iteration and its traffic",
         description="Build, verify and print the plan of one iteration (the same plan the engine runs).",
     )
-    p.add_argument("--nodes", type=int, help="number of groups G (one per node); required")
-    p.add_argument("--per-node", type=int, help="devices per group s; required")
-    p.add_argument("--layers", type=int, help="decoder layers L (>= G x s); default: --model's")
-    p.add_argument("--micro-batches", type=int, help="micro-batches per device; required")
+    p.add_argument("--nodes", type=_COUNT, help="number of groups G (one per node); required")
+    p.add_argument("--per-node", type=_COUNT, help="devices per group s; required")
+    p.add_argument("--layers", type=_COUNT, help="decoder layers L (>= G x s); default: --model's")
+    p.add_argument("--micro-batches", type=_COUNT, help="micro-batches per device; required")
     p.add_argument("--algo", choices=registry.names(), default="tawpipe",
                    help="the schedule: TawPipe, or the WeiPipe ring baseline")
     p.add_argument("--grad-route", choices=GRAD_ROUTES, default="rail",
@@ -50,12 +53,12 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=1,
                    help="fetch weights this many slots ahead; 'resident' (with --reuse-weights): enough that "
                         "every fetched chunk stays, the fewest bytes")
-    p.add_argument("--mb-per-fetch", type=int, default=1,
+    p.add_argument("--mb-per-fetch", type=_COUNT, default=1,
                    help="k: micro-batches each resident chunk runs per fetch (divides --micro-batches)")
     add_reuse_weights(p, default=False, help="do not fetch again a chunk still in a staging buffer (fewer bytes "
                                              "than the paper); 'host': and keep the fetched chunks the buffers cannot "
                                              "in host memory, so each crosses the network once per iteration")
-    p.add_argument("--replicas", type=int, default=1,
+    p.add_argument("--replicas", type=_COUNT, default=1,
                    help="R: the nodes form R replicas of nodes/R nodes, each a pipeline; a chunk's R owners add "
                         "their gradients once per iteration (with a model, every R is compared)")
     p.add_argument("--inter", default="10gbe", type=_link,
@@ -69,15 +72,15 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     m = p.add_argument_group("model (optional: gives sizes in bytes, memory per k and the peer estimates)")
     m.add_argument("--model", help=f"a built-in model ({', '.join(PRESETS)}) or a Hugging Face config.json; "
                                    "--layers, if given, overrides its layer count")
-    m.add_argument("--hidden", type=int, help="hidden size H (a model of your own, instead of --model)")
-    m.add_argument("--heads", type=int, default=32, help="attention heads (with --hidden)")
-    m.add_argument("--kv-heads", type=int, default=None, help="key/value heads (with --hidden; default: --heads)")
-    m.add_argument("--head-dim", type=int, default=None, help="size of a head (with --hidden; default: H / --heads)")
-    m.add_argument("--vocab", type=int, default=32000, help="vocabulary size (with --hidden)")
-    m.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    m.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
-    m.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight/activation element")
-    m.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient element on the wire")
+    m.add_argument("--hidden", type=_COUNT, help="hidden size H (a model of your own, instead of --model)")
+    m.add_argument("--heads", type=_COUNT, default=32, help="attention heads (with --hidden)")
+    m.add_argument("--kv-heads", type=_COUNT, default=None, help="key/value heads (with --hidden; default: --heads)")
+    m.add_argument("--head-dim", type=_COUNT, default=None, help="size of a head (with --hidden; default: H / --heads)")
+    m.add_argument("--vocab", type=_COUNT, default=32000, help="vocabulary size (with --hidden)")
+    m.add_argument("--seq-len", type=_COUNT, default=4096, help="tokens per sequence")
+    m.add_argument("--micro-batch-size", type=_COUNT, default=1, help="sequences per micro-batch")
+    m.add_argument("--dtype-bytes", type=_COUNT, default=2, help="bytes per weight/activation element")
+    m.add_argument("--grad-bytes", type=_COUNT, default=4, help="bytes per gradient element on the wire")
     m.add_argument("--memory-budget", type=float, default=None, metavar="GiB",
                    help="GiB per rank: suggest the largest k, and the k and prefetch depth with the "
                         "fewest inter-node bytes, whose estimated memory fits; and what 'auto' (the default of "

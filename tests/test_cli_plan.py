@@ -91,7 +91,10 @@ def test_model_dimensions_give_bytes_and_peer_estimates(capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["plan", "--nodes", "2", "--per-node", "2", "--layers", "3", "--micro-batches", "1"], "--layers 3 < world size 4"),
-    (["plan", "--nodes", "0", "--per-node", "2", "--layers", "3", "--micro-batches", "1"], "nodes must be"),
+    (["plan", "--nodes", "0", "--per-node", "2", "--layers", "3", "--micro-batches", "1"],
+     "argument --nodes: expected an integer >= 1, got 0"),
+    (["plan", "--nodes", "2", "--per-node", "2", "--hidden", "64", "--seq-len", "0", "--micro-batches", "1"],
+     "argument --seq-len: expected an integer >= 1, got 0"),
     (["plan", "--nodes", "2", "--per-node", "2", "--layers", "4", "--micro-batches", "1", "--bogus"], "unrecognized"),
     (["plan", "--nodes", "2", "--per-node", "2", "--layers", "4", "--micro-batches", "1", "--mb-per-fetch", "3"],
      "--mb-per-fetch 3 does not divide --micro-batches 1"),

@@ -112,6 +112,9 @@ def test_model_dims_match_the_spec_model_sizes():
     assert small.layer_numel - gqa.layer_numel == 2 * 1024 * (1024 - 256)
     with pytest.raises(ValueError, match=r"heads=32 \(or give head_dim\)"):
         ModelDims(hidden=1000, layers=2, heads=32)
+    for field in ("hidden", "kv_heads", "seq", "dtype_bytes", "ffn", "head_dim"):  # named, not the whole shape
+        with pytest.raises(ValueError, match=rf"^{field}=0: every dimension of a model must be >= 1$"):
+            replace(small, **{field: 0})
     # a head size of its own: the attention's widths follow it, not H / heads
     own = ModelDims(hidden=1000, layers=2, heads=32, kv_heads=8, head_dim=40)
     assert (own.q_dim, own.kv_dim) == (1280, 320)

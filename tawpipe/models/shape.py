@@ -42,10 +42,11 @@ class ModelDims:
             elif not (value is None and f.name in ("kv_heads", "ffn", "head_dim")) and (
                     not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be a whole number, got {value!r}")
+        for name in ("hidden", "layers", "heads", "kv_heads", "vocab", "seq", "micro_batch", "dtype_bytes",
+                     "grad_bytes", "ffn", "head_dim"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name}={value}: every dimension of a model must be >= 1")
         kv = self.kv_groups
-        if min(self.hidden, self.layers, self.heads, kv, self.vocab, self.seq, self.micro_batch,
-               self.dtype_bytes, self.grad_bytes, self.ffn or 1, self.head_dim or 1) < 1:
-            raise ValueError(f"every dimension must be >= 1: {self}")
         if (self.head_dim is None and self.hidden % self.heads) or self.heads % kv:
             raise ValueError(f"hidden={self.hidden} must divide into heads={self.heads} (or give head_dim), which "
                              f"must divide into kv_heads={kv} groups")
