@@ -186,7 +186,7 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
               f"floor {floor:.3f} s "
               f"(busiest link's bytes), per-slot bursts {bursts:.3f} s (each slot's busiest link, summed)")
         if schedule.tunable:
-            _print_k_table(args, dims, sizes, build)
+            _print_k_table(args, dims, sizes, build, plan)
             _print_replicas(args, dims, topo)
         plans = {args.algo: plan}
         for other in registry.names():  # every other schedule at its own defaults (the paper's settings)
@@ -215,6 +215,8 @@ def _refuse_unused(parser: Parser, args: argparse.Namespace) -> None:
 # One pipeline's plan holds 2 x ranks^2 x micro-batches forwards and backwards (and about twice
 # as many transfers); 16 x 8 ranks at 64 micro-batches (2.1 M, 6.1 M actions in all) is built,
 # proven and summed up in about 22 s of one core and 1.2 GB, so the limit takes about 45 s and 2.3 GB.
+# The k table's plans (every k at two depths, built and counted, not proven) hold at most as many
+# in all, or it shows the asked row alone.
 MOST_COMPUTE_ACTIONS = 4_000_000
 
 
@@ -235,28 +237,38 @@ def _check_plan_size(topo: Topology, micro_batches: int, replicas: int) -> None:
                          f"builds: {way}")
 
 
-def _k_options(args: argparse.Namespace, dims: ModelDims, build: Callable[..., Plan]
-               ) -> dict[Choice, tuple[float, MemoryEstimate, int | str]]:
+def _k_options(args: argparse.Namespace, dims: ModelDims, build: Callable[..., Plan], plan: Plan
+               ) -> tuple[dict[Choice, tuple[float, MemoryEstimate, int | str]], str]:
     """The busiest node's inter-node bytes and the memory per rank for every k, at the given
-    prefetch depth and with every chunk resident; with the depth as asked, for the labels."""
+    prefetch depth and with every chunk resident (with the depth as asked, for the labels); and
+    why only ``plan``'s row is there, where the others' plans together would hold more forwards
+    and backwards than this command builds (it would take minutes), else ""."""
     ks = [k for k in range(1, args.micro_batches + 1) if args.micro_batches % k == 0]
     depths = [(args.prefetch_depth, args.reuse_weights)]
     if args.prefetch_depth != RESIDENT:
         depths.append((RESIDENT, True))
+    computes = compute_actions(plan.topology, plan.micro_batches, plan.replicas)
+    left_out = ""
+    if computes * len(ks) * len(depths) > MOST_COMPUTE_ACTIONS:
+        ks, depths = [args.mb_per_fetch], depths[:1]
+        left_out = (f"the other k and depths left out: their plans would hold {computes:,} forwards and backwards "
+                    f"each, more than the {MOST_COMPUTE_ACTIONS:,} this command builds in all; give --mb-per-fetch "
+                    "and --prefetch-depth to see one")
     options: dict[Choice, tuple[float, MemoryEstimate, int | str]] = {}
     for depth, reuse in depths:
         for k in ks:
-            plan_k = build(mb_per_fetch=k, prefetch_depth=depth, reuse_weights=reuse)
+            plan_k = build(mb_per_fetch=k, prefetch_depth=depth, reuse_weights=reuse) if left_out == "" else plan
             choice = (k, int(plan_k.options["prefetch_depth"]), reuse)
             if choice not in options:  # else the given depth is the resident one
                 options[choice] = (max(plan_traffic(plan_k).per_node()), memory_per_rank(plan_k, dims, _savers(args)),
                                    depth)
-    return options
+    return options, left_out
 
 
-def _print_k_table(args: argparse.Namespace, dims: ModelDims, sizes: dict, build: Callable[..., Plan]) -> None:
+def _print_k_table(args: argparse.Namespace, dims: ModelDims, sizes: dict, build: Callable[..., Plan],
+                   plan: Plan) -> None:
     """Bytes and memory for every k, at the given prefetch depth and with every chunk resident."""
-    options = _k_options(args, dims, build)
+    options, left_out = _k_options(args, dims, build, plan)
     if args.recompute == AUTO:
         print("memory counted with --recompute chunk (--recompute auto: the auto line weighs the other savers)")
     print(f"{'k':>4}  {'depth':>16}  {'inter-node/iter (busiest node)':>31}  {'staging/rank':>13}  "
@@ -265,14 +277,17 @@ def _print_k_table(args: argparse.Namespace, dims: ModelDims, sizes: dict, build
         print(f"{choice[0]:>4}  {_depth_label(choice, depth):>16}  {inter / 1e9:>28.3f} GB  "
               f"{e.staging / 2**30:>9.3f} GiB  {e.activations / 2**30:>13.3f} GiB  {e.host / 2**30:>6.3f} GiB  "
               f"{e.total / 2**30:>8.3f} GiB")
+    if left_out:
+        print(left_out)
     if args.memory_budget is not None:
-        largest, cheapest = _fitting(args, options)
-        if cheapest is None:
-            print(f"within {args.memory_budget:g} GiB per rank: nothing fits, not even k=1")
-        else:
-            k, d, reuse = cheapest
-            print(f"within {args.memory_budget:g} GiB per rank: largest k {largest}; fewest inter-node bytes with "
-                  f"k={k}, --prefetch-depth {d}{f' {reuse_flag(reuse)}' if reuse else ''}")
+        if not left_out:  # with one row, auto's line says what fits
+            largest, cheapest = _fitting(args, options)
+            if cheapest is None:
+                print(f"within {args.memory_budget:g} GiB per rank: nothing fits, not even k=1")
+            else:
+                k, d, reuse = cheapest
+                print(f"within {args.memory_budget:g} GiB per rank: largest k {largest}; fewest inter-node bytes "
+                      f"with k={k}, --prefetch-depth {d}{f' {reuse_flag(reuse)}' if reuse else ''}")
         print("auto (tawpipe train's default): " + _auto_choice(args, dims, sizes))
 
 
@@ -296,11 +311,13 @@ def _json_memory(args: argparse.Namespace, dims: ModelDims, sizes: dict, build: 
 
     doc: dict = {"per_rank": bytes_of(memory_per_rank(plan, dims, _savers(args)))}
     if registry.get(args.algo).tunable:
-        options = _k_options(args, dims, build)
+        options, left_out = _k_options(args, dims, build, plan)
         doc["options"] = [{"mb_per_fetch": k, "prefetch_depth": d, "reuse_weights": r, "inter_node_busiest_node": inter,
                            "per_rank": bytes_of(e)} for (k, d, r), (inter, e, _) in options.items()]
+        if left_out:
+            doc["options_left_out"] = left_out
         if args.memory_budget is not None:
-            largest, cheapest = _fitting(args, options)
+            largest, cheapest = _fitting(args, options) if not left_out else (None, None)
             doc["budget"] = {
                 "gib": args.memory_budget, "largest_mb_per_fetch": largest,
                 "fewest_inter_node": dict(zip(("mb_per_fetch", "prefetch_depth", "reuse_weights"), cheapest))

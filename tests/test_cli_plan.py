@@ -376,3 +376,26 @@ def test_a_plan_too_large_to_build_is_refused_naming_a_way_that_fits(capsys, sha
     line = refused(capsys, "plan", "--nodes", nodes, "--per-node", per_node, "--micro-batches", acc,
                    "--layers", "4096", "--no-table")
     assert "more than the 4,000,000 this command builds: " in line and re.search(way, line), line
+
+
+def test_the_k_table_leaves_out_what_it_cannot_build_in_time(capsys, monkeypatch):
+    """Every k at two depths is a plan each: where they would hold more forwards and backwards
+    than the command builds, only the asked row is printed (no plan built for it), and says so."""
+    import tawpipe.cli as cli
+
+    argv = ["plan", "--nodes", "2", "--per-node", "2", "--layers", "8", "--micro-batches", "4", "--no-table",
+            "--model", "tiny", "--memory-budget", "0.7"]
+    full = run(capsys, *argv)
+    assert len(re.findall(r"^\s+\d+\s+\d[ a-z]*\s+[\d.]+ GB\s+[\d.]+ GiB", full, re.M)) == 6  # k = 1, 2, 4 at two depths
+    built = []
+    monkeypatch.setattr(cli, "build_plan", lambda *a, **kw: built.append(kw) or build_plan(*a, **kw))
+    monkeypatch.setattr(cli, "MOST_COMPUTE_ACTIONS", 500)  # the plan's 128 forwards and backwards fit, 6 x 128 not
+    out = run(capsys, *argv)
+    rows = re.findall(r"^\s+(\d+)\s+(\d[ a-z]*?)\s+[\d.]+ GB\s+[\d.]+ GiB", out, re.M)
+    assert rows == [("1", "1")]
+    assert "the other k and depths left out: their plans would hold 128 forwards and backwards each" in out
+    assert "within 0.7 GiB" not in out and "auto (tawpipe train's default): " in out
+    assert [kw.get("algo", "tawpipe") for kw in built] == ["tawpipe", "weipipe"]  # the plan and its peer only
+    memory = json.loads(run(capsys, *argv, "--json"))["memory"]
+    assert len(memory["options"]) == 1 and memory["options_left_out"].startswith("the other k and depths left out")
+    assert memory["budget"]["largest_mb_per_fetch"] is None
