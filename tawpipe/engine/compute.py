@@ -15,12 +15,18 @@ and back-propagates one layer at a time (torch's per-block checkpointing). With
 are stored as (offset, size, stride) and re-read at backward time from the buffer the plan names
 for that backward, which holds the same chunk by then. No weight copy is kept and no saved tensor
 points into a buffer being refilled.
+
+A re-run draws what its forward drew (dropout masks): the forward records the random generators'
+state where each re-run will start (the chunk's, or each layer's), and the re-run replays it under
+``torch.random.fork_rng``, as ``torch.utils.checkpoint`` does, leaving the caller's generators as
+they were.
 """
 
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,6 +40,7 @@ from .storage import ChunkStorage
 
 Activation = tuple[int, int]  # (position in the model, micro-batch): where a chunk input or graph is kept
 ChunkMb = tuple[int, int]  # (chunk id, micro-batch): which B action a forward's graph is for
+RngState = tuple[torch.Tensor, torch.Tensor | None]  # the CPU generator's state, and the device's if CUDA
 
 
 @dataclass
@@ -48,6 +55,7 @@ class StepState:
     kept: dict[Activation, list[torch.Tensor]] = field(default_factory=dict)  # what a forward keeps for its backward
     dy: dict[Activation, torch.Tensor] = field(default_factory=dict)  # gradients of chunk outputs
     graphs: dict[Activation, tuple] = field(default_factory=dict)  # recompute="none"
+    rng: dict[Activation, list[RngState]] = field(default_factory=dict)  # where each re-run starts drawing
 
 
 @dataclass
@@ -100,6 +108,22 @@ def weights_saved_by_reference(
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+def rng_state(device: torch.device) -> RngState:
+    """The random generators' state that a computation on ``device`` draws from."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextmanager
+def replaying(state: RngState, device: torch.device) -> Iterator[None]:
+    """The generators as they were at ``state``, the caller's restored after: a re-run draws what
+    its forward drew."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
 class ChunkCompute:
     """F and B actions on real modules: the embedding and head are the user's (replicated)
     modules, the blocks run from staging buffers through meta-device templates."""
@@ -146,10 +170,12 @@ class ChunkCompute:
             st.graphs[(pos, m)] = (x, y)
         else:
             weights = self.s.weights(a.buf, a.chunk)
+            st.rng[(pos, m)] = states = []
             if self.recompute == "block":  # every layer's input, kept: the backward need not re-run the chunk
-                kept = self._layer_inputs(weights, x, st.ctx[m], last=True)
+                kept = self._layer_inputs(weights, x, st.ctx[m], last=True, states=states)
                 y = kept.pop()
             else:
+                states.append(rng_state(self.s.device))
                 y, kept = self._run(a.chunk, x, weights, st.ctx[m]), [x]
             if self.activations is not None:  # read: to the host until its backward, each tensor on its own
                 for j, x in enumerate(kept):
@@ -173,14 +199,15 @@ class ChunkCompute:
         if self.s.scratch is not None or not a.accumulate:
             self.s.grad_target(a.grad_buf, a.chunk).zero_()
         if self.s.layerwise:
-            dx = self._backward_by_layer(a, self._inputs_of(a, (pos, m), st), st.dy.pop((pos, m)), st.ctx[m])
+            input_of, states = self._inputs_of(a, (pos, m), st)
+            dx = self._backward_by_layer(a, input_of, states, st.dy.pop((pos, m)), st.ctx[m])
         else:
             if self.recompute == "none":
                 x, y = st.graphs.pop((pos, m))
                 self._backward_buf = self.s.bufs[a.buf]
             else:
                 x = self._kept((pos, m), st)[0].detach().requires_grad_()
-                with torch.enable_grad():
+                with torch.enable_grad(), replaying(st.rng.pop((pos, m))[0], self.s.device):
                     y = self._run(a.chunk, x, self.s.leaves(a.buf, a.grad_buf, a.chunk), st.ctx[m])
             with torch.enable_grad():
                 torch.autograd.backward(y, st.dy.pop((pos, m)))
@@ -199,32 +226,41 @@ class ChunkCompute:
         the host."""
         return self.activations.take((*key, 0)) if self.activations is not None else st.kept.pop(key)
 
-    def _inputs_of(self, a: Action, key: Activation, st: StepState) -> Callable[[int], torch.Tensor]:
+    def _inputs_of(self, a: Action, key: Activation, st: StepState
+                   ) -> tuple[Callable[[int], torch.Tensor], list[RngState]]:
         """Layer j's input for a layer-wise backward, asked last layer first, each let go once
         asked: with ``"block"`` as the forward kept them (from the host a layer at a time, the next
         one's coming meanwhile, so two are on the device, not a chunk's), with ``"layer"`` from the
-        chunk's input run again."""
+        chunk's input run again (drawing what the forward drew); and where each layer's re-run
+        starts drawing."""
+        states = st.rng.pop(key)
         if self.recompute == "block" and self.activations is not None:
-            return lambda j: self.activations.take((*key, j))[0]
-        inputs = st.kept.pop(key) if self.recompute == "block" else \
-            self._layer_inputs(self.s.weights(a.buf, a.chunk), self._kept(key, st)[0], st.ctx[key[1]], last=False)
-        return inputs.pop
+            return (lambda j: self.activations.take((*key, j))[0]), states
+        if self.recompute == "block":
+            return st.kept.pop(key).pop, states
+        layer_states: list[RngState] = []
+        with replaying(states[0], self.s.device):
+            inputs = self._layer_inputs(self.s.weights(a.buf, a.chunk), self._kept(key, st)[0], st.ctx[key[1]],
+                                        last=False, states=layer_states)
+        return inputs.pop, layer_states
 
     def _layer_inputs(self, weights: list[torch.Tensor], x: torch.Tensor, ctx: dict[str, Any],
-                      last: bool) -> list[torch.Tensor]:
+                      last: bool, states: list[RngState]) -> list[torch.Tensor]:
         """``x`` and each layer's output in turn, without gradients: every layer's input, and the
-        chunk's output too where ``last``."""
+        chunk's output too where ``last``; ``states`` gets where each layer starts drawing."""
         inputs = [x]
         layers = self.s.layer_params(weights)
-        for params in layers if last else layers[:-1]:
-            inputs.append(functional_call(self.s.layer_runner, params, (inputs[-1], ctx)))
+        for j, params in enumerate(layers):
+            states.append(rng_state(self.s.device))
+            if last or j < len(layers) - 1:
+                inputs.append(functional_call(self.s.layer_runner, params, (inputs[-1], ctx)))
         return inputs
 
-    def _backward_by_layer(self, a: Action, input_of: Callable[[int], torch.Tensor], dy: torch.Tensor,
-                           ctx: dict[str, Any]) -> torch.Tensor:
+    def _backward_by_layer(self, a: Action, input_of: Callable[[int], torch.Tensor], states: list[RngState],
+                           dy: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
         """Each layer, last first, from its input (``input_of(j)``, ``_inputs_of``) run with
-        gradients and back-propagated at once, its weight gradient moved out of the one-layer
-        scratch; the gradient of the chunk's input. Only one layer's activations and weight
+        gradients (drawing from ``states[j]``) and back-propagated at once, its weight gradient
+        moved out of the one-layer scratch; the gradient of the chunk's input. Only one layer's activations and weight
         gradient are alive at a time."""
         run, scratch = self.s.layer_runner, self.s.scratch
         layers = self.s.layer_params(self.s.leaves(a.buf, a.grad_buf, a.chunk))
@@ -232,7 +268,7 @@ class ChunkCompute:
             xj = input_of(j).detach().requires_grad_()
             if scratch is not None and j < len(layers) - 1:  # the last layer's: zeroed by backward()
                 scratch.zero_()
-            with torch.enable_grad():
+            with torch.enable_grad(), replaying(states[j], self.s.device):
                 torch.autograd.backward(functional_call(run, layers[j], (xj, ctx)), dy)
             self.s.harvest(a.grad_buf, a.chunk, a.accumulate, layer=j)
             dy = xj.grad
