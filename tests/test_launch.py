@@ -644,3 +644,20 @@ def test_a_step_bar_on_a_terminal_shows_each_count_with_its_own_values() -> None
     assert len(shown) >= 5 and shown[0] == ("0", None), shown
     assert all(count == loss for count, loss in shown[1:]), shown
     assert shown[-1] == ("5", "5") and screen.getvalue().endswith("\n")
+
+
+def test_the_default_comm_without_torch_distributed_says_how_to_start_it() -> None:
+    """The engine's default backend needs torch.distributed; without it the message says how to
+    start it (it was torch's 'Default process group has not been initialized', asked for the
+    backend first). A fresh interpreter: this one may have a process group from another test."""
+    code = ("from tawpipe import TawPipe, ModelParts\nfrom tawpipe.plan.topology import Topology\n"
+            "from engine_cases import TinyLM, lm_loss\n"
+            "m = TinyLM(2)\n"
+            "try:\n"
+            "    TawPipe(ModelParts(m.blocks, m.embed, m.head, lm_loss), topology=Topology(1, 1), micro_batches=1)\n"
+            "except RuntimeError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.startswith("torch.distributed is not initialised: call tawpipe.runtime.launch.init_distributed()"), \
+        out.stdout + out.stderr

@@ -98,7 +98,14 @@ def test_the_policy_moves_a_dynamic_scale_as_its_scaling_says() -> None:
         scales.append(p.scale)
     assert scales == [64.0, 256.0, 256.0, 64.0, 64.0]
     assert PrecisionPolicy(torch.float16).numerics().scale == 2.0**16  # torch's GradScaler's start
-    assert PrecisionPolicy(torch.float32, scaling=DynamicScaling(init_scale=8.0)).numerics().scale == 1.0  # no scaling
+    assert PrecisionPolicy(torch.float32, loss_scale="dynamic",
+                           scaling=DynamicScaling(init_scale=8.0)).numerics().scale == 8.0  # asked for
+    for dtype, scale in ((torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float16, None),
+                         (torch.float16, 128.0)):  # a scaling that nothing would move: refused, not ignored
+        with pytest.raises(ValueError, match="moves a dynamic loss scale, and this policy's is"):
+            PrecisionPolicy(dtype, loss_scale=scale, scaling=DynamicScaling(init_scale=8.0))
+    with pytest.raises(TypeError, match="compute_dtype must be a torch.dtype, got 'bfloat16': pass e.g. torch.bfloat16"):
+        PrecisionPolicy("bfloat16")
 
 
 @pytest.mark.parametrize("scaling,message", [

@@ -102,12 +102,19 @@ class PrecisionPolicy:
     def __post_init__(self) -> None:
         if not isinstance(self.scaling, DynamicScaling):
             raise ValueError(f"scaling must be a tawpipe.engine.precision.DynamicScaling, got {self.scaling!r}")
+        for name in ("compute_dtype", "grad_wire_dtype"):
+            if not isinstance(value := getattr(self, name), torch.dtype):
+                raise TypeError(f"{name} must be a torch.dtype, got {value!r}: pass e.g. torch.bfloat16, not a string")
         if self.compute_dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"compute_dtype {self.compute_dtype} unsupported; use one of {SUPPORTED_DTYPES}")
         if self.grad_wire_dtype not in (torch.float32, self.compute_dtype):
             raise ValueError(f"grad_wire_dtype must be torch.float32 or the compute dtype {self.compute_dtype}, "
                              f"got {self.grad_wire_dtype}")
-        self.numerics()  # loss_scale, max_grad_norm and nonfinite are checked by the numerics they make
+        numerics = self.numerics()  # loss_scale, max_grad_norm and nonfinite are checked by the numerics they make
+        if self.scaling != DynamicScaling() and not numerics.dynamic:
+            raise ValueError(f"scaling={self.scaling} moves a dynamic loss scale, and this policy's is "
+                             f"{self.loss_scale!r} with compute_dtype {self.compute_dtype}: pass loss_scale='dynamic' "
+                             "(float16's 'auto'), or leave scaling out")
 
     def numerics(self) -> Precision:
         """A fresh ``Precision``: the loss scale and the step counters of one engine."""

@@ -41,6 +41,7 @@ class TorchDistComm(Comm):
 
     @classmethod
     def create(cls, topology: Topology, timeout: float, device: torch.device) -> TorchDistComm:
+        check_job(topology)  # before the backend is asked of a process group that may not be there
         return cls(topology, timeout, backend=_backend_for(device))
 
     def __init__(self, topology: Topology, timeout: float, _channel: str = Channel.WEIGHTS,
