@@ -44,6 +44,17 @@ def test_equals_the_plain_loss_and_its_gradients(chunk) -> None:
         assert abs(linear_cross_entropy(h, w, t, chunk=chunk) - plain[0]) <= 1e-6 * abs(plain[0])
 
 
+def test_targets_all_ignored_give_0_and_no_gradient_where_the_plain_loss_is_nan() -> None:
+    """The README's one exception to equal losses: nothing to count is a loss of 0 that moves
+    nothing (the plain loss divides 0 by 0)."""
+    h, w, t = _inputs(5)
+    t.fill_(-100)
+    plain = _loss_and_grads(lambda h, w, t: F.cross_entropy((h @ w.t()).flatten(0, 1), t.flatten()), h, w, t)
+    mine = _loss_and_grads(lambda h, w, t: linear_cross_entropy(h, w, t, chunk=7), h, w, t)
+    assert plain[0].isnan()
+    assert mine[0] == 0 and not mine[1].any() and not mine[2].any()
+
+
 class _Sizes(TorchDispatchMode):
     """Records the largest float32 tensor any op makes."""
 
