@@ -150,6 +150,8 @@ def test_auto_plan_on_real_plans():
     plan, why = _auto(algo="weipipe")
     with pytest.raises(NothingFits, match=r"weipipe runs the paper's settings only: give a larger MemoryPolicy\.budget"):
         _auto(1.0, algo="weipipe")  # a schedule with nothing to choose is held to the budget too
+    with pytest.raises(NothingFits, match=r"^mb_per_fetch=1, prefetch_depth=1, reuse_weights=False take .* more than"):
+        _auto(1.0, mb_per_fetch=1, prefetch_depth=1, reuse_weights=False)  # so is one given whole
     assert [plan.options[n] for n in ("mb_per_fetch", "prefetch_depth", "reuse_weights")] == [1, 1, False]
     with pytest.raises(ValueError, match="reuse_weights=True"):
         _auto(prefetch_depth=RESIDENT, reuse_weights=False)  # the constraint stays
