@@ -842,6 +842,12 @@ def test_layout_errors() -> None:
         lay.views(torch.zeros(6))
     with pytest.raises(ValueError, match="one entry per tensor"):
         ShardLayout(names=("a",), shapes=(), dtypes=(), offsets=(), numel=0)
+    one = dict(names=("a",), shapes=((3,),), dtypes=(torch.float32,))
+    for bad in (dict(offsets=(True,), numel=3), dict(offsets=(0.0,), numel=3), dict(offsets=(0,), numel=2.5)):
+        with pytest.raises(ValueError, match="offsets and numel must be whole numbers of elements, got"):
+            ShardLayout(**one, **bad)
+    with pytest.raises(ValueError, match="align must be a positive number of elements, got True"):
+        ShardLayout(**one, offsets=(0,), numel=3, align=True)
 
 
 # --- bound fast path (ShardLayout.bind) ------------------------------------------------------

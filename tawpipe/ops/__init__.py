@@ -167,7 +167,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _check_align(align: int) -> None:
-    if not isinstance(align, int) or align < 1:
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise ValueError(f"ShardLayout: align must be a positive number of elements, got {align!r}")
 
 
@@ -194,6 +194,9 @@ class ShardLayout:
                 "ShardLayout: names, shapes, dtypes and offsets must have one entry per tensor"
             )
         _check_align(self.align)
+        bad = [o for o in (*self.offsets, self.numel) if isinstance(o, bool) or not isinstance(o, int)]
+        if bad:  # a range is the kernels' to check, with their messages
+            raise ValueError(f"ShardLayout: offsets and numel must be whole numbers of elements, got {bad[0]!r}")
 
     @classmethod
     def from_tensors(
