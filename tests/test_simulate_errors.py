@@ -62,6 +62,9 @@ FLAG_CASES = [
     (["--inter", "fast"], "--inter: link 'fast'"),
     (["--link-efficiency", "0", "--validate", "cluster.json"], "--link-efficiency 0: must be above 0"),
     (["--model", "9b"], "unknown --model '9b'; choose one of micro, tiny, paper"),
+    # a path that is not there is a missing file, not a model of an unknown name
+    (["--model", "no-such.json"], "--model no-such.json: no such file or directory; give the path of a config"),
+    (["--model", "no/such/dir"], "--model no/such/dir: no such file or directory"),
     (["--device", "h100:memory=abc"], "--device: device 'h100:memory=abc': memory='abc' is not a number of GiB"),
     (["--device", "tpu"], "--device"),
     (["--device", "cpu:quota=-1"], "--device cpu:quota=-1"),

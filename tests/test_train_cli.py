@@ -257,7 +257,8 @@ def _no_workers(monkeypatch) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "nope"], "unknown --model 'nope'; choose one of micro, tiny, paper, paper-1024, .*, 70b, a directory"),
-    (["--model", "/no/such/dir"], "unknown --model '/no/such/dir'; choose one of .*save_pretrained"),
+    (["--model", "/no/such/dir"], "--model /no/such/dir: no such file or directory; give the path of a config "
+                                  r"\.json file or of a directory written by save_pretrained, or a built-in model"),
     (["--val-every", "-1"], "--val-every must be >= 0, got -1"),
     (["--val-batches", "0"], "--val-batches must be >= 1, got 0"),
     (["--export", "{file}"], "--export .* exists and is not a directory"),

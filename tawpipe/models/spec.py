@@ -45,8 +45,17 @@ def check(spec: str) -> str:
             return "hf-json"
         _llama_config(doc, path)
         return "llama-json"
-    raise ValueError(f"unknown --model {spec!r}; choose one of {', '.join(PRESETS)}, a directory written "
-                     "by save_pretrained, or a config .json file")
+    raise _unknown(spec)
+
+
+def _unknown(spec: str) -> ValueError:
+    """The error for a ``spec`` that names nothing: a path that does not exist is said to be missing
+    (not an unknown model's name), a bare name is told the models there are."""
+    if any(sep in spec for sep in ("/", "\\")) or spec.endswith(".json") or spec.startswith(("~", ".")):
+        return ValueError(f"--model {spec}: no such file or directory; give the path of a config .json file or of "
+                          f"a directory written by save_pretrained, or a built-in model ({', '.join(PRESETS)})")
+    return ValueError(f"unknown --model {spec!r}; choose one of {', '.join(PRESETS)}, a directory written "
+                      "by save_pretrained, or a config .json file")
 
 
 def dims(spec: str, **batch: Any) -> ModelDims:
@@ -57,8 +66,7 @@ def dims(spec: str, **batch: Any) -> ModelDims:
         return dataclasses.replace(PRESETS[spec], **batch)
     path = Path(spec, "config.json") if Path(spec).is_dir() else Path(spec)
     if not path.is_file():
-        raise ValueError(f"unknown --model {spec!r}; choose one of {', '.join(PRESETS)}, a directory written "
-                         "by save_pretrained, or a config .json file")
+        raise _unknown(spec)
     doc = _read_json(path)
     if "model_type" in doc or "hidden_size" in doc:
         return from_hf_config(doc, f"--model {path}", **batch)
