@@ -230,3 +230,12 @@ def test_the_memory_savers_flags_reach_every_method_that_runs_them(capsys):
     advice = _run(base[:-1] + ["--offload-activations", "--advise"], capsys)
     line = next(ln for ln in advice.splitlines() if ln.startswith("advice: "))
     assert "--offload-activations" in line and "--recompute " in line
+
+
+def test_a_method_named_twice_is_one_row(capsys):
+    out = _run(["simulate", "--nodes", "2", "--per-node", "2", "--seq-len", "1024", "--methods", "tawpipe", "ddp",
+                "tawpipe", "ddp"], capsys)
+    assert [ln.split()[0] for ln in out.splitlines() if ln.startswith(("tawpipe ", "ddp "))] == ["tawpipe", "ddp"]
+    doc = json.loads(_run(["simulate", "--nodes", "2", "--per-node", "2", "--seq-len", "1024", "--methods", "ddp",
+                           "ddp", "--json"], capsys))
+    assert [r["method"] for r in doc["rows"]] == ["ddp"]

@@ -227,7 +227,7 @@ def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
     dev = load_device(args.device, dims)
     cluster = Cluster(args.nodes, args.per_node, dev, intra, inter, args.rails)
     work = Workload(dims, dev, recompute=args.recompute != "none")
-    rows = [_row(method, cluster, work, args) for method in args.methods]
+    rows = [_row(method, cluster, work, args) for method in dict.fromkeys(args.methods)]  # one row per method named
     advice = compare.advise(cluster, work, args.micro_batches, host=args.host, chunked_loss=args.loss == "chunked",
                             ladder=savers_ladder(offload_state=args.offload_state,
                                                  offload_activations=args.offload_activations)) if args.advise else []
