@@ -119,6 +119,8 @@ BAD_FILES = [
     ("--validate", json.dumps({"rate": "100mbit", "compute": COMPUTE, "shapes": [{"rows": []}]})),
     ("--validate", json.dumps({"rate": "100mbit", "compute": COMPUTE,
                                "shapes": [{"config": CONFIG, "rows": [{"status": "ok", "method": "ddp"}]}]})),
+    ("--validate", json.dumps({"rate": "100mbit", "compute": COMPUTE,  # true is not a number of nodes
+                               "shapes": [{"config": {**CONFIG, "nodes": True}, "rows": []}]})),
     ("--validate", json.dumps({"rate": "100mbit", "compute": "whatever the machine gives",
                                "shapes": [{"config": CONFIG, "rows": []}]})),
     ("--validate", json.dumps({"rate": "100mbit", "compute": COMPUTE,

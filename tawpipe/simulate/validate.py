@@ -110,7 +110,7 @@ def _read_results(path: Path, args: argparse.Namespace) -> list[_Shape]:
         at = f"{where}: shape {i}"
         c, rows = (shape.get("config"), shape.get("rows")) if isinstance(shape, dict) else (None, None)
         if not isinstance(c, dict) or not isinstance(rows, list) or \
-                not all(isinstance(c.get(k), int) and c[k] >= 1 for k in _CONFIG):
+                not all(isinstance(c.get(k), int) and not isinstance(c[k], bool) and c[k] >= 1 for k in _CONFIG):
             raise UsageError(f"{at}: needs 'rows' and a 'config' of whole numbers >= 1: {', '.join(_CONFIG)}")
         bad = next((r for r in rows if not _measured_row(r)), None)
         if bad is not None:
