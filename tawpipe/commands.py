@@ -58,6 +58,9 @@ FLAGS = {
     "recompute": "--recompute",
     "offload_activations": "--offload-activations",
     "offload_state": "--offload-state",
+    "context_parallel": "--context-parallel",
+    "Topology.nodes": "--nodes",
+    "Topology.per_node": "--per-node",
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -144,7 +145,19 @@ def test_a_bad_file_is_refused_naming_the_flag_and_the_file(flag, text, tmp_path
     (["--nodes", "4", "--methods", "weipipe"], "WeiPipe runs one pipeline over every device"),
     (["--nodes", "4", "--methods", "tawpipe", "tawpipe-paper"], "tawpipe, tawpipe-paper: a pipeline of 32 ranks"),
     (["--methods", "1f1b", "--stages", "5"], "--stages 2, 4, 8, 24"),
+    # the schedules' own reasons in flags, not as the library's keywords (recompute='none')
+    (["--methods", "tawpipe", "--offload-activations", "--recompute", "none"],
+     "tawpipe: --offload-activations keeps a chunk's input on the host, which --recompute none does not run from"),
 ])
 def test_a_run_with_nothing_simulated_is_refused_saying_why(argv, says, capsys):
     line = _refused(argv, capsys)
     assert line.startswith("tawpipe simulate: nothing was simulated: ") and says in line
+    assert not re.search(r"\w=", line)  # no keyword=value of the library
+
+
+def test_a_model_with_a_size_of_zero_is_refused_naming_the_size(tmp_path, capsys, no_measuring):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 0, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "vocab_size": 100, "intermediate_size": 128}))
+    line = _refused(["--model", str(config)], capsys)
+    assert line == f"tawpipe simulate: --model {config}: every dimension must be >= 1, got hidden=0"

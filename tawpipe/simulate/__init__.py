@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..commands import UsageError, add_reuse_weights, reuse_flag, writable
+from ..commands import UsageError, add_reuse_weights, as_flags, reuse_flag, writable
 from ..models.presets import PRESETS
 from ..models.shape import ModelDims
 from ..plan.schedule import HOST, RESIDENT, prefetch_depth_arg
@@ -276,8 +276,8 @@ def _row(method: str, cluster: Cluster, work: Workload, args: argparse.Namespace
             Savers(offload_activations=True) if method in OFFLOADING and args.offload_activations else None
         row = compare.run(method, cluster, work, acc, host=args.host, settings=settings, savers=savers,
                           chunked_loss=args.loss == "chunked")
-    except ValueError as e:
-        return compare.Refusal(method, str(e))
+    except ValueError as e:  # the library's keywords (recompute='none') as the flags that set them
+        return compare.Refusal(method, as_flags(str(e)))
     if work.context > 1:
         row.settings["context_parallel"] = work.context
     return row
