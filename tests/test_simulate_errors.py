@@ -89,6 +89,29 @@ FLAG_CASES = [
 ]
 
 
+# a flag that nothing would read where it is given: refused, not ignored
+SCOPE_CASES = [
+    (["--paper", "p", "--advise"], "--advise does not apply to --paper, which plays the paper's own 24-GPU setup"),
+    (["--paper", "p", "--nodes", "4"], "--nodes does not apply to --paper"),
+    (["--paper", "p", "--reuse-weights", "host"], "--reuse-weights host does not apply to --paper"),
+    (["--map", "m", "--model", "7b"], "--model does not apply to --map, which plays its own grid of clusters, models "
+                                      "and methods: with it give only --jobs"),
+    (["--published", "p", "--device", "a100"], "--device does not apply to --published, which replays published runs "
+                                               "as their authors describe them: give it alone"),
+    (["--validate", "cluster.json", "--json"], "--json does not apply to --validate"),
+    (["--calibrate", "dev.json", "--nodes", "2"], "--nodes does not apply to --calibrate"),
+    (["--threads", "2"], "--threads is how many CPU threads --calibrate measures with: give it with --calibrate"),
+    (["--quota", "0.5"], "--quota is the CPU quota per rank --calibrate measures under"),
+    (["--calibrate-on", "cuda"], "--calibrate-on is the device --calibrate measures: give it with --calibrate"),
+    (["--link-efficiency", "0.5"], "--link-efficiency is the share of a shaped link's rate that --validate plays: "
+                                   "give it with --validate"),
+    (["--stages", "4", "--methods", "ddp"], "--stages sets the 1f1b row, which --methods leaves out: add 1f1b"),
+    (["--mb-per-fetch", "2", "--methods", "ddp", "1f1b"], "--mb-per-fetch sets the tawpipe row"),
+    (["--no-reuse-weights", "--methods", "weipipe"], "--no-reuse-weights sets the tawpipe row"),
+    (["--replicas", "3", "--methods", "weipipe"], "--replicas sets the tawpipe and tawpipe-paper rows"),
+]
+
+
 @pytest.mark.parametrize("argv, says", FLAG_CASES)
 def test_a_bad_flag_is_refused_in_one_line_before_anything_runs(argv, says, tmp_path, monkeypatch, capsys,
                                                                  no_measuring):
@@ -97,6 +120,30 @@ def test_a_bad_flag_is_refused_in_one_line_before_anything_runs(argv, says, tmp_
     assert says in line
     assert not (tmp_path / "dev.json").exists() and not (tmp_path / "trace.json").exists()
     assert not (tmp_path / "p").exists() and not (tmp_path / "m").exists()
+
+
+@pytest.fixture
+def no_runs_of_their_own(monkeypatch):
+    """The map, the paper's setup, the published runs and the validation fail the test: a flag that
+    does not apply to them must be refused before they start (the map takes hours)."""
+    import tawpipe.simulate
+    from tawpipe.sim import atlas_report
+    from tawpipe.simulate import published, validate
+
+    def ran(*args, **kwargs):
+        raise AssertionError("ran before refusing")
+
+    for module, name in ((atlas_report, "main_map"), (tawpipe.simulate, "_paper"), (published, "main_published"),
+                         (validate, "validate")):
+        monkeypatch.setattr(module, name, ran)
+
+
+@pytest.mark.parametrize("argv, says", SCOPE_CASES)
+def test_a_flag_nothing_reads_where_it_is_given_is_refused(argv, says, tmp_path, monkeypatch, capsys, no_measuring,
+                                                           no_runs_of_their_own):
+    monkeypatch.chdir(tmp_path)
+    assert says in _refused(argv, capsys)
+    assert not any(tmp_path.iterdir())
 
 
 CONFIG = {"nodes": 2, "per_node": 2, "hidden": 64, "layers": 4, "heads": 4, "seq_len": 256, "vocab": 128,

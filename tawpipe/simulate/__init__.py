@@ -8,8 +8,9 @@ play gets a row saying why; a verdict ends the run. ``--calibrate`` measures thi
 instead of a preset; ``--validate`` compares the simulator with ``tawpipe bench cluster`` results.
 
 Every bad input is a ``UsageError`` raised before anything is measured or written (``_check``,
-and the readers of the device and results files); a run in which nothing could be simulated is
-one too.
+and the readers of the device and results files); so is a flag given where nothing reads it (a
+run of its own's flag without it, a flag of the table with one, a method's setting without that
+method), and a run in which nothing could be simulated.
 """
 
 from __future__ import annotations
@@ -162,15 +163,38 @@ def main(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ checks, before anything runs
 
-_MODES = ("--paper", "--map", "--published", "--validate", "--calibrate")  # each a run of its own instead of the table
+# The runs of their own instead of the table: what each is, and the only other flags it reads (any
+# other given with it would be ignored, so it is refused).
+_MODES = {
+    "--paper": ("plays the paper's own 24-GPU setup (its cluster, model, batch and methods)",
+                ("--device", "--intra", "--inter", "--rails")),
+    "--map": ("plays its own grid of clusters, models and methods", ("--jobs",)),
+    "--published": ("replays published runs as their authors describe them", ()),
+    "--validate": ("plays the clusters, models and rates its results files name", ("--link-efficiency", "--out")),
+    "--calibrate": ("measures this machine's device at the model's shapes",
+                    ("--model", "--seq-len", "--micro-batch-size", "--dtype-bytes", "--calibrate-on", "--threads",
+                     "--quota")),
+}
+# The flags that only a run of its own reads: that run, and what the flag is.
+_MODE_FLAGS = {
+    "--jobs": ("--map", "is how many processes play the map's cells"),
+    "--out": ("--validate", "is where --validate writes its table"),
+    "--link-efficiency": ("--validate", "is the share of a shaped link's rate that --validate plays"),
+    "--calibrate-on": ("--calibrate", "is the device --calibrate measures"),
+    "--threads": ("--calibrate", "is how many CPU threads --calibrate measures with"),
+    "--quota": ("--calibrate", "is the CPU quota per rank --calibrate measures under (the table takes it as "
+                               "--device cpu:quota=CORES)"),
+}
+# The settings of one method's row: the methods that read each.
+_SETTINGS_OF = {"--mb-per-fetch": ("tawpipe",), "--prefetch-depth": ("tawpipe",), "--reuse-weights": ("tawpipe",),
+                "--no-reuse-weights": ("tawpipe",), "--replicas": ("tawpipe", "tawpipe-paper"), "--stages": ("1f1b",)}
 
 
 def _check(args: argparse.Namespace) -> None:
     """UsageError for a flag whose value cannot work, naming it, before anything is measured or
-    written: every number in its range, the flags that must agree, the outputs writable."""
-    modes = [flag for flag in _MODES if getattr(args, flag[2:])]
-    if len(modes) > 1:
-        raise UsageError(f"{modes[0]} and {modes[1]} are runs of their own: give one of them")
+    written: every flag where something reads it, every number in its range, the flags that must
+    agree, the outputs writable."""
+    _check_scope(args)
     for flag, low in (("--nodes", 1), ("--per-node", 1), ("--seq-len", 1), ("--micro-batch-size", 1),
                       ("--micro-batches", 1), ("--dtype-bytes", 1), ("--grad-bytes", 1), ("--replicas", 1),
                       ("--mb-per-fetch", 1), ("--prefetch-depth", 1), ("--stages", 2), ("--threads", 1),
@@ -190,14 +214,45 @@ def _check(args: argparse.Namespace) -> None:
     _check_tawpipe(args)
     if args.timeline and "tawpipe" not in args.methods:
         raise UsageError("--timeline writes TawPipe's iteration: add tawpipe to --methods")
-    if args.out and not args.validate:
-        raise UsageError("--out is where --validate writes its table: give it with --validate")
-    if args.jobs is not None and not args.map:
-        raise UsageError("--jobs is how many processes play the map's cells: give it with --map")
     for flag, directory in (("--timeline", False), ("--calibrate", False), ("--paper", True), ("--map", True),
                             ("--published", True), ("--out", True)):
         if getattr(args, flag[2:]):
             writable(getattr(args, flag[2:]), flag, directory=directory)
+
+
+def _check_scope(args: argparse.Namespace) -> None:
+    """UsageError for a flag given where nothing would read it (it would be ignored): with a run of
+    its own, any flag that run does not read; without it, that run's own flags; a method's setting
+    without that method among --methods."""
+    modes = [flag for flag in _MODES if getattr(args, flag[2:])]
+    if len(modes) > 1:
+        raise UsageError(f"{modes[0]} and {modes[1]} are runs of their own: give one of them")
+    for flag in _given(args):
+        name = flag.split()[0]  # --reuse-weights host
+        if name in _MODES:
+            continue
+        if modes:
+            what, takes = _MODES[modes[0]]
+            if name not in takes:
+                only = "with it give only " + ", ".join(takes) if takes else "give it alone"
+                raise UsageError(f"{flag} does not apply to {modes[0]}, which {what}: {only}")
+        elif name in _MODE_FLAGS:
+            mode, what = _MODE_FLAGS[name]
+            raise UsageError(f"{flag} {what}: give it with {mode}")
+        elif name in _SETTINGS_OF and not set(_SETTINGS_OF[name]) & set(args.methods):
+            methods = _SETTINGS_OF[name]
+            rows = f"the {' and '.join(methods)} row{'s' * (len(methods) > 1)}"
+            raise UsageError(f"{flag} sets {rows}, which --methods leaves out: add {' or '.join(methods)} to --methods")
+
+
+def _given(args: argparse.Namespace) -> list[str]:
+    """The flags given, in the parser's order: those whose value is not their default (one given
+    with exactly its default value is not told apart from one left out)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    return [reuse_flag(value) if dest == "reuse_weights" else "--" + dest.replace("_", "-")
+            for dest, value in vars(args).items() if dest in defaults and value != defaults[dest]]
 
 
 def _check_tawpipe(args: argparse.Namespace) -> None:
