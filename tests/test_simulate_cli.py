@@ -11,7 +11,7 @@ import pytest
 
 from tawpipe.cli import main
 from tawpipe.sim import compare
-from tawpipe.sim.hardware import Cluster, Device, link
+from tawpipe.sim.hardware import DEVICES, Cluster, Device, link
 from tawpipe.sim.workload import Workload, model
 
 DEV = Device("test", matmul_flops=5e13, attention_flops=4e13, memory_bandwidth=1e12, memory=80e9, peak=1e14)
@@ -239,3 +239,49 @@ def test_a_method_named_twice_is_one_row(capsys):
     doc = json.loads(_run(["simulate", "--nodes", "2", "--per-node", "2", "--seq-len", "1024", "--methods", "ddp",
                            "ddp", "--json"], capsys))
     assert [r["method"] for r in doc["rows"]] == ["ddp"]
+
+
+SMALL = ["simulate", "--nodes", "2", "--per-node", "2", "--seq-len", "1024", "--micro-batches", "2"]
+
+
+def test_the_advice_says_how_many_settings_it_tried_and_how_many_it_shows(capsys):
+    cluster = Cluster(2, 2, DEVICES["h100"], link("nvlink"), link("10gbe"))
+    tried = len(compare.advise(cluster, Workload(model("paper", seq=1024, micro_batch=2), cluster.device), 2))
+    assert tried > 5
+    out = _run([*SMALL, "--methods", "ddp", "--advise"], capsys).splitlines()
+    head = out.index(f"TawPipe settings tried: {tried}, the fastest 5 shown:")
+    assert [ln.split()[0] for ln in out[head + 3:head + 9]] == ["tawpipe"] * 5 + ["advice:"]
+    doc = json.loads(_run([*SMALL, "--methods", "ddp", "--advise", "--json"], capsys))
+    assert doc["advice_tried"] == tried and len(doc["advice"]) == 5
+
+
+def test_the_advice_keeps_the_settings_given(capsys):
+    """--advise searches only what was not given: here the savers' offloads, every other setting given."""
+    given = ["--replicas", "1", "--mb-per-fetch", "1", "--prefetch-depth", "2", "--recompute", "block"]
+    doc = json.loads(_run([*SMALL, "--methods", "ddp", "--advise", "--json", *given], capsys))
+    assert doc["advice"] and len(doc["advice"]) == doc["advice_tried"]
+    for row in doc["advice"]:
+        s = row["settings"]
+        assert (s["replicas"], s["mb_per_fetch"], s["prefetch_depth"], s.get("recompute", "chunk")) == (1, 1, 2, "block")
+    out = _run([*SMALL, "--methods", "ddp", "--advise", *given], capsys)
+    assert (f"TawPipe settings tried with --replicas 1 --mb-per-fetch 1 --prefetch-depth 2 --recompute block as given: "
+            f"{doc['advice_tried']}, fastest first:") in out
+    advice = next(ln for ln in out.splitlines() if ln.startswith("advice: "))
+    assert "--replicas 1 --mb-per-fetch 1 --prefetch-depth 2 " in advice and "--recompute block" in advice
+    # a --no-reuse-weights given is kept too: no row reuses
+    doc = json.loads(_run([*SMALL, "--methods", "ddp", "--advise", "--json", "--no-reuse-weights", "--prefetch-depth",
+                           "1"], capsys))
+    assert doc["advice"] and not any(r["settings"]["reuse_weights"] for r in doc["advice"])
+
+
+def test_the_advice_plays_tawpipes_row_under_context_parallelism(capsys):
+    """The advised setting is TawPipe's row with --context-parallel as given: the flags it names play
+    the same time."""
+    out = _run([*SMALL, "--methods", "tawpipe", "--advise", "--context-parallel", "2"], capsys)
+    advice = next(ln for ln in out.splitlines() if ln.startswith("advice: "))
+    advised = float(re.search(r"\(([0-9.]+) s/iteration", advice).group(1))
+    assert re.search(r"^tawpipe .*CP 2 ", out, re.M)
+    flags = advice.removeprefix("advice: ").split(" (")[0].split()
+    again = _run([*SMALL, "--methods", "tawpipe", "--context-parallel", "2", *flags], capsys)
+    row = next(ln for ln in again.splitlines() if ln.startswith("tawpipe "))
+    assert f" {advised:.3f}s " in row

@@ -57,6 +57,8 @@ FLAG_CASES = [
     (["--mb-per-fetch", "3", "--micro-batches", "2", "--methods", "tawpipe"], "--mb-per-fetch 3 does not divide"),
     (["--prefetch-depth", "-1", "--methods", "tawpipe"], "--prefetch-depth -1: must be at least 1"),
     (["--prefetch-depth", "resident", "--no-reuse-weights"], "--no-reuse-weights"),
+    (["--advise", "--recompute", "none", "--offload-activations"],
+     "--advise: --offload-activations keeps a chunk's input on the host, which --recompute none does not run from"),
     (["--stages", "1"], "--stages 1: must be at least 2"),
     (["--nodes", "0"], "--nodes 0: must be at least 1"),
     (["--seq-len", "0"], "--seq-len 0: must be at least 1"),

@@ -273,13 +273,16 @@ def taw_settings(nodes: int, per_node: int, layers: int, acc: int) -> list[dict[
 
 
 def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False, chunked_loss: bool = False,
-           ladder: Sequence[Savers] | None = None) -> list[Row]:
-    """Every one of ``taw_settings`` played with each of the memory savers of ``ladder`` (default
-    ``savers_ladder()``) that fit and that no savers fitting before them ``dominates``, or with the
-    leanest where none fits; fastest first among those that fit."""
+           ladder: Sequence[Savers] | None = None, settings: Sequence[dict[str, Any]] | None = None) -> list[Row]:
+    """Every one of ``settings`` (default ``taw_settings``; fewer where some are given) played with
+    each of the memory savers of ``ladder`` (default ``savers_ladder()``) that fit and that no
+    savers fitting before them ``dominates``, or with the leanest where none fits; fastest first
+    among those that fit."""
     ladder = tuple(ladder or savers_ladder())
+    if settings is None:
+        settings = taw_settings(cluster.nodes, cluster.per_node, work.dims.layers, acc)
     rows = []
-    for s in taw_settings(cluster.nodes, cluster.per_node, work.dims.layers, acc):
+    for s in settings:
         plan = engine_plan(cluster, work, acc, **s)
         s = {**s, "prefetch_depth": plan.options["prefetch_depth"]}  # "resident" as the depth it is
         fitting: list[Savers] = []

@@ -73,10 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--micro-batches", type=int, default=2, help="micro-batches per device per iteration")
     m.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight and activation (2: bf16/fp16)")
     m.add_argument("--grad-bytes", type=int, default=2, help="bytes per gradient on the wire")
-    m.add_argument("--recompute", choices=("chunk", "block", "layer", "none"), default="chunk",
-                   help="TawPipe's (design §6.2): chunk, from each chunk's input; block, from each layer's input "
-                        "(the peers checkpoint every block with any of these); layer, a layer at a time after the "
-                        "chunk again; none: keep every activation")
+    m.add_argument("--recompute", choices=("chunk", "block", "layer", "none"),
+                   help="TawPipe's (design §6.2): chunk, from each chunk's input (the default); block, from each "
+                        "layer's input (the peers checkpoint every block with any of these); layer, a layer at a time "
+                        "after the chunk again; none: keep every activation; given, --advise keeps it")
     m.add_argument("--context-parallel", type=int, default=1, metavar="C",
                    help="TawPipe, DDP, FSDP2 and HSDP with context parallelism over C ranks of a node (each a 1/C "
                         "slice of every sequence, C times the micro-batches, so every method runs the same tokens per "
@@ -97,9 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--prefetch-depth", type=prefetch_depth_arg, help="TawPipe depth (default: auto)")
     add_reuse_weights(t, default=None, help="TawPipe reuse; 'host': the fetched chunks kept in host memory "
                                             "(default: auto)")
-    t.add_argument("--replicas", type=int, default=1, help="TawPipe replicas R, each over nodes/R nodes (default: 1)")
+    t.add_argument("--replicas", type=int, help="TawPipe replicas R, each over nodes/R nodes (default: 1)")
     t.add_argument("--stages", type=int, help="1F1B stages per pipeline (default: one per device)")
-    t.add_argument("--advise", action="store_true", help="try TawPipe's settings and name the fastest that fits")
+    t.add_argument("--advise", action="store_true",
+                   help="try TawPipe's settings and name the fastest that fits; those of --replicas, --mb-per-fetch, "
+                        "--prefetch-depth, --reuse-weights, --recompute, --offload-activations and --offload-state "
+                        "given are kept as given")
     _modes(p)
 
 
@@ -239,10 +242,12 @@ def _check_scope(args: argparse.Namespace) -> None:
         elif name in _MODE_FLAGS:
             mode, what = _MODE_FLAGS[name]
             raise UsageError(f"{flag} {what}: give it with {mode}")
-        elif name in _SETTINGS_OF and not set(_SETTINGS_OF[name]) & set(args.methods):
-            methods = _SETTINGS_OF[name]
+        elif name in _SETTINGS_OF and not set(_SETTINGS_OF[name]) & {*args.methods, *["tawpipe"] * args.advise}:
+            methods = _SETTINGS_OF[name]  # --advise searches TawPipe's settings, keeping those given
             rows = f"the {' and '.join(methods)} row{'s' * (len(methods) > 1)}"
-            raise UsageError(f"{flag} sets {rows}, which --methods leaves out: add {' or '.join(methods)} to --methods")
+            advise = ", or give --advise" * ("tawpipe" in methods)
+            raise UsageError(f"{flag} sets {rows}, which --methods leaves out: add {' or '.join(methods)} to "
+                             f"--methods{advise}")
 
 
 def _given(args: argparse.Namespace) -> list[str]:
@@ -257,7 +262,7 @@ def _given(args: argparse.Namespace) -> list[str]:
 
 def _check_tawpipe(args: argparse.Namespace) -> None:
     """UsageError where TawPipe's settings do not fit the cluster or the batch."""
-    if args.nodes % args.replicas:
+    if args.replicas and args.nodes % args.replicas:
         raise UsageError(f"--replicas {args.replicas} does not divide --nodes {args.nodes}: every replica is the same "
                          f"number of whole nodes; use one of {', '.join(map(str, _divisors(args.nodes)))}")
     if args.mb_per_fetch and args.micro_batches % args.mb_per_fetch:
@@ -278,17 +283,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
+    pinned = _pinned(args)  # before the defaults fill in what was not given
+    args.recompute, args.replicas = args.recompute or "chunk", args.replicas or 1
+    ladder = _advice_ladder(args, pinned) if args.advise else ()
     intra, inter = link_arg("--intra", args.intra), link_arg("--inter", args.inter)
     dev = load_device(args.device, dims)
     cluster = Cluster(args.nodes, args.per_node, dev, intra, inter, args.rails)
     work = Workload(dims, dev, recompute=args.recompute != "none")
     rows = [_row(method, cluster, work, args) for method in dict.fromkeys(args.methods)]  # one row per method named
-    advice = compare.advise(cluster, work, args.micro_batches, host=args.host, chunked_loss=args.loss == "chunked",
-                            ladder=savers_ladder(offload_state=args.offload_state,
-                                                 offload_activations=args.offload_activations)) if args.advise else []
+    advice = _advise(cluster, work, args, pinned, ladder) if args.advise else []
     played = [r for r in rows if isinstance(r, compare.Row)]
     if not played and not advice:
-        raise UsageError(f"nothing was simulated: {_reasons(rows, args.advise)}")
+        raise UsageError(f"nothing was simulated: {_reasons(rows, _no_advice(pinned) if args.advise else None)}")
     if args.timeline:
         taw = next(r for r in rows if r.method == "tawpipe")
         if not isinstance(taw, compare.Row):
@@ -299,7 +305,8 @@ def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
     if args.json:
         print(json.dumps({"cluster": _describe(cluster), "model": dataclasses.asdict(dims),
                           "micro_batches": args.micro_batches, "rows": [r.to_json() for r in rows],
-                          "advice": [r.to_json() for r in advice[:5]], "verdict": _verdict_json(judged, said)},
+                          "advice": [r.to_json() for r in advice[:ADVICE_SHOWN]], "advice_tried": len(advice),
+                          "verdict": _verdict_json(judged, said)},
                          indent=1))
         return 0
     print(f"{cluster.nodes} x {cluster.per_node} {dev.name}, intra {cluster.intra.name}, inter "
@@ -309,9 +316,13 @@ def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
           f"{f', context parallelism over {args.context_parallel}' * (args.context_parallel > 1)}"
           f"{', optimizer state on the host' * args.offload_state}, {args.loss} loss")
     print(table(rows))
+    if args.advise and not advice:
+        print(f"\n{_no_advice(pinned)}")
     if advice:
-        print(f"\nTawPipe settings tried ({len(advice)}), fastest first:")
-        print(table(advice[:5]))
+        shown = f"the fastest {ADVICE_SHOWN} shown" if len(advice) > ADVICE_SHOWN else "fastest first"
+        kept = f" with {_pinned_flags(pinned)} as given" if pinned else ""
+        print(f"\nTawPipe settings tried{kept}: {len(advice)}, {shown}:")
+        print(table(advice[:ADVICE_SHOWN]))
         best = advice[0]
         print(f"advice: {_setting_flags(best.settings)} ({best.time_s:.3f} s/iteration"
               f"{'' if best.fits else ', does not fit'})")
@@ -323,9 +334,7 @@ def _row(method: str, cluster: Cluster, work: Workload, args: argparse.Namespace
     """``method``'s row with the settings the flags give it, or why it could not be played."""
     settings = {"tawpipe": _settings(args), "tawpipe-paper": {**compare.PAPER, "replicas": args.replicas},
                 "1f1b": {"stages": args.stages} if args.stages else None}.get(method)
-    c, acc = args.context_parallel, args.micro_batches
-    if c > 1 and method in CONTEXT_PARALLEL:  # C slices of S/C per sequence: the same tokens per device
-        work, acc = work.sliced(c), acc * c
+    work, acc = _sliced(method, work, args)
     try:  # the peers checkpoint as work.recompute says; save_on_cpu is their only saver here
         savers = _savers(args) if compare.schedule_of(method) else \
             Savers(offload_activations=True) if method in OFFLOADING and args.offload_activations else None
@@ -338,19 +347,97 @@ def _row(method: str, cluster: Cluster, work: Workload, args: argparse.Namespace
     return row
 
 
+def _sliced(method: str, work: Workload, args: argparse.Namespace) -> tuple[Workload, int]:
+    """The work and the micro-batches per device ``method`` plays: under --context-parallel C, C
+    slices of S/C per sequence for a method that splits them (the same tokens per device)."""
+    c, acc = args.context_parallel, args.micro_batches
+    if c > 1 and method in CONTEXT_PARALLEL:
+        return work.sliced(c), acc * c
+    return work, acc
+
+
 def _savers(args: argparse.Namespace) -> Savers:
     return Savers(args.recompute, args.offload_state, args.offload_activations)
 
 
-def _reasons(rows: Sequence[compare.Row | compare.Refusal], advise: bool) -> str:
-    """Why the refused rows were refused: the methods that share a reason, then the reason."""
+# ------------------------------------------------------------------------------ the advice
+
+ADVICE_SHOWN = 5  # the fastest settings --advise prints (the JSON gives as many)
+_PINNABLE = ("replicas", "mb_per_fetch", "prefetch_depth", "reuse_weights", "recompute")  # None: not given
+
+
+def _pinned(args: argparse.Namespace) -> dict[str, Any]:
+    """TawPipe's settings the flags give: --advise keeps them and searches the others."""
+    return {k: getattr(args, k) for k in _PINNABLE if getattr(args, k) is not None} | \
+        {k: True for k in ("offload_activations", "offload_state") if getattr(args, k)}
+
+
+def _pinned_flags(pinned: dict[str, Any]) -> str:
+    """``pinned`` as the flags that gave them."""
+    flags = []
+    for key, value in pinned.items():
+        flag = "--" + key.replace("_", "-")
+        flags.append(reuse_flag(value) if key == "reuse_weights" else flag if value is True else f"{flag} {value}")
+    return " ".join(flags)
+
+
+def _no_advice(pinned: dict[str, Any]) -> str:
+    """Why --advise has nothing to show: no setting (with those given) the simulator plays."""
+    kept = f" with {_pinned_flags(pinned)}" if pinned else ""
+    return f"--advise: no TawPipe setting{kept} gives pipelines the simulator plays"
+
+
+def _advice_ladder(args: argparse.Namespace, pinned: dict[str, Any]) -> tuple[Savers, ...]:
+    """The memory savers --advise tries: the offloads given in each, the --recompute given only;
+    a UsageError where the ones given do not go together."""
+    ladder = savers_ladder(offload_state=args.offload_state, offload_activations=args.offload_activations)
+    if "recompute" in pinned:
+        try:
+            Savers(pinned["recompute"], args.offload_state, args.offload_activations)
+        except ValueError as e:
+            raise UsageError(f"--advise: {as_flags(str(e))}") from None
+        ladder = tuple(s for s in ladder if s.recompute == pinned["recompute"])
+    return ladder
+
+
+def _advise(cluster: Cluster, work: Workload, args: argparse.Namespace, pinned: dict[str, Any],
+            ladder: Sequence[Savers]) -> list[compare.Row]:
+    """TawPipe's settings and memory savers tried, fastest first (``compare.advise``), on the work
+    of TawPipe's row (context parallelism included), those given kept as given."""
+    work, acc = _sliced("tawpipe", work, args)
+    rows = compare.advise(cluster, work, acc, host=args.host, chunked_loss=args.loss == "chunked", ladder=ladder,
+                          settings=_advice_settings(cluster, work, acc, pinned, args.micro_batches))
+    for row in rows if work.context > 1 else ():
+        row.settings["context_parallel"] = work.context
+    return rows
+
+
+def _advice_settings(cluster: Cluster, work: Workload, acc: int, pinned: dict[str, Any],
+                     micro_batches: int) -> list[dict[str, Any]]:
+    """``compare.taw_settings`` with the settings given kept: the replicas and k it tries narrowed
+    to those given, its depth and reuse replaced by those given (each setting once; the resident
+    depth only with reuse). Its k divide ``micro_batches`` (--micro-batches; the plan's ``acc`` is
+    C times it under context parallelism), so that --mb-per-fetch can ask for the one advised."""
+    out: list[dict[str, Any]] = []
+    for s in compare.taw_settings(cluster.nodes, cluster.per_node, work.dims.layers, acc):
+        if micro_batches % s["mb_per_fetch"] or any(s[k] != pinned.get(k, s[k]) for k in ("replicas", "mb_per_fetch")):
+            continue
+        s = {**s, **{k: pinned[k] for k in ("prefetch_depth", "reuse_weights") if k in pinned}}
+        if (s["prefetch_depth"] != RESIDENT or s["reuse_weights"]) and s not in out:
+            out.append(s)
+    return out
+
+
+def _reasons(rows: Sequence[compare.Row | compare.Refusal], advice: str | None) -> str:
+    """Why the refused rows were refused: the methods that share a reason, then the reason; and
+    why --advise found nothing (``advice``), where it was asked."""
     by_reason: dict[str, list[str]] = {}
     for r in rows:
         if isinstance(r, compare.Refusal):
             by_reason.setdefault(r.reason, []).append(r.method)
     said = [f"{', '.join(methods)}: {reason}" for reason, methods in by_reason.items()]
-    if advise:
-        said.append("--advise: no TawPipe setting gives pipelines the simulator plays")
+    if advice:
+        said.append(advice)
     return "; ".join(said)
 
 
