@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tawpipe.cli import main
+from tawpipe.sim import compare
 from tawpipe.sim.hardware import Device
 
 DEV = Device("test", matmul_flops=5e13, attention_flops=4e13, memory_bandwidth=1e12, memory=80e9, peak=1e14)
@@ -122,6 +123,38 @@ def test_a_bad_flag_is_refused_in_one_line_before_anything_runs(argv, says, tmp_
     assert says in line
     assert not (tmp_path / "dev.json").exists() and not (tmp_path / "trace.json").exists()
     assert not (tmp_path / "p").exists() and not (tmp_path / "m").exists()
+
+
+@pytest.fixture
+def no_playing(monkeypatch):
+    """Playing a method fails the test: a run too large must be refused before it starts."""
+    def played(*args, **kwargs):
+        raise AssertionError("played before refusing")
+
+    monkeypatch.setattr(compare, "run", played)
+    monkeypatch.setattr(compare, "advise", played)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--micro-batches", "100000"], "--micro-batches 100000: the data-parallel peers (ddp, fsdp, fsdp-mm, fsdp-node, "
+                                    "hsdp) play each micro-batch's 24 layers on the 8 ranks of a node, which would take "
+                                    "the simulator about "),
+    (["--micro-batches", "100000", "--methods", "tawpipe", "ddp"], "--micro-batches 100000: the data-parallel peers "
+                                                                   "(ddp) play"),
+    (["--micro-batches", "5000", "--context-parallel", "2", "--methods", "hsdp"], "24 layers in 2 slices"),
+    (["--per-node", "4096"], "--per-node 4096: the data-parallel peers (ddp, fsdp, fsdp-mm, fsdp-node, hsdp) gather "
+                             "and reduce over the ranks of a node, and even one micro-batch would take the simulator"),
+    (["--advise", "--micro-batches", "64", "--methods", "ddp"], "--advise: its 42 settings at --micro-batches 64 hold "
+                                                                "1,720,320 forwards and backwards in all, more than the "
+                                                                "1,200,000 it plays"),
+])
+def test_a_run_too_large_to_play_is_refused_naming_how_far_to_go(argv, says, capsys, no_playing):
+    line = _refused(argv, capsys)
+    assert says in line
+    if "--advise" not in argv:  # the largest value that plays, and the way around it
+        flag = "--per-node" if "--per-node" in argv else "--micro-batches"
+        most = int(re.search(rf"give at most {flag} (\d+)", line).group(1))
+        assert 1 <= most < int(argv[argv.index(flag) + 1]) and "out of --methods" in line
 
 
 @pytest.fixture

@@ -27,7 +27,8 @@ from typing import Any
 from ..commands import UsageError, add_reuse_weights, as_flags, reuse_flag, writable
 from ..models.presets import PRESETS
 from ..models.shape import ModelDims
-from ..plan.schedule import HOST, RESIDENT, prefetch_depth_arg
+from ..plan.schedule import HOST, RESIDENT, compute_actions, prefetch_depth_arg
+from ..plan.topology import Topology
 from ..cost.memory import Savers, savers_ladder
 from ..sim import compare
 from ..sim.peers import CONTEXT_PARALLEL, OFFLOADING
@@ -279,6 +280,58 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# What playing the data-parallel peers takes the simulator, measured on a 2-core machine (paper
+# model, 2 nodes): milliseconds per layer of a micro-batch at a few ranks per node, DDP's and
+# FSDP2's and HSDP's (whose every layer gathers and reduces), and what context parallelism's K/V
+# exchanges add to any of them; each grows by (per_node / 20)^2 with the ranks of a node, whose
+# ring flows share its ports (FSDP2 at 256 ranks: 64 ms, at 8: 0.44).
+_PEER_MS = {"ddp": 0.05, "fsdp": 0.5, "fsdp-mm": 0.5, "fsdp-node": 0.5, "hsdp": 0.5}
+_CONTEXT_MS = 0.5
+MOST_PEER_SECONDS = 60  # the peers' share of a run, as compare.MOST_COMPUTE_ACTIONS is a pipeline's
+MOST_ADVICE_ACTIONS = 2 * compare.MOST_COMPUTE_ACTIONS  # --advise's settings together (about two minutes)
+
+
+def _check_size(args: argparse.Namespace, dims: ModelDims, settings: Sequence[dict[str, Any]]) -> None:
+    """UsageError, naming the flag and how far to go, for a run too large to play in about a minute
+    or two: the data-parallel peers' iteration (it grows with the micro-batches, the layers and the
+    ranks of a node squared), or the settings --advise would try (the pipelines' rows have a limit
+    of their own, ``compare.MOST_COMPUTE_ACTIONS``: the row says why)."""
+    peers = [m for m in dict.fromkeys(args.methods) if m in _PEER_MS]
+    c, acc = args.context_parallel, args.micro_batches
+
+    def seconds(micro_batches: int, per_node: int) -> float:
+        passes = micro_batches * c * (dims.layers + 1)
+        return sum(passes * (_PEER_MS[m] + _CONTEXT_MS * (c > 1)) for m in peers) * (1 + (per_node / 20) ** 2) / 1e3
+
+    if peers and seconds(acc, args.per_node) > MOST_PEER_SECONDS:
+        names, took = ", ".join(peers), _duration(seconds(acc, args.per_node))
+        most = int(MOST_PEER_SECONDS // seconds(1, args.per_node))
+        if most >= 1:
+            sliced = f" in {c} slices" if c > 1 else ""
+            raise UsageError(f"--micro-batches {acc}: the data-parallel peers ({names}) play each micro-batch's "
+                             f"{dims.layers} layers{sliced} on the {args.per_node} ranks of a node, which would take the "
+                             f"simulator {took}; give at most --micro-batches {most} (about a minute), or leave "
+                             f"{names} out of --methods")
+        fits = max((p for p in range(1, args.per_node) if seconds(1, p) <= MOST_PEER_SECONDS), default=None)
+        way = f"give at most --per-node {fits}, or leave" if fits else "leave"
+        raise UsageError(f"--per-node {args.per_node}: the data-parallel peers ({names}) gather and reduce over the "
+                         f"ranks of a node, and even one micro-batch would take the simulator "
+                         f"{_duration(seconds(1, args.per_node))}; {way} {names} out of --methods")
+    actions = sum(compute_actions(Topology(args.nodes, args.per_node), acc * c, s["replicas"]) for s in settings)
+    if actions > MOST_ADVICE_ACTIONS:
+        raise UsageError(f"--advise: its {len(settings)} settings at --micro-batches {acc} hold {actions:,} forwards "
+                         f"and backwards in all, more than the {MOST_ADVICE_ACTIONS:,} it plays in about two minutes; "
+                         f"give fewer --micro-batches, or --replicas or --mb-per-fetch to try fewer settings")
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` roughly, in the unit a person would say it."""
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= 2 * size:
+            return f"about {seconds / size:,.0f} {unit}"
+    return f"about {seconds:,.0f} seconds"
+
+
 # ------------------------------------------------------------------------------ the table and the verdict
 
 
@@ -286,12 +339,14 @@ def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
     pinned = _pinned(args)  # before the defaults fill in what was not given
     args.recompute, args.replicas = args.recompute or "chunk", args.replicas or 1
     ladder = _advice_ladder(args, pinned) if args.advise else ()
+    settings = _advice_settings(args, dims, pinned) if args.advise else []
+    _check_size(args, dims, settings)
     intra, inter = link_arg("--intra", args.intra), link_arg("--inter", args.inter)
     dev = load_device(args.device, dims)
     cluster = Cluster(args.nodes, args.per_node, dev, intra, inter, args.rails)
     work = Workload(dims, dev, recompute=args.recompute != "none")
     rows = [_row(method, cluster, work, args) for method in dict.fromkeys(args.methods)]  # one row per method named
-    advice = _advise(cluster, work, args, pinned, ladder) if args.advise else []
+    advice = _advise(cluster, work, args, ladder, settings) if args.advise else []
     played = [r for r in rows if isinstance(r, compare.Row)]
     if not played and not advice:
         raise UsageError(f"nothing was simulated: {_reasons(rows, _no_advice(pinned) if args.advise else None)}")
@@ -400,27 +455,28 @@ def _advice_ladder(args: argparse.Namespace, pinned: dict[str, Any]) -> tuple[Sa
     return ladder
 
 
-def _advise(cluster: Cluster, work: Workload, args: argparse.Namespace, pinned: dict[str, Any],
-            ladder: Sequence[Savers]) -> list[compare.Row]:
-    """TawPipe's settings and memory savers tried, fastest first (``compare.advise``), on the work
-    of TawPipe's row (context parallelism included), those given kept as given."""
+def _advise(cluster: Cluster, work: Workload, args: argparse.Namespace, ladder: Sequence[Savers],
+            settings: Sequence[dict[str, Any]]) -> list[compare.Row]:
+    """``settings`` with the memory savers of ``ladder`` tried, fastest first (``compare.advise``),
+    on the work of TawPipe's row (context parallelism included)."""
     work, acc = _sliced("tawpipe", work, args)
     rows = compare.advise(cluster, work, acc, host=args.host, chunked_loss=args.loss == "chunked", ladder=ladder,
-                          settings=_advice_settings(cluster, work, acc, pinned, args.micro_batches))
+                          settings=settings)
     for row in rows if work.context > 1 else ():
         row.settings["context_parallel"] = work.context
     return rows
 
 
-def _advice_settings(cluster: Cluster, work: Workload, acc: int, pinned: dict[str, Any],
-                     micro_batches: int) -> list[dict[str, Any]]:
+def _advice_settings(args: argparse.Namespace, dims: ModelDims, pinned: dict[str, Any]) -> list[dict[str, Any]]:
     """``compare.taw_settings`` with the settings given kept: the replicas and k it tries narrowed
     to those given, its depth and reuse replaced by those given (each setting once; the resident
-    depth only with reuse). Its k divide ``micro_batches`` (--micro-batches; the plan's ``acc`` is
-    C times it under context parallelism), so that --mb-per-fetch can ask for the one advised."""
+    depth only with reuse). Its k divide --micro-batches (the plan's are C times as many under
+    context parallelism, ``_sliced``), so that --mb-per-fetch can ask for the one advised."""
+    acc = args.micro_batches * args.context_parallel  # TawPipe's row's, as _sliced gives them
     out: list[dict[str, Any]] = []
-    for s in compare.taw_settings(cluster.nodes, cluster.per_node, work.dims.layers, acc):
-        if micro_batches % s["mb_per_fetch"] or any(s[k] != pinned.get(k, s[k]) for k in ("replicas", "mb_per_fetch")):
+    for s in compare.taw_settings(args.nodes, args.per_node, dims.layers, acc):
+        if args.micro_batches % s["mb_per_fetch"] or \
+                any(s[k] != pinned.get(k, s[k]) for k in ("replicas", "mb_per_fetch")):
             continue
         s = {**s, **{k: pinned[k] for k in ("prefetch_depth", "reuse_weights") if k in pinned}}
         if (s["prefetch_depth"] != RESIDENT or s["reuse_weights"]) and s not in out:
