@@ -198,8 +198,8 @@ def test_library_keywords_are_given_as_flags():
     assert commands.as_flags("a larger MemoryPolicy.budget, or (MemoryPolicy.budget)") == \
         "a larger --memory-budget, or (--memory-budget)"
     assert commands.as_flags("the --micro-batches flag and num_layers") == "the --micro-batches flag and --layers"
-    assert commands.as_flags("context_parallel=3 does not divide the 2 ranks") == "--context-parallel 3 does not divide the 2 ranks"
-    assert commands.as_flags("Topology.per_node must be an integer >= 1, got 0") == "--per-node must be an integer >= 1, got 0"
+    assert commands.as_flags("context_parallel=3 does not divide") == "--context-parallel 3 does not divide"
+    assert commands.as_flags("Topology.per_node must be >= 1") == "--per-node must be >= 1"
 
 
 def test_tawpipe_plan_names_the_flags_of_a_cluster_or_model_size_of_zero(capsys):

@@ -262,7 +262,7 @@ def test_the_advice_keeps_the_settings_given(capsys):
     assert doc["advice"] and len(doc["advice"]) == doc["advice_tried"]
     for row in doc["advice"]:
         s = row["settings"]
-        assert (s["replicas"], s["mb_per_fetch"], s["prefetch_depth"], s.get("recompute", "chunk")) == (1, 1, 2, "block")
+        assert (s["replicas"], s["mb_per_fetch"], s["prefetch_depth"], s.get("recompute")) == (1, 1, 2, "block")
     out = _run([*SMALL, "--methods", "ddp", "--advise", *given], capsys)
     assert (f"TawPipe settings tried with --replicas 1 --mb-per-fetch 1 --prefetch-depth 2 --recompute block as given: "
             f"{doc['advice_tried']}, fastest first:") in out

@@ -309,8 +309,8 @@ def _check_size(args: argparse.Namespace, dims: ModelDims, settings: Sequence[di
         if most >= 1:
             sliced = f" in {c} slices" if c > 1 else ""
             raise UsageError(f"--micro-batches {acc}: the data-parallel peers ({names}) play each micro-batch's "
-                             f"{dims.layers} layers{sliced} on the {args.per_node} ranks of a node, which would take the "
-                             f"simulator {took}; give at most --micro-batches {most} (about a minute), or leave "
+                             f"{dims.layers} layers{sliced} on the {args.per_node} ranks of a node, which would take "
+                             f"the simulator {took}; give at most --micro-batches {most} (about a minute), or leave "
                              f"{names} out of --methods")
         fits = max((p for p in range(1, args.per_node) if seconds(1, p) <= MOST_PEER_SECONDS), default=None)
         way = f"give at most --per-node {fits}, or leave" if fits else "leave"
