@@ -205,8 +205,8 @@ def test_library_keywords_are_given_as_flags():
 def test_tawpipe_plan_names_the_flags_of_a_cluster_or_model_size_of_zero(capsys):
     """Not Topology.nodes, nor the whole ModelDims: the flags the user gave."""
     plan = ("plan", "--nodes", "2", "--per-node", "2", "--micro-batches", "2", "--layers", "4")
-    assert refused(capsys, *plan[:2], "0", *plan[3:]) == "tawpipe plan: --nodes must be an integer >= 1, got 0"
-    assert refused(capsys, *plan, "--hidden", "0") == "tawpipe plan: every dimension must be >= 1, got hidden=0"
+    assert refused(capsys, *plan[:2], "0", *plan[3:]) == "tawpipe plan: argument --nodes: expected an integer >= 1, got 0"
+    assert refused(capsys, *plan, "--hidden", "0") == "tawpipe plan: argument --hidden: expected an integer >= 1, got 0"
 
 
 @pytest.mark.parametrize("name", ["tiny", "paper", "7b"])

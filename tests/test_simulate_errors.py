@@ -242,4 +242,4 @@ def test_a_model_with_a_size_of_zero_is_refused_naming_the_size(tmp_path, capsys
     config.write_text(json.dumps({"hidden_size": 0, "num_hidden_layers": 2, "num_attention_heads": 4,
                                   "vocab_size": 100, "intermediate_size": 128}))
     line = _refused(["--model", str(config)], capsys)
-    assert line == f"tawpipe simulate: --model {config}: every dimension must be >= 1, got hidden=0"
+    assert line == f"tawpipe simulate: --model {config}: hidden=0: every dimension of a model must be >= 1"
