@@ -50,11 +50,40 @@ class Head(nn.Module):
         return self.proj(self.norm(x))
 
 
+class BufferBlock(MLPBlock):
+    """An MLPBlock with constant buffers, as rotary tables are: a float gain (not in the state dict)
+    and an integer permutation of the features (in it)."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__(h)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, h), persistent=False)
+        self.register_buffer("perm", torch.arange(h).roll(1))
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x * self.gain.to(x.dtype), scale)[..., self.perm]
+
+
+def freeze(model: "TinyLM", what: str) -> None:
+    """Fine-tuning's frozen parameters: "some" freezes every block's norm weight, the first two
+    layers whole and the head's norm; "replicated" freezes the first two layers, the embedding and
+    the head whole (a rank owning only those layers then trains nothing)."""
+    model.blocks[:2].requires_grad_(False)
+    if what == "some":
+        for b in model.blocks:
+            b.norm.weight.requires_grad_(False)
+        model.head.norm.weight.requires_grad_(False)
+    elif what == "replicated":
+        model.embed.requires_grad_(False)
+        model.head.requires_grad_(False)
+    else:
+        raise ValueError(f"freeze: unknown recipe {what!r}")
+
+
 class TinyLM(nn.Module):
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, block: type[nn.Module] = MLPBlock) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(MLPBlock(HIDDEN) for _ in range(layers))
+        self.blocks = nn.ModuleList(block(HIDDEN) for _ in range(layers))
         self.head = Head(HIDDEN, VOCAB)
         with torch.no_grad():  # non-trivial norms and biases
             for p in self.parameters():
@@ -97,7 +126,9 @@ def global_batch(step: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def adamw(params):
-    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
+    # one group given as a dict: AdamW(params) itself refuses an empty list, which a rank that
+    # trains nothing (all its parameters frozen) is given
+    return torch.optim.AdamW([{"params": list(params)}], lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
 
 
 def reference_run(model: TinyLM, n_rows: int, steps: int, max_grad_norm: float | None) -> tuple[TinyLM, list[float]]:
@@ -109,7 +140,7 @@ def train_alone(model: nn.Module, batch, loss_fn, steps: int,
                 max_grad_norm: float | None) -> tuple[nn.Module, list[float]]:
     """``model`` trained in place by one process with ``adamw`` on ``batch(step)`` for ``steps``
     steps, clipped to ``max_grad_norm``; the model and its losses."""
-    opt = adamw(list(model.parameters()))
+    opt = adamw([p for p in model.parameters() if p.requires_grad])  # frozen ones are not trained
     losses = []
     for step in range(steps):
         x, y = batch(step)
@@ -178,7 +209,9 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
         clip = case.get("max_grad_norm")
         topo = Topology(nodes=nodes, per_node=world // nodes)
         torch.manual_seed(case.get("seed", 0))
-        model = TinyLM(layers)
+        model = TinyLM(layers, BufferBlock if case.get("block") == "buffers" else MLPBlock)
+        if case.get("frozen"):
+            freeze(model, case["frozen"])
         ref, ref_losses = reference_run(model, world * acc * MB_ROWS, steps, clip)
         log: list = []
         comm = RecordingComm(comms.create(case.get("comm", "torch"), topo, 120.0, torch.device("cpu")))
@@ -211,6 +244,10 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
         ]
         recorded = [(r.channel, r.op, r.peer if r.peer is not None else r.root, r.group, r.bytes) for r in first_log]
         mem = engine.memory_report()
+        initial = dict(model.named_parameters())
+        frozen_moved = max([(p.detach() - initial[n].detach()).abs().max().item()
+                            for n, p in engine.named_parameters() if not initial[n].requires_grad], default=0.0)
+        flags = all(p.requires_grad == initial[n].requires_grad for n, p in engine.named_parameters())
         engine.close()
         out.append({
             "case": case, "rank": rank, "param_err": max(errs.values()), "update_err": max(upd.values()),
@@ -218,6 +255,7 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
             "plan_comm": plan_comm, "recorded": recorded, "setup": setup, "memory": mem,
             "own_chunk": engine.own_chunk,
             "finite": all(math.isfinite(v) for v in losses), "skipped": engine.skipped_steps,
+            "frozen_moved": frozen_moved, "requires_grad_as_given": flags,
         })
     return out
 
@@ -271,7 +309,9 @@ def disagreements(rank: int, cases: list[dict]) -> list[str]:
     for case in cases:
         odd = rank == 2
         torch.manual_seed(1 if odd and case.get("seed") else 0)
-        model = TinyLM(5 if odd and case.get("layers") else 4)
+        model = TinyLM(5 if odd and case.get("layers") else 4, BufferBlock if odd and case.get("buffers") else MLPBlock)
+        if odd and case.get("frozen"):
+            model.blocks[3].norm.weight.requires_grad_(False)
         options = dict(case.get("options", {})) if odd else {}
         try:
             topo = Topology(1, world) if odd and case.get("topology") else Topology(2, world // 2)

@@ -105,6 +105,35 @@ def test_exact_vs_single_process(world: int) -> None:
     _check_traffic(results)
 
 
+# Fine-tuning with frozen parameters (requires_grad=False: whole layers, single tensors, the
+# embedding and head), and blocks with constant buffers: as exact as any other model. Six layers on
+# four ranks make chunks of 2, 2, 1 and 1 layers, so the first chunk is frozen whole.
+MODEL_CASES = [
+    dict(nodes=2, acc=2, layers=6, frozen="some", max_grad_norm=0.05),
+    dict(nodes=2, acc=2, layers=6, frozen="some", recompute="layer", mb_per_fetch=2),
+    dict(nodes=2, acc=2, layers=6, frozen="some", recompute="none"),
+    dict(nodes=2, acc=2, layers=6, frozen="some", recompute="block", offload_state=True),
+    dict(nodes=1, acc=2, layers=6, frozen="some", algo="weipipe"),
+    dict(nodes=2, acc=2, layers=6, frozen="replicated", max_grad_norm=0.05),  # a rank trains nothing
+    dict(nodes=2, acc=2, layers=6, block="buffers", max_grad_norm=0.05),
+    dict(nodes=2, acc=2, layers=6, block="buffers", recompute="layer", offload_activations=True),
+    dict(nodes=2, acc=2, layers=6, block="buffers", recompute="none", frozen="some"),
+]
+
+
+def test_frozen_parameters_and_block_buffers_are_exact() -> None:
+    """Each case against plain torch AdamW on the trainable parameters only: every parameter to
+    1e-5, a frozen one not moved at all, and the engine's parameters requires_grad as given."""
+    results = run_local(exactness, 4, MODEL_CASES, timeout=240)
+    _check(results)
+    for rank_results in results:
+        for r in rank_results:
+            assert r["frozen_moved"] == 0.0, (r["case"], r["rank"], r["frozen_moved"])
+            assert r["requires_grad_as_given"], (r["case"], r["rank"])
+    # with embed and head frozen, the replicated all-reduce has nothing to sum and is not sent
+    _check_traffic([[r for r in rank_results if r["case"].get("frozen") != "replicated"] for rank_results in results])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4, 6, 8])
 def test_exact_full_matrix(world: int) -> None:
@@ -139,6 +168,9 @@ def test_low_precision_loss_trajectory_follows_fp32() -> None:
                       offload_activations=True))
     cases.append(dict(nodes=2, acc=2, layers=8, steps=6, dtype=torch.bfloat16, recompute="block",
                       offload_activations=True))
+    # frozen parameters through the one-layer compute-dtype scratch; buffers in the compute dtype
+    cases.append(dict(nodes=2, acc=2, layers=8, steps=6, dtype=torch.bfloat16, recompute="layer", frozen="some",
+                      block="buffers"))
     results = run_local(exactness, 4, cases, timeout=240)
     _check_traffic(results)
     assert any(rec[0] == "replicas" for rec in results[0][3]["recorded"])
@@ -146,6 +178,7 @@ def test_low_precision_loss_trajectory_follows_fp32() -> None:
         diffs = [abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])]
         assert r["finite"] and max(diffs) <= 2e-2, (r["case"], diffs)
         assert r["skipped"] == 0, r["case"]  # no overflow at this scale: every step was taken
+        assert r["frozen_moved"] == 0.0, r["case"]
 
 
 def test_memory_is_sharded() -> None:

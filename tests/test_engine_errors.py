@@ -202,6 +202,8 @@ def test_ranks_that_disagree_fail_at_construction_naming_rank_and_field() -> Non
         (dict(options=dict(grad_route="leader")), "grad_route"),
         (dict(layers=True), r"num_layers \(rank 0: 4, rank 2: 5\)"),
         (dict(options=dict(max_grad_norm=1.0)), "precision"),
+        (dict(frozen=True), "trainable parameters"),  # a rank that froze a parameter the others train
+        (dict(buffers=True), "block buffers"),
     ]
     topology = (dict(topology=True), r"rank 2 has topology 1x4 but rank 0 has 2x2")
     results = run_local(disagreements, 4, [c for c, _ in cases] + [topology[0]], timeout=120)

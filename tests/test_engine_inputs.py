@@ -4,6 +4,7 @@ where it was refused before a step ran ("nothing late, nothing silent")."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -262,6 +263,182 @@ def test_a_closed_engine_refuses_everything_that_communicates() -> None:
         with pytest.raises(RuntimeError, match=closed):
             call()
     assert eng.state_dict()["steps"] == 1  # reading this rank's state needs no channel
+
+
+# ---------------------------------------------------------------- 9. what the blocks hold
+
+
+class Shared(nn.Module):
+    """A block whose matrix is a parameter of the embedding or the head too."""
+
+    def __init__(self, w: nn.Parameter) -> None:
+        super().__init__()
+        self.w = w
+
+    def forward(self, x: torch.Tensor, **ctx) -> torch.Tensor:
+        return x + torch.tanh(x @ self.w)
+
+
+@pytest.mark.parametrize("part", ["embed", "head"])
+def test_a_weight_shared_between_a_block_and_the_embedding_or_head_is_refused(part) -> None:
+    """tawpipe shards the blocks and replicates embed and head: a weight in both would be untied."""
+    torch.manual_seed(0)
+    m = TinyLM(2)
+    shared = nn.Parameter(torch.randn(HIDDEN, HIDDEN))
+    getattr(m, part).register_parameter("mix", shared)
+    blocks = [Shared(nn.Parameter(torch.randn(HIDDEN, HIDDEN))), Shared(shared)]
+    with pytest.raises(ValueError, match=rf"^blocks\[1\] parameter 'w' is also {part} parameter 'mix': tawpipe "
+                                         rf"shards the blocks .* keep the shared weight in {part} only, or give the "
+                                         r"block its own copy \(nn.Parameter\(p.detach\(\).clone\(\)\)\)"):
+        make_engine(blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=1, comm=NoConnect(1))
+
+
+class Typed(nn.Module):
+    """A block with one extra parameter of ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+        self.extra = nn.Parameter(torch.zeros(3, dtype=dtype), requires_grad=dtype.is_floating_point)
+
+    def forward(self, x: torch.Tensor, **ctx) -> torch.Tensor:
+        return x + self.lin(x)
+
+
+@pytest.mark.parametrize("dtype, message", [
+    (torch.float64, r"block parameter 'extra' is torch.float64: tawpipe keeps the blocks' weights as float32 masters "
+                    r".* from parameters of float32, bfloat16 or float16; convert the blocks first "
+                    r"\(block.float\(\)\)$"),
+    (torch.int64, r"block parameter 'extra' is torch.int64: tawpipe shards and trains floating-point parameters "
+                  r"\(float32, bfloat16 or float16\) only; keep an integer or boolean constant as a buffer "
+                  r"\(block.register_buffer\('extra', tensor\)\) instead$"),
+])
+def test_block_parameters_of_a_dtype_tawpipe_cannot_train_are_named(dtype, message) -> None:
+    m = TinyLM(2)
+    with pytest.raises(ValueError, match="^" + message):
+        make_engine([Typed(dtype), Typed(dtype)], m.embed, m.head, lm_loss, topology=Topology(1, 1),
+                    micro_batches=1, comm=NoConnect(1))
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(HIDDEN, HIDDEN), nn.BatchNorm1d(HIDDEN)
+
+    def forward(self, x: torch.Tensor, **ctx) -> torch.Tensor:
+        return x + self.bn(self.lin(x).transpose(1, 2)).transpose(1, 2)
+
+
+def test_block_buffers_that_differ_or_change_are_refused_before_connecting() -> None:
+    """One copy of the blocks' buffers serves every layer: per-layer values and BatchNorm's running
+    statistics (which its forward changes) are refused, naming the fix."""
+    from engine_cases import BufferBlock
+
+    m = TinyLM(3, BufferBlock)
+    with torch.no_grad():
+        m.blocks[2].gain[int(torch.randint(0, HIDDEN, ()))] += 1.0
+    with pytest.raises(ValueError, match=r"^block 2's buffer 'gain' differs from block 0's: tawpipe runs every layer "
+                                         r"with one copy of the blocks' buffers, .* a frozen parameter "
+                                         r"\(nn.Parameter\(tensor, requires_grad=False\)\), or pass it through "
+                                         r"block_context$"):
+        make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=1, comm=NoConnect(1))
+    with pytest.raises(ValueError, match=r"^block module 'bn' is a BatchNorm1d that tracks running statistics: .* "
+                                         r"build it with track_running_stats=False"):
+        make_engine([Normed(), Normed()], m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                    comm=NoConnect(1))
+    plain = TinyLM(2)
+    with pytest.raises(ValueError, match=r"^block 1 differs in structure from block 0 \(buffer names"):
+        make_engine([m.blocks[0], plain.blocks[1]], m.embed, m.head, lm_loss, topology=Topology(1, 1),
+                    micro_batches=1, comm=NoConnect(1))
+
+
+class Counting(nn.Module):
+    """A block whose forward changes a buffer in place (a step counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, **ctx) -> torch.Tensor:
+        self.calls += 1
+        return x + self.lin(x)
+
+
+def test_a_block_that_changes_a_buffer_in_forward_fails_naming_it() -> None:
+    """Only running it shows it: the step fails (the engine with it) naming the buffer, rather than
+    train every layer on a counter they all share."""
+    m = TinyLM(2)
+    eng = make_engine([Counting(), Counting()], m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                      comm=NoComm(1))
+    with pytest.raises(RuntimeError, match=r"^the blocks' forward changed their buffer 'calls' in place, but "
+                                           r"tawpipe runs every layer with one copy of the blocks' buffers .* must be "
+                                           r"constants"):
+        eng.step((_tokens(), _tokens()))
+
+
+def test_meta_blocks_take_their_buffers_from_the_materialised_ones() -> None:
+    """Blocks built on the meta device have meta buffers: the own chunk's materialised blocks give
+    the real ones, and training matches plain torch (float32, 1e-5)."""
+    from engine_cases import BufferBlock, adamw, global_batch, rel_err, train_alone
+
+    torch.manual_seed(int(torch.randint(0, 1000, ())))
+    real = TinyLM(3, BufferBlock)
+    with torch.device("meta"):
+        meta = TinyLM(3, BufferBlock)
+    ref, _ = train_alone(copy.deepcopy(real), lambda step: global_batch(step, 4), lm_loss, 2, None)
+    eng = make_engine(meta.blocks, real.embed, real.head, lm_loss, topology=Topology(1, 1), micro_batches=2,
+                      optimizer=adamw, comm=NoComm(1), block_context=real.context,
+                      materialize=lambda block, i: real.blocks[i])
+    for step in range(2):
+        eng.step(global_batch(step, 4))
+    ref_params = dict(ref.named_parameters())
+    assert max(rel_err(p.detach(), ref_params[n].detach()) for n, p in eng.named_parameters()) <= 1e-5
+    with pytest.raises(ValueError, match=r"^the blocks' buffer 'gain' is on the meta device in every block this rank "
+                                         r"has: materialize\(block, layer\) must return the block with real buffers"):
+        make_engine(meta.blocks, real.embed, real.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                    comm=NoComm(1), materialize=lambda block, i: block.to_empty(device="cpu").register_buffer(
+                        "gain", torch.empty(HIDDEN, device="meta"), persistent=False) or block)
+
+
+def test_freezing_in_materialize_only_is_named() -> None:
+    """Which parameters train is read from the blocks given (every rank has every layer's): a
+    freeze that only materialize makes would be ignored on the other ranks, so it is refused."""
+    real = TinyLM(2)
+    with torch.device("meta"):
+        meta = TinyLM(2)
+
+    def materialize(block, i):
+        real.blocks[i].up.weight.requires_grad_(False)
+        return real.blocks[i]
+
+    with pytest.raises(ValueError, match=r"^materialize\(block, 0\) returned the block with parameter 'up.weight' "
+                                         r"frozen \(requires_grad=False\), but the block given has it trainable: .* "
+                                         r"so freeze it there$"):
+        make_engine(meta.blocks, real.embed, real.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                    comm=NoComm(1), materialize=materialize)
+
+
+def test_a_model_or_rank_that_trains_nothing_is_refused_before_connecting() -> None:
+    """Everything frozen: nothing to train. A rank whose chunk, embedding and head are all frozen
+    gets an optimizer of no parameters, which ``torch.optim.AdamW(params)`` refuses: asked before
+    connecting, and named."""
+    from engine_cases import freeze
+
+    m = TinyLM(2)
+    m.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"^every parameter of the model has requires_grad=False: there is nothing "
+                                         r"to train"):
+        make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=1, comm=NoConnect(1))
+    m = TinyLM(6)
+    freeze(m, "replicated")  # layers 0 and 1 (the first chunk of four), embed and head
+    with pytest.raises(ValueError, match=r"^rank\(s\) \[\d\] train nothing: every parameter of their chunk's layers "
+                                         r"and of the embedding and head has requires_grad=False, so their optimizer "
+                                         r"is given no parameters, but optimizer\(\[\]\) raised ValueError\("
+                                         r".optimizer got an empty parameter list.\): make the factory take an "
+                                         r"empty list"):
+        make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=1, comm=NoConnect(4),
+                    optimizer=lambda params: torch.optim.AdamW(params))
 
 
 # ---------------------------------------------------------------- 11. ranks that loaded different shards

@@ -182,6 +182,7 @@ class ChunkCompute:
                     self.activations.store((pos, m, j), [x])
             else:
                 st.kept[(pos, m)] = kept
+        self.s.check_buffers_unchanged()
         if pos < self.last:
             st.x[(pos + 1, m)] = y.detach()
             return

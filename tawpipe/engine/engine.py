@@ -45,7 +45,7 @@ from .context import CONTEXT_CHANNEL, ContextGroup
 from .compute import ChunkCompute, EvalState, StepState
 from .precision import Precision
 from .inputs import (check_micro_batches, check_model, check_optimizer, check_policies, check_replicated,
-                     check_scheduler, check_tokens, find_vocab, resolve_device)
+                     check_scheduler, check_tokens, check_trainable, find_vocab, resolve_device)
 from .policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
 from .storage import ChunkStorage, MemoryReport
 
@@ -106,12 +106,13 @@ class TawPipe:
             topology, len(blocks), micro_batches, device=self.device, budget=memory.budget, savers=memory.savers(),
             layer_numel=sum(p.numel() for p in blocks[0].parameters()),
             weight_bytes=precision.compute_dtype.itemsize, grad_bytes=precision.grad_wire_dtype.itemsize,
-            replicated_numel=sum(p.numel() for _, p in replicated),
+            replicated_numel=sum(p.numel() for _, p in replicated if p.requires_grad),  # frozen: no gradient
             **schedule.plan_options())
         if compute_actions(topology, micro_batches, schedule.replicas) <= VERIFY_COMPUTE_ACTIONS:
             verify(self.plan)  # a schedule bug is a PlanError here, not a silently wrong gradient
         if schedule.context_parallel > 1:
             check_context_plan(self.plan, schedule.context_parallel)
+        check_trainable(self.plan, blocks, replicated, optimizer)
         self.sliced_context = model.sliced_context
         self._connect(comm.backend)  # communication starts only now, after every check above passed
         self._build(model, blocks, replicated, optimizer, lr_scheduler)
@@ -144,7 +145,8 @@ class TawPipe:
         self.compute = ChunkCompute(self.storage, model.embed, model.head, model.loss_fn, precision.compute_dtype,
                                     memory.recompute, {(a.chunk, a.mb): a for a in backwards},
                                     model.head_loss if memory.chunked_loss else None, activations)
-        self.optimizer = optimizer([p for _, p in self.storage.own_params] + [p for _, p in replicated])
+        # the parameters that train, as plain torch would be given them (a frozen one is never stepped)
+        self.optimizer = optimizer([p for _, p in self.storage.own_params + replicated if p.requires_grad])
         check_optimizer(self.optimizer)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         check_scheduler(self.scheduler, lr_scheduler)
@@ -156,7 +158,9 @@ class TawPipe:
         mine = fingerprint.fields(self.plan, compute_dtype=precision.compute_dtype,
                                   grad_dtype=precision.grad_wire_dtype, block=block, replicated=replicated,
                                   optimizer=self.optimizer, precision=dataclasses.asdict(self.precision),
-                                  recompute=memory.recompute, context_parallel=self.policies[0].context_parallel)
+                                  recompute=memory.recompute, context_parallel=self.policies[0].context_parallel,
+                                  trainable=(self.storage.trainable, [p.requires_grad for _, p in replicated]),
+                                  buffers=self.storage.buffers)
         fingerprint.compare(self.gather_rows([v for _, v, _ in mine]), mine, self.rank)
 
     def _connect_context(self, degree: int) -> ContextGroup | None:
@@ -565,8 +569,8 @@ class TawPipe:
             return lambda: comm.broadcast(s.chunk(a.buf, a.chunk), a.root, a.group)
         if a.op is Op.REDUCE_G:
             return lambda: comm.reduce(s.chunk(a.buf, a.chunk), a.root, a.group)
-        if a.op is Op.ALLREDUCE_REPLICATED:
-            return lambda: self._all_reduce_in_wire(comm, s.rep, a.group)
+        if a.op is Op.ALLREDUCE_REPLICATED:  # nothing to sum where embed and head are frozen (alike on every rank)
+            return (lambda: self._all_reduce_in_wire(comm, s.rep, a.group)) if s.rep.numel() else (lambda: None)
         if a.op is Op.ALLREDUCE_STATS:
             return lambda: self._all_reduce_stats(comm, a.group)
         if a.op is Op.ALLREDUCE_G:

@@ -67,9 +67,11 @@ def _optimizer(opt: torch.optim.Optimizer) -> str:
 
 def fields(plan: Plan, *, compute_dtype: torch.dtype, grad_dtype: torch.dtype, block: nn.Module,
            replicated: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
-           precision: dict, recompute: str, context_parallel: int = 1) -> list[tuple[str, int, str]]:
+           precision: dict, recompute: str, context_parallel: int = 1, trainable: object = (),
+           buffers: dict[str, torch.Tensor] | None = None) -> list[tuple[str, int, str]]:
     """(field, value, readable value) in the order mismatches are reported: integers as they are,
-    everything else as a 63-bit digest."""
+    everything else as a 63-bit digest. ``trainable``: which parameters train (each chunk's
+    requires_grad, the replicated ones'); ``buffers``: the blocks' buffers as the runners hold them."""
     o = plan.options
     rows = [
         ("algo", _digest(plan.algo), plan.algo),
@@ -86,6 +88,8 @@ def fields(plan: Plan, *, compute_dtype: torch.dtype, grad_dtype: torch.dtype, b
         ("block parameters", _digest(param_signature(block.named_parameters())), "names, shapes, dtypes"),
         ("replicated parameters", _digest(param_signature(replicated)), "names, shapes, dtypes"),
         ("replicated weights", _checksum(replicated), "values (same seed?)"),
+        ("trainable parameters", _digest(trainable), "which parameters have requires_grad"),
+        ("block buffers", _checksum(sorted((buffers or {}).items())), "values"),
         ("optimizer", _digest(_optimizer(optimizer)), "type and hyper-parameters"),
         ("precision", _digest(sorted(precision.items())), "loss scaling, clipping, nonfinite"),
         ("recompute", _digest(recompute), recompute),

@@ -4,17 +4,22 @@ the device, the micro-batches and every batch. Each problem is an exception nami
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ..models.parts import ModelParts, param_signature
+from ..ops import SUPPORTED_DTYPES
+from ..plan.plan import Plan
 from ..plan.schedule import check_replicas, compute_actions
 from ..plan.topology import Topology
 from .policy import CommPolicy, MemoryPolicy, SchedulePolicy
 
 def check_blocks(blocks: list[nn.Module]) -> None:
+    """A stack of distinct, identically structured blocks with floating-point parameters and
+    constant buffers (what ``ChunkStorage`` can shard and run)."""
     if not blocks:
         raise ValueError("blocks is empty: pass the decoder layers as a sequence of nn.Modules")
     for i, b in enumerate(blocks):
@@ -38,6 +43,81 @@ def check_blocks(blocks: list[nn.Module]) -> None:
             )
     if not sig:
         raise ValueError("the blocks have no parameters: nothing to shard")
+    for name, _, dtype in sig:  # every block's, as block 0's
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"block parameter {name!r} is {dtype}: tawpipe shards and trains floating-point parameters "
+                f"(float32, bfloat16 or float16) only; keep an integer or boolean constant as a buffer "
+                f"(block.register_buffer({name.rsplit('.', 1)[-1]!r}, tensor)) instead"
+            )
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"block parameter {name!r} is {dtype}: tawpipe keeps the blocks' weights as float32 masters and "
+                f"computes in PrecisionPolicy.compute_dtype, from parameters of float32, bfloat16 or float16; "
+                "convert the blocks first (block.float())"
+            )
+    check_block_buffers(blocks)
+
+
+def check_block_buffers(blocks: list[nn.Module]) -> None:
+    """The blocks' buffers are constants that every block has alike (rotary tables, masks): the
+    engine runs every layer with one copy of them (design §6.2). Buffers that forward changes
+    (BatchNorm's running statistics) cannot be kept per layer, so they are refused here; blocks on
+    the meta device are compared once materialised (``ChunkStorage``)."""
+    for name, m in blocks[0].named_modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            raise ValueError(
+                f"block module {name!r} is a {type(m).__name__} that tracks running statistics: its forward changes "
+                "its buffers, but tawpipe runs every layer with one copy of the blocks' buffers (constants) and runs "
+                f"forwards again to recompute; build it with track_running_stats=False, or use LayerNorm or RMSNorm"
+            )
+    first = [(n, tuple(t.shape), t.dtype) for n, t in blocks[0].named_buffers()]
+    for i, b in enumerate(blocks[1:], 1):
+        if [(n, tuple(t.shape), t.dtype) for n, t in b.named_buffers()] != first:
+            raise ValueError(f"block {i} differs in structure from block 0 (buffer names, shapes or dtypes); "
+                             "tawpipe chunks a stack of identical blocks")
+    check_same_buffers(blocks, range(len(blocks)))
+
+
+def check_same_buffers(blocks: Sequence[nn.Module], layers: Iterable[int]) -> None:
+    """Every real block's buffers equal the first real one's (meta ones are skipped); ``layers``
+    are the blocks' layer numbers, for the message."""
+    ref: tuple[int, dict[str, torch.Tensor]] | None = None
+    for i, b in zip(layers, blocks):
+        mine = dict(b.named_buffers())
+        if any(t.is_meta for t in mine.values()):
+            continue
+        if ref is None:
+            ref = (i, mine)
+            continue
+        for n, t in mine.items():
+            if not torch.equal(t, ref[1][n].to(t.device)):
+                raise ValueError(
+                    f"block {i}'s buffer {n!r} differs from block {ref[0]}'s: tawpipe runs every layer with one copy "
+                    "of the blocks' buffers, so they must be constants every block has alike (rotary tables, masks); "
+                    f"make a per-layer value a frozen parameter (nn.Parameter(tensor, requires_grad=False)), or pass "
+                    "it through block_context"
+                )
+
+
+def check_shared_with_replicated(blocks: list[nn.Module], embed: nn.Module, head: nn.Module,
+                                 names: tuple[str, str, str]) -> None:
+    """No block parameter is also the embedding's or the head's: blocks are sharded over the ranks
+    and embed and head replicated on every rank, so a weight in both would be two copies that
+    train apart (silently untied)."""
+    replicated = {id(p): (part, n) for part, module in ((names[0], embed), (names[2], head))
+                  for n, p in module.named_parameters(remove_duplicate=False)}
+    for i, b in enumerate(blocks):
+        for n, p in b.named_parameters():
+            if id(p) in replicated:
+                part, m = replicated[id(p)]
+                raise ValueError(
+                    f"{names[1]}[{i}] parameter {n!r} is also {part} parameter {m!r}: tawpipe shards the blocks over "
+                    f"the ranks and replicates {names[0]} and {names[2]} on every rank, so a weight shared between a "
+                    f"block and {part} cannot stay tied (its two copies would train apart); keep the shared weight in "
+                    f"{part} only, or give the block its own copy (nn.Parameter(p.detach().clone())) if it may train "
+                    "apart"
+                )
 
 
 def check_callables(**kwargs: Any) -> None:
@@ -66,6 +146,7 @@ def check_model(model: ModelParts, topology: Topology, optimizer: Any, lr_schedu
     check_callables(embed=model.embed, head=model.head, loss_fn=model.loss_fn, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, block_forward=model.block_forward, block_context=model.block_context,
                     materialize=model.materialize, head_loss=model.head_loss, sliced_context=model.sliced_context)
+    check_shared_with_replicated(blocks, model.embed, model.head, names)
     return blocks
 
 
@@ -88,6 +169,35 @@ def check_policies(model: ModelParts, topology: Topology, schedule: SchedulePoli
     if memory.chunked_loss and model.head_loss is None:
         raise ValueError(f"chunked_loss: {model.description or 'this model'} has no head_loss (a head and loss that "
                          "never hold the whole logits); give ModelParts one, or leave chunked_loss off")
+
+
+def check_trainable(plan: Plan, blocks: list[nn.Module], replicated: list[tuple[str, nn.Parameter]],
+                    optimizer: Any) -> None:
+    """Something trains; and where a rank's share trains nothing (its chunk's blocks and the
+    replicated modules all frozen), its optimizer is built over no parameters, so the factory must
+    take an empty list (``torch.optim.AdamW([])`` raises): asked here, once, before anything is sent."""
+    trains = lambda params: any(p.requires_grad for p in params)  # noqa: E731
+    if not trains(p for b in blocks for p in b.parameters()) and not trains(p for _, p in replicated):
+        raise ValueError("every parameter of the model has requires_grad=False: there is nothing to train; "
+                         "unfreeze the parameters to train (p.requires_grad_(True))")
+    if trains(p for _, p in replicated):
+        return
+    idle = []
+    for rank in range(plan.topology.world_size):
+        start, stop = plan.chunk_layers[plan.own_chunk(rank)]
+        if not trains(p for b in blocks[start:stop] for p in b.parameters()):
+            idle.append(rank)
+    if idle:
+        try:
+            optimizer([])
+        except Exception as e:
+            raise ValueError(
+                f"rank(s) {idle} train nothing: every parameter of their chunk's layers and of the embedding and "
+                f"head has requires_grad=False, so their optimizer is given no parameters, but optimizer([]) "
+                f"raised {e!r}: make the factory take an empty list (as default_optimizer does, or "
+                "lambda params: torch.optim.AdamW([{'params': params}], ...)), or unfreeze a parameter of the "
+                "embedding or head"
+            ) from e
 
 
 def check_optimizer(optimizer: Any) -> None:

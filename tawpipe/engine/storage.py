@@ -36,13 +36,15 @@ from ..plan.actions import BufKind, Op, buf_kind
 from ..plan.plan import Plan
 from ..runtime.timeout import DEFAULT_TIMEOUT
 from ..runtime.offload import HostOffload
+from .inputs import check_same_buffers
 
 BlockForward = Callable[..., torch.Tensor]
 
 
 class ChunkRunner(nn.Module):
-    """A stack of blocks run through the user's hook; one per chunk shape, on the meta device:
-    its parameters always come from a staging buffer (``functional_call``)."""
+    """A stack of blocks run through the user's hook; one per chunk shape, its parameters on the
+    meta device: they always come from a staging buffer (``functional_call``). Its buffers are the
+    blocks' constants, real (``ChunkStorage._template``)."""
 
     def __init__(self, blocks: nn.ModuleList, block_forward: BlockForward) -> None:
         super().__init__()
@@ -102,28 +104,34 @@ class ChunkStorage:
         self.compute_dtype, self.grad_dtype = compute_dtype, grad_dtype
         self.own_chunk = plan.own_chunk(rank)
         self.position = {k: p for p, k in enumerate(plan.model_order)}
-        self.layouts: dict[int, ShardLayout] = {}
-        self.runners: dict[int, ChunkRunner] = {}
-        for start, stop in plan.chunk_layers:
-            n = stop - start
-            if n not in self.layouts:
-                stack = nn.ModuleList(blocks[start:stop])
-                self.layouts[n] = ShardLayout.from_module(stack, align=1)
-                self.runners[n] = ChunkRunner(copy.deepcopy(stack).to("meta"), block_forward)
-        # one block, for recomputing a chunk a layer at a time (design §6.2): every block has its
-        # structure, so every layer runs through it with that layer's slice of the chunk's tensors
-        self.layer_runner = ChunkRunner(nn.ModuleList([copy.deepcopy(blocks[0]).to("meta")]), block_forward)
+        first = {stop - start: start for start, stop in reversed(plan.chunk_layers)}  # a chunk of each size
+        self.layouts = {n: ShardLayout.from_module(nn.ModuleList(blocks[i:i + n]), align=1) for n, i in first.items()}
         self.layer_names = [f"blocks.0.{name}" for name, _ in blocks[0].named_parameters()]
         self.layer_layout = ShardLayout.from_module(blocks[0], align=1)  # layer j of a chunk: its j-th slice
         self.decoder_params = sum(p.numel() for b in blocks for p in b.parameters())
-        self._init_own(blocks, block_prefix, materialize, offload, timeout)
+        # Which of each chunk's parameters train, in layout order: requires_grad as the blocks given
+        # say (meta or not, every rank has every layer's, so the ranks agree). A frozen parameter
+        # keeps its place in the flat buffers, but no leaf of it asks for a gradient, so its
+        # gradient stays zero wherever it travels, and the optimizer never sees it.
+        self.trainable = [tuple(p.requires_grad for b in blocks[start:stop] for p in b.parameters())
+                          for start, stop in plan.chunk_layers]
+        masks: dict[tuple[bool, ...], int] = {}
+        self._mask = [masks.setdefault(m, len(masks)) for m in self.trainable]  # leaves are cached per mask
+        own = self._init_own(blocks, block_prefix, materialize, offload, timeout)
+        self._init_buffers(blocks, own)
+        # The templates functional_call runs (design §6.2): one per chunk size, and one block, for
+        # recomputing a chunk a layer at a time (every block has its structure, so every layer runs
+        # through it with that layer's slice of the chunk's tensors).
+        self.runners = {n: ChunkRunner(self._template(blocks[i:i + n]), block_forward) for n, i in first.items()}
+        self.layer_runner = ChunkRunner(self._template(blocks[:1]), block_forward)
         self._init_replicated(replicated)
         self._init_staging()
-        self._leaves: dict[tuple[str, str, int], list[torch.Tensor]] = {}
+        self._leaves: dict[tuple, list[torch.Tensor]] = {}  # weights(): (buf, "", n); leaves(): with the mask
         self.to_host = self.from_host = 0  # bytes moved with the host: the own state (offload), stashed weights
 
     def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None,
-                  offload: bool, timeout: float) -> None:
+                  offload: bool, timeout: float) -> list[nn.Module]:
+        """The own chunk's master, accumulator and parameters; its real blocks (materialised)."""
         start, stop = self.plan.chunk_layers[self.own_chunk]
         layout = self.layouts[stop - start]
         own = []
@@ -136,6 +144,13 @@ class ChunkStorage:
                 block = materialize(block, i)
                 if not isinstance(block, nn.Module) or any(p.is_meta for p in block.parameters()):
                     raise ValueError(f"materialize(block, {i}) must return the block with real weights")
+                for (name, p), given in zip(block.named_parameters(), blocks[i].parameters()):
+                    if given.requires_grad and not p.requires_grad:
+                        raise ValueError(
+                            f"materialize(block, {i}) returned the block with parameter {name!r} frozen "
+                            "(requires_grad=False), but the block given has it trainable: every rank reads which "
+                            "parameters train from the blocks given, for every layer, so freeze it there"
+                        )
             own.append(block)
         modules = nn.ModuleList(own)
         master = layout.new_flat(torch.float32, "cpu" if offload else self.device)
@@ -146,18 +161,68 @@ class ChunkStorage:
             self.offload = HostOffload(layout, self.device, init=master, timeout=timeout)
             self.master, self.grad_acc = self.offload.master, self.offload.grad
         self.own_params: list[tuple[str, nn.Parameter]] = []
-        for (name, _), view, gview in zip(modules.named_parameters(), layout.views(self.master),
-                                          layout.views(self.grad_acc)):
-            p = nn.Parameter(view, requires_grad=True)
-            p.grad = gview
+        for (name, _), view, gview, trains in zip(modules.named_parameters(), layout.views(self.master),
+                                                  layout.views(self.grad_acc), self.trainable[self.own_chunk]):
+            p = nn.Parameter(view, requires_grad=trains)
+            if trains:  # a frozen one has no gradient, as in torch
+                p.grad = gview
             self.own_params.append((block_param_name(prefix, start, name), p))
+        return own
+
+    def _init_buffers(self, blocks: Sequence[nn.Module], own: list[nn.Module]) -> None:
+        """The blocks' buffers, one real copy on the device that every layer's template shares
+        (``check_block_buffers`` made sure they are constants every block has alike): from the
+        first block given with real buffers, else from the own chunk's materialised ones. Floating
+        ones are in the compute dtype, as the weights are (``block.to(compute_dtype)`` would)."""
+        start, stop = self.plan.chunk_layers[self.own_chunk]
+        check_same_buffers(own, range(start, stop))  # materialised ones were not compared yet
+        real = lambda b: not any(t.is_meta for t in b.buffers())  # noqa: E731
+        source = next((b for b in [*blocks, *own] if real(b)), own[0])
+        self.buffers: dict[str, torch.Tensor] = {}
+        for name, t in source.named_buffers(remove_duplicate=False):
+            if t.is_meta:
+                raise ValueError(
+                    f"the blocks' buffer {name!r} is on the meta device in every block this rank has: "
+                    f"materialize(block, layer) must return the block with real buffers too (to_empty() leaves "
+                    "them uninitialised: set them again, as the block's constructor does)"
+                )
+            dtype = self.compute_dtype if t.is_floating_point() else t.dtype
+            self.buffers[name] = t.detach().to(self.device, dtype, copy=True)  # the engine's own, as the master
+        self._buffer_versions = {name: t._version for name, t in self.buffers.items()}
+
+    def _template(self, blocks: Sequence[nn.Module]) -> nn.ModuleList:
+        """``blocks`` as a template for ``functional_call``: parameters on the meta device (they
+        always come from a staging buffer), buffers the shared real ones (``_init_buffers``)."""
+        stack = copy.deepcopy(nn.ModuleList(blocks)).to("meta")
+        for block in stack:
+            for name, _ in list(block.named_buffers(remove_duplicate=False)):
+                path, _, leaf = name.rpartition(".")
+                block.get_submodule(path)._buffers[leaf] = self.buffers[name]
+        return stack
+
+    def check_buffers_unchanged(self) -> None:
+        """After a forward: the blocks' buffers are as they were. Every layer shares one copy, and
+        recompute runs forwards again, so a block that changes a buffer in its forward would make
+        every layer see the others' changes: it fails here, naming the buffer, rather than train
+        silently otherwise than the model it was given."""
+        for name, t in self.buffers.items():
+            if t._version != self._buffer_versions[name]:
+                raise RuntimeError(
+                    f"the blocks' forward changed their buffer {name!r} in place, but tawpipe runs every layer with "
+                    "one copy of the blocks' buffers and runs forwards again to recompute, so they must be "
+                    "constants: keep per-layer state out of the blocks' buffers (a frozen parameter, or "
+                    "block_context)"
+                )
 
     def _init_replicated(self, replicated: list[tuple[str, nn.Parameter]]) -> None:
+        """``rep``: the flat gradient of the replicated parameters that train (frozen ones have
+        none, as in torch, and their all-reduce carries nothing of them)."""
         self.replicated = replicated
-        layout = ShardLayout.from_tensors([p for _, p in replicated], align=1)
+        trained = [p for _, p in replicated if p.requires_grad]
+        layout = ShardLayout.from_tensors(trained, align=1)
         self.rep = torch.zeros(layout.numel, dtype=torch.float32, device=self.device)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for (_, p), view in zip(replicated, layout.views(self.rep)):  # float32 on the device: the engine checked
+        for p, view in zip(trained, layout.views(self.rep)):  # float32 on the device: the engine checked
             p.grad = view
 
     def _init_staging(self) -> None:
@@ -202,17 +267,20 @@ class ChunkStorage:
         return (self.scratch if self.scratch is not None else self.bufs[grad_buf])[: self.numel(chunk)]
 
     def leaves(self, weight_buf: str, grad_buf: str, chunk: int) -> list[torch.Tensor]:
-        """Persistent leaf tensors viewing ``weight_buf`` whose ``.grad`` view the grad target."""
+        """Persistent leaf tensors viewing ``weight_buf`` whose ``.grad`` view the grad target
+        (those of ``chunk``'s trainable parameters; the frozen ones ask for no gradient)."""
         n = self.layers(chunk)
-        key = (weight_buf, grad_buf if self.scratch is None else "scratch", n)
+        key = (weight_buf, grad_buf if self.scratch is None else "scratch", n, self._mask[chunk])
         leaves = self._leaves.get(key)
         if leaves is None:
             layout = self.layouts[n]
-            leaves = [v.detach().requires_grad_() for v in layout.views(self.bufs[weight_buf])]
+            leaves = [v.detach().requires_grad_(trains)  # frozen: no gradient, its slice stays zero
+                      for v, trains in zip(layout.views(self.bufs[weight_buf]), self.trainable[chunk])]
             grads = (self.layer_layout.views(self.scratch) * n if self.scratch is not None and self.layerwise
                      else layout.views(self.grad_target(grad_buf, chunk)))  # every layer's: the one scratch
             for leaf, g in zip(leaves, grads):
-                leaf.grad = g
+                if leaf.requires_grad:
+                    leaf.grad = g
             self._leaves[key] = leaves
         return leaves
 
