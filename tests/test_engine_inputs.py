@@ -125,9 +125,10 @@ def _bad_batches() -> list[tuple[str, tuple[torch.Tensor, torch.Tensor], type, s
     x, y = _tokens(), _tokens()
     high = int(torch.randint(VOCAB, 10 * VOCAB, ()))
     low = -int(torch.randint(1, 10 * VOCAB, ()))
-    with_high, with_low = x.clone(), x.clone()
+    with_high, with_low, target_high = x.clone(), x.clone(), y.clone()
     with_high[1, int(torch.randint(0, 5, ()))] = high
     with_low[0, int(torch.randint(0, 5, ()))] = low
+    target_high[int(torch.randint(0, 2, ())), int(torch.randint(0, 5, ()))] = high
     vocab = rf"outside the vocabulary of the embedding \(nn.Embedding with {VOCAB} ids: 0 to {VOCAB - 1}\)"
     return [
         ("float ids", (x.float(), y), TypeError,
@@ -145,6 +146,14 @@ def _bad_batches() -> list[tuple[str, tuple[torch.Tensor, torch.Tensor], type, s
         ("short targets", (x, y[:, :4]), ValueError,
          r"inputs \(2, 5\) and targets \(2, 4\) differ in shape: targets must be \(rows, seq_len\) like the inputs"),
         ("1-D targets", (x, y[0]), ValueError, r"inputs \(2, 5\) and targets \(5,\) differ in shape"),
+        ("float targets", (x, y.float()), TypeError,
+         r"targets are torch.float32, but targets shaped like the inputs \(rows, seq_len\) are class indices \(the "
+         r"next tokens\), which cross_entropy takes as torch.int64 only: convert them with targets.long\(\) \(targets "
+         r"of class probabilities have a class dimension: \(rows, seq_len, classes\)\)$"),
+        ("int32 targets", (x.int(), y.int()), TypeError, r"targets are torch.int32, but .* targets.long\(\)"),
+        ("target >= vocabulary", (x, target_high), ValueError,
+         rf"targets hold token id {high}, {vocab}, whose next tokens they are; .*ignore_index -100, are left to "
+         r"loss_fn\)$"),
         ("rows", (x[:1], y[:1]), ValueError, r"batch has 1 rows, not a positive multiple of micro_batches=2"),
     ]
 
@@ -162,6 +171,17 @@ def test_bad_step_inputs_are_refused_before_the_step_and_the_engine_stays_exact(
     with pytest.raises(ValueError, match=r"^evaluate\(batches\): batches\[1\]: inputs hold token id"):
         eng.evaluate([(x, y), (x + VOCAB, y)])
     assert eng.evaluate([(x, y)]) == twin.evaluate([(x, y)])
+
+
+def test_ignored_and_soft_targets_are_left_to_the_loss() -> None:
+    """Negative targets (cross_entropy's ignore_index) and targets with a class dimension (class
+    probabilities) pass the checks: they are the loss's business. int32 inputs are nn.Embedding's."""
+    eng = _build()
+    x, y = _tokens(), _tokens()
+    y[0, int(torch.randint(0, 5, ()))] = -100
+    assert eng.step((x.int(), y)) > 0
+    soft = _build(loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten(0, 1)))
+    assert soft.step((x, torch.softmax(torch.randn(2, 5, VOCAB), -1))) > 0
 
 
 class TableEmbed(nn.Module):

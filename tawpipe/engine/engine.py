@@ -216,8 +216,12 @@ class TawPipe:
 
         ``batch`` is (inputs, targets): inputs 2-D integer token ids (rows, seq_len), rows a multiple
         of micro_batches, ids inside the vocabulary of ``embed``'s first nn.Embedding (if it has
-        one); targets starting with the same two dimensions. Anything else is refused before the
-        step runs, and the engine stays usable."""
+        one); targets starting with the same two dimensions: of exactly that shape, int64 class
+        indices (the next tokens) below that vocabulary or negative (an ignore_index), else with
+        more dimensions (class probabilities), which only ``loss_fn`` reads. Anything else is
+        refused before the step runs, and the engine stays usable. An exception inside the step
+        (``loss_fn``'s own included: it runs after the step's first transfers) leaves the engine
+        failed."""
         self._refuse_if_unusable()
         state = self._step_state(batch)  # a bad batch is refused here, and the engine stays usable
         self._check_loaded_shards_agree()

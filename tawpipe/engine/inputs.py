@@ -310,7 +310,11 @@ def find_vocab(embed: nn.Module) -> int | None:
 
 def check_tokens(inputs: torch.Tensor, targets: torch.Tensor, what: str, device: torch.device, vocab: int | None) -> None:
     """``inputs`` are 2-D integer token ids inside the embedding's vocabulary and ``targets``
-    match them: a clear error here rather than a deep one inside the step."""
+    match them: a clear error here rather than a deep one inside the step, which would leave the
+    engine failed. The rule is what torch's own modules take: inputs int64 or int32 (nn.Embedding
+    takes both), targets of the inputs' shape int64 class indices (cross_entropy takes no other
+    integer dtype), below the vocabulary where it is known; negative targets (an ignore_index) and
+    targets with more dimensions (class probabilities) are ``loss_fn``'s business."""
     for name, t in (("inputs", inputs), ("targets", targets)):
         if t.device.type != device.type and t.device.type != "cpu":
             raise ValueError(f"{what}: {name} is on {t.device}; pass CPU tensors or tensors on {device}")
@@ -327,6 +331,12 @@ def check_tokens(inputs: torch.Tensor, targets: torch.Tensor, what: str, device:
     if targets.shape[:2] != inputs.shape:
         raise ValueError(f"{what}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape: "
                          "targets must be (rows, seq_len) like the inputs, one target per input token")
+    if targets.dim() == 2 and targets.dtype != torch.int64:
+        raise TypeError(
+            f"{what}: targets are {targets.dtype}, but targets shaped like the inputs (rows, seq_len) are class "
+            "indices (the next tokens), which cross_entropy takes as torch.int64 only: convert them with "
+            "targets.long() (targets of class probabilities have a class dimension: (rows, seq_len, classes))"
+        )
     if vocab is not None and inputs.numel():
         lo, hi = (int(v) for v in torch.aminmax(inputs))
         if lo < 0 or hi >= vocab:
@@ -334,4 +344,12 @@ def check_tokens(inputs: torch.Tensor, targets: torch.Tensor, what: str, device:
                 f"{what}: inputs hold token id {lo if lo < 0 else hi}, outside the vocabulary of the embedding "
                 f"(nn.Embedding with {vocab} ids: 0 to {vocab - 1}); check the tokenizer against "
                 "the model's vocabulary size"
+            )
+        hi = int(targets.max()) if targets.dim() == 2 else -1
+        if hi >= vocab:
+            raise ValueError(
+                f"{what}: targets hold token id {hi}, outside the vocabulary of the embedding (nn.Embedding with "
+                f"{vocab} ids: 0 to {vocab - 1}), whose next tokens they are; check the tokenizer against the "
+                "model's vocabulary size (negative targets, such as cross_entropy's ignore_index -100, are left to "
+                "loss_fn)"
             )
