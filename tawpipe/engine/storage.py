@@ -176,8 +176,7 @@ class ChunkStorage:
         ones are in the compute dtype, as the weights are (``block.to(compute_dtype)`` would)."""
         start, stop = self.plan.chunk_layers[self.own_chunk]
         check_same_buffers(own, range(start, stop))  # materialised ones were not compared yet
-        real = lambda b: not any(t.is_meta for t in b.buffers())  # noqa: E731
-        source = next((b for b in [*blocks, *own] if real(b)), own[0])
+        source = next((b for b in [*blocks, *own] if not any(t.is_meta for t in b.buffers())), own[0])
         self.buffers: dict[str, torch.Tensor] = {}
         for name, t in source.named_buffers(remove_duplicate=False):
             if t.is_meta:
@@ -188,7 +187,7 @@ class ChunkStorage:
                 )
             dtype = self.compute_dtype if t.is_floating_point() else t.dtype
             self.buffers[name] = t.detach().to(self.device, dtype, copy=True)  # the engine's own, as the master
-        self._buffer_versions = {name: t._version for name, t in self.buffers.items()}
+        self._buffer_versions = {name: t._version for name, t in self.buffers.items()}  # bumped by in-place ops
 
     def _template(self, blocks: Sequence[nn.Module]) -> nn.ModuleList:
         """``blocks`` as a template for ``functional_call``: parameters on the meta device (they
@@ -197,7 +196,7 @@ class ChunkStorage:
         for block in stack:
             for name, _ in list(block.named_buffers(remove_duplicate=False)):
                 path, _, leaf = name.rpartition(".")
-                block.get_submodule(path)._buffers[leaf] = self.buffers[name]
+                setattr(block.get_submodule(path), leaf, self.buffers[name])  # a buffer's name: stays a buffer
         return stack
 
     def check_buffers_unchanged(self) -> None:
