@@ -36,6 +36,7 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
         case = dict(case)
         nodes, acc, c, steps = case.pop("nodes"), case.pop("acc"), case["context_parallel"], case.pop("steps", 2)
         clip, dev = case.get("max_grad_norm"), torch.device(case.pop("device", "cpu"))
+        uneven = case.pop("uneven_val", False)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)  # every rank on the one GPU (comm "gloo-staged")
         topo = Topology(nodes=nodes, per_node=world // nodes)
@@ -54,11 +55,14 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
                                         case.get("recompute", "chunk"))
         exchanged, _ = engine.context_traffic()  # the steps' exchanges, before the evaluation's
         val = [sequences(100 + b, groups * ROWS) for b in range(2)]
+        # "uneven_val": context group g evaluates the first 1 + g % 2 batches of its rows, not both
+        counts = [1 + g % 2 if uneven else 2 for g in range(groups)]
         mine = slice((rank // c) * ROWS, (rank // c + 1) * ROWS)
-        val_loss = engine.evaluate([(x[mine].to(dev), y[mine].to(dev)) for x, y in val])
+        val_loss = engine.evaluate([(x[mine].to(dev), y[mine].to(dev)) for x, y in val[:counts[rank // c]]])
         engine.close()
-        with torch.no_grad():
-            want_val = sum(llama_loss(trained(x), y).item() for x, y in val) / len(val)
+        with torch.no_grad():  # the mean over the union of every group's batches, one term per batch
+            want_val = sum(llama_loss(trained(x[g * ROWS:(g + 1) * ROWS]), y[g * ROWS:(g + 1) * ROWS]).item()
+                           for g in range(groups) for x, y in val[:counts[g]]) / sum(counts)
         out.append({"case": case, "rank": rank, "param_err": max(errs.values()), "worst": max(errs, key=errs.get),
                     "losses": losses, "ref_losses": ref_losses, "exchanged": exchanged, "planned": planned,
                     "val": val_loss, "want_val": want_val})

@@ -347,7 +347,9 @@ def evaluation(rank: int, case: dict) -> dict:
     engine.step(local(0))
     twin.step(local(0))
     val = [global_batch(100 + b, world * rows) for b in range(case["val_batches"])]
-    mine = [(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]) for x, y in val]
+    # "uneven": rank r evaluates the first 1 + r % val_batches batches of its rows, not all of them
+    counts = [1 + r % len(val) if case.get("uneven") else len(val) for r in range(world)]
+    mine = [(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]) for x, y in val[:counts[rank]]]
     log.clear()
     loss = engine.evaluate(mine)
     recorded = [(r.channel, r.op, r.root, r.group, r.bytes) for r in log]
@@ -359,8 +361,8 @@ def evaluation(rank: int, case: dict) -> dict:
     engine.close()
     twin.close()
     ref, _ = reference_run(model, world * n, 1, None)
-    with torch.no_grad():
+    with torch.no_grad():  # plain evaluation of the union of every rank's batches: one term per batch
         want = sum(lm_loss(ref(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows]).item()
-                   for x, y in val for r in range(world)) / (world * len(val))
+                   for r in range(world) for x, y in val[:counts[r]]) / sum(counts)
     return {"loss": loss, "want": want, "recorded": recorded, "planned": planned, "after": after,
             "same_step": same_step}

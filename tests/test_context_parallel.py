@@ -73,7 +73,8 @@ CASES = [
          prefetch_depth=1),
     dict(nodes=2, acc=2, context_parallel=2, recompute="block", replicas=2),  # a replica per node
     dict(nodes=1, acc=2, context_parallel=4, **PAPER),  # the whole node
-    dict(nodes=1, acc=1, context_parallel=2, max_grad_norm=0.05, **PAPER),  # two groups in a node
+    # two groups in a node, evaluating 1 and 2 batches
+    dict(nodes=1, acc=1, context_parallel=2, max_grad_norm=0.05, uneven_val=True, **PAPER),
 ]
 
 

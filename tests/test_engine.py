@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn as nn
 
 from tawpipe.runtime.launch import run_local
 
@@ -208,11 +209,14 @@ def test_checkpoint_resume_and_full_state_dict(tmp_path) -> None:
 @pytest.mark.parametrize("case", [
     dict(nodes=2, acc=2, layers=5, val_batches=2),  # uneven chunks
     dict(nodes=1, acc=1, layers=4, val_batches=1, algo="weipipe"),
+    # ranks with 1 and 2 batches: each divided the sum by its own count, so each returned another wrong value
+    dict(nodes=1, acc=1, layers=2, val_batches=2, uneven=True, world=2),
 ])
 def test_evaluate_is_a_plan_program_and_exact(case):
-    """``TawPipe.evaluate``: the single-process loss to 1e-5, its traffic exactly the evaluation
-    program's on the engine's own Comm, and the training state untouched."""
-    results = run_local(evaluation, 4, case, timeout=300)
+    """``TawPipe.evaluate``: the single-process loss of the union of every rank's batches to 1e-5
+    (whatever number each rank passes), its traffic exactly the evaluation program's on the
+    engine's own Comm, and the training state untouched."""
+    results = run_local(evaluation, case.get("world", 4), case, timeout=300)
     for r in results:
         assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), (r["loss"], r["want"])
         assert r["planned"] and len(r["recorded"]) == len(r["planned"]), r["recorded"]
@@ -220,3 +224,50 @@ def test_evaluate_is_a_plan_program_and_exact(case):
             assert [x for x in r["recorded"] if x[0] == channel] == [x for x in r["planned"] if x[0] == channel]
         assert r["after"][0] == r["after"][1] and r["same_step"] == 0.0
     assert len({r["loss"] for r in results}) == 1  # every rank reports the global mean
+
+
+class _DropoutBlock(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(h, h), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.lin(x)))
+
+
+def test_evaluate_runs_the_model_in_eval_mode_and_restores_every_modules_mode() -> None:
+    """``evaluate`` ran the blocks in training mode: dropout on, so two calls gave two losses,
+    neither a plain ``model.eval()`` evaluation's, and the engine's block templates could not be
+    switched. Now the blocks, embed and head run in eval mode, and each module's own mode comes
+    back after (mixed modes included), so the next step trains with dropout again."""
+    from engine_cases import HIDDEN, VOCAB, global_batch, lm_loss
+    from test_engine_errors import NoComm
+
+    from tawpipe import CommPolicy, ModelParts, TawPipe, Topology
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_DropoutBlock(HIDDEN) for _ in range(3))
+    embed = nn.Sequential(nn.Embedding(VOCAB, HIDDEN), nn.Dropout(0.5))
+    head = nn.Sequential(nn.Dropout(0.5), nn.Linear(HIDDEN, VOCAB))
+    head[0].eval()  # a mode of its own: it must come back as it was
+    engine = TawPipe(ModelParts(blocks, embed, head, lm_loss), topology=Topology(1, 1), micro_batches=1,
+                     comm=CommPolicy(NoComm(1)))
+    modes = [m.training for m in (*embed.modules(), *head.modules())]
+    batches = [global_batch(b, 2) for b in range(3)]
+    losses = [engine.evaluate(batches) for _ in range(2)]
+    assert [m.training for m in (*embed.modules(), *head.modules())] == modes
+    with torch.no_grad():
+        for m in (blocks, embed, head):
+            m.eval()
+        want = 0.0
+        for x, y in batches:
+            h = embed(x)
+            for block in blocks:
+                h = block(h)
+            want += lm_loss(head(h), y).item() / len(batches)
+    assert losses[0] == losses[1] and losses[0] == pytest.approx(want, rel=1e-6), (losses, want)
+    x, y = global_batch(9, 2)
+    at_rest = engine.evaluate([(x, y)])
+    # the same weights, embed and head now in eval mode (the reference's model.eval()): only the blocks'
+    # templates can drop out, and back in training mode they do
+    assert abs(engine.step((x, y)) - at_rest) > 1e-3

@@ -65,7 +65,7 @@ class EvalState:
     inputs: list[torch.Tensor]
     targets: list[torch.Tensor]
     ctx: list[dict[str, Any]]
-    loss_sum: torch.Tensor  # float64, this rank's until ALLREDUCE_EVAL, then everyone's
+    totals: torch.Tensor  # float64 (loss sum, batch count): this rank's until ALLREDUCE_EVAL, then everyone's
     hidden: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -275,6 +275,21 @@ class ChunkCompute:
             dy = xj.grad
         return dy
 
+    @contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """Every module a validation pass runs (the embedding, the chunk templates, the head) in
+        eval mode, as ``model.eval()`` puts a plain model (dropout off, batch norms on their
+        running statistics); each submodule's own mode comes back after, mixed modes included."""
+        tops = [self.embed, self.head, *self.s.runners.values(), self.s.layer_runner]
+        modes = [(m, m.training) for top in tops for m in top.modules()]
+        try:
+            for top in tops:
+                top.eval()
+            yield
+        finally:
+            for m, training in modes:
+                m.training = training
+
     @torch.no_grad()
     def evaluate(self, a: Action, st: EvalState) -> None:
         """EVAL_F: every validation batch through one chunk, without gradients; after the last
@@ -290,4 +305,4 @@ class ChunkCompute:
                     loss = self.head_loss(h, y)
                     if not (torch.is_tensor(loss) and loss.dim() == 0):
                         checked_loss(loss)  # the same message as in a step (no gradient here: not asked)
-                    st.loss_sum += loss.double()
+                    st.totals[0] += loss.double()

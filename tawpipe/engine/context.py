@@ -68,8 +68,11 @@ class ContextGroup:
 
     def check_same_batches(self, world: Group, tokens: list[torch.Tensor]) -> None:
         """Every member of every context group was given the same sequences (each takes its slice
-        of them): one small all-gather over the world, so every rank raises, or none does."""
-        mine = torch.cat([_digest(t) for t in tokens])
+        of them): one small all-gather over the world, so every rank raises, or none does. Each
+        rank sends three numbers whatever it was given (a digest of its tensors' digests, and their
+        count), so ranks of different groups may hold different numbers of batches."""
+        digests = torch.stack([_digest(t) for t in tokens])
+        mine = torch.cat([_digest(digests), torch.tensor([len(tokens)], device=digests.device)])
         rows = torch.empty(len(world) * mine.numel(), dtype=torch.int64, device=mine.device)
         self.comm.all_gather(rows, mine, world)
         rows = rows.view(len(world), -1)

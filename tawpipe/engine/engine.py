@@ -513,10 +513,14 @@ class TawPipe:
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Validation loss with the current weights: the mean of ``loss_fn`` over this rank's
-        ``batches`` and every other rank's (the same count on each), leaving training state as it
-        was. Runs ``plan.programs.eval_program``: each chunk broadcast once from its owner into an
-        idle weight buffer, every rank's batches through it, the loss sums all-reduced."""
+        """Validation loss with the current weights: the mean of ``loss_fn`` over every rank's
+        ``batches`` together, one term per batch, as a plain ``model.eval()`` loop under
+        ``torch.no_grad()`` over the union of the batches gives it; ranks may pass different
+        numbers of batches, and every rank returns the same value. The blocks, ``embed`` and
+        ``head`` run in eval mode (dropout off), each module's mode restored after; the training
+        state is left as it was. Runs ``plan.programs.eval_program``: each chunk broadcast once
+        from its owner into an idle weight buffer, every rank's batches through it, the loss sums
+        and the batch counts all-reduced."""
         self._refuse_if_unusable()
         if not batches:
             raise ValueError("evaluate needs at least one (inputs, targets) batch")
@@ -528,19 +532,22 @@ class TawPipe:
         buf = next(b for b in sorted(self.storage.bufs) if buf_kind(b) is BufKind.WEIGHTS)
         inputs, ctx, targets = self._sliced([x.to(self.device) for x, _ in batches],
                                             [y.to(self.device) for _, y in batches])
+        # the count rides with the loss sum: the divisor is every rank's count, not this rank's
         st = EvalState(inputs=inputs, targets=targets, ctx=ctx,
-                       loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))
+                       totals=torch.tensor([0.0, len(batches)], dtype=torch.float64, device=self.device))
 
         def work(unit: list[Action]) -> Callable[[], None]:
             a = unit[0]
             if a.op is Op.EVAL_F:
                 return lambda: self.compute.evaluate(a, st)
             if a.op is Op.ALLREDUCE_EVAL:
-                return lambda: self._comms[OPS[a.op].channel].all_reduce(st.loss_sum, a.group)
+                return lambda: self._comms[OPS[a.op].channel].all_reduce(st.totals, a.group)
             return self._work(unit)
 
-        self.executor.run(eval_program(self.plan, buf)[self.rank], work)
-        return st.loss_sum.item() / (self.topology.world_size * len(batches))
+        with self.compute.eval_mode():
+            self.executor.run(eval_program(self.plan, buf)[self.rank], work)
+        loss_sum, count = st.totals.tolist()
+        return loss_sum / count
 
     def close(self) -> None:
         """Stop the engine's channels; every method that communicates then refuses."""

@@ -22,7 +22,7 @@ GRAD_ROUTES = ("rail", "leader")
 _JSON_FORMAT = "tawpipe-plan/3"
 _JSON_FORMAT_ONE_REPLICA = "tawpipe-plan/2"  # before replicas: still read
 STATS_BYTES = 24  # three float64: the squared gradient norm of the own chunk, the non-finite flag, the loss sum
-EVAL_BYTES = 8  # one float64: a rank's validation loss sum
+EVAL_BYTES = 16  # two float64: a rank's validation loss sum and its count of batches
 
 
 def shift(a: Action, offset: int) -> Action:
