@@ -198,6 +198,113 @@ def test_consolidated_loads_into_a_plain_model(saved) -> None:
         assert torch.equal(full[n], p.detach()), n
 
 
+def _tensors_of(x) -> list[torch.Tensor]:
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors_of(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors_of(v)]
+    return []
+
+
+def test_a_state_dict_is_a_snapshot_that_later_steps_leave_alone() -> None:
+    """The optimizer state of state_dict() was the live optimizer's: the next step moved its
+    moments and step count, so rolling back to it redid the step from the wrong moments (0.001
+    off in one step). Now it is a copy: equal after later steps, and a rollback is exact."""
+    import copy
+
+    eng = _engine()
+    _train(eng, 1)
+    sd = eng.state_dict()
+    kept = copy.deepcopy(sd)
+    live = {t.untyped_storage().data_ptr() for t in _tensors_of(eng.optimizer.state_dict())}
+    assert not any(t.untyped_storage().data_ptr() in live for t in _tensors_of(sd))
+    _train(eng, 1)
+    assert _same(sd, kept)
+    eng.load_state_dict(sd)  # back to step 1, then step 2 again
+    redo = _train(eng, 1)
+    ref = _engine()
+    assert redo == _train(ref, 2)[1:]
+    assert all(torch.equal(p, _params(ref)[n]) for n, p in _params(eng).items())
+
+
+def test_one_state_dict_loads_into_two_engines_that_share_nothing() -> None:
+    """Optimizer.load_state_dict keeps a tensor already on the parameter's device: two engines
+    loaded from one dict stepped the same moments, and the dict's. Each engine now keeps copies."""
+    import copy
+
+    src = _engine()
+    _train(src, 1)
+    sd = src.state_dict()
+    kept = copy.deepcopy(sd)
+    first, second = _engine(seed=1), _engine(seed=2)
+    first.load_state_dict(sd)
+    second.load_state_dict(sd)
+    given = {t.untyped_storage().data_ptr() for t in _tensors_of(sd)}
+    for eng in (first, second):
+        assert not any(t.untyped_storage().data_ptr() in given for t in _tensors_of(eng.optimizer.state_dict()))
+    _train(first, 2)
+    assert _same(sd, kept)  # neither the dict ...
+    assert _train(second, 1) == _train(src, 1)  # ... nor the other engine moved
+    assert all(torch.equal(p, _params(src)[n]) for n, p in _params(second).items())
+
+
+def test_save_writes_the_live_optimizer_state_without_a_snapshot(tmp_path, monkeypatch) -> None:
+    """checkpoint.save writes the shard at once: it takes the optimizer state as it is, with no
+    second copy of the moments in memory (state_dict's snapshot), and the file is the same."""
+    from tawpipe.engine import shard
+
+    eng = _engine()
+    _train(eng, 1)
+    monkeypatch.setattr(shard, "snapshot", lambda x: pytest.fail("checkpoint.save copied the optimizer state"))
+    checkpoint.save(eng, tmp_path)
+    monkeypatch.undo()
+    written = torch.load(tmp_path / "step-00000001" / "rank-00000.pt", weights_only=True)
+    assert _same({k: v for k, v in written.items() if k != "extra"}, eng.state_dict())
+
+
+def test_an_extra_that_torch_load_cannot_read_back_is_refused_before_anything_is_written(tmp_path) -> None:
+    """A numpy RNG state in ``extra`` saved fine, then restore called the checkpoint "truncated or
+    corrupt" (torch.load(weights_only=True) reads no numpy array). save now names the key and the
+    type first, on every rank, and writes nothing; so for a meta the manifest cannot hold."""
+    import numpy as np
+
+    eng = _engine()
+    _train(eng, 1)
+    with pytest.raises(CheckpointError, match=r"extra\['np'\]\[1\] is a numpy.ndarray \(Unsupported global: .*\), "
+                                              r"which torch.load\(weights_only=True\) does not read back, so restore "
+                                              r"would refuse the checkpoint: .*torch.from_numpy\(a\) or a.tolist\(\)"):
+        checkpoint.save(eng, tmp_path, extra={"np": np.random.get_state(), "position": 1})
+    with pytest.raises(CheckpointError, match=r"extra\['rngs'\]\[0\]\['seed'\] is a numpy.int64"):
+        checkpoint.save(eng, tmp_path, extra={"rngs": [{"seed": np.int64(3)}]})
+    with pytest.raises(CheckpointError, match=r"meta goes into the JSON manifest, but Object of type Tensor is not "
+                                              r"JSON serializable"):
+        checkpoint.save(eng, tmp_path, meta={"loss": torch.zeros(())})
+    assert not list(tmp_path.iterdir())  # nothing written, not even the step's directory
+    extra = {"np": [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in np.random.get_state()]}
+    checkpoint.save(eng, tmp_path, extra=extra)  # converted: saved, and restored as it was
+    assert _same(checkpoint.restore(_engine(seed=3), tmp_path).extra, extra)
+
+
+def test_a_shard_holding_an_object_weights_only_refuses_is_named_as_such_not_corrupt(tmp_path, monkeypatch) -> None:
+    """A checkpoint written with such an ``extra`` (before save refused it): its shard is intact,
+    so restore says what torch refuses and what to do, instead of "truncated or corrupt"."""
+    import numpy as np
+
+    eng = _engine()
+    _train(eng, 1)
+    monkeypatch.setattr(checkpoint, "_unsavable", lambda extra, meta: None, raising=False)
+    checkpoint.save(eng, tmp_path, extra={"np": np.zeros(3)})
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.restore(_engine(seed=1), tmp_path)
+    assert re.search(r"rank-00000.pt holds an object that torch.load\(weights_only=True\) refuses to read "
+                     r"\(Unsupported global: GLOBAL numpy.*\): it was written with more than tensors and plain "
+                     r"containers .*not damaged. If you trust the file, load it inside "
+                     r"`with torch.serialization.safe_globals", str(refused.value)), str(refused.value)
+    assert "corrupt" not in str(refused.value)
+
+
 # ---------------------------------------------------------------- single files (save_atomic, load)
 
 

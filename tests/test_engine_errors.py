@@ -258,3 +258,104 @@ def test_a_wrong_plan_is_refused_before_anything_is_sent(monkeypatch) -> None:
     m = TinyLM(4)
     with pytest.raises(PlanError, match=r"rank 1 F W1 m0 .*holding W"):
         make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(2, 2), micro_batches=2, comm=NoComm(4))
+
+
+# ------------------------------------------------------------------ shards that cannot be loaded
+
+
+def _trained(seed: int, optimizer=None, lr_scheduler=None) -> TawPipe:
+    """A fresh random world-of-one engine after one step (its optimizer has state)."""
+    from engine_cases import adamw, global_batch
+
+    torch.manual_seed(seed)
+    m = TinyLM(4)
+    eng = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                      block_context=m.context, optimizer=optimizer or adamw, lr_scheduler=lr_scheduler)
+    eng.step(global_batch(seed, 4))
+    return eng
+
+
+def _engine_state(eng: TawPipe) -> dict:
+    """Everything load_state_dict may change, copied."""
+    import copy
+
+    return copy.deepcopy({"params": {n: p.detach() for n, p in eng.named_parameters()},
+                          "optimizer": eng.optimizer.state_dict(), "steps": eng.steps,
+                          "precision": eng.precision.state_dict(),
+                          "scheduler": eng.scheduler.state_dict() if eng.scheduler is not None else None})
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _exp_avg(state: dict) -> dict:
+    state["optimizer"]["state"]["blocks.0.up.weight"]["exp_avg"] = torch.zeros(2)
+    return state
+
+
+_SCHEDULER = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)  # noqa: E731
+
+
+@pytest.mark.parametrize("break_it, engine_kw, message", [
+    (lambda s: s.pop("precision"), {}, r"the shard has no 'precision'; nothing was loaded: load the whole dict"),
+    (lambda s: s.pop("steps"), {}, r"the shard has no 'steps'; nothing was loaded"),
+    (lambda s: s.__setitem__("steps", "2"), {}, r"the shard's 'steps' is a str, not int"),
+    (lambda s: s.__setitem__("precision", {"loss_scale": None}), {},
+     r"the shard's 'precision' has no number 'scale' \(it holds \['loss_scale'\]\)"),
+    (_exp_avg, {}, r"the shard's optimizer state 'exp_avg' of blocks.0.up.weight is \(2,\), but the parameter is "
+                   r"\(71, 24\); nothing was loaded"),
+    (lambda s: s["optimizer"]["state"].__setitem__("blocks.9.up.weight", {}), {},
+     r"the shard's optimizer state names parameters this engine does not have: \['blocks.9.up.weight'\]"),
+    (lambda s: s.__setitem__("scheduler", {"last_epoch": 3}), {},
+     r"the shard holds a learning-rate scheduler's state, but this engine has no scheduler; nothing was loaded: "
+     r"build the engine with the lr_scheduler"),
+    (lambda s: None, {"lr_scheduler": _SCHEDULER},
+     r"the shard has no learning-rate scheduler state, but this engine has a scheduler; nothing was loaded: "
+     r"build the engine without lr_scheduler"),
+])
+def test_a_shard_that_cannot_be_loaded_whole_is_refused_before_anything_changes(break_it, engine_kw, message) -> None:
+    """load_state_dict checks the whole shard first: a missing key, a moment of the wrong shape,
+    a scheduler state without a scheduler (or the reverse) name the key and the fix, and the
+    engine keeps its parameters, optimizer state, scheduler, loss scale and step, and trains on.
+    (The parameters used to be copied before a missing key raised a bare KeyError.)"""
+    import copy
+
+    from engine_cases import global_batch
+
+    shard = copy.deepcopy(_trained(0).state_dict())
+    break_it(shard)
+    eng = _trained(1, **engine_kw)
+    before = _engine_state(eng)
+    with pytest.raises(ValueError, match=message):
+        eng.load_state_dict(shard)
+    assert _same(_engine_state(eng), before)
+    assert eng.step(global_batch(5, 4)) > 0  # not failed: it steps on
+
+
+def test_a_shard_of_another_optimizer_is_refused_and_the_engine_trains_on() -> None:
+    """An AdamW shard into an SGD engine loaded, and the next step died of KeyError 'momentum',
+    leaving the engine failed for good: the shard's optimizer class (or, in a shard that does not
+    record it, its groups' hyper-parameters) is compared first."""
+    from engine_cases import global_batch
+
+    shard = _trained(0).state_dict()
+    assert shard["optimizer"]["class"] == "torch.optim.adamw.AdamW"
+    eng = _trained(1, optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    before = _engine_state(eng)
+    with pytest.raises(ValueError, match=r"the shard's optimizer is a torch.optim.adamw.AdamW, this engine's a "
+                                         r"torch.optim.sgd.SGD; nothing was loaded: build the engine with the "
+                                         r"optimizer the shard was trained with"):
+        eng.load_state_dict(shard)
+    del shard["optimizer"]["class"]  # a shard that does not say
+    with pytest.raises(ValueError, match=r"the shard's optimizer group 0 has hyper-parameters \[.*'betas'.*\] that "
+                                         r"this engine's torch.optim.sgd.SGD does not know"):
+        eng.load_state_dict(shard)
+    assert _same(_engine_state(eng), before)
+    assert eng.step(global_batch(5, 4)) > 0

@@ -228,6 +228,8 @@ def test_a_cli_checkpoint_reshards_onto_one_rank(runs) -> None:
     model = Llama(LlamaConfig(**meta["model"]))
     engine = make_engine(model.blocks, model.embed, model.head, llama_loss, topology=Topology(1, 1), micro_batches=4,
                          comm=NoComm(1), block_forward=block_forward, optimizer=default_optimizer,
+                         # the run had a schedule (LambdaLR): an engine without one refuses its state
+                         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0),
                          block_context=lambda t: model.block_context(t.shape[1], torch.device("cpu"), torch.float32))
     restored = checkpoint.restore(engine, d)
     assert restored.resharded and engine.steps == 3

@@ -18,6 +18,7 @@ pass and the agreement rows of a checkpoint (``gather_rows``). Files are written
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from typing import Any, Callable, Sequence
@@ -38,7 +39,7 @@ from ..runtime import comm as comm_backends
 from ..runtime.comm.base import P2P, Comm
 from ..runtime.executor import Executor, Messages
 from ..runtime.timeout import default_timeout
-from . import fingerprint
+from . import fingerprint, shard
 from .auto import engine_plan
 from .activations import ActivationOffload
 from .context import CONTEXT_CHANNEL, ContextGroup
@@ -316,17 +317,27 @@ class TawPipe:
         """This rank's parameters (own chunk and replicated) under the original names."""
         return self.storage.own_params + self.storage.replicated
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, snapshot: bool = True) -> dict[str, Any]:
         """This rank's shard: its chunk's float32 master, the replicated masters, the optimizer
-        state, scheduler, loss scaling and step counter. Parameters and per-parameter optimizer
-        state are keyed by the model's parameter names, so shards can be re-sharded by name
-        (``tawpipe.io.checkpoint.restore``); everything loads with ``weights_only=True``."""
+        state (and its class), scheduler, loss scaling and step counter. Parameters and
+        per-parameter optimizer state are keyed by the model's parameter names, so shards can be
+        re-sharded by name (``tawpipe.io.checkpoint.restore``); everything loads with
+        ``weights_only=True``.
+
+        The shard is a snapshot, on the host: later steps do not change it (torch's own
+        ``state_dict`` hands out the live optimizer tensors). ``snapshot=False`` leaves the
+        optimizer and scheduler state live, to be written at once without a second copy of the
+        moments (``checkpoint.save`` does)."""
         self._refuse_if_failed()
         names, by_id = self._optimizer_names(), self._param_name
         opt = self.optimizer.state_dict()
         aliases = {f"{prefix}.{n}": by_id[id(p)]
                    for prefix, module in ((self.names[0], self._embed), (self.names[2], self._head))
                    for n, p in module.named_parameters(remove_duplicate=False) if by_id[id(p)] != f"{prefix}.{n}"}
+        live = ({names[i]: s for i, s in opt["state"].items()},
+                [dict(g, params=[names[i] for i in g["params"]]) for g in opt["param_groups"]],
+                self.scheduler.state_dict() if self.scheduler is not None else None)
+        state, groups, scheduler = shard.snapshot(live) if snapshot else live
         return {
             "rank": self.rank,
             "chunk": self.own_chunk,
@@ -334,14 +345,13 @@ class TawPipe:
             "steps": self.steps,
             "params": {n: p.detach().to("cpu", copy=True) for n, p in self.named_parameters()},
             "aliases": aliases,  # tied weights: their other names
-            "optimizer": {"state": {names[i]: s for i, s in opt["state"].items()},
-                          "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in opt["param_groups"]]},
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "optimizer": {"class": shard.optimizer_class(self.optimizer), "state": state, "param_groups": groups},
+            "scheduler": scheduler,
             "precision": dict(self.precision.state_dict(), loss_scale=self.precision.loss_scale),
             "compute_dtype": str(self.storage.compute_dtype),
         }
 
-    def load_state_dict(self, state: dict[str, Any], reshard: bool = False) -> None:
+    def load_state_dict(self, state: dict[str, Any], reshard: bool = False, *, assign: bool = False) -> None:
         """Restore a shard from ``state_dict()`` of the rank that owned this rank's chunk.
 
         ``reshard=True`` takes this rank's parameters and their optimizer state by name from a
@@ -352,40 +362,30 @@ class TawPipe:
         Every rank loads its shard; before the next step (or evaluate, full_state_dict) the ranks
         compare the step, scheduler state, optimizer hyper-parameters and loss scale they loaded
         (one CHECK), and every rank raises a ValueError naming the ranks that differ.
-        """
-        if not reshard and state.get("chunk") != self.own_chunk:
-            raise ValueError(
-                f"shard holds chunk {state.get('chunk')} but rank {self.rank} owns chunk "
-                f"{self.own_chunk}: load each rank's own shard on the same topology, or re-shard "
-                "(tawpipe.io.checkpoint.restore does)"
-            )
-        own = dict(self.named_parameters())
-        saved = state["params"]
-        missing = sorted(own.keys() - saved.keys())
-        unexpected = [] if reshard else sorted(saved.keys() - own.keys())
-        if missing or unexpected:
-            raise ValueError(f"the shard's parameters differ from this engine's (different model?): missing "
-                             f"{missing[:3]}, unexpected {unexpected[:3]}")
-        for n, p in own.items():
-            if tuple(saved[n].shape) != tuple(p.shape):
-                raise ValueError(f"parameter {n} is {tuple(saved[n].shape)} in the shard but {tuple(p.shape)} "
-                                 "here: different model?")
-        names = self._optimizer_names()
-        groups = self.optimizer.state_dict()["param_groups"]
-        saved_groups = state["optimizer"]["param_groups"]
-        if len(saved_groups) != len(groups):
-            raise ValueError(f"the shard's optimizer has {len(saved_groups)} parameter groups, this engine's "
-                             f"{len(groups)}: different optimizer?")
+
+        The whole shard is checked before anything changes (``engine.shard.check``: its keys, the
+        shapes of the parameters and of their optimizer state, the optimizer's class, a scheduler
+        state iff this engine has a scheduler): a ValueError leaves the engine as it was. The
+        engine keeps copies, never ``state``'s tensors, so one dict loads into several engines;
+        ``assign=True`` lets the optimizer keep them instead, for a dict nobody else holds
+        (``checkpoint.restore``'s, read from a file)."""
+        own, names, by_id = dict(self.named_parameters()), self._optimizer_names(), self._param_name
+        groups = [[by_id[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+        shard.check(state, params=own, optimizer=self.optimizer, groups=groups, scheduler=self.scheduler,
+                    reshard=reshard, rank=self.rank, own_chunk=self.own_chunk)
         saved_state = state["optimizer"]["state"]
-        with torch.no_grad():
-            for n, p in own.items():
-                p.copy_(saved[n])
         self.optimizer.load_state_dict({
             "state": {i: saved_state[n] for i, n in enumerate(names) if n in saved_state},
-            "param_groups": [dict(sg, params=g["params"]) for sg, g in zip(saved_groups, groups)],
+            "param_groups": [dict(sg, params=g["params"]) for sg, g in
+                             zip(state["optimizer"]["param_groups"], self.optimizer.state_dict()["param_groups"])],
         })
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
+        if not assign:
+            shard.unshare(self.optimizer, saved_state)
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(state["params"][n])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"] if assign else copy.deepcopy(state["scheduler"]))
         self._load_precision(state["precision"], state.get("compute_dtype"))
         self.steps = int(state["steps"])
         self._loaded_unchecked = True  # the ranks compare what they loaded before the next step

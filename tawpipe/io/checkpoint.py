@@ -31,8 +31,10 @@ from __future__ import annotations
 import datetime
 import errno
 import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import socket
 import warnings
@@ -113,6 +115,16 @@ def load(path: str | os.PathLike[str]) -> Any:
                               "use another copy or an earlier checkpoint")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not (refused := _weights_only_refusal(e)):
+            raise CheckpointError(f"{path} cannot be read as a checkpoint: it is truncated or corrupt "
+                                  f"(UnpicklingError: {str(e)[:200]}); use another copy or an earlier checkpoint") from e
+        raise CheckpointError(
+            f"{path} holds an object that torch.load(weights_only=True) refuses to read ({refused}): it was "
+            "written with more than tensors and plain containers (say, a numpy array in checkpoint.save's extra, "
+            "which save now refuses), not damaged. If you trust the file, load it inside "
+            "`with torch.serialization.safe_globals([...]):` naming that class; else use an earlier checkpoint"
+        ) from e
     except Exception as e:  # noqa: BLE001 - torch reports a torn file in many ways
         cause = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]  # torch's first sentence
         raise CheckpointError(
@@ -126,6 +138,62 @@ def load(path: str | os.PathLike[str]) -> Any:
                                   "stored in it (flipped bytes); use another copy or an earlier checkpoint")
         return obj["object"]
     return obj
+
+
+def _weights_only_refusal(e: pickle.UnpicklingError) -> str | None:
+    """What torch's weights-only unpickler refused (``Unsupported global: GLOBAL numpy...``), or
+    None where the error is not that refusal (a torn file raises UnpicklingError too)."""
+    text = str(e)
+    if "Weights only load failed" not in text:
+        return None
+    found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)", text)
+    return (found.group(1) if found else "an unsupported global").rstrip(". ")
+
+
+def _unloadable(obj: Any, where: str) -> str | None:
+    """Where in ``obj`` is something a file of torch.save would hold but torch.load(weights_only=True)
+    could not read back (restore would then refuse the checkpoint): ``where[...]`` and its type,
+    with torch's reason; None where all of it reads back. Plain dicts, lists and tuples are
+    walked; tensors and plain values pass; anything else is tried through a save and a
+    weights-only load."""
+    if torch.is_tensor(obj) or obj is None or type(obj) in (bool, int, float, complex, str, bytes):
+        return None
+    if type(obj) in (dict, list, tuple):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for k, v in items:
+            if isinstance(obj, dict) and (problem := _unloadable(k, f"a key of {where}")):
+                return problem
+            if problem := _unloadable(v, f"{where}[{k!r}]"):
+                return problem
+        return None
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever torch says, it is the reason
+        reason = (_weights_only_refusal(e) if isinstance(e, pickle.UnpicklingError) else None) or \
+            f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        return f"{where} is a {type(obj).__module__}.{type(obj).__qualname__} ({reason})"
+    return None
+
+
+def _unsavable(extra: Any, meta: Any) -> str | None:
+    """Why ``save`` must refuse this rank's ``extra`` or ``meta`` before it writes anything (a
+    checkpoint that cannot be restored, or a manifest that cannot be written); None if it need not."""
+    if extra is not None and not isinstance(extra, dict):
+        return f"extra is a {type(extra).__name__}: give a dict (or None)"
+    if problem := _unloadable(extra or {}, "extra"):
+        return (f"{problem}, which torch.load(weights_only=True) does not read back, so restore would refuse the "
+                "checkpoint: keep tensors, numbers, strings and plain dicts, lists and tuples of them in extra "
+                "(a numpy array: torch.from_numpy(a) or a.tolist(); a numpy number: int(x) or float(x))")
+    if meta is not None and not isinstance(meta, dict):
+        return f"meta is a {type(meta).__name__}: give a dict (or None), of JSON values"
+    try:
+        json.dumps(meta or {})
+    except (TypeError, ValueError) as e:
+        return f"meta goes into the JSON manifest, but {e}: give JSON values (a tensor: .tolist() or .item())"
+    return None
 
 
 def sha256(path: str | os.PathLike[str]) -> str:
@@ -258,11 +326,15 @@ def save(engine: TawPipe, root: str | os.PathLike[str], *, extra: dict[str, Any]
 
     ``extra`` is this rank's own state (tensors and plain containers: RNG, data position...),
     returned by ``restore``; ``meta`` (JSON, rank 0's) goes into the manifest. Every rank raises
-    the same CheckpointError if any rank fails, and the step is then left incomplete.
+    the same CheckpointError if any rank fails, and the step is then left incomplete. An ``extra``
+    that ``torch.load(weights_only=True)`` could not read back (a numpy array) or a ``meta`` that is
+    not JSON is refused on every rank before anything is written or removed, naming the key.
     """
     root, step = Path(root), engine.steps
     d = step_dir(root, step)
     name = f"rank-{engine.rank:05d}.pt"
+    problem = _unsavable(extra, meta)
+    _agree(engine, [problem is None], "cannot save what it was given", TypeError(problem) if problem else None)
     error: BaseException | None = None
     if engine.rank == 0:
         try:
@@ -273,7 +345,7 @@ def save(engine: TawPipe, root: str | os.PathLike[str], *, extra: dict[str, Any]
     _agree(engine, [error is None], f"could not prepare {d}", error)  # nobody writes before this
     digest, size = "0" * 64, 0
     try:
-        shard = engine.state_dict()
+        shard = engine.state_dict(snapshot=False)  # written at once: no second copy of the moments
         if engine.plan.replica_of(engine.rank) > 0:  # replica 0's owner saves the chunk; this rank its extra
             shard = dict(shard, params={}, aliases={}, optimizer=dict(shard["optimizer"], state={}))
         shard["extra"] = extra or {}
@@ -426,7 +498,7 @@ def restore(engine: TawPipe, path: str | os.PathLike[str]) -> Restored:
         for n in needed:
             state["params"].update(shards[n]["params"])
             state["optimizer"]["state"].update(shards[n]["optimizer"]["state"])
-        engine.load_state_dict(state, reshard=resharded)
+        engine.load_state_dict(state, reshard=resharded, assign=True)  # state was read from the files: ours alone
         out = Restored(d, step, shards.get(same, first)["extra"], manifest["meta"], resharded)
     except Exception as e:  # noqa: BLE001 - shared below, so that no rank trains on alone
         error = e
