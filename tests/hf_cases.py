@@ -119,3 +119,24 @@ def meta_init(rank: int, config: Any, seed: int, topologies: list[tuple[int, int
                     "params": _arrays(dict(engine.named_parameters()))})
         engine.close()
     return out
+
+
+def export_with_a_failing_config(rank: int, directory: str, config: dict[str, Any]) -> str:
+    """Export on 1x2 ranks with a ``save_config`` that fails on rank 0, which alone calls it:
+    what each rank raised."""
+    import dataclasses
+
+    from transformers import LlamaConfig
+
+    def save_config(directory, dtype):
+        raise OSError(28, "No space left on device")
+
+    parts = dataclasses.replace(hf.from_config(LlamaConfig(**config), seed=1), save_config=save_config)
+    engine = make_engine(parts, topology=Topology(1, 2), micro_batches=1, timeout=60)
+    try:
+        export(engine, parts, directory)
+        out = "exported"
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        out = f"{type(e).__name__}: {e}"
+    engine.close()
+    return out

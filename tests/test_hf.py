@@ -5,6 +5,7 @@ each rank reads and materialises only its own chunk, and bad input is refused up
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -425,6 +426,38 @@ def test_mixed_attention_kinds_are_refused():
     assert len(set(config.layer_types)) == 2
     with pytest.raises(ValueError, match="mixes attention kinds"):
         hf.from_config(config)
+
+
+def test_export_refuses_a_save_config_that_does_not_take_the_dtype_before_writing(tmp_path):
+    """``ModelParts.save_config`` was documented as save_config(directory) but called with
+    (directory, dtype): a one-argument hook raised TypeError once the shards were written (and on
+    rank 0 alone, whose peers then lost it). The hook is checked before anything is written."""
+    import dataclasses
+
+    from tawpipe.io.safetensors import export
+
+    config = small(LlamaConfig, layers=2)
+    parts = hf.from_config(config, seed=1)
+    parts = dataclasses.replace(parts, save_config=lambda directory: config.save_pretrained(directory))
+    engine = make_engine(parts, topology=Topology(1, 1), micro_batches=1, comm=NoComm(1))
+    with pytest.raises(TypeError, match=r"ModelParts.save_config is called as save_config\(directory, dtype\) .*"
+                                        r"but <lambda>\(directory\) cannot be .*nothing was written"):
+        export(engine, parts, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    parts = dataclasses.replace(parts, save_config=lambda directory, dtype: config.save_pretrained(directory))
+    export(engine, parts, tmp_path / "out")  # the documented hook exports
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_a_config_that_cannot_be_written_fails_every_rank_naming_it(tmp_path):
+    """rank 0 writes the config; when that raised, rank 0 left before the barrier and rank 1
+    failed with "Connection closed by peer". The ranks now agree on whether every part was
+    written: rank 0 raises its error, rank 1 names rank 0."""
+    results = run_local(hf_cases.export_with_a_failing_config, 2, str(tmp_path / "out"),
+                        small(LlamaConfig, layers=2).to_diff_dict(), timeout=120)
+    assert results[0] == "OSError: [Errno 28] No space left on device", results
+    assert re.match(r"ExportError: export to .*out: rank\(s\) \[0\] could not write their part; see their errors",
+                    results[1]), results
 
 
 def test_checkpoint_that_does_not_fit_the_config_is_refused(tmp_path):

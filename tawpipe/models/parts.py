@@ -116,8 +116,10 @@ class ModelParts:
     (None otherwise); the engine uses it when its ``MemoryPolicy`` asks for the chunked loss.
     ``names`` are the three parts' names in parameter names and checkpoints.
     ``checkpoint_name`` maps the engine's parameter names to the ones of a Hugging Face
-    ``save_pretrained`` directory and ``save_config(directory)`` writes its config, for
-    ``tawpipe.io.safetensors.export`` (both None where the model has no such format).
+    ``save_pretrained`` directory and ``save_config(directory, dtype)`` writes its config there
+    for weights of ``dtype`` (the config records it), for ``tawpipe.io.safetensors.export``, which
+    checks that it takes both before writing anything (both None where the model has no such
+    format).
     ``config`` is the model's configuration as plain data (recorded in checkpoints);
     ``vocab_size`` and ``description`` are for people and checks (None and "": not known).
     """
@@ -134,7 +136,7 @@ class ModelParts:
     description: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     checkpoint_name: Callable[[str], str] | None = None
-    save_config: Callable[[Path], None] | None = None
+    save_config: Callable[[Path, torch.dtype], None] | None = None
     head_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     names: tuple[str, str, str] = PART_NAMES
 
