@@ -148,32 +148,37 @@ def test_offloaded_inputs_come_back_one_ahead(monkeypatch, recompute):
         torch.testing.assert_close(offloaded[name], p, rtol=0, atol=0)
 
 
-def _dropout_run(recompute: str, **options) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _dropout_run(recompute: str, device: str, **options) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Two steps of a model with dropout after every block on one rank (one chunk of 4 layers,
     two micro-batches): the parameters after them, and what the caller's generator draws next."""
+    dev = torch.device(device)
     torch.manual_seed(0)
-    model = TinyLM(4)
+    model = TinyLM(4).to(dev)
     engine = make_engine(model.blocks, model.embed, model.head, lm_loss, topology=Topology(1, 1), micro_batches=2,
-                         comm=NoComm(1), block_context=model.context, recompute=recompute,
+                         comm=NoComm(1), device=dev, recompute=recompute,
+                         block_context=lambda t: {k: v.to(dev) for k, v in model.context(t).items()},
                          block_forward=lambda block, h, **ctx: torch.nn.functional.dropout(block(h, **ctx), 0.3),
                          **options)
     torch.manual_seed(1)
     for step in range(2):
-        engine.step(global_batch(step, 2 * MB_ROWS))
-    params = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        engine.step(tuple(t.to(dev) for t in global_batch(step, 2 * MB_ROWS)))
+    params = {n: p.detach().cpu().clone() for n, p in engine.named_parameters()}
     engine.close()
-    return params, torch.rand(4)
+    return params, torch.rand(4, device=dev).cpu()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 @pytest.mark.parametrize("recompute, options", [("chunk", {}), ("layer", {}), ("block", {}),
                                                 ("chunk", {"offload_activations": True}),
                                                 ("block", {"offload_activations": True})])
-def test_a_re_run_draws_the_dropout_masks_its_forward_drew(recompute, options):
+def test_a_re_run_draws_the_dropout_masks_its_forward_drew(recompute, options, device):
     """A backward that runs its forward again replays the generators (as torch.utils.checkpoint
-    does): the update is the one of keeping the graph (recompute "none", which runs each forward
-    once), and the caller's generator is where it would be without the re-runs."""
-    want, after = _dropout_run("none")
-    got, got_after = _dropout_run(recompute, **options)
+    does; on a GPU, the device's generator too): the update is the one of keeping the graph
+    (recompute "none", which runs each forward once), and the caller's generator is where it would
+    be without the re-runs."""
+    want, after = _dropout_run("none", device)
+    got, got_after = _dropout_run(recompute, device, **options)
     assert got.keys() == want.keys()
     for name, p in want.items():
         assert torch.allclose(got[name], p, rtol=0, atol=1e-6), name
