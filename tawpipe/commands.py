@@ -225,13 +225,16 @@ class Parser(argparse.ArgumentParser):
         """Every long option string of this parser."""
         return [o for a in self._actions for o in a.option_strings if o.startswith("--")]
 
-    def given(self, args: argparse.Namespace, dests: Iterable[str]) -> list[str]:
-        """The flags among ``dests`` whose value is not their default (a string default compared as
-        the flag's type reads it, as argparse does), in the order of ``dests``: those the user gave,
-        but for a default given again."""
-        actions = {a.dest: a for a in self._actions}
+    def given(self, args: argparse.Namespace, dests: Iterable[str] | None = None) -> list[str]:
+        """The flags among ``dests`` (None: every flag's, in the parser's order) whose value is not
+        their default (a string default compared as the flag's type reads it, as argparse does), in
+        the order of ``dests``: those the user gave, but for a default given again."""
+        actions: dict[str, argparse.Action] = {}
+        for a in self._actions:  # the first of a dest's flags sets its default, as in parse_args
+            if a.option_strings and a.default is not argparse.SUPPRESS:
+                actions.setdefault(a.dest, a)
         out = []
-        for dest in dests:
+        for dest in actions if dests is None else dests:
             action = actions[dest]
             default = action.default
             if isinstance(default, str) and action.type is not None:

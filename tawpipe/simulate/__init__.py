@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..commands import UsageError, add_reuse_weights, as_flags, reuse_flag, writable
+from ..commands import Parser, UsageError, add_reuse_weights, as_flags, reuse_flag, writable
 from ..models.presets import PRESETS
 from ..models.shape import ModelDims
 from ..plan.schedule import HOST, RESIDENT, compute_actions, prefetch_depth_arg
@@ -252,13 +252,11 @@ def _check_scope(args: argparse.Namespace) -> None:
 
 
 def _given(args: argparse.Namespace) -> list[str]:
-    """The flags given, in the parser's order: those whose value is not their default (one given
-    with exactly its default value is not told apart from one left out)."""
-    parser = argparse.ArgumentParser(add_help=False)
+    """The flags given, in the parser's order (``Parser.given``: one given with exactly its default
+    value is not told apart from one left out); reuse as the flag that asks for it."""
+    parser = Parser(add_help=False)
     add_arguments(parser)
-    defaults = vars(parser.parse_args([]))
-    return [reuse_flag(value) if dest == "reuse_weights" else "--" + dest.replace("_", "-")
-            for dest, value in vars(args).items() if dest in defaults and value != defaults[dest]]
+    return [reuse_flag(args.reuse_weights) if flag.endswith("reuse-weights") else flag for flag in parser.given(args)]
 
 
 def _check_tawpipe(args: argparse.Namespace) -> None:
