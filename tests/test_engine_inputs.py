@@ -151,9 +151,9 @@ def _bad_batches() -> list[tuple[str, tuple[torch.Tensor, torch.Tensor], type, s
          r"next tokens\), which cross_entropy takes as torch.int64 only: convert them with targets.long\(\) \(targets "
          r"of class probabilities have a class dimension: \(rows, seq_len, classes\)\)$"),
         ("int32 targets", (x.int(), y.int()), TypeError, r"targets are torch.int32, but .* targets.long\(\)"),
-        ("target >= vocabulary", (x, target_high), ValueError,
-         rf"targets hold token id {high}, {vocab}, whose next tokens they are; .*ignore_index -100, are left to "
-         r"loss_fn\)$"),
+        ("target >= classes", (x, target_high), ValueError,
+         rf"targets hold class {high}, outside the classes the head scores \(its last nn.Linear has {VOCAB} "
+         rf"outputs: 0 to {VOCAB - 1}\); .*ignore_index -100, are left to loss_fn\)$"),
         ("rows", (x[:1], y[:1]), ValueError, r"batch has 1 rows, not a positive multiple of micro_batches=2"),
     ]
 
@@ -182,6 +182,25 @@ def test_ignored_and_soft_targets_are_left_to_the_loss() -> None:
     assert eng.step((x.int(), y)) > 0
     soft = _build(loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten(0, 1)))
     assert soft.step((x, torch.softmax(torch.randn(2, 5, VOCAB), -1))) > 0
+
+
+def test_targets_are_bounded_by_the_heads_classes_not_the_embeddings_vocabulary() -> None:
+    """A head may score more classes than the embedding takes ids (or fewer): the targets are its
+    classes. A head wider than the vocabulary trains on targets past it, and as plain torch does."""
+    classes = VOCAB + int(torch.randint(1, 3 * VOCAB, ()))
+    wide = nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, classes))
+    eng = _build(head=copy.deepcopy(wide))
+    torch.manual_seed(0)
+    ref = TinyLM(2)  # the blocks and embedding _build made
+    x, y = _tokens(), torch.randint(VOCAB, classes, (2, 5))
+    loss = eng.step((x, y))
+    h = ref.embed(x)
+    for b in ref.blocks:
+        h = b(h, **ref.context(x))
+    assert loss == pytest.approx(lm_loss(wide(h), y).item(), rel=1e-5)
+    y[1, int(torch.randint(0, 5, ()))] = classes
+    with pytest.raises(ValueError, match=rf"targets hold class {classes}, .*has {classes} outputs: 0 to {classes - 1}\)"):
+        eng.step((x, y))
 
 
 class TableEmbed(nn.Module):

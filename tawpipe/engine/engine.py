@@ -46,7 +46,8 @@ from .context import CONTEXT_CHANNEL, ContextGroup
 from .compute import ChunkCompute, EvalState, StepState
 from .precision import Precision
 from .inputs import (check_micro_batches, check_model, check_optimizer, check_policies, check_replicated,
-                     check_scheduler, check_tokens, check_trainable, find_vocab, resolve_device)
+                     check_scheduler, check_tokens, check_trainable, find_classes, find_vocab,
+                     resolve_device)
 from .policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
 from .storage import ChunkStorage, MemoryReport
 
@@ -117,7 +118,8 @@ class TawPipe:
         self.sliced_context = model.sliced_context
         self._connect(comm.backend)  # communication starts only now, after every check above passed
         self._build(model, blocks, replicated, optimizer, lr_scheduler)
-        self._embed, self._head, self._vocab = model.embed, model.head, find_vocab(model.embed)
+        self._embed, self._head = model.embed, model.head
+        self._vocab, self._classes = find_vocab(model.embed), find_classes(model.head)
         self.steps, self._loaded_unchecked = 0, False  # load_state_dict ran: the ranks must agree before a step
         # A step that raised leaves its error here (the buffers are in an unknown state); ``close``
         # sets _closed. Neither comes back, and closing a failed engine leaves it failed.
@@ -218,7 +220,8 @@ class TawPipe:
         ``batch`` is (inputs, targets): inputs 2-D integer token ids (rows, seq_len), rows a multiple
         of micro_batches, ids inside the vocabulary of ``embed``'s first nn.Embedding (if it has
         one); targets starting with the same two dimensions: of exactly that shape, int64 class
-        indices (the next tokens) below that vocabulary or negative (an ignore_index), else with
+        indices (the next tokens) below the outputs of ``head``'s last nn.Linear (if it has one) or
+        negative (an ignore_index), else with
         more dimensions (class probabilities), which only ``loss_fn`` reads. Anything else is
         refused before the step runs, and the engine stays usable. An exception inside the step
         (``loss_fn``'s own included: it runs after the step's first transfers) leaves the engine
@@ -244,7 +247,7 @@ class TawPipe:
             raise TypeError("step(batch): batch must be a pair of tensors (inputs, targets)")
         inputs, targets = batch
         acc = self.micro_batches
-        check_tokens(inputs, targets, "step(batch)", self.device, self._vocab)
+        check_tokens(inputs, targets, "step(batch)", self.device, self._vocab, self._classes)
         if inputs.shape[0] % acc or inputs.shape[0] == 0:
             raise ValueError(f"step(batch): batch has {inputs.shape[0]} rows, not a positive "
                              f"multiple of micro_batches={acc}")
@@ -527,7 +530,8 @@ class TawPipe:
         for i, b in enumerate(batches):
             if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(torch.is_tensor(t) for t in b)):
                 raise TypeError(f"evaluate(batches): batches[{i}] must be a pair of tensors (inputs, targets)")
-            check_tokens(b[0], b[1], f"evaluate(batches): batches[{i}]", self.device, self._vocab)
+            check_tokens(b[0], b[1], f"evaluate(batches): batches[{i}]", self.device, self._vocab,
+                         self._classes)
         self._check_loaded_shards_agree()
         buf = next(b for b in sorted(self.storage.bufs) if buf_kind(b) is BufKind.WEIGHTS)
         inputs, ctx, targets = self._sliced([x.to(self.device) for x, _ in batches],

@@ -308,13 +308,21 @@ def find_vocab(embed: nn.Module) -> int | None:
     return next((m.num_embeddings for m in embed.modules() if isinstance(m, nn.Embedding)), None)
 
 
-def check_tokens(inputs: torch.Tensor, targets: torch.Tensor, what: str, device: torch.device, vocab: int | None) -> None:
+def find_classes(head: nn.Module) -> int | None:
+    """The number of classes the last nn.Linear inside ``head`` scores (None: there is none)."""
+    linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
+    return linears[-1].out_features if linears else None
+
+
+def check_tokens(inputs: torch.Tensor, targets: torch.Tensor, what: str, device: torch.device, vocab: int | None,
+                 classes: int | None) -> None:
     """``inputs`` are 2-D integer token ids inside the embedding's vocabulary and ``targets``
     match them: a clear error here rather than a deep one inside the step, which would leave the
     engine failed. The rule is what torch's own modules take: inputs int64 or int32 (nn.Embedding
     takes both), targets of the inputs' shape int64 class indices (cross_entropy takes no other
-    integer dtype), below the vocabulary where it is known; negative targets (an ignore_index) and
-    targets with more dimensions (class probabilities) are ``loss_fn``'s business."""
+    integer dtype), below the head's classes where they are known (its last nn.Linear's outputs,
+    which are the vocabulary in a language model, but may be more or fewer); negative targets (an
+    ignore_index) and targets with more dimensions (class probabilities) are ``loss_fn``'s business."""
     for name, t in (("inputs", inputs), ("targets", targets)):
         if t.device.type != device.type and t.device.type != "cpu":
             raise ValueError(f"{what}: {name} is on {t.device}; pass CPU tensors or tensors on {device}")
@@ -345,11 +353,12 @@ def check_tokens(inputs: torch.Tensor, targets: torch.Tensor, what: str, device:
                 f"(nn.Embedding with {vocab} ids: 0 to {vocab - 1}); check the tokenizer against "
                 "the model's vocabulary size"
             )
-        hi = int(targets.max()) if targets.dim() == 2 else -1
-        if hi >= vocab:
+    if classes is not None and targets.dim() == 2 and targets.numel():
+        hi = int(targets.max())
+        if hi >= classes:
             raise ValueError(
-                f"{what}: targets hold token id {hi}, outside the vocabulary of the embedding (nn.Embedding with "
-                f"{vocab} ids: 0 to {vocab - 1}), whose next tokens they are; check the tokenizer against the "
-                "model's vocabulary size (negative targets, such as cross_entropy's ignore_index -100, are left to "
-                "loss_fn)"
+                f"{what}: targets hold class {hi}, outside the classes the head scores (its last nn.Linear has "
+                f"{classes} outputs: 0 to {classes - 1}); in a language model they are the next tokens, so check the "
+                "tokenizer against the model's vocabulary size (negative targets, such as cross_entropy's "
+                "ignore_index -100, are left to loss_fn)"
             )
