@@ -16,6 +16,7 @@ import tawpipe.engine.engine as engine_module
 from engine_cases import HIDDEN, TinyLM, VOCAB, lm_loss, make_engine
 from tawpipe.engine.engine import TawPipe
 from tawpipe.engine.inputs import MAX_PLAN_COMPUTE_ACTIONS
+from tawpipe.engine.policy import CommPolicy
 from tawpipe.engine.precision import Precision
 from tawpipe.plan.topology import Topology
 from test_engine_errors import NoComm
@@ -497,3 +498,13 @@ def test_ranks_that_loaded_shards_of_different_steps_refuse_the_next_step() -> N
         assert re.search(r"^rank\(s\) \[1\] loaded another learning-rate scheduler state than rank 0, all at step 2",
                          out["scheduler"]), (rank, out["scheduler"])
         assert abs(out["resumed"] - out["loss3"]) <= 1e-6 * abs(out["loss3"]), (rank, out)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), True, "300"])
+def test_comm_policy_refuses_a_timeout_no_wait_could_keep(timeout) -> None:
+    """The engine's waits and the launcher's share one check (runtime.timeout.timeout_seconds)."""
+    with pytest.raises(ValueError, match=rf"^timeout must be a number of seconds > 0 \(or None: \$TAWPIPE_TIMEOUT, "
+                                         rf"else 300\), got {re.escape(repr(timeout))}$"):
+        CommPolicy(timeout=timeout)
+    seconds = float(torch.randint(1, 1000, ())) / 4
+    assert _build(timeout=seconds).timeout == seconds

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from launch_cases import (bar_then_killed, ends_at_start, freezes, inherited, late_stop, long_job, loaded, raises,
                           random_tensors, train_then)
+import tawpipe.runtime.launch as launch_module
 from tawpipe.runtime import progress
 from tawpipe.io.checkpoint import PeerCheckpointError
 from tawpipe.runtime.comm.base import CommTimeout
@@ -321,6 +322,27 @@ def test_the_grace_period_comes_from_the_argument_or_the_environment(monkeypatch
         grace_seconds()
     with pytest.raises(ValueError, match=">= 0"):
         grace_seconds(-1)
+
+
+@pytest.mark.parametrize("world_size, timeout, message", [
+    (0, None, r"world_size must be an integer >= 1 \(the number of ranks\), got 0"),
+    (2.0, None, r"world_size must be an integer >= 1 \(the number of ranks\), got 2.0"),
+    (True, None, r"world_size must be an integer >= 1 \(the number of ranks\), got True"),
+    (2, 0, r"timeout must be a number of seconds > 0 \(or None: \$TAWPIPE_TIMEOUT, else 300\), got 0$"),
+    (2, -5.0, r"timeout must be a number of seconds > 0 .*got -5.0$"),
+    (2, float("inf"), r"timeout must be a number of seconds > 0 .*got inf$"),
+    (2, "60", r"timeout must be a number of seconds > 0 .*got '60'$"),
+])
+def test_run_local_refuses_a_bad_world_size_or_timeout_before_starting_a_rank(monkeypatch, world_size, timeout,
+                                                                             message) -> None:
+    """A zero timeout used to mean the default, a negative one reached the workers, and no ranks
+    returned an empty list: each is refused before any process starts."""
+    def started(*args, **kwargs):
+        raise AssertionError("a rank started")
+
+    monkeypatch.setattr(launch_module._LocalJob, "start", started)
+    with pytest.raises(ValueError, match=message):
+        run_local(random_tensors, world_size, timeout=timeout)
 
 
 def _same(a, b) -> bool:

@@ -38,7 +38,7 @@ from ..plan.verify import verify
 from ..runtime import comm as comm_backends
 from ..runtime.comm.base import P2P, Comm
 from ..runtime.executor import Executor, Messages
-from ..runtime.timeout import default_timeout
+from ..runtime.timeout import timeout_seconds
 from . import fingerprint, shard
 from .auto import engine_plan
 from .activations import ActivationOffload
@@ -95,7 +95,7 @@ class TawPipe:
         check_policies(model, topology, schedule, memory, comm)
         check_micro_batches(topology, micro_batches, schedule.replicas)
         self.precision, self.policies = precision.numerics(), (schedule, precision, memory, comm)
-        self.timeout = float(comm.timeout) if comm.timeout is not None else default_timeout()
+        self.timeout = timeout_seconds(comm.timeout)
         check_replicated(model.embed, model.head, model.names, None, device)  # meta first: the default device
         self.device = resolve_device(device if device is not None else next(model.embed.parameters()).device)
         check_replicated(model.embed, model.head, model.names, self.device)

@@ -10,7 +10,6 @@ builds the same objects from its flags (``tawpipe.train.job``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,6 +22,7 @@ from ..plan.plan import GRAD_ROUTES
 from ..plan.schedule import HOST, RESIDENT
 from ..runtime import comm as comm_backends
 from ..runtime.comm import Comm
+from ..runtime.timeout import timeout_seconds
 from .precision import DynamicScaling, Precision
 
 
@@ -180,9 +180,8 @@ class CommPolicy:
         if not isinstance(self.backend, Comm) and self.backend not in comm_backends.names():
             raise ValueError(f"backend must be a tawpipe.runtime.comm.Comm or one of {comm_backends.names()}, "
                              f"got {self.backend!r}")
-        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and not isinstance(
-                self.timeout, bool) and math.isfinite(self.timeout) and self.timeout > 0):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+        if self.timeout is not None:
+            timeout_seconds(self.timeout)
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
 

@@ -58,7 +58,7 @@ import torch.multiprocessing  # noqa: F401 - its reductions: tensors passed to w
 
 from . import progress
 from .comm.base import CommTimeout
-from .timeout import default_timeout
+from .timeout import default_timeout, timeout_seconds
 from .workers import Inherited, die_with_parent, start_context
 
 LOOPBACK = "127.0.0.1"
@@ -96,7 +96,7 @@ def init_distributed(timeout: float | None = None, cpu: bool = False) -> torch.d
             torch.cuda.set_device(device)
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",
-            timeout=timedelta(seconds=timeout or default_timeout()),
+            timeout=timedelta(seconds=timeout_seconds(timeout)),
             **({"device_id": device} if use_cuda else {}),
         )
         _mirror_progress()
@@ -615,7 +615,9 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     * none returned (they do not check: the SIGTERM ended them): as before, the signal takes its
       course: KeyboardInterrupt for SIGINT, else the process ends by the signal.
     """
-    timeout = float(timeout or default_timeout())
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_local: world_size must be an integer >= 1 (the number of ranks), got {world_size!r}")
+    timeout = timeout_seconds(timeout)
     grace = grace_seconds(grace)
     job = _LocalJob(world_size, timeout)
     signals = _Signals().install()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 DEFAULT_TIMEOUT = 300.0
@@ -21,3 +22,14 @@ def default_timeout() -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{ENV}={text!r} is not a number of seconds > 0: set it to e.g. 300, or unset it")
     return value
+
+
+def timeout_seconds(value: float | None, what: str = "timeout") -> float:
+    """``value`` seconds where given, else the default: a zero, negative or infinite timeout would
+    make every wait fail at once or hang for ever, so it is refused naming ``what``."""
+    if value is None:
+        return default_timeout()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be a number of seconds > 0 (or None: ${ENV}, else {DEFAULT_TIMEOUT:g}), "
+                         f"got {value!r}")
+    return float(value)
