@@ -16,15 +16,20 @@ CFG = LlamaConfig(vocab_size=64, hidden=32, n_layers=4, n_heads=4, n_kv_heads=2,
 ROWS, SEQ, SEED = 2, 16, 7
 
 
-def sequences(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sequences(step: int, rows: int, ignored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random sequences; ``ignored``: targets 4 to 11 (member 1's slice at c = 2) are -100 at even
+    steps, 4 to 10 at odd ones (the slice then counts one target a row, the other member eight)."""
     g = torch.Generator().manual_seed(500 + step)
     tok = torch.randint(0, CFG.vocab_size, (rows, SEQ + 1), generator=g)
-    return tok[:, :-1], tok[:, 1:]
+    x, y = tok[:, :-1], tok[:, 1:].clone()
+    if ignored:
+        y[:, 4:12 - step % 2] = -100
+    return x, y
 
 
-def reference(rows: int, steps: int, clip: float | None) -> tuple[Llama, list[float]]:
+def reference(rows: int, steps: int, clip: float | None, ignored: bool) -> tuple[Llama, list[float]]:
     """Single-process training of the whole model on every sequence of each step."""
-    return train_alone(Llama(CFG, SEED), lambda step: sequences(step, rows), llama_loss, steps, clip)
+    return train_alone(Llama(CFG, SEED), lambda step: sequences(step, rows, ignored), llama_loss, steps, clip)
 
 
 def exactness(rank: int, cases: list[dict]) -> list[dict]:
@@ -36,25 +41,25 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
         case = dict(case)
         nodes, acc, c, steps = case.pop("nodes"), case.pop("acc"), case["context_parallel"], case.pop("steps", 2)
         clip, dev = case.get("max_grad_norm"), torch.device(case.pop("device", "cpu"))
-        uneven = case.pop("uneven_val", False)
+        uneven, ignored = case.pop("uneven_val", False), case.pop("ignored", False)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)  # every rank on the one GPU (comm "gloo-staged")
         topo = Topology(nodes=nodes, per_node=world // nodes)
         groups, n = world // c, acc * ROWS
-        trained, ref_losses = reference(groups * n, steps, clip)
+        trained, ref_losses = reference(groups * n, steps, clip, ignored)
         want = dict(trained.named_parameters())
         engine = make_engine(llama_parts(CFG, seed=SEED, device=dev), topology=topo, micro_batches=acc, optimizer=adamw,
                              device=dev, **case)
         losses = []
         for step in range(steps):
-            x, y = sequences(step, groups * n)
+            x, y = sequences(step, groups * n, ignored)
             mine = slice((rank // c) * n, (rank // c + 1) * n)
             losses.append(engine.step((x[mine].to(dev), y[mine].to(dev))))
         errs = {name: rel_err(p.detach().cpu(), want[name].detach()) for name, p in engine.named_parameters()}
         planned = steps * context_bytes(engine.plan, rank, CFG.dims(seq=SEQ, micro_batch=ROWS, dtype_bytes=4), c,
                                         case.get("recompute", "chunk"))
         exchanged, _ = engine.context_traffic()  # the steps' exchanges, before the evaluation's
-        val = [sequences(100 + b, groups * ROWS) for b in range(2)]
+        val = [sequences(100 + b, groups * ROWS, ignored) for b in range(2)]
         # "uneven_val": context group g evaluates the first 1 + g % 2 batches of its rows, not both
         counts = [1 + g % 2 if uneven else 2 for g in range(groups)]
         mine = slice((rank // c) * ROWS, (rank // c + 1) * ROWS)

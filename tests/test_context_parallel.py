@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tawpipe.engine.context import slice_positions
+from tawpipe.models.llama import chunked_head_loss
 from tawpipe.models.parts import position_runs
 from tawpipe.plan.context import context_groups
 from tawpipe.runtime.launch import run_local
@@ -17,6 +18,9 @@ from tawpipe.runtime.launch import run_local
 from context_cases import exactness, refusals
 
 PARAM_RTOL = 1e-5
+# the chunked loss rounds otherwise than the plain one (its gradients agree to 3e-7, test_loss),
+# which AdamW's normalisation lifts to 2e-5 in the weights whose gradients are smallest
+CHUNKED_PARAM_RTOL = 5e-5
 PAPER = dict(mb_per_fetch=1, prefetch_depth=1, reuse_weights=False)
 
 
@@ -75,6 +79,10 @@ CASES = [
     dict(nodes=1, acc=2, context_parallel=4, **PAPER),  # the whole node
     # two groups in a node, evaluating 1 and 2 batches
     dict(nodes=1, acc=1, context_parallel=2, max_grad_norm=0.05, uneven_val=True, **PAPER),
+    # ignored targets falling unevenly among the slices (all of one member's, in a step and a batch
+    # evaluated): the slices' losses weigh by their counted targets
+    dict(nodes=1, acc=2, context_parallel=2, max_grad_norm=0.05, ignored=True, **PAPER),
+    dict(nodes=2, acc=1, context_parallel=2, ignored=True, head_loss=chunked_head_loss, **PAPER),
 ]
 
 
@@ -83,7 +91,8 @@ def test_context_parallel_training_equals_single_process_training_on_whole_seque
     for rank_results in results:
         for r in rank_results:
             c = r["case"]
-            assert r["param_err"] <= PARAM_RTOL, (c, r["rank"], r["worst"], r["param_err"])
+            rtol = CHUNKED_PARAM_RTOL if "head_loss" in c else PARAM_RTOL
+            assert r["param_err"] <= rtol, (c, r["rank"], r["worst"], r["param_err"])
             for a, b in zip(r["losses"], r["ref_losses"]):
                 assert abs(a - b) <= 1e-5 * abs(b), (c, r["losses"], r["ref_losses"])
             assert abs(r["val"] - r["want_val"]) <= 1e-5 * r["want_val"], (c, r["val"], r["want_val"])

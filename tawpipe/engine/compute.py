@@ -51,6 +51,7 @@ class StepState:
     targets: list[torch.Tensor]
     ctx: list[dict[str, Any]]
     grad_scale: float  # loss scale / (N x micro-batches): the step's loss is a global mean
+    loss_weights: list[float]  # each micro-batch's loss weight: 1, or its slice's share (context parallelism)
     x: dict[Activation, torch.Tensor] = field(default_factory=dict)  # chunk inputs, until their forward
     kept: dict[Activation, list[torch.Tensor]] = field(default_factory=dict)  # what a forward keeps for its backward
     dy: dict[Activation, torch.Tensor] = field(default_factory=dict)  # gradients of chunk outputs
@@ -66,6 +67,7 @@ class EvalState:
     targets: list[torch.Tensor]
     ctx: list[dict[str, Any]]
     totals: torch.Tensor  # float64 (loss sum, batch count): this rank's until ALLREDUCE_EVAL, then everyone's
+    loss_weights: list[float]  # as StepState's
     hidden: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -186,10 +188,14 @@ class ChunkCompute:
         if pos < self.last:
             st.x[(pos + 1, m)] = y.detach()
             return
+        weight = st.loss_weights[m]
+        if weight == 0:  # a slice whose targets are all ignored: no loss (cross_entropy's would be NaN)
+            st.dy[(pos, m)] = torch.zeros_like(y)
+            return
         with torch.enable_grad():  # the head and the loss, whose gradients go to `rep`
             y = y.detach().requires_grad_()
             with self._autocast():
-                loss = checked_loss(self.head_loss(y, st.targets[m]))
+                loss = checked_loss(self.head_loss(y, st.targets[m])) * weight
             (loss.float() * st.grad_scale).backward()
         self.s.loss_sum += loss.detach().double()
         st.dy[(pos, m)] = y.grad
@@ -301,8 +307,10 @@ class ChunkCompute:
         st.hidden = [self._run(a.chunk, h, weights, c) for h, c in zip(st.hidden, st.ctx)]
         if pos == self.last:
             with self._autocast():
-                for h, y in zip(st.hidden, st.targets):
+                for h, y, weight in zip(st.hidden, st.targets, st.loss_weights):
+                    if weight == 0:  # a slice whose targets are all ignored (as in a step)
+                        continue
                     loss = self.head_loss(h, y)
                     if not (torch.is_tensor(loss) and loss.dim() == 0):
                         checked_loss(loss)  # the same message as in a step (no gradient here: not asked)
-                    st.totals[0] += loss.double()
+                    st.totals[0] += loss.double() * weight

@@ -66,6 +66,21 @@ class ContextGroup:
         return SequenceSlice(positions.to(device), seq_len, lambda *xs: _Gather.apply(self, seq_len, *xs),
                              position_runs(positions))
 
+    def loss_weights(self, targets: list[torch.Tensor], slices: list[SequenceSlice]) -> list[float]:
+        """The weight of this rank's slice loss for each batch: ``c · n_slice / n_whole``, the
+        targets it counts over those of the whole sequence (class indices count unless negative,
+        an ignore_index; targets of class probabilities all count). ``loss_fn`` is a mean over the
+        counted targets, so the group's mean of weighted slice losses is the whole sequence's loss
+        however unevenly the ignored targets fall; 1 where none is counted (every slice's own loss)."""
+        counted = [i for i, y in enumerate(targets) if y.dim() == 2]
+        weights = [1.0] * len(targets)
+        if counted:
+            counts = torch.stack([torch.stack([(targets[i] >= 0).sum(), (targets[i][:, slices[i].positions] >= 0).sum()])
+                                  for i in counted]).tolist()
+            for i, (whole, mine) in zip(counted, counts):
+                weights[i] = self.degree * mine / whole if whole else 1.0
+        return weights
+
     def check_same_batches(self, world: Group, tokens: list[torch.Tensor]) -> None:
         """Every member of every context group was given the same sequences (each takes its slice
         of them): one small all-gather over the world, so every rank raises, or none does. Each

@@ -251,24 +251,27 @@ class TawPipe:
         if inputs.shape[0] % acc or inputs.shape[0] == 0:
             raise ValueError(f"step(batch): batch has {inputs.shape[0]} rows, not a positive "
                              f"multiple of micro_batches={acc}")
-        mb_in, ctx, mb_targets = self._sliced([t.to(self.device) for t in inputs.chunk(acc)],
-                                              [t.to(self.device) for t in targets.chunk(acc)])
-        return StepState(inputs=mb_in, targets=mb_targets, ctx=ctx,
+        mb_in, ctx, mb_targets, weights = self._sliced([t.to(self.device) for t in inputs.chunk(acc)],
+                                                       [t.to(self.device) for t in targets.chunk(acc)])
+        return StepState(inputs=mb_in, targets=mb_targets, ctx=ctx, loss_weights=weights,
                          grad_scale=self.precision.scale / (self.topology.world_size * acc))
 
     def _sliced(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]
-                ) -> tuple[list[torch.Tensor], list[dict[str, Any]], list[torch.Tensor]]:
-        """Each batch's inputs, block context and targets as this rank computes them: whole, or
-        with context parallelism its slice of each sequence (after checking that its group was
-        given the same batches). Every slice has as many tokens, so the mean of the slices' mean
-        losses is the whole batch's."""
+                ) -> tuple[list[torch.Tensor], list[dict[str, Any]], list[torch.Tensor], list[float]]:
+        """Each batch's inputs, block context, targets and loss weight as this rank computes them:
+        whole (weight 1), or with context parallelism its slice of each sequence (after checking
+        that its group was given the same batches), weighted so that the mean of the slices'
+        losses is the whole batch's even where ignored targets fall unevenly among the slices
+        (``ContextGroup.loss_weights``)."""
         if self._context is None:
-            return inputs, [self.block_context(t) if self.block_context else {} for t in inputs], targets
+            return (inputs, [self.block_context(t) if self.block_context else {} for t in inputs], targets,
+                    [1.0] * len(inputs))
         slices = [self._context.slice(t.shape[1], self.device) for t in inputs]  # a bad length: before any exchange
         self._context.check_same_batches(tuple(range(self.topology.world_size)), inputs + targets)
+        weights = self._context.loss_weights(targets, slices)
         inputs = [t[:, s.positions] for t, s in zip(inputs, slices)]
         return (inputs, [self.sliced_context(t, s) for t, s in zip(inputs, slices)],
-                [t[:, s.positions] for t, s in zip(targets, slices)])
+                [t[:, s.positions] for t, s in zip(targets, slices)], weights)
 
     def _check_loaded_shards_agree(self) -> None:
         """After ``load_state_dict``, before the weights are used with other ranks: every rank must
@@ -534,10 +537,10 @@ class TawPipe:
                          self._classes)
         self._check_loaded_shards_agree()
         buf = next(b for b in sorted(self.storage.bufs) if buf_kind(b) is BufKind.WEIGHTS)
-        inputs, ctx, targets = self._sliced([x.to(self.device) for x, _ in batches],
-                                            [y.to(self.device) for _, y in batches])
+        inputs, ctx, targets, weights = self._sliced([x.to(self.device) for x, _ in batches],
+                                                     [y.to(self.device) for _, y in batches])
         # the count rides with the loss sum: the divisor is every rank's count, not this rank's
-        st = EvalState(inputs=inputs, targets=targets, ctx=ctx,
+        st = EvalState(inputs=inputs, targets=targets, ctx=ctx, loss_weights=weights,
                        totals=torch.tensor([0.0, len(batches)], dtype=torch.float64, device=self.device))
 
         def work(unit: list[Action]) -> Callable[[], None]:
