@@ -159,6 +159,29 @@ def test_a_context_group_computes_the_models_logits(tmp_path, name):
         torch.testing.assert_close(group_logits(parts, tokens, degree), want, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [3.0] * 4,
+                                   "original_max_position_embeddings": 12}])
+def test_a_members_rotary_tables_are_the_whole_sequences_at_its_positions(rope):
+    """Rotaries whose frequencies follow the sequence's length (dynamic NTK past
+    max_position_embeddings, LongRoPE past the original length): a member of a context group, a
+    process of its own, sees the whole sequence's length, not its slice's last position."""
+    from tawpipe.engine.context import slice_positions
+    from tawpipe.models.parts import SequenceSlice, position_runs
+
+    config = small(LlamaConfig, layers=1, max_position_embeddings=8 if rope["rope_type"] == "dynamic" else 32,
+                   rope_scaling=rope)
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    for degree in (2, 4):
+        for i in range(degree):
+            whole = hf.from_model(LlamaForCausalLM(config)).block_context(tokens)["position_embeddings"]
+            at = slice_positions(16, degree, i)
+            parts = hf.from_model(LlamaForCausalLM(config))  # a fresh rotary, as on another rank
+            got = parts.sliced_context(tokens[:, at], SequenceSlice(at, 16, None, position_runs(at)))
+            for g, w in zip(got["position_embeddings"], whole):
+                torch.testing.assert_close(g, w[:, at], rtol=0, atol=0)
+
+
 def test_a_layer_whose_attention_bypasses_the_interface_is_refused_on_a_slice():
     """A family whose layers compute attention without transformers' dispatch would attend within
     its slice alone: the layer's call is refused instead of computing that."""

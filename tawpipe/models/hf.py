@@ -133,15 +133,17 @@ class Adapter:
         return {"attention_mask": mask, "position_ids": position_ids,
                 "position_embeddings": rotary(hidden, position_ids)}
 
-    def sliced_context(self, model: PreTrainedModel, hidden: torch.Tensor,
-                       positions: torch.Tensor) -> dict[str, Any]:
-        """``context`` for the tokens of a slice of a sequence at ``positions`` (context
-        parallelism): the rotary tables at those positions and no mask (the attention that
-        :func:`from_model` routes attends causally by position)."""
-        position_ids = positions.to(hidden.device).unsqueeze(0)
+    def sliced_context(self, model: PreTrainedModel, hidden: torch.Tensor, seq: SequenceSlice) -> dict[str, Any]:
+        """``context`` for the tokens of a slice ``seq`` of a sequence (context parallelism): the
+        rotary tables at the slice's positions and no mask (the attention that :func:`from_model`
+        routes attends causally by position). The tables are the whole sequence's, cut: a rotary
+        whose frequencies follow the sequence's length (dynamic NTK, LongRoPE) must see the whole
+        length on every member, not its slice's last position."""
+        whole = torch.arange(seq.seq_len, device=hidden.device).unsqueeze(0)
+        positions = seq.positions.to(hidden.device)
         rotary = model.get_submodule(self.rotary)
-        return {"attention_mask": None, "position_ids": position_ids,
-                "position_embeddings": rotary(hidden, position_ids)}
+        return {"attention_mask": None, "position_ids": positions.unsqueeze(0),
+                "position_embeddings": tuple(t[:, positions] for t in rotary(hidden, whole))}
 
     def context_parallel_refusal(self, config: PretrainedConfig) -> str | None:
         """Why this model cannot attend from a slice of the sequence (None: it can)."""
@@ -303,7 +305,7 @@ def from_model(model: PreTrainedModel, *, device: torch.device | str = "cpu",
         return adapter.context(model, stand_in(tokens), torch.arange(tokens.shape[1], device=device).unsqueeze(0))
 
     def sliced_context(tokens: torch.Tensor, seq: SequenceSlice) -> dict[str, Any]:
-        return {**adapter.sliced_context(model, stand_in(tokens), seq.positions), "seq": seq}
+        return {**adapter.sliced_context(model, stand_in(tokens), seq), "seq": seq}
 
     def block_forward(block: nn.Module, hidden: torch.Tensor, **ctx: Any) -> torch.Tensor:
         seq = ctx.pop("seq", None)
