@@ -111,7 +111,9 @@ class ModelParts:
     returns for the micro-batch (rotary tables, masks). ``sliced_context(tokens, slice)`` is the
     same for a rank's :class:`SequenceSlice` of the sequence under context parallelism: ``tokens``
     are the slice's, and the blocks' attention must see the whole sequence through
-    ``slice.gather`` (None: the model cannot be trained with context parallelism). ``head_loss(head, hidden, targets)`` is
+    ``slice.gather`` (None: the model cannot be trained with context parallelism); each slice's
+    loss then weighs by its share of the counted targets (those not negative), so ``loss_fn`` must
+    be a mean over them, as ``cross_entropy``'s is. ``head_loss(head, hidden, targets)`` is
     ``loss_fn(head(hidden), targets)`` computed without the whole logits, where the model has one
     (None otherwise); the engine uses it when its ``MemoryPolicy`` asks for the chunked loss.
     ``names`` are the three parts' names in parameter names and checkpoints.
