@@ -183,3 +183,29 @@ def test_a_re_run_draws_the_dropout_masks_its_forward_drew(recompute, options, d
     for name, p in want.items():
         assert torch.allclose(got[name], p, rtol=0, atol=1e-6), name
     assert torch.equal(got_after, after)
+
+
+@pytest.mark.parametrize("recompute", ["none", "chunk"])
+def test_the_embeddings_backward_draws_the_dropout_mask_its_forward_drew(recompute):
+    """The backward runs ``embed`` again for its gradient (whatever the recompute): an embedding
+    with dropout must draw the forward's mask there, and leave the caller's generator where plain
+    training leaves it. Against plain torch on one rank, whose forward draws the same masks."""
+    from engine_cases import adamw, train_alone
+
+    torch.manual_seed(0)
+    model = TinyLM(2)
+    model.embed = torch.nn.Sequential(model.embed, torch.nn.Dropout(0.5))
+    torch.manual_seed(1)
+    want, _ = train_alone(copy.deepcopy(model), lambda step: global_batch(step, MB_ROWS), lm_loss, 3, None)
+    want_after = torch.rand(4)
+    engine = make_engine(model.blocks, model.embed, model.head, lm_loss, topology=Topology(1, 1), micro_batches=1,
+                         comm=NoComm(1), optimizer=adamw, block_context=model.context, recompute=recompute)
+    torch.manual_seed(1)
+    for step in range(3):
+        engine.step(global_batch(step, MB_ROWS))
+    after = torch.rand(4)
+    params = dict(want.named_parameters())
+    for name, p in engine.named_parameters():
+        torch.testing.assert_close(p.detach(), params[name].detach(), rtol=0, atol=1e-6, msg=name)
+    assert torch.equal(after, want_after)
+    engine.close()

@@ -57,6 +57,7 @@ class StepState:
     dy: dict[Activation, torch.Tensor] = field(default_factory=dict)  # gradients of chunk outputs
     graphs: dict[Activation, tuple] = field(default_factory=dict)  # recompute="none"
     rng: dict[Activation, list[RngState]] = field(default_factory=dict)  # where each re-run starts drawing
+    embed_rng: dict[int, RngState] = field(default_factory=dict)  # where each micro-batch's embedding drew
 
 
 @dataclass
@@ -159,7 +160,8 @@ class ChunkCompute:
     @torch.no_grad()
     def forward(self, a: Action, st: StepState) -> None:
         pos, m = self.s.position[a.chunk], a.mb
-        if pos == 0:
+        if pos == 0:  # the backward runs the embedding again: it must draw what it drew here (dropout)
+            st.embed_rng[m] = rng_state(self.s.device)
             st.x[(0, m)] = self.embed(st.inputs[m]).to(self.dtype)
         x = st.x.pop((pos, m))
         if self.recompute == "none":
@@ -223,7 +225,7 @@ class ChunkCompute:
         if pos > 0:
             st.dy[(pos - 1, m)] = dx
             return
-        with torch.enable_grad():
+        with torch.enable_grad(), replaying(st.embed_rng.pop(m), self.s.device):
             e = self.embed(st.inputs[m]).to(self.dtype)
             if e.requires_grad:
                 e.backward(dx)
