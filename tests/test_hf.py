@@ -36,7 +36,7 @@ from tawpipe.models.parts import parts_signature
 from tawpipe.models.weights import SafetensorsCheckpoint
 from tawpipe.plan.topology import Topology
 import hf_cases  # noqa: E402
-from engine_cases import make_engine, train_alone  # noqa: E402
+from engine_cases import adamw, make_engine, train_alone  # noqa: E402
 from test_engine_errors import NoComm  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -231,6 +231,38 @@ def test_chunked_head_loss_equals_the_plain_loss_of_the_logits():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     # a head an adapter scales has no chunked loss: its logits are not the projection's
     assert not hf.has_chunked_loss(nn.Sequential(parts.head))
+
+
+@pytest.mark.parametrize("recompute", ["none", "chunk"])
+def test_embedding_dropout_trains_as_the_familys_model(tmp_path, recompute):
+    """StarCoder2's model drops out the embeddings before its first layer: the engine's ``embed``
+    does too, drawing the masks transformers' training draws (one rank, the same generator), and
+    exports under the model's names."""
+    from tawpipe.io.safetensors import export
+
+    config = AutoConfig.for_model("starcoder2", **SMALL, num_hidden_layers=2, pad_token_id=0, embedding_dropout=0.5)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "in")
+    g = torch.Generator().manual_seed(2)
+    tokens = [torch.randint(0, VOCAB, (2, 13), generator=g) for _ in range(3)]
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    torch.manual_seed(1)
+    want, _ = train_alone(AutoModelForCausalLM.from_pretrained(tmp_path / "in", dtype=torch.float32).train(),
+                          batches.__getitem__, lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                          len(batches), None)
+    want_after = torch.rand(4)
+    parts = hf.from_pretrained(tmp_path / "in")
+    engine = make_engine(parts, topology=Topology(1, 1), micro_batches=1, comm=NoComm(1), optimizer=adamw,
+                         recompute=recompute)
+    torch.manual_seed(1)
+    for batch in batches:
+        engine.step(batch)
+    after = torch.rand(4)
+    export(engine, parts, tmp_path / "out")
+    engine.close()
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()
+    for n, p in want.state_dict().items():
+        torch.testing.assert_close(got[n], p, rtol=0, atol=1e-6, msg=n)
+    assert torch.equal(after, want_after)
 
 
 def _train_reference(path, batches, max_grad_norm=None):

@@ -160,10 +160,21 @@ class Adapter:
         return out[0] if isinstance(out, tuple) else out
 
 
+class DroppedEmbeddingAdapter(Adapter):
+    """A family whose model drops out the embeddings (``config.embedding_dropout``, StarCoder2's)
+    before the first layer, outside the layers: the replicated ``embed`` does it too."""
+
+    def embed_module(self, model: PreTrainedModel) -> nn.Module:
+        embed = super().embed_module(model)
+        p = getattr(model.config, "embedding_dropout", 0.0)
+        return nn.Sequential(embed, nn.Dropout(p)) if p else embed
+
+
 # Families laid out like LLaMA, each checked against its own model's logits, whole and sliced (tests/test_hf.py)
 LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "olmo2", "starcoder2", "stablelm",
                 "smollm3", "glm4", "ernie4_5")
 ADAPTERS: dict[str, Adapter] = {t: Adapter() for t in LLAMA_LAYOUT}
+ADAPTERS["starcoder2"] = DroppedEmbeddingAdapter()
 
 
 def register(model_type: str, adapter: Adapter) -> None:
