@@ -11,7 +11,8 @@ and exit status 2, before anything is measured or started. A module raises ``Usa
 argparse's own errors take the same road, with the closest flag suggested for a mistyped one and
 the new name given for a flag that was renamed. The argparse types ``int_at_least``,
 ``positive_float`` and ``nonnegative_float`` refuse a number out of its range while the command
-line is read, and ``writable`` an output that cannot be written, before a run finds either.
+line is read, ``writable`` an output that cannot be written, and ``env_timeout`` a bad
+``$TAWPIPE_TIMEOUT``, before a run finds any of them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from .plan.schedule import HOST
+from .runtime.timeout import default_timeout
 
 # One name per concept across train, plan, simulate and bench (torchtitan's seq_len, Megatron's
 # micro-batch size); a spelling used before is refused with the one to use now.
@@ -149,6 +151,16 @@ def _finite(text: str, *, zero: bool) -> float:
     if not (math.isfinite(number) and (number >= 0 if zero else number > 0)):
         raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text}")
     return number
+
+
+def env_timeout() -> float:
+    """``$TAWPIPE_TIMEOUT`` (300 s when unset), read by a command whose waits (or its ranks') use it:
+    a UsageError saying what to set where it is not a number of seconds > 0, before anything starts
+    rather than in every rank."""
+    try:
+        return default_timeout()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def writable(path: Path, flag: str, *, directory: bool) -> None:

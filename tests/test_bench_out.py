@@ -110,3 +110,60 @@ def test_comm_refuses_a_file_it_cannot_write_before_any_rank_starts(capsys, monk
     (tmp_path / "taken").write_text("")
     line = refused(capsys, "bench", "comm", flag, "taken/comm.x")
     assert line.endswith(f"{flag} taken/comm.x: taken is not a directory"), line
+
+
+def test_prefetch_waits_as_long_as_tawpipe_timeout_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every offload the bench measures waits $TAWPIPE_TIMEOUT seconds, as the engine's do (it waited
+    a fixed 300 s whatever the variable said)."""
+    from tawpipe.bench import prefetch
+
+    made = []
+
+    class Recorded(prefetch.HostOffload):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self.timeout)
+
+    monkeypatch.setattr(prefetch, "HostOffload", Recorded)
+    monkeypatch.setenv("TAWPIPE_TIMEOUT", "42.5")
+    monkeypatch.chdir(tmp_path)
+    p = argparse.ArgumentParser()
+    prefetch.add_arguments(p)
+    assert prefetch.main(p.parse_args(["--device", "cpu", "--numel", "4096", "--pieces", "1024,2048",
+                                       "--repeats", "1"])) == 0
+    assert made == [42.5, 42.5, 42.5]  # one per piece size, one for the default piece
+
+
+_PREFETCH_PEAK = """
+import re, sys, torch
+from tawpipe.bench import prefetch
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\\s+(\\d+) kB", f.read(), re.M)[1]) * 1024
+
+numel, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the high-water mark from here on
+before = status("VmRSS")
+prefetch.measure(torch.device("cpu"), numel, dtype, [1 << 20, 1 << 22], 1)
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_prefetch_counts_the_memory_it_holds(dtype: str) -> None:
+    """--numel's memory check counts what the measurement holds at its peak (measured: the growth of
+    the process's high-water mark), within 5% and 32 MiB: one offload at a time, not two (8 B per
+    element, 128 MiB, more)."""
+    import torch
+
+    from tawpipe.bench import prefetch
+
+    numel = 1 << 24
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               MALLOC_MMAP_THRESHOLD_="65536")  # every large tensor mapped and unmapped on its own
+    peak = int(subprocess.run([sys.executable, "-c", _PREFETCH_PEAK, str(numel), dtype], env=env, capture_output=True,
+                              text=True, timeout=600, check=True).stdout)
+    counted, _ = prefetch.footprint(torch.device("cpu"), numel, getattr(torch, dtype), [1 << 20, 1 << 22])
+    assert 0.95 * counted <= peak <= counted + (32 << 20), (peak / numel, counted / numel)

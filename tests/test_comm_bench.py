@@ -157,3 +157,49 @@ def test_the_bench_reaches_backends_through_the_registry_only() -> None:
     """Nothing from inside a backend's module: Comm.create and the Comm methods are all it calls."""
     source = (ROOT / "tawpipe" / "bench" / "comm.py").read_text()
     assert not re.findall(r"nccl_native|torch_dist|runtime\.comm\.\w", source)
+
+
+_PEAKS = """
+import re, sys, torch
+from tawpipe.bench import comm
+from tawpipe.plan.topology import Topology
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\\s+(\\d+) kB", f.read(), re.M)[1]) * 1024
+
+size, topo = int(sys.argv[1]), Topology(2, 2)
+ranks = comm._team_layout(topo)[0][1][0]
+for dtype in ("float32", "bfloat16"):
+    for op in comm.OPS:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark from here on
+        before = status("VmRSS")
+        team = None if op in comm.COMPOSITES else comm.Team("intra", ranks, 0)
+        case = comm._Case(op, team, topo, 0, size, comm.DTYPES[dtype], torch.device("cpu"))
+        case.fill(0)
+        case.wrong(0)
+        print(dtype, op, status("VmHWM") - before)
+        del case
+"""
+
+
+def test_the_memory_check_counts_what_a_rank_holds_at_the_largest_size() -> None:
+    """The peak resident memory of one rank's buffers and -c 1's check, measured for every operation
+    and dtype: never more than ``case_bytes`` (but for 16 MiB the measurement itself touches), and
+    the worst operation's within 5% of it, so the check refuses no run that fits."""
+    size = 16 << 20
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               MALLOC_MMAP_THRESHOLD_="65536")  # every large tensor mapped and unmapped on its own
+    out = subprocess.run([sys.executable, "-c", _PEAKS, str(size)], env=env, capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    peaks: dict[str, list[int]] = {}
+    for line in out.splitlines():
+        dtype, op, peak = line.split()
+        counted = comm.case_bytes(size, comm.DTYPES[dtype], cpu=True, check=True)
+        assert int(peak) <= counted + (16 << 20), (dtype, op, int(peak) / size, counted / size)
+        peaks.setdefault(dtype, []).append(int(peak))
+    for dtype, seen in peaks.items():
+        assert len(seen) == len(comm.OPS) and max(seen) >= 0.95 * comm.case_bytes(size, comm.DTYPES[dtype], True, True), \
+            (dtype, max(seen) / size)
+    assert comm.case_bytes(size, torch.float32, cpu=False, check=False) == 0  # buffers on a GPU, nothing checked

@@ -189,6 +189,81 @@ def test_a_bench_refuses_what_it_cannot_run_with_before_it_starts(capsys, monkey
     assert not list(tmp_path.iterdir())  # no results folder either
 
 
+BENCHES = ("comm", "overlap", "prefetch", "context", "cluster")
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan"])
+@pytest.mark.parametrize("what", BENCHES)
+def test_every_bench_refuses_a_bad_tawpipe_timeout_before_it_starts(capsys, monkeypatch, tmp_path, what, value):
+    """Each bench waits (its ranks' engines, or the offload's streams) for $TAWPIPE_TIMEOUT seconds:
+    a value that is no number of seconds > 0 is refused with train's and comm's one line, before
+    any rank or measurement starts (overlap raised it from run_local as a traceback, prefetch ignored
+    it, context and cluster started ranks that each raised it)."""
+    nothing_starts(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TAWPIPE_TIMEOUT", value)
+    line = refused(capsys, "bench", what, *(("--device", "cpu") if what == "prefetch" else ()))
+    assert line == (f"tawpipe bench {what}: TAWPIPE_TIMEOUT={value!r} is not a number of seconds > 0: set it to e.g. "
+                    "300, or unset it"), line
+    assert not list(tmp_path.iterdir())
+
+
+def _host_has(monkeypatch, available: int) -> None:
+    """This host, as the benches' memory checks see it, has ``available`` bytes."""
+    import tawpipe.bench
+
+    monkeypatch.setattr(tawpipe.bench, "host_available", lambda: (available, "as the test says"))
+
+
+# Runs that need more memory than the host has (a test's 1 GiB, or any host), and what the one line names.
+MEMORY_REFUSALS = [
+    (("prefetch", "--device", "cpu", "--numel", str(1 << 26)),  # 30 B per element: 1.88 GiB
+     "--numel 67,108,864: the bench needs about 1.88 GiB (2,013,265,920 bytes) of host memory"),
+    (("comm", "--nodes", "1", "--per-node", "2", "-c", "0", "-e", "512M"),  # 2 x (384 MiB + 2 x 512 MiB)
+     "2 rank(s) (--nodes 1 x --per-node 2) at -e 536,870,912 bytes of float32, each 1.38 GiB: the bench needs about "
+     "2.75 GiB"),
+    (("comm", "--nodes", "1", "--per-node", "1", "-d", "bfloat16", "-e", "64M"),  # 384 MiB + (2 + 12) x 64 MiB
+     "1 rank(s) (--nodes 1 x --per-node 1) at -e 67,108,864 bytes of bfloat16, each 1.25 GiB"),
+    (("comm", "--nodes", "1", "--per-node", "3", "-e", "1K"),  # 3 ranks' runtime
+     "3 rank(s) (--nodes 1 x --per-node 3) at -e 1,024 bytes of float32, each 384.0 MiB: the bench needs about "
+     "1.13 GiB"),
+    (("overlap", "--nodes", "4", "--per-node", "2", "--layers", "8"),  # 8 ranks' runtime, before the plan is built
+     "8 ranks (--nodes 4 x --per-node 2), each 384.0 MiB before its model: the bench needs about 3.00 GiB"),
+    (("overlap", "--nodes", "1", "--per-node", "2", "--layers", "2", "--model", "1b"),  # a 1.5 GiB model per rank
+     "2 ranks (--nodes 1 x --per-node 2) of --model 1b x 2 --layers at --seq-len 64"),
+]
+
+
+@pytest.mark.parametrize("argv, named", MEMORY_REFUSALS, ids=[" ".join(argv) for argv, _ in MEMORY_REFUSALS])
+def test_a_bench_that_needs_more_memory_than_the_host_has_is_refused_before_it_starts(capsys, monkeypatch, tmp_path,
+                                                                                      argv, named):
+    nothing_starts(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    _host_has(monkeypatch, 2**30)
+    line = refused(capsys, "bench", *argv)
+    assert named in line and "of host memory, but 1.00 GiB is available (as the test says): use " in line, line
+    assert not list(tmp_path.iterdir())
+
+
+TOO_LARGE = [
+    (("prefetch", "--device", "cpu", "--numel", str(10**14)), "--numel 100,000,000,000,000"),  # 3 PB
+    (("comm", "--nodes", "100000"), "200000 rank(s) (--nodes 100000 x --per-node 2)"),  # 73 TiB of runtimes
+    (("comm", "--nodes", "1", "--per-node", "1", "-e", "1000000G"), "at -e 1,073,741,824,000,000 bytes"),
+    (("overlap", "--seq-len", "100000000"), "--seq-len 100,000,000: the corpus has"),  # its rotary tables: 25 GiB
+    (("overlap", "--model", "70b", "--layers", "80"), "of --model 70b x 80 --layers"),  # 280 GB per rank
+]
+
+
+@pytest.mark.parametrize("argv, named", TOO_LARGE, ids=[" ".join(argv) for argv, _ in TOO_LARGE])
+def test_a_bench_too_large_for_any_host_is_refused_before_it_allocates(capsys, monkeypatch, tmp_path, argv, named):
+    """Sizes no host has: the bench used to allocate until torch raised, the kernel killed it, or the
+    ranks died of it."""
+    nothing_starts(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    line = refused(capsys, "bench", *argv)
+    assert named in line, line
+
+
 def test_library_keywords_are_given_as_flags():
     said = commands.as_flags("mb_per_fetch=3 does not divide micro_batches=2; pass reuse_weights=True, or "
                              "give memory_budget; prefetch_depth='resident' needs reuse_weights")

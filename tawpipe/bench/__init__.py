@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from ..commands import delegate, writable
+from ..commands import UsageError, delegate, writable
+from ..cost.units import gib
+from ..engine.auto import host_available
 from ..version import __version__
 
 DESCRIPTION = (
@@ -70,6 +72,17 @@ def result_file(out: str, name: str) -> Path:
         return Path(out)
     writable(Path(out), "--out", directory=True)
     return Path(out) / name
+
+
+def check_memory(need: float, what: str, fix: str) -> None:
+    """A UsageError where ``need`` bytes of host memory are more than this host has available
+    (``host_available``: MemAvailable, or a cgroup's limit), before anything is allocated or any
+    rank spawned: a bench that asks for too much is refused, not killed by the kernel's OOM killer
+    or the host's swap. ``what``: the flags that ask for it and how it adds up; ``fix``: what to do."""
+    available = host_available()
+    if available is not None and need > available[0]:
+        raise UsageError(f"{what}: the bench needs about {gib(need)} ({need:,.0f} bytes) of host memory, but "
+                         f"{gib(available[0])} is available ({available[1]}): {fix}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -41,13 +41,15 @@ import torch
 import torch.distributed as dist
 
 from ..cluster import LINK_ENV
-from ..commands import UsageError, int_at_least, nonnegative_float, positive_float, writable
+from ..commands import UsageError, env_timeout, int_at_least, nonnegative_float, positive_float, writable
+from ..cost.units import gib
 from ..ops import DTYPES
 from ..plan.topology import Topology
 from ..runtime import comm as comms
 from ..runtime.comm import P2P, Comm, CommTimeout
-from ..runtime.launch import default_timeout, init_distributed, run_local
-from . import DEFAULT_OUT, provenance
+from ..runtime.launch import init_distributed, run_local
+from ..train.preflight import RUNTIME_BYTES
+from . import DEFAULT_OUT, check_memory, provenance
 
 PRIMITIVES = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "sendrecv")
 COMPOSITES = ("chunk_fetch", "grad_route")
@@ -520,10 +522,7 @@ def _validated(args: argparse.Namespace) -> dict:
         _sizes(a)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    try:
-        a["timeout"] = a["timeout"] or default_timeout()
-    except ValueError as e:  # $TAWPIPE_TIMEOUT
-        raise UsageError(str(e)) from None
+    a["timeout"] = a["timeout"] or env_timeout()
     backend = backend_choice(a["backend"], torch.cuda.is_available())
     if backend.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"backend {backend.label} needs CUDA; use --backend gloo on the CPU")
@@ -531,10 +530,30 @@ def _validated(args: argparse.Namespace) -> dict:
         comms.backend(backend.name)  # imported here: a backend this installation lacks is refused once
     except ValueError as e:
         raise UsageError(str(e)) from None
+    _check_memory(a, backend)
     a["backend"] = backend.label  # what the results say (the ranks read the backend back from it)
     if os.environ.get("RANK", "0") == "0":  # the rank that writes the results (a local job's: this process)
         _check_outputs(a)
     return a
+
+
+def case_bytes(size: int, dtype: torch.dtype, cpu: bool, check: bool) -> int:
+    """Host bytes one rank holds for an operation of ``size`` bytes beyond its runtime: its two
+    buffers where they are on the CPU, and with ``check`` the float64 inputs and expected result
+    ``_Case.wrong`` recomputes (3 x 8 B per element; all_reduce's, the most of any operation)."""
+    return (2 * size if cpu else 0) + (3 * 8 // dtype.itemsize * size if check else 0)
+
+
+def _check_memory(a: dict, backend: Backend) -> None:
+    """A UsageError where this host's ranks would need more memory than it has at -e, before any
+    starts."""
+    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"]) if under_launcher else \
+        a["nodes"] * a["per_node"]
+    per_rank = RUNTIME_BYTES + case_bytes(a["maxbytes"], DTYPES[a["datatype"]], backend.device == "cpu", a["check"])
+    where = "this host's ranks" if under_launcher else f"--nodes {a['nodes']} x --per-node {a['per_node']}"
+    check_memory(ranks * per_rank, f"{ranks} rank(s) ({where}) at -e {a['maxbytes']:,} bytes of {a['datatype']}, "
+                 f"each {gib(per_rank)}", "use fewer ranks, a smaller -e" + (", or -c 0" if a["check"] else ""))
 
 
 def _check_outputs(a: dict) -> None:

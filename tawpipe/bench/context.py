@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..cluster import Cluster, ClusterSpec, describe_compute, host, rate_arg
 from ..cluster.counters import link_bytes
-from ..commands import UsageError, int_at_least, positive_float, writable
+from ..commands import UsageError, env_timeout, int_at_least, positive_float, writable
 from ..cost.traffic import context_bytes, plan_traffic
 from ..engine.engine import TawPipe
 from ..engine.policy import MemoryPolicy, SchedulePolicy
@@ -93,6 +93,7 @@ def _check(cfg: dict[str, Any]) -> ClusterSpec:
         raise UsageError(f"--hidden {cfg['hidden']} and --heads {cfg['heads']} make no model: {e}") from None
     if cfg["out"]:
         writable(Path(cfg["out"]), "--out", directory=True)
+    env_timeout()  # what the ranks' engines wait, read in every rank
     try:
         spec = ClusterSpec(cfg["nodes"], per_node, rate=cfg["rate"], cpus_per_rank=cfg["cpus_per_rank"])
     except ValueError as e:

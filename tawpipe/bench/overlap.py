@@ -16,13 +16,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..commands import UsageError, as_flags, int_at_least, nonnegative_float
+from .. import models
+from ..commands import UsageError, as_flags, env_timeout, int_at_least, nonnegative_float
+from ..cost.memory import logits_bytes, memory_per_rank
+from ..cost.units import gib
 from ..engine.engine import TawPipe
 from ..engine.policy import CommPolicy, SchedulePolicy
 from ..models.parts import ModelParts
 from ..models.llama import Llama, LlamaConfig, block_forward, llama_loss
 from ..models.presets import PRESETS
 from ..plan.actions import OPS
+from ..plan.plan import Plan
 from ..plan.schedule import build_plan
 from ..plan.topology import Topology
 from ..runtime.comm import DelayComm
@@ -30,7 +34,8 @@ from ..runtime.comm.torch_dist import TorchDistComm
 from ..runtime.launch import run_local
 from ..train.data import batch as draw_batch
 from ..train.data import load_tokens
-from . import DEFAULT_OUT, provenance, result_file
+from ..train.preflight import RUNTIME_BYTES
+from . import DEFAULT_OUT, check_memory, provenance, result_file
 
 
 DESCRIPTION = (
@@ -92,6 +97,7 @@ def _overlap_rank(rank: int, a: dict) -> dict:
     t_compute = statistics.median(_time_steps(base, batches, a["steps"]))
     n_ops = sum(1 for x in base.plan.actions[rank] if OPS[x.op].is_comm and not OPS[x.op].always_overlaps)
     base.close()
+    del base  # each engine's memory freed before the next is built
     stats = torch.tensor([t_compute, float(n_ops)], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     delay = a["comm_ratio"] * stats[0].item() / stats[1].item()
@@ -100,11 +106,12 @@ def _overlap_rank(rank: int, a: dict) -> dict:
         eng = _engine(model, topo, acc, DelayComm(TorchDistComm(topo, 120), delay), overlap=overlap)
         result["overlap" if overlap else "serial"] = statistics.median(_time_steps(eng, batches, a["steps"]))
         eng.close()
+        del eng
     return result
 
 
-def overlap(a: dict) -> dict:
-    ranks = run_local(_overlap_rank, a["nodes"] * a["per_node"], a)
+def overlap(a: dict, timeout: float | None = None) -> dict:
+    ranks = run_local(_overlap_rank, a["nodes"] * a["per_node"], a, timeout=timeout)
     serial = max(r["serial"] for r in ranks)
     over = max(r["overlap"] for r in ranks)
     return {
@@ -115,14 +122,47 @@ def overlap(a: dict) -> dict:
     }
 
 
-def main(args: argparse.Namespace) -> int:
-    a = {k: v for k, v in vars(args).items() if k not in ("what", "out", "bench_main")}
-    try:  # the engine's plan, built before any rank starts: too few layers for the ranks is refused here
-        build_plan(Topology(a["nodes"], a["per_node"]), a["layers"], a["micro_batches"])
+def footprint(a: dict, plan: Plan) -> float:
+    """About the bytes one rank of ``plan`` holds at its peak: its runtime, the whole model it builds
+    in float32, its rotary tables while they are made, its batches, and one engine's memory at a
+    time (the cost model's, with the whole logits of the plain loss; no S x S attention scores, which
+    torch's CPU attention does not keep)."""
+    dims = models.dims(a["model"], layers=a["layers"], seq=a["seq_len"], micro_batch=a["micro_batch_size"],
+                       dtype_bytes=4, grad_bytes=4, scores=False)
+    model = 4 * (dims.layers * dims.layer_numel + dims.replicated_numel)
+    rope = 16 * a["seq_len"] * dims.head_size  # float64 angles and their cosines and sines, float32 tables
+    batches = 3 * 2 * 8 * a["micro_batches"] * a["micro_batch_size"] * a["seq_len"]  # 3 steps' int64 inputs, targets
+    return RUNTIME_BYTES + model + rope + batches + memory_per_rank(plan, dims).total + logits_bytes(dims)
+
+
+def _check(a: dict) -> None:
+    """A UsageError naming the flag where the ranks could not run, before any starts: more ranks
+    than this host has memory for, a plan the engine refuses, sequences longer than the corpus, or
+    ranks that need more memory together than the host has."""
+    world = a["nodes"] * a["per_node"]
+    ranks = f"{world} ranks (--nodes {a['nodes']} x --per-node {a['per_node']})"
+    check_memory(world * RUNTIME_BYTES, f"{ranks}, each {gib(RUNTIME_BYTES)} before its model", "use fewer ranks")
+    try:  # the engine's plan: too few layers for the ranks is refused here
+        plan = build_plan(Topology(a["nodes"], a["per_node"]), a["layers"], a["micro_batches"])
     except ValueError as e:
         raise UsageError(as_flags(str(e))) from None
+    tokens = len(load_tokens(None).train)
+    if a["seq_len"] >= tokens:
+        raise UsageError(f"--seq-len {a['seq_len']:,}: the corpus has {tokens:,} training tokens, too few for one "
+                         f"sequence and its next token; use at most {tokens - 1:,}")
+    per_rank = footprint(a, plan)
+    check_memory(world * per_rank, f"{ranks} of --model {a['model']} x {a['layers']} --layers at --seq-len "
+                 f"{a['seq_len']:,}, --micro-batch-size {a['micro_batch_size']}, --micro-batches {a['micro_batches']}, "
+                 f"each {gib(per_rank)}", "use fewer ranks, a smaller model or fewer --layers, or a smaller --seq-len "
+                 "or --micro-batch-size")
+
+
+def main(args: argparse.Namespace) -> int:
+    a = {k: v for k, v in vars(args).items() if k not in ("what", "out", "bench_main")}
+    timeout = env_timeout()  # every wait of the ranks
+    _check(a)
     path = result_file(args.out, "overlap_cpu.json") if args.out else None
-    res = overlap(a)
+    res = overlap(a, timeout)
     print(f"overlap on {a['nodes']} nodes x {a['per_node']} ranks, {a['model']} x {a['layers']} layers, "
           f"acc {a['micro_batches']}, injected {res['delay_per_op_s'] * 1e3:.2f} ms per comm op")
     print(f"{'variant':<28}{'step time (s, median, slowest rank)':>36}")

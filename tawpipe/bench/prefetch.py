@@ -7,8 +7,9 @@ accumulator, against one plain device-to-host copy. Overlap: the load on its own
 matmul loop runs on the compute stream, t(both) / max(t_load, t_matmul), 1.0 being perfect.
 Targets on a GPU: load >= 90% of the pinned copy, overlap <= 1.1.
 
-The JSON goes into ``--out`` (default ``tawpipe-results/`` in the current directory; the committed
-results are rewritten only with ``--out benchmarks/results``).
+Every wait of the offload is bounded by ``$TAWPIPE_TIMEOUT`` seconds (300 when unset), as the
+engine's are. The JSON goes into ``--out`` (default ``tawpipe-results/`` in the current directory;
+the committed results are rewritten only with ``--out benchmarks/results``).
 
 On the CPU the same code runs through the host prefetcher (plain copies) and the "concurrent"
 matmul is another thread on the same cores and memory: those numbers mean little.
@@ -26,10 +27,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..commands import UsageError, int_at_least
+from ..commands import UsageError, env_timeout, int_at_least
+from ..cost.units import gib
 from ..runtime.offload import DEFAULT_PIECE_NUMEL, HostOffload
+from ..runtime.timeout import DEFAULT_TIMEOUT
 from ..ops import ShardLayout
-from . import DEFAULT_OUT, provenance, result_file
+from . import DEFAULT_OUT, check_memory, provenance, result_file
 
 TARGET_BANDWIDTH = 0.9
 TARGET_OVERLAP = 1.1
@@ -127,7 +130,10 @@ def _concurrently(a: Callable[[], None], b: Callable[[], None], device: torch.de
     return both_cpu
 
 
-def measure(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[int], repeats: int) -> dict:
+def measure(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[int], repeats: int,
+            timeout: float = DEFAULT_TIMEOUT) -> dict:
+    """The bandwidths and the overlap of ``numel`` elements streamed to ``device``; every wait of
+    the offload bounded by ``timeout`` seconds."""
     layout = ShardLayout.from_tensors([torch.empty(numel, device="meta")])
     init = torch.randn(numel)
     pinned = device.type == "cuda"
@@ -147,11 +153,12 @@ def measure(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[i
 
     out["load"] = {}
     for piece in pieces:
-        off = HostOffload(layout, device, init=init, piece_numel=piece)
+        off = HostOffload(layout, device, init=init, piece_numel=piece, timeout=timeout)
         t = _time(lambda: off.load_weights_into(dst), device, repeats)
         out["load"][str(piece)] = {"GBps": nbytes / t / 1e9, "of_pinned": t_h2d / t}
         off.close()
-    off = HostOffload(layout, device, init=init)
+        del off  # its master and accumulator freed before the next one's are made
+    off = HostOffload(layout, device, init=init, timeout=timeout)
     t_load = _time(lambda: off.load_weights_into(dst), device, repeats)
     t_acc = _time(lambda: off.accumulate_grad(grad), device, repeats)
     out["load_default_piece"] = {"piece": DEFAULT_PIECE_NUMEL, "GBps": nbytes / t_load / 1e9, "of_pinned": t_h2d / t_load}
@@ -182,12 +189,39 @@ def measure(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[i
     return out
 
 
+def footprint(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[int]) -> tuple[int, int]:
+    """Bytes ``measure`` holds at once on the host and on a CUDA device (0 on the CPU, where the
+    device's buffers are the host's): float32 source, master, copy target and offload master and
+    accumulator on the host (20 B per element), the float32 and compute-dtype loads and the gradient
+    on the device, and on CUDA two pinned and two device staging buffers of the largest piece."""
+    host, on_device = 20 * numel, (8 + dtype.itemsize) * numel
+    if device.type == "cpu":
+        return host + on_device, 0
+    staging = 2 * 4 * max(*pieces, DEFAULT_PIECE_NUMEL)
+    return host + staging, on_device + staging
+
+
+def _check_memory(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[int]) -> None:
+    """A UsageError naming --numel (and --pieces) where the measurement would not fit in this host's
+    memory or the device's, before anything is allocated."""
+    host, on_device = footprint(device, numel, dtype, pieces)
+    flags = f"--numel {numel:,}" + (f" and --pieces up to {max(pieces):,}" if device.type == "cuda" else "")
+    check_memory(host, flags, "use a smaller --numel" + (" or --pieces" if device.type == "cuda" else ""))
+    if on_device:
+        free, total = torch.cuda.mem_get_info(device)
+        if on_device > free:
+            raise UsageError(f"{flags}: the bench needs about {gib(on_device)} ({on_device:,} bytes) on {device}, but "
+                             f"{gib(free)} of its {gib(total)} is free: use a smaller --numel or --pieces")
+
+
 def main(args: argparse.Namespace) -> int:
     device = _device(args.device)
+    timeout = env_timeout()  # every wait of the offload
     out = result_file(args.out, f"prefetch_{device.type}.json")
     numel = args.numel or ((64 << 20) if device.type == "cuda" else (8 << 20))
     dtype = getattr(torch, args.dtype)
-    res = measure(device, numel, dtype, args.pieces, args.repeats)
+    _check_memory(device, numel, dtype, args.pieces)
+    res = measure(device, numel, dtype, args.pieces, args.repeats, timeout)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     res.update({"benchmark": "prefetch", "device": name, "numel": numel, "dtype": args.dtype,
                 **provenance(), "repeats": args.repeats})

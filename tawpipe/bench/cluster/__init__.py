@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ...cluster import add_link_arguments, describe_compute, host, spec_from_args
-from ...commands import UsageError, as_flags, int_at_least, positive_float, writable
+from ...commands import UsageError, as_flags, env_timeout, int_at_least, positive_float, writable
 from ...plan.schedule import build_plan, prefetch_depth_arg
 from .. import DEFAULT_OUT, baselines, provenance
 from ..baselines import RunConfig
@@ -157,6 +157,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(as_flags(str(e))) from None
     writable(Path(args.out), "--out", directory=True)
+    env_timeout()  # what the ranks' engines wait, read in every rank
     reason = host.unavailable_reason(specs[0])
     if reason:
         raise UsageError(reason)
