@@ -18,7 +18,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from .commands import Parser, UsageError, add_reuse_weights, as_flags, delegate, int_at_least, refuse, reuse_flag
+from .commands import (Parser, UsageError, add_reuse_weights, as_flags, delegate, int_at_least, prefetch_depth, refuse,
+                       reuse_flag)
 from .cost.memory import (AUTO, Choice, MemoryEstimate, NothingFits, Savers, auto_savers_plan, estimate_memory,
                           fitting, memory_per_rank, savers_to_weigh)
 from . import models
@@ -27,8 +28,7 @@ from .models.presets import PRESETS
 from .models.shape import ModelDims
 from .plan import registry
 from .plan.plan import GRAD_ROUTES, Plan
-from .plan.schedule import (HOST, RESIDENT, build_plan, check_depth_gains, check_replicas, compute_actions, depth_text,
-                             prefetch_depth_arg)
+from .plan.schedule import HOST, RESIDENT, build_plan, check_depth_gains, check_replicas, compute_actions, depth_text
 from .plan.topology import Topology
 from .plan.verify import VerifyReport, verify
 from .sim.hardware import LINKS, Link, link
@@ -50,7 +50,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                    help="the schedule: TawPipe, or the WeiPipe ring baseline")
     p.add_argument("--grad-route", choices=GRAD_ROUTES, default="rail",
                    help="router of inter-node gradients: the owner's rail peer, or local index 0")
-    p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=1,
+    p.add_argument("--prefetch-depth", type=prefetch_depth, default=1,
                    help="fetch weights this many slots ahead; 'resident' (with --reuse-weights): enough that "
                         "every fetched chunk stays, the fewest bytes")
     p.add_argument("--mb-per-fetch", type=_COUNT, default=1,

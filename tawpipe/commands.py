@@ -10,9 +10,9 @@ Every bad input ends the same way, whatever the command: ``PROG: MESSAGE`` on on
 and exit status 2, before anything is measured or started. A module raises ``UsageError`` for it;
 argparse's own errors take the same road, with the closest flag suggested for a mistyped one and
 the new name given for a flag that was renamed. The argparse types ``int_at_least``,
-``positive_float`` and ``nonnegative_float`` refuse a number out of its range while the command
-line is read, ``writable`` an output that cannot be written, and ``env_timeout`` a bad
-``$TAWPIPE_TIMEOUT``, before a run finds any of them.
+``positive_float``, ``nonnegative_float`` and ``prefetch_depth`` refuse a number out of its range
+while the command line is read, ``writable`` an output that cannot be written, and
+``env_timeout`` a bad ``$TAWPIPE_TIMEOUT``, before a run finds any of them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
-from .plan.schedule import HOST
+from .plan.schedule import HOST, RESIDENT, prefetch_depth_arg
 from .runtime.timeout import default_timeout
 
 # One name per concept across train, plan, simulate and bench (torchtitan's seq_len, Megatron's
@@ -151,6 +151,17 @@ def _finite(text: str, *, zero: bool) -> float:
     if not (math.isfinite(number) and (number >= 0 if zero else number > 0)):
         raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text}")
     return number
+
+
+def prefetch_depth(text: str) -> int | str:
+    """The argparse ``type`` of every command's ``--prefetch-depth``: ``prefetch_depth_arg``'s number
+    of slots or 'resident', a depth below 1 refused while the command line is read: weights for slot
+    t + d are fetched during slot t into one of d + 1 staging buffers, so no plan has one (design §2;
+    the planner refused it later, or the engine in every rank)."""
+    depth = prefetch_depth_arg(text)
+    if depth != RESIDENT and depth < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of slots >= 1 or {RESIDENT!r}, got {depth}")
+    return depth
 
 
 def env_timeout() -> float:

@@ -264,6 +264,20 @@ def test_a_bench_too_large_for_any_host_is_refused_before_it_allocates(capsys, m
     assert named in line, line
 
 
+@pytest.mark.parametrize("depth", ["0", "-2"])
+@pytest.mark.parametrize("argv", [("plan", "--nodes", "2", "--per-node", "2", "--layers", "4", "--micro-batches", "2"),
+                                  ("train",), ("bench", "cluster")], ids=lambda argv: " ".join(argv[:2]))
+def test_a_prefetch_depth_below_one_is_refused_while_the_command_line_is_read(capsys, monkeypatch, argv, depth):
+    """No plan fetches weights fewer than one slot ahead: the depth is refused as --mb-per-fetch 0 is,
+    naming the depths there are (plan and bench cluster refused it from the planner, train after
+    reading the data and the model)."""
+    nothing_starts(monkeypatch)
+    line = refused(capsys, *argv, "--prefetch-depth", depth)
+    assert line.endswith(f": argument --prefetch-depth: expected a number of slots >= 1 or 'resident', got {depth}"), \
+        line
+    assert commands.prefetch_depth("1") == 1 and commands.prefetch_depth("resident") == "resident"
+
+
 def test_library_keywords_are_given_as_flags():
     said = commands.as_flags("mb_per_fetch=3 does not divide micro_batches=2; pass reuse_weights=True, or "
                              "give memory_budget; prefetch_depth='resident' needs reuse_weights")

@@ -16,12 +16,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..commands import UsageError, add_reuse_weights
+from ..commands import UsageError, add_reuse_weights, prefetch_depth
 from ..cost.memory import AUTO, MARGIN
 from ..models.presets import PRESETS
 from ..plan import registry
 from ..runtime.comm.registry import names as comm_names
-from ..plan.schedule import prefetch_depth_arg
 
 DESCRIPTION = (
     "Train a model with TawPipe. With no arguments it starts an emulated cluster on this machine (2 nodes x 2 "
@@ -120,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="router of inter-node gradients")
     p.add_argument("--algo", choices=registry.names(), default=d.algo,
                    help="the schedule (weipipe: the paper's baseline)")
-    p.add_argument("--prefetch-depth", type=_or_auto(prefetch_depth_arg), default=d.prefetch_depth,
+    p.add_argument("--prefetch-depth", type=_or_auto(prefetch_depth), default=d.prefetch_depth,
                    help="fetch weights this many slots ahead; 'resident' (with --reuse-weights): every fetched "
                         "chunk stays in a staging buffer, the fewest bytes for the most staging memory; 'auto': "
                         "chosen with k and reuse, the fewest inter-node bytes that fit --memory-budget")

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ...cluster import add_link_arguments, describe_compute, host, spec_from_args
-from ...commands import UsageError, as_flags, env_timeout, int_at_least, positive_float, writable
-from ...plan.schedule import build_plan, prefetch_depth_arg
+from ...commands import UsageError, as_flags, env_timeout, int_at_least, positive_float, prefetch_depth, writable
+from ...plan.schedule import build_plan
 from .. import DEFAULT_OUT, baselines, provenance
 from ..baselines import RunConfig
 from .method import Method, build_engine, compute_only, engine_rank, for_shape, methods, predicted_busiest
@@ -112,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=count, default=d.micro_batches, help="per rank and step")
     p.add_argument("--micro-batch-size", dest="batch_size", type=count, default=d.batch_size,
                    help="sequences per micro-batch")
-    p.add_argument("--prefetch-depth", type=prefetch_depth_arg, default=1,
+    p.add_argument("--prefetch-depth", type=prefetch_depth, default=1,
                    help="prefetch depth (slots ahead) of tawpipe at k=1; the best k keeps every chunk resident")
     p.add_argument("--compute-only", nargs="*", default=None, metavar="METHOD",
                    help="also run these tawpipe/WeiPipe methods (none named: all of them) with the links "
@@ -198,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _check_plans(cfgs: list[RunConfig], chosen: list[Method]) -> None:
     """The plan of every TawPipe/WeiPipe run, built here first: a schedule the engine would refuse
-    in its ranks (a --prefetch-depth of 0) is refused before any cluster starts."""
+    in its ranks (fewer layers than ranks) is refused before any cluster starts."""
     for cfg in cfgs:
         for m in (for_shape(m, cfg.nodes, cfg.per_node) for m in chosen):
             if m is not None and m.engine_options is not None:
