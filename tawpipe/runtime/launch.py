@@ -58,7 +58,7 @@ import torch.multiprocessing  # noqa: F401 - its reductions: tensors passed to w
 
 from . import progress
 from .comm.base import CommTimeout
-from .timeout import default_timeout, timeout_seconds
+from .timeout import timeout_seconds
 from .workers import Inherited, die_with_parent, start_context
 
 LOOPBACK = "127.0.0.1"
