@@ -120,6 +120,28 @@ def test_resuming_with_metrics_writes_each_step_once(runs) -> None:
     assert "metrics: dropped 3 record(s) after step 3 from" in out
 
 
+def test_a_resume_with_a_new_lr_warmup_and_steps_steps_at_the_new_schedules_rates(runs, tmp_path) -> None:
+    """A run resumed from step 3 with --lr, --warmup and --steps of its own steps at the rates of
+    plain torch's LambdaLR built with those flags and stepped 3 times, from its first step on (it
+    went on at the checkpoint's --lr, and its first step at the old schedule's rate)."""
+    lr, warmup, steps = 0.0123, 3, 9
+    r = _tawpipe("train", *SMALL, "--data", str(runs["data"]), "--lr", str(lr), "--warmup", str(warmup),
+                 "--steps", str(steps), "--resume", str(runs["straight"] / "step-00000003"),
+                 "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
+                                                 0.1 + 0.45 * (1 + np.cos(np.pi * min((s - warmup) / (steps - warmup), 1))))
+    expected = []
+    for step in range(steps):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert [x["step"] for x in records] == list(range(4, steps + 1))
+    assert [x["lr"] for x in records] == pytest.approx(expected[3:], rel=1e-12)
+
+
 def test_chunked_loss_trains_the_same_curve(runs, tmp_path) -> None:
     """--loss chunked: the head and cross-entropy a slice of tokens at a time, six steps of the same
     losses as the plain loss (the straight run) to float32 rounding."""

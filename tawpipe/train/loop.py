@@ -54,6 +54,18 @@ def _lr_lambda(cfg: TrainConfig):
     return f
 
 
+def _reschedule(engine: TawPipe, cfg: TrainConfig) -> None:
+    """This run's --lr, --warmup and --steps from the restored step on. The checkpoint's optimizer
+    and scheduler hold the rates its own run computed (the peak rate, and the next step's): kept, a
+    resume with a new --lr went on at the old one, and one with a new --warmup or --steps took its
+    first step at the old schedule's rate. With the same flags the rates are the ones restored."""
+    scheduler, f = engine.scheduler, _lr_lambda(cfg)
+    scheduler.base_lrs = [cfg.lr] * len(engine.optimizer.param_groups)
+    for group in engine.optimizer.param_groups:
+        group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * f(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in engine.optimizer.param_groups]  # what its step() sets
+
+
 def build_engine(cfg: TrainConfig, parts: models.ModelParts, topology: Topology, device: torch.device) -> TawPipe:
     """The engine this run trains: the model and the four policies its flags ask for."""
     dtype = DTYPES[cfg.dtype]
@@ -101,6 +113,7 @@ class Loop:
         self.losses: list[float] = []
         if cfg.resume:
             restored = checkpoint.restore(self.engine, cfg.resume)
+            _reschedule(self.engine, cfg)
             self.losses = list(restored.extra["losses"])
             if not restored.resharded:  # each rank's own stream; on another topology there is none
                 _set_rng(restored.extra["rng"], device)
