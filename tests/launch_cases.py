@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -245,3 +246,12 @@ if __name__ == "__main__":
         except RuntimeError as e:  # tawpipe's timeout, or gloo's when it fires first
             Path(sys.argv[2], f"error{dist.get_rank()}").write_text(str(e))
         os._exit(1)
+
+
+def rng_after_setup(rank: int, cfg: Any) -> torch.Tensor:
+    """The torch generator state a `tawpipe train` rank (``Loop``) steps from: what its dropout draws."""
+    from tawpipe.train.loop import Loop
+
+    loop = Loop(rank, cfg, Topology(cfg.nodes, cfg.per_node), torch.device("cpu"), None)
+    loop.engine.close()
+    return torch.get_rng_state()

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import models
@@ -111,12 +112,14 @@ class Loop:
         self.val = _validation_batches(rank, cfg, self.src) if cfg.val_every else []
         self.engine = build_engine(cfg, self.parts, topology, device)
         self.losses: list[float] = []
-        if cfg.resume:
-            restored = checkpoint.restore(self.engine, cfg.resume)
+        restored = checkpoint.restore(self.engine, cfg.resume) if cfg.resume else None
+        if restored is not None:
             _reschedule(self.engine, cfg)
             self.losses = list(restored.extra["losses"])
-            if not restored.resharded:  # each rank's own stream; on another topology there is none
-                _set_rng(restored.extra["rng"], device)
+        if restored is not None and not restored.resharded:  # each rank's own stream, where it was
+            _set_rng(restored.extra["rng"], device)
+        else:
+            _seed_rng(cfg.seed, rank, self.engine.steps)
         self.start = self.engine.steps
         traffic, ranks = plan_traffic(self.engine.plan), range(topology.world_size)
         kv = [self._context_bytes(r) for r in ranks]  # the K/V exchange: inside the node too
@@ -317,6 +320,14 @@ def _no_space(e: BaseException | None) -> bool:
             return True
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False
+
+
+def _seed_rng(seed: int, rank: int, step: int) -> None:
+    """Seed this rank's torch generators (dropout draws from them) from --seed, the rank and the
+    step it starts at: the workers started with the launcher's state, one that differed from run
+    to run and was the same on every rank, so two runs of one command trained other curves and
+    every rank drew the same dropout masks for its micro-batches."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0]))
 
 
 def _get_rng(device: torch.device) -> dict[str, torch.Tensor]:
