@@ -322,6 +322,7 @@ def _no_workers(monkeypatch) -> None:
     (["--layers", "3"], r"3 layers for 4 ranks: every rank needs at least one layer \(--layers >= 4, or more --replicas\)"),
     (["--layers", "0"], "--layers must be >= 1, got 0"),
     (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--micro-batches", "-1"], "--micro-batches must be >= 1, got -1"),
     (["--mb-per-fetch", "3"], "schedule: --mb-per-fetch 3 does not divide --micro-batches 2: .*pick a divisor"),

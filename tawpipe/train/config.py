@@ -297,7 +297,7 @@ def check(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"{flag(name)} must be >= 1, got {value}")
-    for name in ("warmup", "val_every", "max_skipped_in_a_row"):
+    for name in ("warmup", "val_every", "max_skipped_in_a_row", "seed"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"{flag(name)} must be >= 0, got {getattr(cfg, name)}")
     for name in ("lr", "max_grad_norm", "memory_budget"):
