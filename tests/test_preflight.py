@@ -414,7 +414,7 @@ def test_a_full_disk_while_saving_is_named_in_one_line(tmp_path, monkeypatch):
     cfg = TrainConfig(model="micro", save=str(tmp_path / "ckpt"))
     _full_disk(monkeypatch)
     with pytest.raises(loop.TrainError) as e:
-        loop._save(engine, cfg, parts, [], torch.device("cpu"))
+        loop._save(engine, cfg, parts, [], 0, torch.device("cpu"))
     engine.close()
     assert str(e.value) == (f"no space left on device: could not write {tmp_path / 'ckpt' / 'step-00000000'} (--save): "
                             "free space there, or point --save at a file system with room")

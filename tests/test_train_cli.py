@@ -174,6 +174,19 @@ def test_a_model_with_dropout_trains_the_same_curve_twice(tmp_path) -> None:
     assert len(curves[0]) == 2 and curves[0] == curves[1]
 
 
+def test_steps_skipped_in_a_row_before_a_checkpoint_count_after_the_resume(runs, tmp_path) -> None:
+    """--max-skipped-in-a-row 3 with every step from the second skipped (float16, --lr 50): the run
+    stops at step 4, and so does its resume from the checkpoint of step 3 (which counted from 0
+    again and went on to step 6)."""
+    args = [*SMALL, "--data", str(runs["data"]), "--dtype", "float16", "--lr", "50", "--max-skipped-in-a-row", "3"]
+    straight = _tawpipe("train", *args, "--save", str(tmp_path / "ckpt"), "--save-every", "3")
+    resumed = _tawpipe("train", *args, "--resume", str(tmp_path / "ckpt" / "step-00000003"))
+    for r in (straight, resumed):
+        assert r.returncode == 1, r.stderr
+        assert "tawpipe train: rank 0: step 4: the last 3 steps were skipped" in r.stderr, r.stderr[-2000:]
+    assert _shards(tmp_path / "ckpt" / "step-00000003")[0]["extra"]["skipped_in_a_row"] == 2
+
+
 def test_chunked_loss_trains_the_same_curve(runs, tmp_path) -> None:
     """--loss chunked: the head and cross-entropy a slice of tokens at a time, six steps of the same
     losses as the plain loss (the straight run) to float32 rounding."""

@@ -133,7 +133,9 @@ class Loop:
         self.writer = self._writer() if rank == 0 and (cfg.metrics or cfg.tensorboard) else None
         self.bar = StepBar(cfg.steps, self.start, "tawpipe train") if rank == 0 else None
         self.val_losses: dict[int, float] = {}
-        self.skipped_before, self.in_a_row = self.engine.skipped_steps, 0
+        # the steps skipped in a row up to the checkpoint count on (older checkpoints: from 0)
+        self.skipped_before = self.engine.skipped_steps
+        self.in_a_row = int(restored.extra.get("skipped_in_a_row", 0)) if restored is not None else 0
 
     def _writer(self) -> MetricsWriter:
         cfg = self.cfg
@@ -204,7 +206,7 @@ class Loop:
         _check_skipped(cfg, self.in_a_row, done - self.start, done, loss, self.rank)
         stopping = done < cfg.steps and stop_requested(agree=True)  # a collective: every rank asks
         if cfg.save and (stopping or done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-            _save(engine, cfg, self.parts, self.losses, self.device)
+            _save(engine, cfg, self.parts, self.losses, self.in_a_row, self.device)
         return stopping
 
     def _record(self, done: int, loss: float, lr: float, step_seconds: float) -> None:
@@ -236,9 +238,9 @@ def _check_skipped(cfg: TrainConfig, in_a_row: int, run: int, done: int, loss: f
     """TrainError once --max-skipped-in-a-row steps in a row were skipped, or every step of a
     finished run was: nothing is being trained (every rank sees the same steps skipped)."""
     limit = cfg.max_skipped_in_a_row
-    if not limit or not (in_a_row >= limit or (done == cfg.steps and in_a_row == run)):
+    if not limit or not (in_a_row >= limit or (done == cfg.steps and in_a_row >= run)):
         return
-    what = f"the last {in_a_row} steps" if in_a_row < run else f"all {run} steps of this run"
+    what = f"the last {in_a_row} steps" if in_a_row != run else f"all {run} steps of this run"
     error = TrainError(
         f"step {done}: {what} were skipped, their loss (last: {loss}) or gradients not finite, so nothing is "
         "being trained: lower --lr, use --dtype float32 or bfloat16 rather than float16, or check the model's "
@@ -290,9 +292,9 @@ def _summary(cfg: TrainConfig, src: TokenSource, parts: models.ModelParts, engin
     ])  # memory: the estimate before the workers start, what was allocated at the end
 
 
-def _save(engine: TawPipe, cfg: TrainConfig, parts: models.ModelParts, losses: list[float],
+def _save(engine: TawPipe, cfg: TrainConfig, parts: models.ModelParts, losses: list[float], in_a_row: int,
           device: torch.device) -> None:
-    extra = {"rng": _get_rng(device), "losses": list(losses), "data_step": engine.steps}
+    extra = {"rng": _get_rng(device), "losses": list(losses), "data_step": engine.steps, "skipped_in_a_row": in_a_row}
     with _writing("--save", checkpoint.step_dir(cfg.save, engine.steps)):
         checkpoint.save(engine, cfg.save, extra=extra, meta={"model": parts.config, "train": asdict(cfg)})
 
