@@ -64,7 +64,6 @@ def _reschedule(engine: TawPipe, cfg: TrainConfig) -> None:
     scheduler.base_lrs = [cfg.lr] * len(engine.optimizer.param_groups)
     for group in engine.optimizer.param_groups:
         group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * f(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in engine.optimizer.param_groups]  # what its step() sets
 
 
 def build_engine(cfg: TrainConfig, parts: models.ModelParts, topology: Topology, device: torch.device) -> TawPipe:
