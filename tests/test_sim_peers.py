@@ -260,6 +260,28 @@ def test_1024_gpus_stay_small(method, stages):
     assert math.isfinite(result.makespan) and result.makespan > 0
 
 
+def test_a_1f1b_too_large_to_play_names_the_stages_and_micro_batches_that_play(monkeypatch):
+    """A pipeline of P stages runs P x acc micro-batches; the refusal speaks of the acc per device
+    given (not P x acc), and every --stages and the --micro-batches it offers do play."""
+    from tawpipe.sim import peers
+
+    monkeypatch.setattr(peers, "MAX_PIPELINE_TASKS", 5_000)
+    c, work = cluster(4, 8), Workload(replace(TINY, layers=32), DEVICE, recompute=False)
+    with pytest.raises(ValueError) as refused:
+        peer_graph("1f1b", c, work, 2, host=False, stages=32)
+    said = str(refused.value)
+    assert "1F1B with 32 stages at 2 micro-batches per device runs 64 micro-batches through each pipeline" in said
+    stages = [int(p) for p in said.split("--stages ")[1].split(";")[0].split(", ")]
+    assert stages == [2, 4, 8, 16]  # 32 stages at 2 micro-batches are 8,192 tasks; 16 are 2,048
+    most = int(said.split("at most --micro-batches ")[1])
+    assert most == 1
+    for p in stages:
+        assert len(peer_graph("1f1b", c, work, 2, host=False, stages=p)[0].tasks) <= 5_000
+    assert len(peer_graph("1f1b", c, work, most, host=False, stages=32)[0].tasks) <= 5_000
+    with pytest.raises(ValueError, match="1F1B with 8 stages at 20 micro-batches per device"):
+        peer_graph("1f1b", c, work, 20, host=False, stages=8)
+
+
 def test_refuses_what_it_cannot_model():
     c, work = cluster(2, 2), Workload(TINY, DEVICE)
     with pytest.raises(ValueError, match="unknown peer"):

@@ -227,6 +227,11 @@ def test_a_bad_file_is_refused_naming_the_flag_and_the_file(flag, text, tmp_path
     (["--nodes", "4", "--methods", "weipipe"], "WeiPipe runs one pipeline over every device"),
     (["--nodes", "4", "--methods", "tawpipe", "tawpipe-paper"], "tawpipe, tawpipe-paper: a pipeline of 32 ranks"),
     (["--methods", "1f1b", "--stages", "5"], "--stages 2, 4, 8, 24"),
+    # in the flags' terms: the micro-batches per device given, not the pipeline's stages x that
+    (["--nodes", "128", "--model", "70b", "--methods", "1f1b", "--stages", "64", "--micro-batches", "64"],
+     "1f1b: 1F1B with 64 stages at 64 micro-batches per device runs 4,096 micro-batches through each pipeline, about "
+     "1,048,576 tasks, more than the 1,000,000 the simulator plays: use fewer stages per pipeline (--stages 2, 4, 8, "
+     "16, 32; its data-parallel copies are symmetric) or at most --micro-batches 61"),
     # the schedules' own reasons in flags, not as the library's keywords (recompute='none')
     (["--methods", "tawpipe", "--offload-activations", "--recompute", "none"],
      "tawpipe: --offload-activations keeps a chunk's input on the host, which --recompute none does not run from"),

@@ -351,13 +351,25 @@ def _pipeline_shape(cluster: Cluster, stages: int, layers: int) -> None:
                          f"{way_out}")
 
 
+def _too_many_tasks(cluster: Cluster, layers: int, stages: int, acc: int) -> str:
+    """Why 1F1B's pipeline is too large to play, in the flags' terms: a pipeline of P stages runs
+    P x acc micro-batches, about 4 P^2 acc tasks, so fewer stages or fewer micro-batches per device."""
+    tasks, fewer = 4 * stages * stages * acc, [p for p in stage_counts(cluster.nodes, cluster.per_node, layers)
+                                                if 4 * p * p * acc <= MAX_PIPELINE_TASKS]
+    most = MAX_PIPELINE_TASKS // (4 * stages * stages)
+    ways = ([f"fewer stages per pipeline (--stages {', '.join(map(str, fewer))}; its data-parallel copies are "
+             f"symmetric)"] if fewer else []) + ([f"at most --micro-batches {most}"] if most else [])
+    return (f"1F1B with {stages} stages at {acc} micro-batches per device runs {stages * acc:,} micro-batches through "
+            f"each pipeline, about {tasks:,} tasks, more than the {MAX_PIPELINE_TASKS:,} the simulator plays: "
+            f"{'use ' + ' or '.join(ways) if ways else 'no stage count plays on this cluster'}")
+
+
 def _one_f_one_b(cluster: Cluster, work: Workload, acc: int, stages: int, host: bool) -> tuple[Graph, Fabric]:
     _pipeline_shape(cluster, stages, work.dims.layers)
     d, s = work.dims, cluster.per_node
-    copies, micro = cluster.world_size // stages, stages * acc
+    copies, micro = cluster.world_size // stages, stages * acc  # a pipeline runs its devices' micro-batches
     if 4 * stages * micro > MAX_PIPELINE_TASKS:
-        raise ValueError(f"1F1B of {stages} stages and {micro} micro-batches is about {4 * stages * micro:,} tasks; "
-                         f"simulate fewer stages per pipeline (--stages; its data-parallel copies are symmetric)")
+        raise ValueError(_too_many_tasks(cluster, work.dims.layers, stages, acc))
     graph = Graph()
     act = d.activation_numel * d.dtype_bytes
     fwd = [[graph.add(f"act {p}->{p + 1} m{i}", flows=[Flow(p, p + 1, act, host)], rank=p, lane="send",
