@@ -12,8 +12,9 @@ from tawpipe.cost.traffic import plan_traffic
 
 from tawpipe.models.shape import ModelDims
 from tawpipe.plan.actions import OPS, Op
+from tawpipe.sim import compare
 from tawpipe.sim.hardware import Cluster, Device, Link, link
-from tawpipe.sim.network import Fabric, Flow, Graph, simulate
+from tawpipe.sim.network import Fabric, Flow, Graph, Port, _Active, _share, simulate
 from tawpipe.sim.play import compute_seconds, engine_plan, plan_graph
 from tawpipe.sim.workload import Workload
 
@@ -59,6 +60,40 @@ def test_max_min_fairness_gives_a_flow_what_its_neighbour_cannot_use():
     g2.add("there", flows=[Flow(0, 2, size)])
     g2.add("back", flows=[Flow(2, 0, size)])
     assert simulate(g2, _fabric(inter=rate)).makespan == pytest.approx(size / rate, rel=1e-12)
+
+
+def _max_min_rates(flows: list[tuple[Port, ...]], cap: dict[Port, float]) -> list[float]:
+    """Progressive filling, port by port: the reference ``network._share`` must match to the bit
+    (the ports scanned in order of first use, the first of equal shares taken)."""
+    rate: list[float | None] = [None] * len(flows)
+    left = dict(cap)
+    first_used = list(dict.fromkeys(p for f in flows for p in f))
+    while None in rate:
+        open_ports = [p for p in first_used if any(r is None and p in f for f, r in zip(flows, rate))]
+
+        def fair(p: Port) -> float:
+            return left[p] / sum(1 for f, r in zip(flows, rate) if r is None and p in f)
+
+        best = min(open_ports, key=fair)
+        share = max(fair(best), 1e-9 * cap[best])
+        for i, f in enumerate(flows):
+            if rate[i] is None and best in f:
+                rate[i] = share
+                for q in f:
+                    left[q] -= share
+    return rate  # type: ignore[return-value]
+
+
+def test_fair_shares_match_progressive_filling_to_the_bit():
+    """Many flows over shared ports with equal capacities (ties) and uneven ones."""
+    rng = random.Random()
+    for _ in range(300):
+        ports = [("port", i) for i in range(rng.randint(1, 25))]
+        cap = {p: rng.choice([1.0, 3.0, 1.25e10, rng.uniform(0.1, 10.0)]) for p in ports}
+        flows = [tuple(rng.sample(ports, rng.randint(1, min(4, len(ports))))) for _ in range(rng.randint(1, 30))]
+        active = [_Active(i, 1.0, f) for i, f in enumerate(flows)]
+        _share(active, cap)
+        assert [a.rate for a in active] == _max_min_rates(flows, cap)
 
 
 def test_intra_node_flows_use_the_devices_own_ports():
@@ -296,7 +331,6 @@ def test_tawpipe_rows_default_to_the_engines_auto_choice():
     the fetched chunks are kept on the host instead, for the same inter-node bytes."""
     from tawpipe.cost.memory import MARGIN, memory_per_rank
     from tawpipe.plan.schedule import RESIDENT
-    from tawpipe.sim import compare
     from tawpipe.sim.workload import model
 
     dims = model("7b", seq=4096, micro_batch=1)
@@ -321,3 +355,9 @@ def test_tawpipe_rows_default_to_the_engines_auto_choice():
     assert best == (4, 1, "host")  # 40 GB: two buffers on the device, the rest on the host
     given = compare.run("tawpipe", cluster, work, 4, settings={**compare.AUTO_SETTINGS, "mb_per_fetch": 2})
     assert given.settings["mb_per_fetch"] == 2
+
+
+def test_divisors_are_every_divisor_ascending():
+    rng = random.Random()
+    for n in [1, 2, 36, 97, *(rng.randint(1, 200_000) for _ in range(20)), rng.randint(1, 400) ** 2]:
+        assert compare.divisors(n) == [d for d in range(1, n + 1) if n % d == 0]

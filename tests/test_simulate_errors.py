@@ -225,6 +225,9 @@ def test_a_bad_file_is_refused_naming_the_flag_and_the_file(flag, text, tmp_path
 @pytest.mark.parametrize("argv, says", [
     (["--nodes", "100000", "--methods", "tawpipe"], "use more replicas, each pipeline over fewer nodes (--replicas"),
     (["--nodes", "4", "--methods", "weipipe"], "WeiPipe runs one pipeline over every device"),
+    # the replicas that shorten it among a billion nodes' divisors, found at once (a count to a billion took minutes)
+    (["--nodes", "1000000000", "--methods", "tawpipe"], "each pipeline over fewer nodes (--replicas 500000000, "
+                                                        "1000000000)"),
     (["--nodes", "4", "--methods", "tawpipe", "tawpipe-paper"], "tawpipe, tawpipe-paper: a pipeline of 32 ranks"),
     (["--methods", "1f1b", "--stages", "5"], "--stages 2, 4, 8, 24"),
     # in the flags' terms: the micro-batches per device given, not the pipeline's stages x that

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
 
-from tawpipe.plan.actions import Op
+from tawpipe.plan.actions import Action, Op
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
-from tawpipe.cost.traffic import (crossover_tokens, estimate, methods, plan_traffic,
+from tawpipe.cost.traffic import (crossover_tokens, estimate, methods, plan_traffic, ring_next,
                                   weight_passing_bytes)
 from tawpipe.models.shape import ModelDims
 from tawpipe.plan.schedule import RESIDENT
@@ -100,6 +101,17 @@ def test_replicated_allreduce_is_a_world_ring():
     for r in range(4):
         assert t.total(r, kind="replicated") == pytest.approx(2 * 3 / 4 * 40)
     assert t.total(kind="replicated", inter=True) == pytest.approx(2 * 2 * 3 / 4 * 40)  # 1->2, 3->0
+
+
+def test_ring_next_is_the_next_member_of_any_group():
+    """Ascending groups (a job's ring of every rank), and groups in any order, as a search finds it."""
+    rng = random.Random()
+    for _ in range(200):
+        members = rng.sample(range(10_000), rng.randint(2, 300))
+        for group in (tuple(sorted(members)), tuple(members)):
+            a = Action(0, group[0], Op.ALLREDUCE_G, group=group, bytes=1)
+            for m in rng.sample(group, min(20, len(group))):
+                assert ring_next(a, m) == group[(group.index(m) + 1) % len(group)]
 
 
 def test_model_dims_match_the_spec_model_sizes():

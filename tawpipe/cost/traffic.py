@@ -14,6 +14,7 @@ every rank sends 2(n-1)/n x M bytes to the next rank.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -170,8 +171,14 @@ def chain_hops(a: Action) -> list[tuple[int, int]]:
 
 
 def ring_next(a: Action, member: int) -> int:
-    """Whom ``member`` sends to in the ring of an all-reduce over ``a.group``."""
-    return a.group[(a.group.index(member) + 1) % len(a.group)]
+    """Whom ``member`` sends to in the ring of an all-reduce over ``a.group``: its place found by
+    bisection in an ascending group (a job's ring holds every rank, and ``plan_traffic`` asks for
+    one member per replica), by search in any other."""
+    group = a.group
+    i = bisect.bisect_left(group, member)
+    if i == len(group) or group[i] != member:
+        i = group.index(member)
+    return group[(i + 1) % len(group)]
 
 
 def _listed(values: list[float], in_bytes: bool, most: int = 16) -> str:

@@ -8,11 +8,13 @@ settings (k, prefetch depth and reuse, replicas) for the fastest that fits.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cost.memory import AUTO, MemoryEstimate, Savers, gathered_kv_bytes, loss_bytes, memory_per_rank, savers_ladder
+from ..cost.memory import (AUTO, MemoryEstimate, Savers, gathered_kv_bytes, loss_bytes, memory_per_rank, savers_ladder,
+                           staging_buffers)
 from ..models.shape import ModelDims
 from ..plan import registry
 from ..plan.plan import Plan
@@ -262,14 +264,19 @@ def taw_settings(nodes: int, per_node: int, layers: int, acc: int) -> list[dict[
     every chunk resident (with reuse), or depth 1 without reuse or with the fetched chunks kept on
     the host (the resident depth's inter-node bytes through two buffers)."""
     out = []
-    for r in range(1, nodes + 1):
-        if nodes % r or nodes * per_node // r > layers or \
-                compute_actions(Topology(nodes, per_node), acc, r) > MOST_COMPUTE_ACTIONS:
+    for r in divisors(nodes):
+        if nodes * per_node // r > layers or compute_actions(Topology(nodes, per_node), acc, r) > MOST_COMPUTE_ACTIONS:
             continue
-        for k in sorted((k for k in range(1, acc + 1) if acc % k == 0), reverse=True):
+        for k in reversed(divisors(acc)):
             for depth, reuse in ((RESIDENT, True), (1, HOST), (1, False)):
                 out.append({"replicas": r, "mb_per_fetch": k, "prefetch_depth": depth, "reuse_weights": reuse})
     return out
+
+
+def divisors(n: int) -> list[int]:
+    """``n``'s divisors, ascending, in about sqrt(n) steps: a flag may name a million nodes."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False, chunked_loss: bool = False,
@@ -285,9 +292,10 @@ def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False, ch
     for s in settings:
         plan = engine_plan(cluster, work, acc, **s)
         s = {**s, "prefetch_depth": plan.options["prefetch_depth"]}  # "resident" as the depth it is
+        buffers = staging_buffers(plan)  # the same under every savers
         fitting: list[Savers] = []
         for savers in ladder:
-            memory = plan_memory(plan, work.dims, savers, chunked_loss, context=work.context)
+            memory = plan_memory(plan, work.dims, savers, chunked_loss, buffers=buffers, context=work.context)
             if fits(memory, cluster) and not any(dominates(f, savers) for f in fitting):
                 fitting.append(savers)
                 rows.append(play("tawpipe", plan, cluster, work, acc, s, host=host, memory=memory, savers=savers))

@@ -241,6 +241,8 @@ class _Play:
         self.buckets: dict[Port, tuple[float, float]] = {}  # their (most credit, rate while credit lasts)
         self.port_bytes: dict[Port, float] = {}
         self.now, self.order, self.done = 0.0, 0, 0
+        # the capacities the flows' rates were shared out at; None once a flow comes or goes or a port opens
+        self.shared: dict[Port, float] | None = None
         # the host ranks whose compute the graph holds, which share the machine's cores
         self.computing = len({fabric.cpu_port(t.rank) for t in self.tasks if t.seconds > 0 and t.rank is not None}
                              ) if fabric.cpu and fabric.cores else 0
@@ -260,6 +262,7 @@ class _Play:
 
     def open_port(self, p: Port, capacity: float) -> None:
         self.cap[p] = capacity
+        self.shared = None
         if p not in self.buckets and (b := self.fabric.bucket(p)):
             self.buckets[p] = b
             self.tokens[p] = b[0]  # idle before the iteration: full
@@ -284,6 +287,8 @@ class _Play:
                 self.queued[f.stream] = deque()
                 self.flows.append(active)
         self.open_flows[i] = len(moving)
+        if moving:
+            self.shared = None
         if fabric.cpu and t.seconds > 0 and t.rank is not None:  # compute on a host rank's CPU
             p = fabric.cpu_port(t.rank)
             self.open_port(p, fabric.cpu)
@@ -293,6 +298,7 @@ class _Play:
                 on += (CORES,)
             self.flows.append(_Active(i, t.seconds * fabric.cpu, on))
             self.open_flows[i] += 1
+            self.shared = None
         if not self.open_flows[i]:
             self.push_timer(self.now + t.seconds + t.latency, i)
 
@@ -322,7 +328,9 @@ class _Play:
         flows, tokens, buckets, cap = self.flows, self.tokens, self.buckets, self.cap
         usable = {p: buckets[p][1] if p in tokens and tokens[p] > 1e-9 * buckets[p][0] else c
                   for p, c in cap.items()} if tokens else cap
-        _share(flows, usable)
+        if self.shared is None or (tokens and usable != self.shared):  # else the rates stand
+            _share(flows, usable)
+            self.shared = usable
         t_flow = min((f.left / f.rate for f in flows), default=math.inf)
         t_timer = self.timers[0][0] - self.now if self.timers else math.inf
         dt = min(t_flow, t_timer)
@@ -344,6 +352,7 @@ class _Play:
         still = []
         for f in self.flows:
             if f.left / f.rate <= dt * (1 + 1e-12) + 1e-15:  # this one ends now
+                self.shared = None
                 self.open_flows[f.task] -= 1
                 if self.open_flows[f.task] == 0:
                     ended.append(f.task)
@@ -384,7 +393,10 @@ def _usage(flows: list[_Active], ports: dict[Port, float]) -> dict[Port, float]:
 
 def _share(flows: list[_Active], cap: dict[Port, float]) -> None:
     """Max-min fair rates (progressive filling): the port with the smallest equal share fixes the
-    rate of every flow through it; their use is taken off their other ports; repeat."""
+    rate of every flow through it; their use is taken off their other ports; repeat. The ports
+    wait in a heap by (share, first use), so that ties go to the port first used, and a port's
+    entry is renewed whenever its share changes (an entry whose share is no longer the port's is
+    stale): a large fabric's many ports are not scanned once per fixed port."""
     if not flows:
         return
     users: dict[Port, list[_Active]] = {}
@@ -394,9 +406,15 @@ def _share(flows: list[_Active], cap: dict[Port, float]) -> None:
             users.setdefault(p, []).append(f)
     left = {p: cap[p] for p in users}
     count = {p: len(u) for p, u in users.items()}
+    first = {p: i for i, p in enumerate(users)}
+    heap = [(left[p] / n, first[p], p) for p, n in count.items()]
+    heapq.heapify(heap)
     while count:
-        p = min(count, key=lambda q: left[q] / count[q])
-        share = max(left[p] / count[p], 1e-9 * cap[p])  # rounding must not stall a flow
+        fair, _, p = heapq.heappop(heap)
+        if p not in count or fair != left[p] / count[p]:
+            continue
+        share = max(fair, 1e-9 * cap[p])  # rounding must not stall a flow
+        changed = set()
         for f in users[p]:
             if f.rate < 0:
                 f.rate = share
@@ -405,4 +423,9 @@ def _share(flows: list[_Active], cap: dict[Port, float]) -> None:
                     count[q] -= 1
                     if count[q] == 0 and q != p:
                         del count[q]
+                    else:
+                        changed.add(q)
         del count[p]
+        for q in changed:
+            if q in count:
+                heapq.heappush(heap, (left[q] / count[q], first[q], q))

@@ -210,7 +210,7 @@ def _check(args: argparse.Namespace) -> None:
     if c < 1 or args.per_node % c or args.seq_len % c:
         raise UsageError(f"--context-parallel {c}: must divide --per-node {args.per_node} (it runs inside a node) and "
                          f"--seq-len {args.seq_len} (each rank a slice); use one of "
-                         f"{', '.join(str(d) for d in _divisors(args.per_node) if args.seq_len % d == 0)}")
+                         f"{', '.join(str(d) for d in compare.divisors(args.per_node) if args.seq_len % d == 0)}")
     if args.quota is not None and not args.quota > 0:
         raise UsageError(f"--quota {args.quota:g}: must be a number of cores above 0, such as 0.5")
     if not 0 < args.link_efficiency <= 1:
@@ -263,19 +263,15 @@ def _check_tawpipe(args: argparse.Namespace) -> None:
     """UsageError where TawPipe's settings do not fit the cluster or the batch."""
     if args.replicas and args.nodes % args.replicas:
         raise UsageError(f"--replicas {args.replicas} does not divide --nodes {args.nodes}: every replica is the same "
-                         f"number of whole nodes; use one of {', '.join(map(str, _divisors(args.nodes)))}")
+                         f"number of whole nodes; use one of {', '.join(map(str, compare.divisors(args.nodes)))}")
     if args.mb_per_fetch and args.micro_batches % args.mb_per_fetch:
         raise UsageError(f"--mb-per-fetch {args.mb_per_fetch} does not divide --micro-batches {args.micro_batches}: "
                          f"each fetch serves the same number of micro-batches; use one of "
-                         f"{', '.join(map(str, _divisors(args.micro_batches)))}")
+                         f"{', '.join(map(str, compare.divisors(args.micro_batches)))}")
     if args.reuse_weights is False and args.prefetch_depth in (None, RESIDENT):
         default = " (the default)" if args.prefetch_depth is None else ""
         raise UsageError(f"--no-reuse-weights: --prefetch-depth resident{default} keeps fetched chunks only to reuse "
                          f"them; give --prefetch-depth a number of slots")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # What playing the data-parallel peers takes the simulator, measured on a 2-core machine (paper
