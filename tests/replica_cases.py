@@ -8,6 +8,7 @@ import torch
 
 from engine_cases import MB_ROWS, TinyLM, _engine, global_batch
 from tawpipe.io import checkpoint
+from tawpipe.io.safetensors import save_sharded
 from tawpipe.plan.topology import Topology
 
 
@@ -29,10 +30,11 @@ def resume_across_replicas(rank: int, directory: str) -> dict:
         first.step(_local(rank, world, step, rows))
     saved = checkpoint.save(first, directory, extra={"rank": rank})
     whole = checkpoint.consolidated(saved)
+    save_sharded(first, f"{directory}/exported", lambda name: name)  # the engine's names, as the checkpoint's
     loss3 = first.step(_local(rank, world, 2, rows))
     params3 = {n: p.detach().clone() for n, p in first.named_parameters()}
     first.close()
-    out: dict = {"files": sorted(p.name for p in saved.iterdir())}
+    out: dict = {"files": sorted(p.name for p in saved.iterdir()), "whole": whole}
     for replicas in (2, 1):
         torch.manual_seed(123)  # another initialisation: everything must come from the checkpoint
         again = _engine(TinyLM(layers), topo, acc, replicas=replicas)

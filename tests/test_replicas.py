@@ -10,6 +10,7 @@ import re
 from collections import defaultdict
 
 import pytest
+import safetensors.torch
 import torch
 
 from cli_cases import refused
@@ -280,6 +281,15 @@ def test_checkpoints_resume_exactly_and_reshard_to_another_replica_count(tmp_pat
         # one replica: every parameter loaded exactly, re-sharded, and the same step to rounding
         assert r["loaded_equal_1"] and r["loaded_equal_2"] and r["resharded_1"]
         assert r["loss3_1"] == pytest.approx(r["loss3"], rel=1e-6)
+    # the export: one shard per chunk (2), not per rank (4), then the replicated one, numbered 1..3 of 3
+    exported = tmp_path / "exported"
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    names = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert sorted(p.name for p in exported.glob("*.safetensors")) == sorted(set(index["weight_map"].values())) == names
+    files = {name: safetensors.torch.load_file(exported / name) for name in names}
+    assert index["weight_map"] == {n: name for name, held in files.items() for n in held}
+    tensors, whole = {n: t for held in files.values() for n, t in held.items()}, results[0]["whole"]
+    assert tensors.keys() == whole.keys() and all(torch.equal(t, whole[n]) for n, t in tensors.items())
     two = {n: p for r in results for n, p in r["params3"].items()}
     one = {n: p for r in results for n, p in r["params3_1"].items()}
     assert two.keys() == one.keys()

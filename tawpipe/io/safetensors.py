@@ -71,9 +71,8 @@ def save_sharded(engine: TawPipe, directory: str | os.PathLike[str], checkpoint_
     complete (the ranks agree that every part is written before rank 0 writes the index). If a
     rank cannot write its part, every rank raises: that rank its error, the others ExportError.
     """
-    world = engine.topology.world_size
     directory = Path(directory)
-    files = shard_names(world)
+    files = shard_names(len(engine.plan.model_order))  # one per chunk: the replicas of a chunk write the same file
     chunk_file = {k: files[i] for i, k in enumerate(engine.plan.model_order)}
     error: Exception | None = None
     try:

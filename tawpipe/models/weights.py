@@ -178,6 +178,6 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def shard_names(world: int) -> list[str]:
-    """File names of the N chunk shards in layer order, then the replicated shard."""
-    return [f"model-{i:05d}-of-{world + 1:05d}.safetensors" for i in range(1, world + 2)]
+def shard_names(chunks: int) -> list[str]:
+    """File names of the chunks' shards in layer order, then the replicated shard."""
+    return [f"model-{i:05d}-of-{chunks + 1:05d}.safetensors" for i in range(1, chunks + 2)]
