@@ -31,6 +31,7 @@ from .plan.plan import GRAD_ROUTES, Plan
 from .plan.schedule import HOST, RESIDENT, build_plan, check_depth_gains, check_replicas, compute_actions, depth_text
 from .plan.topology import Topology
 from .plan.verify import VerifyReport, verify
+from .sim.compare import divisors
 from .sim.hardware import LINKS, Link, link
 
 
@@ -225,8 +226,8 @@ def _check_plan_size(topo: Topology, micro_batches: int, replicas: int) -> None:
     n = check_replicas(topo, replicas)
     computes = compute_actions(topo, micro_batches, replicas)
     if computes > MOST_COMPUTE_ACTIONS:
-        fits = [r for r in range(replicas, topo.nodes + 1)
-                if topo.nodes % r == 0 and compute_actions(topo, micro_batches, r) <= MOST_COMPUTE_ACTIONS]
+        fits = [r for r in divisors(topo.nodes)
+                if r >= replicas and compute_actions(topo, micro_batches, r) <= MOST_COMPUTE_ACTIONS]
         fewer = " or fewer --micro-batches" if micro_batches > 1 else ""
         most = MOST_COMPUTE_ACTIONS // compute_actions(topo, 1, topo.nodes)  # micro-batches at one node per replica
         way = (f"run the nodes as replicas (--replicas {fits[0]}){fewer}" if fits else
@@ -243,7 +244,7 @@ def _k_options(args: argparse.Namespace, dims: ModelDims, build: Callable[..., P
     prefetch depth and with every chunk resident (with the depth as asked, for the labels); and
     why only ``plan``'s row is there, where the others' plans together would hold more forwards
     and backwards than this command builds (it would take minutes), else ""."""
-    ks = [k for k in range(1, args.micro_batches + 1) if args.micro_batches % k == 0]
+    ks = divisors(args.micro_batches)
     depths = [(args.prefetch_depth, args.reuse_weights)]
     if args.prefetch_depth != RESIDENT:
         depths.append((RESIDENT, True))
@@ -356,7 +357,7 @@ def _print_replicas(args: argparse.Namespace, dims: ModelDims, topo: Topology) -
     print(f"replicas (closed form, k={k}, prefetch depth {depth}{reuse}; R divides the {topo.nodes} nodes):")
     print(f"{'R':>5}  {'ranks/pipeline':>14}  {'inter-node/iter (per node)':>27}  {'floor':>9}  {'memory/rank':>12}  fits")
     best = None
-    for r in (r for r in range(1, topo.nodes + 1) if topo.nodes % r == 0):
+    for r in divisors(topo.nodes):
         size = topo.world_size // r
         if size > args.layers:
             print(f"{r:>5}  {size:>14}  {'':>27}  {'':>9}  {'':>12}  no: {args.layers} layers < {size} ranks")

@@ -24,12 +24,12 @@ def default_timeout() -> float:
     return value
 
 
-def timeout_seconds(value: float | None, what: str = "timeout") -> float:
+def timeout_seconds(value: float | None) -> float:
     """``value`` seconds where given, else the default: a zero, negative or infinite timeout would
-    make every wait fail at once or hang for ever, so it is refused naming ``what``."""
+    make every wait fail at once or hang for ever, so it is refused."""
     if value is None:
         return default_timeout()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{what} must be a number of seconds > 0 (or None: ${ENV}, else {DEFAULT_TIMEOUT:g}), "
+        raise ValueError(f"timeout must be a number of seconds > 0 (or None: ${ENV}, else {DEFAULT_TIMEOUT:g}), "
                          f"got {value!r}")
     return float(value)
