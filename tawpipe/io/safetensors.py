@@ -64,7 +64,7 @@ def _check_save_config(hook: Callable[..., None], directory: Path, dtype: torch.
 def save_sharded(engine: TawPipe, directory: str | os.PathLike[str], checkpoint_name: Callable[[str], str], *,
                  dtype: torch.dtype = torch.float32,
                  write_extra: Callable[[Path], None] | None = None) -> None:
-    """Write the engine's model as a ``save_pretrained`` directory, every rank its own chunk.
+    """Write the engine's model as a ``save_pretrained`` directory, each chunk by its owner in replica 0.
 
     ``checkpoint_name`` maps the engine's parameter names (``blocks.{layer}.{name}``, ``embed.*``,
     ``head.*``) to the checkpoint's. Call it on every rank; it returns once the directory is
@@ -72,13 +72,14 @@ def save_sharded(engine: TawPipe, directory: str | os.PathLike[str], checkpoint_
     rank cannot write its part, every rank raises: that rank its error, the others ExportError.
     """
     directory = Path(directory)
-    files = shard_names(len(engine.plan.model_order))  # one per chunk: the replicas of a chunk write the same file
+    files = shard_names(len(engine.plan.model_order))  # one per chunk, written by its owner in replica 0
     chunk_file = {k: files[i] for i, k in enumerate(engine.plan.model_order)}
     error: Exception | None = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        _write(directory / chunk_file[engine.own_chunk],
-               {checkpoint_name(n): p for n, p in engine.own_parameters()}, dtype)
+        if engine.plan.replica_of(engine.rank) == 0:  # the other replicas' copies are the same
+            _write(directory / chunk_file[engine.own_chunk],
+                   {checkpoint_name(n): p for n, p in engine.own_parameters()}, dtype)
         if engine.rank == 0:
             _write(directory / files[-1], {checkpoint_name(n): p for n, p in engine.replicated_parameters()}, dtype)
             if write_extra is not None:
