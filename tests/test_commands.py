@@ -189,6 +189,21 @@ def test_a_bench_refuses_what_it_cannot_run_with_before_it_starts(capsys, monkey
     assert not list(tmp_path.iterdir())  # no results folder either
 
 
+def test_overlap_refuses_a_comm_ratio_whose_delay_would_outlast_the_waits(capsys, monkeypatch, tmp_path):
+    """The delay is sized from the compute measured on the ranks: where a step's injected delay would
+    take more than half of $TAWPIPE_TIMEOUT, the bench stops after that measurement with one line
+    naming both knobs (it ran for hours at a large --comm-ratio, and its transfers waited 120 s
+    whatever $TAWPIPE_TIMEOUT said)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TAWPIPE_TIMEOUT", "30")
+    line = refused(capsys, "bench", "overlap", "--nodes", "1", "--per-node", "2", "--layers", "2", "--steps", "1",
+                   "--comm-ratio", "1e6", "--out", "")
+    assert re.fullmatch(r"tawpipe bench overlap: --comm-ratio 1e\+06 injects [0-9.]+ s of delay per step \(the compute "
+                        r"takes [0-9.]+ s\), more than half the 30 s a wait may take: lower --comm-ratio to at most "
+                        r"\d+, or raise TAWPIPE_TIMEOUT", line), line
+    assert not list(tmp_path.iterdir())
+
+
 BENCHES = ("comm", "overlap", "prefetch", "context", "cluster")
 
 

@@ -32,6 +32,7 @@ from ..plan.topology import Topology
 from ..runtime.comm import DelayComm
 from ..runtime.comm.torch_dist import TorchDistComm
 from ..runtime.launch import run_local
+from ..runtime.timeout import default_timeout
 from ..train.data import batch as draw_batch
 from ..train.data import load_tokens
 from ..train.preflight import RUNTIME_BYTES
@@ -92,8 +93,9 @@ def _overlap_rank(rank: int, a: dict) -> dict:
         parts = [draw_batch(src.train, a["seq_len"], a["micro_batch_size"], seed=0, step=step, index=rank * acc + i)
                  for i in range(acc)]
         batches.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+    timeout = default_timeout()  # run_local's, as every wait of the engines
     # Calibrate: compute-bound step time without any injected delay.
-    base = _engine(model, topo, acc, TorchDistComm(topo, 120), overlap=True)
+    base = _engine(model, topo, acc, TorchDistComm(topo, timeout), overlap=True)
     t_compute = statistics.median(_time_steps(base, batches, a["steps"]))
     n_ops = sum(1 for x in base.plan.actions[rank] if OPS[x.op].is_comm and not OPS[x.op].always_overlaps)
     base.close()
@@ -101,17 +103,34 @@ def _overlap_rank(rank: int, a: dict) -> dict:
     stats = torch.tensor([t_compute, float(n_ops)], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     delay = a["comm_ratio"] * stats[0].item() / stats[1].item()
+    too_long = _too_long(a["comm_ratio"], stats[0].item(), timeout)
+    if too_long:
+        return {"rank": rank, "refused": too_long}  # every rank alike: the same calibration
     result = {"rank": rank, "t_no_delay": t_compute, "delay_per_op_s": delay, "comm_ops": n_ops}
     for overlap in (False, True):
-        eng = _engine(model, topo, acc, DelayComm(TorchDistComm(topo, 120), delay), overlap=overlap)
+        eng = _engine(model, topo, acc, DelayComm(TorchDistComm(topo, timeout), delay), overlap=overlap)
         result["overlap" if overlap else "serial"] = statistics.median(_time_steps(eng, batches, a["steps"]))
         eng.close()
         del eng
     return result
 
 
+def _too_long(ratio: float, t_compute: float, timeout: float) -> str:
+    """Why a step's injected delay (``ratio`` x the compute) would not leave its waits inside the
+    timeout, which a queue of delayed transfers could outlast (the serial variant's step is that
+    long), naming both knobs; "" where it does. Known only once the compute is measured."""
+    injected = ratio * t_compute
+    if injected <= timeout / 2:
+        return ""
+    return (f"--comm-ratio {ratio:g} injects {injected:.1f} s of delay per step (the compute takes {t_compute:.3f} s), "
+            f"more than half the {timeout:g} s a wait may take: lower --comm-ratio to at most "
+            f"{timeout / 2 / t_compute:.0f}, or raise TAWPIPE_TIMEOUT")
+
+
 def overlap(a: dict, timeout: float | None = None) -> dict:
     ranks = run_local(_overlap_rank, a["nodes"] * a["per_node"], a, timeout=timeout)
+    if "refused" in ranks[0]:
+        raise UsageError(ranks[0]["refused"])
     serial = max(r["serial"] for r in ranks)
     over = max(r["overlap"] for r in ranks)
     return {
