@@ -143,6 +143,26 @@ def test_a_resume_with_a_new_lr_warmup_and_steps_steps_at_the_new_schedules_rate
     assert [x["lr"] for x in records] == pytest.approx(expected[3:], rel=1e-12)
 
 
+def test_a_resume_on_another_layout_of_as_many_ranks_trains_the_same_curve_without_a_note(runs, tmp_path) -> None:
+    """The checkpoint of 1 node x 2 ranks resumed on 2 nodes x 1 with the other schedule and
+    gradient route: the same ranks draw the same batches, so the losses are the uninterrupted run's
+    up to the order of the sums, and no note says the run will differ (it did); on another number
+    of ranks it says so, naming the two shapes."""
+    same = _tawpipe("train", *SMALL, "--data", str(runs["data"]), "--nodes", "2", "--per-node", "1",
+                    "--algo", "weipipe", "--grad-route", "leader", "--resume", str(runs["straight"] / "step-00000003"),
+                    "--metrics", str(tmp_path / "m.jsonl"))
+    assert same.returncode == 0, same.stderr
+    assert "note:" not in same.stderr, same.stderr
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    straight = _shards(runs["straight"] / "step-00000006")[0]["extra"]["losses"]
+    assert len(losses) == 3 and losses == pytest.approx(straight[3:], rel=1e-5)
+    fewer = _tawpipe("train", *SMALL, "--data", str(runs["data"]), "--per-node", "1", "--steps", "4",
+                     "--resume", str(runs["straight"] / "step-00000003"))
+    assert fewer.returncode == 0, fewer.stderr
+    assert ("note: resuming with other settings than the checkpoint's (--nodes x --per-node 1 x 2 -> 1 x 1, "
+            "--steps 6 -> 4); the run will differ from an uninterrupted one") in fewer.stderr, fewer.stderr
+
+
 def test_each_rank_draws_its_own_dropout_stream_which_the_seed_fixes() -> None:
     """The torch generators a rank steps from (dropout's) differ between ranks, are the same in a
     second launch of the same configuration, and change with --seed (the workers started with the

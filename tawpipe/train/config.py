@@ -80,10 +80,12 @@ class TrainConfig:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
-# may change on resume: they do not change what is trained
+# may change on resume: they do not change what is trained (at most the order of a sum). So may
+# --nodes and --per-node, where their product, the ranks that draw batches, stays the same.
 NOT_TRAINING = ("save", "save_every", "resume", "export", "val_every", "val_batches", "metrics", "tensorboard",
                 "log_every", "prefetch_depth", "mb_per_fetch", "reuse_weights", "memory_budget", "replicas",
-                "max_skipped_in_a_row", "loss", "comm", "recompute", "offload_state", "offload_activations")
+                "max_skipped_in_a_row", "loss", "comm", "recompute", "offload_state", "offload_activations",
+                "algo", "grad_route")
 
 
 def flag(name: str) -> str:

@@ -359,7 +359,10 @@ def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> dict[str, Any]
     checkpoint.verify(cfg.resume, checksums=leader())  # every shard whole, before a worker reads one
     saved = manifest["meta"].get("train", {})
     changed = [f"{flag(k)} {saved[k]} -> {v}" for k, v in asdict(cfg).items()
-               if k in saved and k not in NOT_TRAINING and saved[k] != v]
+               if k in saved and k not in (*NOT_TRAINING, "nodes", "per_node") and saved[k] != v]
+    ranks = saved.get("nodes", cfg.nodes), saved.get("per_node", cfg.per_node)
+    if ranks[0] * ranks[1] != cfg.nodes * cfg.per_node:  # other ranks draw the batches
+        changed.insert(0, f"--nodes x --per-node {ranks[0]} x {ranks[1]} -> {cfg.nodes} x {cfg.per_node}")
     if changed:
         print(f"tawpipe train: note: resuming with other settings than the checkpoint's ({', '.join(changed)}); "
               "the run will differ from an uninterrupted one", file=sys.stderr)
