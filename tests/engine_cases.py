@@ -199,6 +199,12 @@ def _engine(model: TinyLM, topo: Topology, acc: int, comm=None, **options) -> Ta
                        **options)
 
 
+def _graphs(case: dict) -> int:
+    """The graphs torch.compile traced in this process so far, where ``case`` compiles (0 where it
+    does not: the compiler is not imported for nothing)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] if case.get("compile") else 0
+
+
 def exactness(rank: int, cases: list[dict]) -> list[dict]:
     """For each case: tawpipe vs the reference after `steps` steps; returns per-case errors."""
     out = []
@@ -218,10 +224,12 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
         comm.log = log
         eng_model = copy.deepcopy(model)
         options = {k: case[k] for k in _ENGINE_OPTIONS if k in case}
-        engine = _engine(
-            eng_model, topo, acc, comm, compute_dtype=dtype, max_grad_norm=clip,
-            block_forward=lambda blk, h, **ctx: blk(h, **ctx), **options,
-        )
+        block_forward = lambda blk, h, **ctx: blk(h, **ctx)  # noqa: E731
+        graphs = _graphs(case)
+        if case.get("compile"):  # a backend of torch.compile: what a user does for speed
+            block_forward = torch.compile(block_forward, backend=case["compile"])
+        engine = _engine(eng_model, topo, acc, comm, compute_dtype=dtype, max_grad_norm=clip,
+                         block_forward=block_forward, **options)
         setup = [(r.channel, r.op, r.group, r.bytes) for r in log]  # construction: the CHECK only
         log.clear()
         losses = []
@@ -256,6 +264,7 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
             "own_chunk": engine.own_chunk,
             "finite": all(math.isfinite(v) for v in losses), "skipped": engine.skipped_steps,
             "frozen_moved": frozen_moved, "requires_grad_as_given": flags,
+            "graphs": _graphs(case) - graphs,
         })
     return out
 

@@ -135,6 +135,23 @@ def test_frozen_parameters_and_block_buffers_are_exact() -> None:
     _check_traffic([[r for r in rank_results if r["case"].get("frozen") != "replicated"] for rank_results in results])
 
 
+COMPILED_CASES = [
+    dict(nodes=2, acc=2, layers=6, compile="aot_eager", max_grad_norm=0.05),
+    dict(nodes=2, acc=2, layers=6, compile="aot_eager", recompute="layer", offload_activations=True, block="buffers"),
+]
+
+
+def test_a_compiled_block_forward_trains_exactly_and_compiles_once_for_every_layer() -> None:
+    """``torch.compile(block_forward)``, a user's first speed knob: as exact as the eager function,
+    and the blocks of every chunk, fetched into the same staging or not, run the graphs traced once
+    (at most a forward with and one without autograd), whatever the layers and steps."""
+    results = run_local(exactness, 4, COMPILED_CASES, timeout=600)
+    _check(results)
+    for rank_results in results:
+        for r in rank_results:
+            assert 1 <= r["graphs"] <= 2, (r["case"], r["rank"], r["graphs"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4, 6, 8])
 def test_exact_full_matrix(world: int) -> None:
