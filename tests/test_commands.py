@@ -260,6 +260,27 @@ def test_a_bench_that_needs_more_memory_than_the_host_has_is_refused_before_it_s
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("emulated, world, local, named", [
+    (True, 8, 2, "8 rank(s) (the emulated cluster's ranks, all on this host)"),
+    (False, 16, 8, "8 rank(s) (this host's ranks)")])
+def test_comm_under_a_launcher_counts_the_ranks_that_share_this_host(capsys, monkeypatch, tmp_path, emulated, world,
+                                                                     local, named):
+    """Each rank of `tawpipe bench comm` under a launcher checks its host's memory: torchrun's node
+    holds LOCAL_WORLD_SIZE ranks, but `tawpipe cluster run`'s emulated nodes are all on one host, so
+    there it counts the whole job (it counted one node's ranks: 2 of 8, which fit where 8 do not)."""
+    from tawpipe.cluster import LINK_ENV
+
+    nothing_starts(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    _host_has(monkeypatch, 3 * 2**30)  # holds 2 ranks of 1.25 GiB
+    for key, value in dict(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(local)).items():
+        monkeypatch.setenv(key, value)
+    if emulated:
+        monkeypatch.setenv(LINK_ENV, "veth0")
+    line = refused(capsys, "bench", "comm", "-d", "bfloat16", "-e", "64M", "--out", "")  # 384 MiB + 14 x 64 MiB a rank
+    assert f"{named} at -e 67,108,864 bytes of bfloat16, each 1.25 GiB: the bench needs about 10.00 GiB" in line, line
+
+
 TOO_LARGE = [
     (("prefetch", "--device", "cpu", "--numel", str(10**14)), "--numel 100,000,000,000,000"),  # 3 PB
     (("comm", "--nodes", "100000"), "200000 rank(s) (--nodes 100000 x --per-node 2)"),  # 73 TiB of runtimes

@@ -547,11 +547,13 @@ def case_bytes(size: int, dtype: torch.dtype, cpu: bool, check: bool) -> int:
 def _check_memory(a: dict, backend: Backend) -> None:
     """A UsageError where this host's ranks would need more memory than it has at -e, before any
     starts."""
-    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"]) if under_launcher else \
-        a["nodes"] * a["per_node"]
     per_rank = RUNTIME_BYTES + case_bytes(a["maxbytes"], DTYPES[a["datatype"]], backend.device == "cpu", a["check"])
-    where = "this host's ranks" if under_launcher else f"--nodes {a['nodes']} x --per-node {a['per_node']}"
+    if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):  # a local job: this command starts them all
+        ranks, where = a["nodes"] * a["per_node"], f"--nodes {a['nodes']} x --per-node {a['per_node']}"
+    elif LINK_ENV in os.environ:  # tawpipe cluster's emulated nodes: every rank of the job is on this host
+        ranks, where = int(os.environ["WORLD_SIZE"]), "the emulated cluster's ranks, all on this host"
+    else:
+        ranks, where = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"]), "this host's ranks"
     check_memory(ranks * per_rank, f"{ranks} rank(s) ({where}) at -e {a['maxbytes']:,} bytes of {a['datatype']}, "
                  f"each {gib(per_rank)}", "use fewer ranks, a smaller -e" + (", or -c 0" if a["check"] else ""))
 
