@@ -592,3 +592,24 @@ def test_sigterm_saves_at_a_step_boundary_and_the_resume_is_bit_exact(runs, tmp_
     assert resumed.returncode == 0 and straight.returncode == 0, resumed.stderr + straight.stderr
     for a, b in zip(_shards(tmp_path / "straight" / "step-00000016"), _shards(tmp_path / "resumed" / "step-00000016")):
         assert _equal(a["params"], b["params"]) and _equal(a["optimizer"], b["optimizer"])
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_under_torchrun_every_rank_of_a_run_stopped_on_request_exits_nonzero(monkeypatch, capsys, rank) -> None:
+    """A job stopped on request (torchrun's SIGINT or SIGTERM on one node) stops every rank at the
+    same step; every rank's exit status says so, not rank 0's alone: the other node's torchrun
+    exited 0 for a 2-node job stopped at step 1 of 400, as if it had finished."""
+    result = {"stopped_at": 1, "losses": [5.0], "steps_run": 1, "seconds": 1.0, "tokens_per_step": 64,
+              "skipped": 0, "skipped_total": 0, "val_losses": {}, "memory": "-"}
+    stub = argparse.Namespace(get_rank=lambda: rank, destroy_process_group=lambda: None)
+    monkeypatch.setattr(job, "under_torchrun", lambda: True)
+    monkeypatch.setattr(job, "init_distributed", lambda: torch.device("cpu"))
+    monkeypatch.setattr(job, "dist", stub)
+    monkeypatch.setattr(job, "train_rank", lambda *a: dict(result))
+    monkeypatch.setattr(job.Topology, "from_env", staticmethod(lambda: Topology(2, 2)))
+    cfg = job.TrainConfig(steps=400)
+    pre = argparse.Namespace(resumed_from=None, memory="memory", auto=None)
+    assert job._run(cfg, pre) == 128 + 15
+    assert "stopped on request after step 1 of 400" in capsys.readouterr().err
+    result["stopped_at"] = None  # a run that ends at its last step: 0 on every rank
+    assert job._run(cfg, pre) == 0

@@ -67,8 +67,12 @@ def _run(cfg: TrainConfig, pre: Preflight) -> int:
             print(f"tawpipe train: rank {rank}: {e}", file=sys.stderr)
             return 1
         dist.destroy_process_group()
-        if rank != 0:
-            return 0
+        if rank != 0:  # rank 0 reports the job; another node's launcher still learns that it stopped early
+            if result["stopped_at"] is None:
+                return 0
+            print(f"tawpipe train: rank {rank}: stopped on request after step {result['stopped_at']} of "
+                  f"{cfg.steps}, with every rank (rank 0 reports the checkpoint)", file=sys.stderr)
+            return 128 + stopped_by
     else:
         world = cfg.nodes * cfg.per_node
         print(f"tawpipe train: local emulated cluster, {cfg.nodes} nodes x {cfg.per_node} ranks (gloo, CPU), "
