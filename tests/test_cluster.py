@@ -30,6 +30,8 @@ from tawpipe.plan.topology import Topology
 from tawpipe.runtime.workers import parent_of
 from tawpipe.simulate.inputs import shape_dims
 
+from cli_cases import refused
+
 
 def spec(nodes: int = 3, per_node: int = 2, rate: str | None = "100mbit") -> ClusterSpec:
     return ClusterSpec(nodes, per_node, rate, run_id="tpc4242x7")
@@ -57,6 +59,32 @@ def test_spec_rejects_bad_input(kw, what):
     args = dict(nodes=2, per_node=2, rate="100mbit") | kw
     with pytest.raises(ValueError, match=what):
         ClusterSpec(**args)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rate", "799bit"], "link rate '799bit' is below 800bit, the slowest the links' shaper can set"),
+    (["--queue-ms", "350000"], "queue-ms 350000 at 100mbit queues 4,375,262,144 bytes, more than the "
+                               "4,294,967,295 a tc bfifo holds: give a queue-ms of at most 343576"),
+    (["--rate", "100gbit"], "queue-ms 400 at 100gbit queues 5,050,000,000 bytes"),
+    (["--timeout", "0"], "argument --timeout: expected a finite number > 0, got 0"),
+    (["--timeout", "nan"], "argument --timeout: expected a finite number > 0, got nan"),
+])
+def test_link_options_tc_or_the_wait_cannot_take_are_refused_before_the_cluster_is_built(
+        monkeypatch, capsys, argv, message):
+    """A rate under 800 bit/s (its acknowledgement class under tc's 1 byte/s), a queue of more
+    bytes than a bfifo holds (32 bits) and a timeout not > 0 were tracebacks once namespaces were
+    built, tc's error blamed on a missing CAP_NET_ADMIN, or Cluster.run's ValueError."""
+    def built(*args, **kwargs):
+        raise AssertionError("the cluster was built before its options were refused")
+
+    monkeypatch.setattr(command, "Cluster", built)
+    monkeypatch.setattr(host, "unavailable_reason", lambda spec=None: None)
+    line = refused(capsys, "cluster", "run", *argv, "--", "true",
+                   prog="tawpipe cluster run" if "--timeout" in argv else "tawpipe cluster")
+    assert message in line, line
+    # the bounds are the last values tc takes
+    assert ClusterSpec(1, 1, "800bit").rate == "800bit"
+    assert ClusterSpec(1, 1, "100mbit", queue_ms=343576).queue_bytes <= 2**32 - 1
 
 
 def test_names_are_recognisable_and_unique():
@@ -542,6 +570,21 @@ def test_failure_and_timeout_tear_everything_down():
             c.run(["sleep", "60"], timeout=1)
         assert not _our_children()
     assert time.monotonic() - t0 < 20 and not _leftovers(s)
+
+
+@needs_netns
+def test_a_rank_that_fails_ends_cluster_run_with_its_message_not_a_traceback(capsys):
+    """`tawpipe cluster run` whose rank exits with 3 says so on one line and exits 1 (it was
+    ClusterError's traceback), and leaves nothing behind."""
+    before = set(cl.list_namespaces())
+    code = cl.main(argparse.Namespace(action="run", nodes=2, per_node=1, rate=None, queue_ms=400, pin_cpus=False,
+                                      compute="shared", cpus_per_rank=None, timeout=120.0,
+                                      target=["--", sys.executable, "-c",
+                                              "import os, sys; sys.exit(3 * (os.environ['RANK'] == '1'))"]))
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("tawpipe cluster run: rank 1 exited with code 3"), err
+    assert "Traceback" not in err
+    assert set(cl.list_namespaces()) <= before and not _our_children()
 
 
 @needs_netns

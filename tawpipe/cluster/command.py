@@ -7,16 +7,17 @@ import argparse
 import importlib
 import json
 import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..commands import UsageError, int_at_least
+from ..commands import UsageError, int_at_least, positive_float
 from . import host
 from .cgroups import remove_cgroups, stale_cgroups
 from .counters import network_floor
 from .netns import list_namespaces, remove_namespaces, stale_namespaces
-from .spec import ClusterSpec, describe_compute, parse_rate
+from .spec import ClusterError, ClusterSpec, describe_compute, parse_rate
 from .supervise import Cluster
 
 DESCRIPTION = (
@@ -69,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
     r.add_argument("--per-node", type=int, default=2, help="ranks per node")
     add_link_arguments(r)
-    r.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
+    r.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are stopped")
     r.add_argument("target", nargs=argparse.REMAINDER, metavar="-- TARGET ...",
                    help="'module:function [ARG ...]' (called as function(rank, *ARGs) after "
                         "torch.distributed is initialised; returns JSON) or a command, e.g. "
@@ -109,13 +110,21 @@ def main(args: argparse.Namespace) -> int:
     reason = host.unavailable_reason(spec)
     if reason:
         raise UsageError(reason)
+    try:
+        return _run(spec, fn, target, args.timeout)
+    except ClusterError as e:  # a rank that failed or timed out, a link tc refused: the message, not a traceback
+        print(f"tawpipe cluster run: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(spec: ClusterSpec, fn: Callable[..., Any] | None, target: Sequence[str], timeout: float) -> int:
     with Cluster(spec) as c:
         print(f"tawpipe cluster: {spec.nodes} nodes x {spec.per_node} ranks, links {spec.rate or 'unlimited'} "
               f"each way, {describe_compute(spec)}, namespaces {spec.run_id}-*", flush=True)
         before = c.link_bytes()
         t0 = time.perf_counter()
-        results = c.run(fn, *target[1:], timeout=args.timeout, quiet=False) if fn else \
-            c.run(target, timeout=args.timeout, quiet=False)
+        results = c.run(fn, *target[1:], timeout=timeout, quiet=False) if fn else \
+            c.run(target, timeout=timeout, quiet=False)
         seconds = time.perf_counter() - t0
         moved = [b - a for a, b in zip(before, c.link_bytes())]
     if fn:

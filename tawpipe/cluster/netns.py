@@ -12,7 +12,7 @@ import signal
 import subprocess
 from collections.abc import Callable, Sequence
 
-from .spec import NAMESPACE_NAME, NODE_LINK, ClusterError, ClusterSpec
+from .spec import NAMESPACE_NAME, NODE_LINK, ClusterError, ClusterSpec, shaper_burst
 
 COMMAND_TIMEOUT = 30.0  # seconds for one ip/tc invocation
 
@@ -27,12 +27,6 @@ def run_ip(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProces
     if check and r.returncode != 0:
         raise ClusterError(f"{' '.join(cmd)} failed (exit {r.returncode}): {r.stderr.strip()}")
     return r
-
-
-def shaper_burst(rate_bytes: float) -> int:
-    """The shaper's bucket, bytes: it must exceed the largest GSO packet (64 KiB plus a header per
-    segment); smaller ones shape each packet late and the link runs below its rate."""
-    return max(256 * 1024, int(rate_bytes * 0.004))
 
 
 def _shaper(ns: str, dev: str, spec: ClusterSpec) -> list[list[str]]:
@@ -54,8 +48,7 @@ def _shaper(ns: str, dev: str, spec: ClusterSpec) -> list[list[str]]:
          "burst", burst, "cburst", burst, "prio", "0"],
         [*cls, "parent", "1:1", "classid", "1:20", "htb", "rate", str(int(spec.rate_bits * 99 // 100)), "ceil",
          spec.rate, "burst", burst, "cburst", burst, "prio", "1"],
-        [*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit",
-         str(int(rate_bytes * spec.queue_ms / 1000) + int(burst))],
+        [*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit", str(spec.queue_bytes)],
         # IPv4 total length (bytes 2-3 of the header) below 128
         [*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
          "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:10"],

@@ -17,6 +17,8 @@ RUN_NAME = re.compile(rf"^{PREFIX}(\d+)x(\d+)$")
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$", re.IGNORECASE)
 _RATE_SCALE = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _runs = count()
+MIN_RATE_BITS = 800  # the acknowledgements' class gets 1% of the rate, and tc sets no class below 1 byte/s
+QUEUE_LIMIT = 2**32 - 1  # the most bytes a tc bfifo holds (its limit is 32 bits)
 
 
 class ClusterUnavailable(RuntimeError):
@@ -34,6 +36,12 @@ def parse_rate(rate: str) -> int:
         raise ValueError(f"link rate {rate!r} is not a positive tc rate: write e.g. '100mbit', '1gbit', "
                          "'500kbit' (or 'none' for no limit)")
     return int(float(m.group(1)) * _RATE_SCALE[m.group(2).lower()])
+
+
+def shaper_burst(rate_bytes: float) -> int:
+    """The shaper's bucket, bytes: it must exceed the largest GSO packet (64 KiB plus a header per
+    segment); smaller ones shape each packet late and the link runs below its rate."""
+    return max(256 * 1024, int(rate_bytes * 0.004))
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,14 @@ class ClusterSpec:
                 raise ValueError(f"cluster {name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.nodes > 250:
             raise ValueError(f"at most 250 nodes fit the cluster's /24 subnet, got {self.nodes}")
-        if self.rate is not None:
-            parse_rate(self.rate)
+        if self.rate is not None and parse_rate(self.rate) < MIN_RATE_BITS:
+            raise ValueError(f"link rate {self.rate!r} is below {MIN_RATE_BITS}bit, the slowest the links' shaper "
+                             "can set (its class for acknowledgements gets 1% of the rate, and tc sets no class "
+                             "below 1 byte/s): give a faster rate, or 'none'")
+        if self.rate is not None and self.queue_bytes > QUEUE_LIMIT:
+            most = (QUEUE_LIMIT - shaper_burst(self.rate_bits / 8)) * 1000 // (self.rate_bits / 8)
+            raise ValueError(f"queue-ms {self.queue_ms} at {self.rate} queues {self.queue_bytes:,} bytes, more than "
+                             f"the {QUEUE_LIMIT:,} a tc bfifo holds: give a queue-ms of at most {int(most)}")
         if self.compute not in ("fixed", "shared"):
             raise ValueError(f"compute must be 'fixed' (a CPU quota per rank) or 'shared', got {self.compute!r}")
         if self.cpus_per_rank is not None:
@@ -80,6 +94,15 @@ class ClusterSpec:
     @property
     def rate_bits(self) -> int | None:
         return None if self.rate is None else parse_rate(self.rate)
+
+    @property
+    def queue_bytes(self) -> int:
+        """The bulk queue of each direction of a link, bytes: ``queue_ms`` at the rate, plus the
+        shaper's bucket (0 without a rate)."""
+        if self.rate_bits is None:
+            return 0
+        rate_bytes = self.rate_bits / 8
+        return int(rate_bytes * self.queue_ms / 1000) + shaper_burst(rate_bytes)
 
     @property
     def bridge_ns(self) -> str:
