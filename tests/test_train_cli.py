@@ -613,3 +613,16 @@ def test_under_torchrun_every_rank_of_a_run_stopped_on_request_exits_nonzero(mon
     assert "stopped on request after step 1 of 400" in capsys.readouterr().err
     result["stopped_at"] = None  # a run that ends at its last step: 0 on every rank
     assert job._run(cfg, pre) == 0
+
+
+def test_a_rank_started_without_torchruns_rendezvous_address_is_refused_in_one_line(monkeypatch, capsys) -> None:
+    """RANK and WORLD_SIZE set by hand without MASTER_ADDR and MASTER_PORT: one line and exit 2
+    before any worker (it was init_distributed's RuntimeError traceback, after the data was read)."""
+    _no_workers(monkeypatch)
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert refused(capsys, "train", *SMALL) == (
+        "tawpipe train: RANK and WORLD_SIZE are set but MASTER_ADDR and MASTER_PORT not: start the ranks with "
+        "torchrun, which sets them all, or unset RANK and WORLD_SIZE for a local emulated cluster")

@@ -77,6 +77,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what init_distributed reads
+
+
+def missing_torchrun_env() -> list[str]:
+    """The variables of ``TORCHRUN_ENV`` this process's environment lacks."""
+    return [k for k in TORCHRUN_ENV if k not in os.environ]
+
+
 def init_distributed(timeout: float | None = None, cpu: bool = False) -> torch.device:
     """Initialise torch.distributed from torchrun's environment; returns this rank's device
     (``cpu=True``: gloo on the CPU even where CUDA is available).
@@ -84,7 +92,7 @@ def init_distributed(timeout: float | None = None, cpu: bool = False) -> torch.d
     Also publishes this rank's progress to the job's store, so that a rank whose wait times out
     can name the peer that holds it up (``tawpipe.runtime.progress``)."""
     if not dist.is_initialized():
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        missing = missing_torchrun_env()
         if missing:
             raise RuntimeError(
                 f"environment lacks {', '.join(missing)}: start with torchrun, or use "

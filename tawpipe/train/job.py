@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..commands import UsageError, as_flags
 from ..io import checkpoint
 from ..plan.topology import Topology
-from ..runtime.launch import JobFailed, JobStopped, init_distributed, run_local
+from ..runtime.launch import JobFailed, JobStopped, init_distributed, missing_torchrun_env, run_local
 from .config import TrainConfig, under_torchrun
 from .loop import TrainError, local_rank, train_rank
 from .preflight import Preflight, leader, validate
@@ -28,6 +28,9 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Preflight]:
     """The run's configuration, checked (``validate``) and its "auto" options chosen; UsageError
     (one line, exit status 2) otherwise."""
     cfg = TrainConfig.from_args(args)
+    if under_torchrun() and (missing := missing_torchrun_env()):  # set by hand, not by torchrun
+        raise UsageError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: start the ranks with "
+                         "torchrun, which sets them all, or unset RANK and WORLD_SIZE for a local emulated cluster")
     try:
         pre = validate(cfg, Topology.from_env() if under_torchrun() else None)
     except (ValueError, OSError, ImportError) as e:
