@@ -615,6 +615,40 @@ def test_under_torchrun_every_rank_of_a_run_stopped_on_request_exits_nonzero(mon
     assert job._run(cfg, pre) == 0
 
 
+def _torchrun_env(monkeypatch, world: int, local: int) -> None:
+    """This process as rank 0 of a torchrun job of world / local nodes x local ranks."""
+    for name, value in dict(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(local),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("given, named", [(("--nodes", "2", "--per-node", "2"), "--nodes 2 --per-node 2"),
+                                          (("--per-node", "2"), "--per-node 2")])
+def test_under_torchrun_a_shape_given_that_differs_from_the_jobs_is_refused(monkeypatch, capsys, given, named) -> None:
+    """torchrun sets the shape: --nodes 2 --per-node 2 on a job of 1 x 3 trained 1 x 3 without a word,
+    and the checkpoints recorded 2 x 2."""
+    _no_workers(monkeypatch)
+    _torchrun_env(monkeypatch, 3, 3)
+    assert SMALL[2:6] == ["--nodes", "1", "--per-node", "2"]
+    assert refused(capsys, "train", *SMALL[:2], *SMALL[6:], *given) == (
+        f"tawpipe train: {named} differ(s) from this torchrun job of 1 node(s) x 3 rank(s) (its --nnodes and "
+        "--nproc-per-node, which set the shape): leave --nodes and --per-node out under torchrun, or start torchrun "
+        "with the shape you meant")
+
+
+@pytest.mark.parametrize("given", [(), ("--per-node", "3"), ("--nodes", "1", "--per-node", "3")])
+def test_under_torchrun_the_configuration_takes_the_jobs_shape(monkeypatch, given) -> None:
+    """The shape the checkpoints' manifests record and a resume compares is the job's, whatever of it
+    the flags repeat (it was the flags' defaults, 2 x 2, on a job of 1 x 3)."""
+    _torchrun_env(monkeypatch, 3, 3)
+    p = parser()
+    argv = ["--model", "micro", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2", *given]
+    cfg, _ = job._config(p.parse_args(argv))
+    assert (cfg.nodes, cfg.per_node) == (1, 3)
+    local = job.TrainConfig.from_args(p.parse_args([]))
+    assert (local.nodes, local.per_node) == (2, 2)  # the local emulated cluster's defaults
+
+
 def test_a_rank_started_without_torchruns_rendezvous_address_is_refused_in_one_line(monkeypatch, capsys) -> None:
     """RANK and WORLD_SIZE set by hand without MASTER_ADDR and MASTER_PORT: one line and exit 2
     before any worker (it was init_distributed's RuntimeError traceback, after the data was read)."""

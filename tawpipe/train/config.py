@@ -76,8 +76,11 @@ class TrainConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainConfig:
+        """The flags' values; --nodes and --per-node not given are the defaults (under torchrun
+        the job's shape replaces them: ``job``)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        return cls(**{k: v for k, v in vars(args).items()
+                      if k in names and not (k in ("nodes", "per_node") and v is None)})
 
 
 # may change on resume: they do not change what is trained (at most the order of a sum). So may
@@ -100,8 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "(tawpipe.models.hf.register adds others).")
     p.add_argument("--config", default=None, help="TOML or YAML file of flag values, keys named as the flags "
                    "(micro-batches = 4); flags on the command line override it")
-    p.add_argument("--nodes", type=int, default=d.nodes, help="emulated nodes (local cluster only)")
-    p.add_argument("--per-node", type=int, default=d.per_node, help="ranks per emulated node")
+    p.add_argument("--nodes", type=int, default=None,
+                   help=f"emulated nodes (default: {d.nodes}); under torchrun its --nnodes, which a value given must "
+                        "match")
+    p.add_argument("--per-node", type=int, default=None,
+                   help=f"ranks per emulated node (default: {d.per_node}); under torchrun its --nproc-per-node, which "
+                        "a value given must match")
     p.add_argument("--model", default=d.model,
                    help="a built-in model (below), a Hugging Face save_pretrained directory, or a config .json "
                         "(a Hugging Face config.json, or LlamaConfig fields)")

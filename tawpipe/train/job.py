@@ -28,15 +28,36 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Preflight]:
     """The run's configuration, checked (``validate``) and its "auto" options chosen; UsageError
     (one line, exit status 2) otherwise."""
     cfg = TrainConfig.from_args(args)
-    if under_torchrun() and (missing := missing_torchrun_env()):  # set by hand, not by torchrun
-        raise UsageError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: start the ranks with "
-                         "torchrun, which sets them all, or unset RANK and WORLD_SIZE for a local emulated cluster")
+    topology = None  # the local emulated cluster's, from the flags
+    if under_torchrun():
+        if missing := missing_torchrun_env():  # set by hand, not by torchrun
+            raise UsageError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: start the ranks with "
+                             "torchrun, which sets them all, or unset RANK and WORLD_SIZE for a local emulated cluster")
+        try:
+            topology = Topology.from_env()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        _check_torchrun_shape(args, topology)
+        cfg = replace(cfg, nodes=topology.nodes, per_node=topology.per_node)  # what the checkpoints record
     try:
-        pre = validate(cfg, Topology.from_env() if under_torchrun() else None)
+        pre = validate(cfg, topology)
     except (ValueError, OSError, ImportError) as e:
         raise UsageError(as_flags(str(e))) from None
     return replace(cfg, **pre.schedule), pre
 
+
+
+def _check_torchrun_shape(args: argparse.Namespace, topology: Topology) -> None:
+    """Under torchrun the job's shape is torchrun's: a --nodes or --per-node given (on the command
+    line or in --config) that says otherwise is refused, not ignored."""
+    given = {flag: value for flag, value in (("--nodes", args.nodes), ("--per-node", args.per_node))
+             if value is not None}
+    if given and (given.get("--nodes", topology.nodes), given.get("--per-node", topology.per_node)) != \
+            (topology.nodes, topology.per_node):
+        raise UsageError(
+            f"{' '.join(f'{k} {v}' for k, v in given.items())} differ(s) from this torchrun job of {topology.nodes} "
+            f"node(s) x {topology.per_node} rank(s) (its --nnodes and --nproc-per-node, which set the shape): leave "
+            "--nodes and --per-node out under torchrun, or start torchrun with the shape you meant")
 
 
 def _holding_save(cfg: TrainConfig) -> contextlib.AbstractContextManager:
