@@ -360,7 +360,7 @@ def _check_resume(cfg: TrainConfig, signature: dict[str, Any]) -> dict[str, Any]
     saved = manifest["meta"].get("train", {})
     changed = [f"{flag(k)} {saved[k]} -> {v}" for k, v in asdict(cfg).items()
                if k in saved and k not in (*NOT_TRAINING, "nodes", "per_node") and saved[k] != v]
-    ranks = saved.get("nodes", cfg.nodes), saved.get("per_node", cfg.per_node)
+    ranks = manifest["topology"]["nodes"], manifest["topology"]["per_node"]  # the job's, under torchrun too
     if ranks[0] * ranks[1] != cfg.nodes * cfg.per_node:  # other ranks draw the batches
         changed.insert(0, f"--nodes x --per-node {ranks[0]} x {ranks[1]} -> {cfg.nodes} x {cfg.per_node}")
     if changed:
