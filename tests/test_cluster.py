@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -588,7 +589,10 @@ def test_a_rank_that_fails_ends_cluster_run_with_its_message_not_a_traceback(cap
 
 
 @needs_netns
-def test_killed_launcher_leaves_no_workers_and_down_cleans():
+@pytest.mark.parametrize("how", ["down", "next run"])
+def test_killed_launcher_leaves_no_workers_and_down_or_the_next_run_cleans(capsys, how):
+    """What a SIGKILLed launcher leaves (its namespaces and cgroups) goes with `tawpipe cluster down`,
+    or with the next cluster built, which says so (they piled up until a `down`)."""
     code = ("import sys; from tawpipe.cluster import Cluster, ClusterSpec\n"
             "with Cluster(ClusterSpec(2, 1, None)) as c:\n    c.run(['sleep', '120'], timeout=300)\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -611,7 +615,15 @@ def test_killed_launcher_leaves_no_workers_and_down_cleans():
         assert [ns for ns in cl.list_namespaces() if ns.startswith(prefix)], "expected leftovers to clean"
         cgroups = cl.cpu_controller()[0]
         assert [d for d in os.listdir(cgroups) if d.startswith(prefix)], "expected the ranks' cgroups left"
-        assert cl.main(argparse.Namespace(action="down", all=False)) == 0
+        capsys.readouterr()
+        if how == "down":
+            assert cl.main(argparse.Namespace(action="down", all=False)) == 0
+        else:
+            with cl.Cluster(ClusterSpec(1, 1, None)) as c:
+                assert c.run(["true"], timeout=60) == [0]
+            err = capsys.readouterr().err  # its 3 namespaces and 1 cgroup, and any a killed launcher left before
+            assert re.search(r"removed ([3-9]|\d\d+) namespace\(s\) and \d+ cgroup\(s\) left by launchers that were "
+                             "killed", err), err
         assert not [ns for ns in cl.list_namespaces() if ns.startswith(prefix)]
         assert not [d for d in os.listdir(cgroups) if d.startswith(prefix)], "down left the cgroups"
     finally:

@@ -14,11 +14,9 @@ from typing import Any
 
 from ..commands import UsageError, int_at_least, positive_float
 from . import host
-from .cgroups import remove_cgroups, stale_cgroups
 from .counters import network_floor
-from .netns import list_namespaces, remove_namespaces, stale_namespaces
 from .spec import ClusterError, ClusterSpec, describe_compute, parse_rate
-from .supervise import Cluster
+from .supervise import Cluster, sweep
 
 DESCRIPTION = (
     "An emulated multi-node cluster on this machine (root): one network namespace per node, rate-limited links "
@@ -92,13 +90,10 @@ def _resolve(target: Sequence[str]) -> Callable[..., Any] | None:
 
 def main(args: argparse.Namespace) -> int:
     if args.action == "down":
-        names = stale_namespaces(list_namespaces(), host.pid_alive, everything=args.all)
-        errors = remove_namespaces(names)
-        cgroups = stale_cgroups(host.pid_alive, everything=args.all)
-        cg_errors = remove_cgroups(cgroups)
-        print(f"tawpipe cluster down: removed {len(names) - len(errors)} namespace(s) and "
-              f"{len(cgroups) - len(cg_errors)} cgroup(s)" + "".join(f"\n  {e}" for e in errors + cg_errors))
-        return 1 if errors or cg_errors else 0
+        namespaces, groups, errors = sweep(everything=args.all)
+        print(f"tawpipe cluster down: removed {namespaces} namespace(s) and {groups} cgroup(s)"
+              + "".join(f"\n  {e}" for e in errors))
+        return 1 if errors else 0
     target = [a for a in args.target if a != "--"] if args.target[:1] == ["--"] else list(args.target)
     if not target:
         raise UsageError("nothing to run; give '-- module:function' or '-- command'")

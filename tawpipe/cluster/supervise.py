@@ -23,9 +23,9 @@ from typing import Any, NoReturn
 from ..atomic import write_atomic
 from ..runtime.workers import die_with_parent
 from . import cgroups, host
-from .cgroups import CpuQuota, cpu_controller
+from .cgroups import CpuQuota, cpu_controller, remove_cgroups, stale_cgroups
 from .counters import LINK_ENV, LinkBytes, node_link_bytes
-from .netns import list_namespaces, remove_namespaces, run_ip, setup_commands, shaping_commands
+from .netns import list_namespaces, remove_namespaces, run_ip, setup_commands, shaping_commands, stale_namespaces
 from .spec import NODE_LINK, ClusterError, ClusterSpec, ClusterUnavailable
 
 THREADS_ENV = "TAWPIPE_CLUSTER_THREADS"  # set for workers: torch's thread count to match the quota
@@ -79,6 +79,16 @@ def worker_cpus(spec: ClusterSpec, rank: int) -> set[int] | None:
     return {cores[rank % len(cores)]}
 
 
+def sweep(everything: bool = False) -> tuple[int, int, list[str]]:
+    """Remove the namespaces and cgroups of clusters whose launcher is gone (a SIGKILL leaves them;
+    ``everything``: of every cluster): (namespaces removed, cgroups removed, the errors met)."""
+    names = stale_namespaces(list_namespaces(), host.pid_alive, everything=everything)
+    errors = remove_namespaces(names)
+    groups = stale_cgroups(host.pid_alive, everything=everything)
+    group_errors = remove_cgroups(groups)
+    return len(names) - len(errors), len(groups) - len(group_errors), errors + group_errors
+
+
 class Cluster:
     """An emulated cluster, built on entry and torn down on exit, error or signal.
 
@@ -107,6 +117,10 @@ class Cluster:
         reason = host.unavailable_reason(self.spec)
         if reason:
             raise ClusterUnavailable(reason)
+        removed = sweep()  # what killed launchers left: their names never clash with ours, but they pile up
+        if removed[0] or removed[1]:
+            print(f"tawpipe cluster: removed {removed[0]} namespace(s) and {removed[1]} cgroup(s) left by launchers "
+                  "that were killed", file=sys.stderr)
         self._signalled = None
         self._install_signal_handlers()
         self._up = True
