@@ -441,6 +441,44 @@ def test_meta_blocks_take_their_buffers_from_the_materialised_ones() -> None:
                         "gain", torch.empty(HIDDEN, device="meta"), persistent=False) or block)
 
 
+class _UncastBufferBlock(nn.Module):
+    """A residual block that multiplies by its floating buffer as it is, without a cast: in a
+    model put in bfloat16 the buffer is bfloat16 too, and the product stays in that dtype."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, h), persistent=False)
+        self.up = nn.Linear(h, 2 * h + 1)
+        self.down = nn.Linear(2 * h + 1, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x * self.gain)))
+
+
+def test_floating_block_buffers_are_in_the_compute_dtype() -> None:
+    """The engine keeps the blocks' floating buffers in the compute dtype, as ``block.to(dtype)``
+    puts them: a bfloat16 step's loss is plain torch's on the model's bfloat16 copy (a buffer left
+    in float32 would promote the hidden states, and the next matmul would refuse them)."""
+    seed = int(torch.randint(0, 10_000, ()))
+    torch.manual_seed(seed)
+    embed, head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB)
+    blocks = nn.ModuleList(_UncastBufferBlock(HIDDEN) for _ in range(2))
+    x = torch.randint(0, VOCAB, (4, 7))
+    y = torch.randint(0, VOCAB, (4, 7))
+    want = []
+    low = copy.deepcopy(blocks).to(torch.bfloat16)
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        h = embed(xs).to(torch.bfloat16)
+        for b in low:
+            h = b(h)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want.append(lm_loss(head(h), ys).item())
+    eng = make_engine(blocks, embed, head, lm_loss, topology=Topology(1, 1), micro_batches=2, comm=NoComm(1),
+                      compute_dtype=torch.bfloat16, loss_scale=None)
+    got = eng.step((x, y))
+    assert abs(got - sum(want) / 2) <= 1e-6 * abs(got), (seed, got, want)
+
+
 def test_freezing_in_materialize_only_is_named() -> None:
     """Which parameters train is read from the blocks given (every rank has every layer's): a
     freeze that only materialize makes would be ignored on the other ranks, so it is refused."""
