@@ -148,6 +148,35 @@ def test_offloaded_inputs_come_back_one_ahead(monkeypatch, recompute):
         torch.testing.assert_close(offloaded[name], p, rtol=0, atol=0)
 
 
+def test_an_input_fetched_ahead_is_not_overwritten_by_a_forward_before_its_backward():
+    """WeiPipe runs a forward between two backwards (B1.0 F0.1 B2.0 on rank 0 of three): the
+    input fetched ahead for the second backward must come back as it was stored, though the
+    forward between stores an input of the same shape. Each one taken is the tensor stored."""
+    from tawpipe.engine.activations import ActivationOffload
+
+    order = [(1, 0, 0), (2, 0, 0), (0, 0, 0), (1, 1, 0)]  # the backwards' keys, in the rank's order
+    offload = ActivationOffload(torch.device("cpu"), order)
+    stored = {}
+
+    def forward(key):
+        stored[key] = torch.randn(MB_ROWS, SEQ, HIDDEN)
+        offload.store(key, [stored[key].clone()])
+
+    def backward(key):
+        (got,) = offload.take(key)
+        torch.testing.assert_close(got, stored[key], rtol=0, atol=0)
+
+    for key in [(0, 0, 0), (2, 0, 0), (1, 0, 0)]:
+        forward(key)
+    backward((1, 0, 0))  # fetches (2, 0, 0) ahead
+    forward((0, 1, 0))
+    backward((2, 0, 0))
+    forward((2, 1, 0))
+    backward((0, 0, 0))
+    forward((1, 1, 0))
+    backward((1, 1, 0))
+
+
 def _dropout_run(recompute: str, device: str, **options) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Two steps of a model with dropout after every block on one rank (one chunk of 4 layers,
     two micro-batches): the parameters after them, and what the caller's generator draws next."""
