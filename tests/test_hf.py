@@ -4,6 +4,7 @@ each rank reads and materialises only its own chunk, and bad input is refused up
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -157,6 +158,21 @@ def test_a_context_group_computes_the_models_logits(tmp_path, name):
     want = model.eval()(tokens).logits
     for degree in (2, 4):
         torch.testing.assert_close(group_logits(parts, tokens, degree), want, rtol=0, atol=2e-6)
+
+
+@torch.no_grad()
+def test_a_context_group_attends_with_the_layers_own_scaling():
+    """A family may scale its attention scores otherwise than by 1/sqrt(head_dim) (Granite's
+    attention_multiplier, Gemma 2's query_pre_attn_scalar): the routed attention on a slice scales
+    by the layer's own ``scaling``, and a context group gives the whole model's logits."""
+    cls, config = FAMILIES["llama"]
+    model = cls(copy.deepcopy(config)).eval()
+    for layer in model.model.layers:
+        layer.self_attn.scaling = 0.2  # not 1/sqrt(8)
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    want = model(tokens).logits
+    parts = hf.from_model(model)
+    torch.testing.assert_close(group_logits(parts, tokens, 2), want, rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
