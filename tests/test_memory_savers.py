@@ -82,6 +82,41 @@ def test_a_layer_at_a_time_casts_its_gradient_through_one_layers_scratch(recompu
         torch.testing.assert_close(layer_params[name], p, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("recompute", ["chunk", "layer"])
+def test_k_micro_batches_add_their_gradients_once_through_the_scratch(recompute):
+    """bfloat16 compute, float32 gradient buffers, k = 2: each micro-batch's chunk gradient is born
+    in the compute-dtype scratch and added into the buffer once. One step of SGD (lr 1) moves every
+    block weight by plain torch's gradient of the bfloat16 model, summed over the micro-batches in
+    float32 (a scratch left holding the first micro-batch's would count it twice)."""
+    seed = int(torch.randint(0, 10_000, ()))
+    torch.manual_seed(seed)
+    model = TinyLM(2)
+    x, y = global_batch(seed, 2 * MB_ROWS)
+    low = copy.deepcopy(model.blocks).to(torch.bfloat16)
+    want = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in low.named_parameters()}
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        h = model.embed(xs).detach().to(torch.bfloat16)
+        for b in low:
+            h = b(h, **model.context(xs))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(model.head(h), ys)
+        (loss.float() / 2).backward()
+        for n, p in low.named_parameters():
+            want[n] += p.grad.float()
+            p.grad = None
+    before = {f"blocks.{n}": p.detach().clone() for n, p in model.blocks.named_parameters()}
+    engine = make_engine(model.blocks, model.embed, model.head, lm_loss, topology=Topology(1, 1), micro_batches=2,
+                         comm=NoComm(1), block_context=model.context, compute_dtype=torch.bfloat16,
+                         grad_wire_dtype=torch.float32, mb_per_fetch=2, recompute=recompute,
+                         optimizer=lambda params: torch.optim.SGD(params, lr=1.0))
+    engine.step((x, y))
+    for n, p in engine.named_parameters():
+        if n in before:
+            moved, grad = before[n] - p.detach(), want[n.removeprefix("blocks.")]
+            assert ((moved - grad).norm() / grad.norm()).item() <= 1e-2, (seed, n)
+    engine.close()
+
+
 def _moved(rank: int, case: dict) -> dict:
     """One step with host offload: the bytes the engine moved with the host, and the cost model's."""
     from tawpipe.cost.memory import Savers, host_bytes
