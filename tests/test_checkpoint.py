@@ -394,3 +394,28 @@ def test_save_atomic_removes_what_crashed_writes_left_and_only_that(tmp_path) ->
     checkpoint.save_atomic(obj, tmp_path / "b.pt")
     assert sorted(p.name for p in tmp_path.glob(".tmp-*")) == sorted(alive), "a crashed write's file survived"
     assert _same(checkpoint.load(tmp_path / "b.pt"), obj)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_export_writes_every_weight_in_the_dtype_asked(tmp_path, dtype) -> None:
+    """``save_sharded(..., dtype=)`` writes each tensor cast to ``dtype``: the files hold the
+    trained parameters as ``p.to(dtype)`` gives them, in that dtype (not the float32 masters)."""
+    from safetensors.torch import load_file
+
+    from tawpipe.io.safetensors import save_sharded
+
+    torch.manual_seed(int(torch.randint(0, 10_000, ())))
+    model = TinyLM(3)
+    eng = make_engine(model.blocks, model.embed, model.head, lm_loss, topology=Topology(1, 1), micro_batches=2,
+                      comm=NoComm(1), block_context=model.context)
+    eng.step(global_batch(0, 4))
+    save_sharded(eng, tmp_path, lambda name: name, dtype=dtype)
+    written = {}
+    for f in tmp_path.glob("*.safetensors"):
+        written.update(load_file(f))
+    params = dict(eng.named_parameters())
+    assert written.keys() == params.keys()
+    for name, p in params.items():
+        assert written[name].dtype == dtype, name
+        assert torch.equal(written[name], p.detach().to(dtype)), name
+    eng.close()
