@@ -48,6 +48,7 @@ from ..plan.topology import Topology
 from ..runtime import comm as comms
 from ..runtime.comm import P2P, Comm, CommTimeout
 from ..runtime.launch import init_distributed, run_local
+from ..train.config import under_torchrun
 from ..train.preflight import RUNTIME_BYTES
 from . import DEFAULT_OUT, check_memory, provenance
 
@@ -548,7 +549,7 @@ def _check_memory(a: dict, backend: Backend) -> None:
     """A UsageError where this host's ranks would need more memory than it has at -e, before any
     starts."""
     per_rank = RUNTIME_BYTES + case_bytes(a["maxbytes"], DTYPES[a["datatype"]], backend.device == "cpu", a["check"])
-    if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):  # a local job: this command starts them all
+    if not under_torchrun():  # a local job: this command starts them all
         ranks, where = a["nodes"] * a["per_node"], f"--nodes {a['nodes']} x --per-node {a['per_node']}"
     elif LINK_ENV in os.environ:  # tawpipe cluster's emulated nodes: every rank of the job is on this host
         ranks, where = int(os.environ["WORLD_SIZE"]), "the emulated cluster's ranks, all on this host"
@@ -570,8 +571,7 @@ def _check_outputs(a: dict) -> None:
 
 def main(args: argparse.Namespace) -> int:
     a = _validated(args)
-    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if under_launcher:  # torchrun or tawpipe cluster: this process is one rank
+    if under_torchrun():  # torchrun or tawpipe cluster: this process is one rank
         topo = Topology.from_env()
         backend = backend_choice(a["backend"], torch.cuda.is_available())
         init_distributed(a["timeout"], cpu=backend.device == "cpu")

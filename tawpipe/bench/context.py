@@ -41,6 +41,7 @@ from ..engine.engine import TawPipe
 from ..engine.policy import MemoryPolicy, SchedulePolicy
 from ..models.llama import LlamaConfig, llama_parts
 from ..plan.topology import Topology
+from ..sim.compare import divisors
 from ..train.data import batch as draw_batch
 from ..train.data import load_tokens
 from . import DEFAULT_OUT, provenance
@@ -81,7 +82,7 @@ def _check(cfg: dict[str, Any]) -> ClusterSpec:
     work, before any namespace or rank exists."""
     c, per_node, seq = cfg["context_parallel"], cfg["per_node"], cfg["seq_len"]
     if per_node % c:
-        fits = [d for d in range(2, per_node + 1) if per_node % d == 0]
+        fits = divisors(per_node)[1:]  # a group of 1 is no context parallelism
         raise UsageError(f"--context-parallel {c} does not divide --per-node {per_node}: a context group is ranks of "
                          f"one node; use {'one of ' + ', '.join(map(str, fits)) if fits else 'more ranks per node'}")
     if seq % (2 * c):

@@ -117,9 +117,9 @@ class Cluster:
         reason = host.unavailable_reason(self.spec)
         if reason:
             raise ClusterUnavailable(reason)
-        removed = sweep()  # what killed launchers left: their names never clash with ours, but they pile up
-        if removed[0] or removed[1]:
-            print(f"tawpipe cluster: removed {removed[0]} namespace(s) and {removed[1]} cgroup(s) left by launchers "
+        namespaces, groups, _ = sweep()  # what killed launchers left: never clashing with ours, but piling up
+        if namespaces or groups:  # an error is left for `tawpipe cluster down` to report
+            print(f"tawpipe cluster: removed {namespaces} namespace(s) and {groups} cgroup(s) left by launchers "
                   "that were killed", file=sys.stderr)
         self._signalled = None
         self._install_signal_handlers()
