@@ -50,12 +50,12 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Preflight]:
 def _check_torchrun_shape(args: argparse.Namespace, topology: Topology) -> None:
     """Under torchrun the job's shape is torchrun's: a --nodes or --per-node given (on the command
     line or in --config) that says otherwise is refused, not ignored."""
-    given = {flag: value for flag, value in (("--nodes", args.nodes), ("--per-node", args.per_node))
-             if value is not None}
-    if given and (given.get("--nodes", topology.nodes), given.get("--per-node", topology.per_node)) != \
-            (topology.nodes, topology.per_node):
+    wrong = [f"{flag} {given}" for flag, given, job in (("--nodes", args.nodes, topology.nodes),
+                                                         ("--per-node", args.per_node, topology.per_node))
+             if given is not None and given != job]
+    if wrong:
         raise UsageError(
-            f"{' '.join(f'{k} {v}' for k, v in given.items())} differ(s) from this torchrun job of {topology.nodes} "
+            f"{' '.join(wrong)} differ(s) from this torchrun job of {topology.nodes} "
             f"node(s) x {topology.per_node} rank(s) (its --nnodes and --nproc-per-node, which set the shape): leave "
             "--nodes and --per-node out under torchrun, or start torchrun with the shape you meant")
 
