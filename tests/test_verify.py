@@ -179,9 +179,6 @@ def test_verify_catches_swapped_message_tags(n4):
         verify(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="verify does not look inside a batch: messages posted together (one slot, one "
-                   "channel, design 5.2) may read a buffer that another of them writes; the engine then sends what the "
-                   "receive is overwriting (1% off single-process training on WeiPipe 2 x 2 in one step)")
 def test_verify_catches_a_send_reading_a_buffer_its_batch_receives_into():
     """WeiPipe on 2 x 2, rank 0, slot 4: it sends W1 from w2 while receiving W3 into w1 in the same
     batch. w1 holds W1 too, so verify's bookkeeping passes a send from w1; but a batch's messages
@@ -193,8 +190,22 @@ def test_verify_catches_a_send_reading_a_buffer_its_batch_receives_into():
         assert any(a.op is Op.RECV_W and a.slot == 4 and a.buf == "w1" for a in acts)
         acts[i] = dataclasses.replace(acts[i], buf="w1")
 
-    with pytest.raises(PlanError, match="w1"):
+    with pytest.raises(PlanError, match="touches w1, which .* of the same batch"):
         verify(_edit(plan, 0, from_w1))
+
+
+def test_verify_catches_two_receives_of_one_batch_into_one_buffer():
+    """WeiPipe on 2 x 2, rank 0, slot 4 receives W3 into w1 and W2 into w3 in one batch: moved
+    into one buffer, the two receives race and whichever lands last wins."""
+    plan = build_plan(Topology(2, 2), 4, 2, algo="weipipe")
+
+    def into_w1(acts):
+        i = _index(acts, lambda a: a.op is Op.RECV_W and a.slot == 4 and a.chunk == 2 and a.buf == "w3")
+        assert any(a.op is Op.RECV_W and a.slot == 4 and a.buf == "w1" for a in acts)
+        acts[i] = dataclasses.replace(acts[i], buf="w1")
+
+    with pytest.raises(PlanError, match="touches w1, which .* of the same batch"):
+        verify(_edit(plan, 0, into_w1))
 
 
 # ------------------------------------------------------------------------- the one-pass static checks

@@ -17,6 +17,7 @@ from .plan import Plan, Programs, shift
 _TRANSFER = {op: s.transfer for op, s in OPS.items()}  # a plain dict: OpSpec's properties cost a call each
 _P2P = ("send", "recv")
 _ROUTE = {op: (s.channel, s.transfer) for op, s in OPS.items() if s.is_p2p}  # how tags count a message
+_NAMES = {op: (s.reads, s.writes) for op, s in OPS.items()}
 # the ops the hot loops compare with, looked up once (``Op.X`` costs a descriptor call per use)
 _F, _B, _ACC_G = Op.F, Op.B, Op.ACC_G
 
@@ -115,6 +116,7 @@ class _Screen:
         messages: dict = {}
         overlapping: dict = {}
         tags: dict = {}
+        batch = _Batch(plan)
         prev = i = last_b = last_acc = -1
         for a in acts:
             i += 1
@@ -161,7 +163,10 @@ class _Screen:
                 if a.tag != k:
                     return None
                 tags[key] = k + 1
-                messages.setdefault(_names_key(a), a)
+                names = _names_key(a)
+                messages.setdefault(names, a)
+                if batch.clash(a, i, names) is not None:
+                    return None
             elif cat == _COLL:
                 if a.group != node or a.root not in a.group:
                     return None
@@ -174,6 +179,47 @@ class _Screen:
             if op in _OVERLAPS:
                 overlapping.setdefault(_names_key(a), a)
         return _Seen(wbufs, gbufs, messages, overlapping) if frame.complete(acts, last_b, last_acc) else None
+
+
+class _Batch:
+    """The batch a list's messages are in, met one message at a time: a batch's messages are posted
+    together (design §5.2), so none of them may touch a name that another of them writes (a send
+    would read what a receive is overwriting)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.names: dict = {}  # (reads, writes) per ``_names_key``
+        self.end = self.slot = -1
+        self.channel = None
+        self.reads: dict = {}
+        self.writes: dict = {}
+
+    def clash(self, a: Action, i: int, key: tuple | None = None) -> tuple[str, Action] | None:
+        """Message ``a``, the ``i``-th action of the list: a name it shares with an earlier message
+        of its batch, one of them writing it, and that message; or None. ``key``: ``_names_key(a)``,
+        where the caller has it."""
+        channel = _ROUTE[a.op][0]
+        if i != self.end + 1 or a.slot != self.slot or channel is not self.channel:
+            self.slot, self.channel, self.reads, self.writes = a.slot, channel, {}, {}
+        self.end = i
+        key = _names_key(a) if key is None else key
+        rw = self.names.get(key)
+        if rw is None:
+            reads, writes = _NAMES[a.op]
+            rw = self.names[key] = (reads(a, self.plan), writes(a, self.plan))
+        reads, writes = rw
+        for name in reads:
+            if name in self.writes:
+                return name, self.writes[name]
+        for name in writes:
+            other = self.writes.get(name) or self.reads.get(name)
+            if other is not None:
+                return name, other
+        for name in reads:
+            self.reads.setdefault(name, a)
+        for name in writes:
+            self.writes.setdefault(name, a)
+        return None
 
 
 class _Frame:
@@ -234,6 +280,7 @@ def _check_rank(plan: Plan, r: int, acts: tuple[Action, ...]) -> None:
     step, exchange, num_slots = Op.STEP, Op.ALLREDUCE_G, plan.num_slots
     _check_rank_frame(plan, r, acts)
     _check_tags(acts)
+    _check_batches(plan, acts)
     prev_slot = -1
     home = range(plan.replica_of(r) * size, (plan.replica_of(r) + 1) * size)
     node = topo.group_ranks(topo.group_of(r))
@@ -308,6 +355,19 @@ def _check_tags(acts: tuple[Action, ...]) -> None:
                 raise _fail(a, f"has tag {a.tag}; as message {k} to/from rank {a.peer} on the "
                                f"{route[0]} channel it needs tag {k}")
             count[key] = k + 1
+
+
+def _check_batches(plan: Plan, acts: tuple[Action, ...]) -> None:
+    """A batch's messages are posted together (design §5.2): none may touch a name another writes."""
+    batch = _Batch(plan)
+    for i, a in enumerate(acts):
+        if a.op in _ROUTE:
+            clash = batch.clash(a, i)
+            if clash is not None:
+                name, other = clash
+                raise _fail(a, f"touches {name}, which {describe(other)} of the same batch (slot {a.slot}, "
+                               f"{_ROUTE[a.op][0].value} channel) also touches, one of them writing it: a batch's "
+                               "messages are posted together, so give them different buffers or slots")
 
 
 def _check_rank_frame(plan: Plan, r: int, acts: tuple[Action, ...]) -> None:
