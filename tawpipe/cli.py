@@ -23,15 +23,14 @@ from .commands import (Parser, UsageError, add_reuse_weights, as_flags, delegate
 from .cost.memory import (AUTO, Choice, MemoryEstimate, NothingFits, Savers, auto_savers_plan, estimate_memory,
                           fitting, memory_per_rank, savers_to_weigh)
 from . import models
-from .cost.traffic import KINDS, LAYER_KINDS, estimate, methods, plan_traffic
+from .cost.traffic import KINDS, LAYER_KINDS, busiest_node_sent, estimate, methods, plan_traffic
 from .models.presets import PRESETS
 from .models.shape import ModelDims
 from .plan import registry
 from .plan.plan import GRAD_ROUTES, Plan
 from .plan.schedule import HOST, RESIDENT, build_plan, check_depth_gains, check_replicas, compute_actions, depth_text
-from .plan.topology import Topology
+from .plan.topology import Topology, divisors
 from .plan.verify import VerifyReport, verify
-from .sim.compare import divisors
 from .sim.hardware import LINKS, Link, link
 
 
@@ -261,7 +260,7 @@ def _k_options(args: argparse.Namespace, dims: ModelDims, build: Callable[..., P
             plan_k = build(mb_per_fetch=k, prefetch_depth=depth, reuse_weights=reuse) if left_out == "" else plan
             choice = (k, int(plan_k.options["prefetch_depth"]), reuse)
             if choice not in options:  # else the given depth is the resident one
-                options[choice] = (max(plan_traffic(plan_k).per_node()), memory_per_rank(plan_k, dims, _savers(args)),
+                options[choice] = (busiest_node_sent(plan_k), memory_per_rank(plan_k, dims, _savers(args)),
                                    depth)
     return options, left_out
 

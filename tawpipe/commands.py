@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
-from .plan.schedule import HOST, RESIDENT, prefetch_depth_arg
+from .plan.schedule import HOST, RESIDENT
 from .runtime.timeout import default_timeout
 
 # One name per concept across train, plan, simulate and bench (torchtitan's seq_len, Megatron's
@@ -154,12 +154,17 @@ def _finite(text: str, *, zero: bool) -> float:
 
 
 def prefetch_depth(text: str) -> int | str:
-    """The argparse ``type`` of every command's ``--prefetch-depth``: ``prefetch_depth_arg``'s number
-    of slots or 'resident', a depth below 1 refused while the command line is read: weights for slot
-    t + d are fetched during slot t into one of d + 1 staging buffers, so no plan has one (design §2;
-    the planner refused it later, or the engine in every rank)."""
-    depth = prefetch_depth_arg(text)
-    if depth != RESIDENT and depth < 1:
+    """The argparse ``type`` of every command's ``--prefetch-depth``: a number of slots or 'resident',
+    a depth below 1 refused while the command line is read: weights for slot t + d are fetched
+    during slot t into one of d + 1 staging buffers, so no plan has one (design §2; the planner
+    refused it later, or the engine in every rank)."""
+    if text == RESIDENT:
+        return text
+    try:
+        depth = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of slots or {RESIDENT!r}, got {text!r}") from None
+    if depth < 1:
         raise argparse.ArgumentTypeError(f"expected a number of slots >= 1 or {RESIDENT!r}, got {depth}")
     return depth
 

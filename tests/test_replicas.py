@@ -243,6 +243,15 @@ def test_bad_replicas_are_refused(kwargs, message) -> None:
         build_plan(Topology(4, 2), **args)
 
 
+def test_replicas_too_small_for_the_schedule_are_refused_per_replica() -> None:
+    """WeiPipe needs two ranks in a pipeline: with replicas of one rank each, the message counts
+    the replica's ranks, not the job's (it said "got 1" of a job of two)."""
+    with pytest.raises(ValueError, match=r"weipipe needs at least 2 ranks per replica, and 2 replicas of the 2 ranks "
+                                         r"leave 1: use fewer replicas"):
+        build_plan(Topology(2, 1), 4, 2, algo="weipipe", replicas=2)
+    assert build_plan(Topology(2, 1), 4, 2, algo="weipipe").replicas == 1  # the same job without replicas is built
+
+
 CASES = {
     4: [dict(nodes=2, acc=2, layers=3, replicas=2),  # two replicas of 1 x 2, uneven chunks
         dict(nodes=2, acc=1, layers=4, replicas=2, overlap=False, max_grad_norm=0.05),

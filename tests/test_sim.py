@@ -355,9 +355,3 @@ def test_tawpipe_rows_default_to_the_engines_auto_choice():
     assert best == (4, 1, "host")  # 40 GB: two buffers on the device, the rest on the host
     given = compare.run("tawpipe", cluster, work, 4, settings={**compare.AUTO_SETTINGS, "mb_per_fetch": 2})
     assert given.settings["mb_per_fetch"] == 2
-
-
-def test_divisors_are_every_divisor_ascending():
-    rng = random.Random()
-    for n in [1, 2, 36, 97, *(rng.randint(1, 200_000) for _ in range(20)), rng.randint(1, 400) ** 2]:
-        assert compare.divisors(n) == [d for d in range(1, n + 1) if n % d == 0]

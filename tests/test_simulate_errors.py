@@ -56,7 +56,7 @@ FLAG_CASES = [
     (["--micro-batches", "-1"], "--micro-batches -1: must be at least 1"),
     (["--mb-per-fetch", "0", "--methods", "tawpipe"], "--mb-per-fetch 0: must be at least 1"),
     (["--mb-per-fetch", "3", "--micro-batches", "2", "--methods", "tawpipe"], "--mb-per-fetch 3 does not divide"),
-    (["--prefetch-depth", "-1", "--methods", "tawpipe"], "--prefetch-depth -1: must be at least 1"),
+    (["--prefetch-depth", "-1", "--methods", "tawpipe"], "--prefetch-depth: expected a number of slots >= 1"),
     (["--prefetch-depth", "resident", "--no-reuse-weights"], "--no-reuse-weights"),
     (["--advise", "--recompute", "none", "--offload-activations"],
      "--advise: --offload-activations keeps a chunk's input on the host, which --recompute none does not run from"),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from tawpipe.plan.topology import Topology
+from tawpipe.plan.topology import Topology, divisors
 
 
 def test_rank_arithmetic_and_rails():
@@ -78,3 +80,9 @@ def test_from_hostnames_rejects_interleaved_ranks():
         Topology.from_hostnames(["a", "b", "a", "b"])
     with pytest.raises(ValueError, match="empty"):
         Topology.from_hostnames([])
+
+
+def test_divisors_are_every_divisor_ascending():
+    rng = random.Random()
+    for n in [1, 2, 36, 97, *(rng.randint(1, 200_000) for _ in range(20)), rng.randint(1, 400) ** 2]:
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]

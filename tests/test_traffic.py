@@ -10,7 +10,7 @@ import pytest
 from tawpipe.plan.actions import Action, Op
 from tawpipe.plan.schedule import build_plan
 from tawpipe.plan.topology import Topology
-from tawpipe.cost.traffic import (crossover_tokens, estimate, methods, plan_traffic, ring_next,
+from tawpipe.cost.traffic import (busiest_node_sent, crossover_tokens, estimate, methods, plan_traffic, ring_next,
                                   weight_passing_bytes)
 from tawpipe.models.shape import ModelDims
 from tawpipe.plan.schedule import RESIDENT
@@ -206,3 +206,24 @@ def test_crossover_closed_form_agrees_with_the_plan(nodes, k):
         psi_per_12lh2 = dims.decoder_numel / (12 * dims.layers * dims.hidden ** 2)
         anchors = 6 * dims.layers * dims.hidden * (f_w * 4 + 4) / (4 * topo.world_size * k) * psi_per_12lh2
         assert crossover_tokens(bare, dims, topo, acc) == pytest.approx(anchors, rel=1e-9)
+
+
+def test_the_busiest_node_counted_on_replica_zero_is_the_whole_jobs():
+    """``busiest_node_sent`` counts replica 0's sends only: on random plans of replicas (both
+    schedules, uneven chunks, k > 1, the replicated modules' ring) it equals the busiest node of
+    the whole job's count, and replica 0's ranks send exactly what they send in it."""
+    rng = random.Random()
+    for _ in range(12):
+        replicas, per_node = rng.choice([2, 3, 4]), rng.randint(1, 3)
+        nodes = replicas * rng.randint(1, 2)
+        algo = "weipipe" if nodes // replicas * per_node >= 2 and rng.random() < 0.5 else "tawpipe"
+        acc = rng.choice([2, 4])
+        size = nodes // replicas * per_node
+        plan = build_plan(Topology(nodes, per_node), rng.randint(size, 2 * size), acc, algo=algo, replicas=replicas,
+                          mb_per_fetch=rng.choice([1, 2]) if algo == "tawpipe" else 1,
+                          layer_numel=rng.randint(1, 1000), replicated_numel=rng.randint(0, 500))
+        whole, zero = plan_traffic(plan), plan_traffic(plan, replica_zero=True)
+        assert busiest_node_sent(plan) == max(whole.per_node()) > 0, (plan.topology, replicas, algo)
+        for r in range(size):
+            assert zero.total(r) == whole.total(r) and zero.total(r, inter=True) == whole.total(r, inter=True)
+        assert sum(zero.per_node()) * replicas == pytest.approx(sum(whole.per_node()))

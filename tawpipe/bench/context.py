@@ -40,8 +40,7 @@ from ..cost.traffic import context_bytes, plan_traffic
 from ..engine.engine import TawPipe
 from ..engine.policy import MemoryPolicy, SchedulePolicy
 from ..models.llama import LlamaConfig, llama_parts
-from ..plan.topology import Topology
-from ..sim.compare import divisors
+from ..plan.topology import Topology, divisors
 from ..train.data import batch as draw_batch
 from ..train.data import load_tokens
 from . import DEFAULT_OUT, provenance

@@ -22,9 +22,9 @@ from ..plan import registry
 from ..plan.actions import GRAD_OPS, WEIGHT_OPS, BufKind, Op, buf_kind
 from ..plan.plan import Plan
 from ..plan.schedule import HOST, RESIDENT, REUSE, build_plan, compute_actions, resident_depth
-from ..plan.topology import Topology
+from ..plan.topology import Topology, divisors
 from ..models.shape import LOSS_CHUNK_TOKENS, ModelDims
-from .traffic import plan_traffic
+from .traffic import busiest_node_sent
 from .units import decimal, gib
 
 
@@ -176,7 +176,7 @@ def auto_savers_plan(ladder: Sequence[Savers], memory: Callable[[Plan, Savers], 
 def _inter_node(built: dict, plan: Plan) -> float:
     """The busiest node's inter-node bytes per iteration of ``plan``, counted once per plan."""
     if ("traffic", id(plan)) not in built:
-        built[("traffic", id(plan))] = max(plan_traffic(plan).per_node())
+        built[("traffic", id(plan))] = busiest_node_sent(plan)
     return built[("traffic", id(plan))]
 
 
@@ -460,7 +460,7 @@ def candidates(micro_batches: int, *, mb_per_fetch: int | str = AUTO, prefetch_d
     the fetched chunks kept on the host), and the resident depth (with reuse, which it needs; the
     host then keeps nothing). Given values that cannot go together stay, so that ``build_plan``
     names them."""
-    ks = [k for k in range(1, micro_batches + 1) if micro_batches % k == 0] if mb_per_fetch == AUTO else [mb_per_fetch]
+    ks = divisors(micro_batches) if mb_per_fetch == AUTO else [mb_per_fetch]
     depths = [1, RESIDENT] if prefetch_depth == AUTO else [prefetch_depth]
     reuses = [False, True, *[HOST] * weights_on_host] if reuse_weights == AUTO else [reuse_weights]
     chosen = AUTO in (prefetch_depth, reuse_weights)
@@ -473,7 +473,7 @@ def auto_plan(topology: Topology, num_layers: int, micro_batches: int, *, memory
               weights_on_host: bool = False, **plan_args: Any) -> tuple[Plan, str | None]:
     """``build_plan(topology, num_layers, micro_batches, **plan_args)`` with the options left
     ``"auto"`` chosen by ``choose`` among ``candidates``: each candidate's plan is built, its
-    busiest node's inter-node bytes counted (``plan_traffic``) and its memory taken from
+    busiest node's inter-node bytes counted (``busiest_node_sent``) and its memory taken from
     ``memory(plan)`` (the busiest rank's). Large plans are built in the order of their closed-form
     bytes, (f_w·b_w + b_g)/k (design §7.4), until one fits. Returns the plan and why it was
     chosen (None: every option was given). Where nothing fits, NothingFits if ``strict`` (a

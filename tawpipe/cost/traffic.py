@@ -115,12 +115,15 @@ class Traffic:
         return "\n".join(lines)
 
 
-def plan_traffic(plan: Plan) -> Traffic:
+def plan_traffic(plan: Plan, *, replica_zero: bool = False) -> Traffic:
     """Attribute every byte of ``plan`` to sender, receiver, kind and scope.
 
     A plan of replicas is counted on replica 0's lists: the hops inside replica 0 are repeated,
-    shifted, in every replica; the collectives that span replicas are counted for every rank."""
-    topo, size, replicas = plan.topology, plan.replica_size, plan.replicas
+    shifted, in every replica; the collectives that span replicas are counted for every rank.
+    ``replica_zero``: only what replica 0's ranks send (``busiest_node_sent``); what they receive
+    from other replicas is then left out."""
+    topo, size = plan.topology, plan.replica_size
+    replicas = 1 if replica_zero else plan.replicas
     inside: tuple[dict, dict] = (defaultdict(float), defaultdict(float))  # replica 0's (flows, node_slots)
     across: tuple[dict, dict] = (defaultdict(float), defaultdict(float))
 
@@ -144,7 +147,7 @@ def plan_traffic(plan: Plan) -> Traffic:
                     continue
                 ring = 2 * (k - 1) / k * a.bytes
                 if spec.scope == "job":
-                    for r in range(a.rank, topo.world_size, size):
+                    for r in range(a.rank, replicas * size, size):
                         hop(across, a.slot, r, ring_next(a, r), spec.kind, ring)
                 else:
                     hop(inside, a.slot, a.rank, ring_next(a, a.rank), spec.kind, ring)
@@ -152,13 +155,21 @@ def plan_traffic(plan: Plan) -> Traffic:
                 for src, dst in chain_hops(a):
                     hop(inside, a.slot, src, dst, spec.kind, a.bytes)
     flows, node_slots = across
-    nodes = topo.nodes // replicas
+    nodes = topo.nodes // plan.replicas
     for i in range(replicas):
         for (r, d, kind, x), v in inside[0].items():
             flows[(r + i * size, d, kind, x)] += v
         for (slot, g, d), v in inside[1].items():
             node_slots[(slot, g + i * nodes, d)] += v
     return Traffic(topology=topo, flows=dict(flows), node_slots=dict(node_slots))
+
+
+def busiest_node_sent(plan: Plan) -> float:
+    """The most inter-node bytes one node sends per iteration of ``plan``. Counted on replica 0's
+    nodes: every replica's lists are replica 0's shifted, and a ring over every rank or over a
+    chunk's owners crosses nodes at the same places in each replica, so each replica's nodes send
+    the same bytes (a plan of thousands of replicas is counted in a thousandth of the time)."""
+    return max(plan_traffic(plan, replica_zero=True).per_node())
 
 
 def chain_hops(a: Action) -> list[tuple[int, int]]:

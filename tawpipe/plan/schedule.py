@@ -12,14 +12,13 @@ lists on ranks + i·N/R, so every tool that needs another replica's actions shif
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import Any
 
 from . import registry
 from .actions import OPS, Action, Op, no_gc, settle
 from .plan import Plan, Programs
-from .topology import Topology
+from .topology import Topology, divisors
 
 RESIDENT = "resident"
 HOST = "host"  # reuse_weights: reuse, and keep what the staging buffers cannot hold in pinned host memory
@@ -46,16 +45,6 @@ def check_depth_gains(job: Topology, prefetch_depth: int | str, replicas: int = 
         raise ValueError(f"prefetch_depth={prefetch_depth} is beyond {most}, where {most + 1} staging buffers already "
                          f"hold every chunk of a pipeline of {n} ranks: a deeper one costs buffers and fetches nothing "
                          f"sooner; use at most {most} (or {RESIDENT!r})")
-
-
-def prefetch_depth_arg(text: str) -> int | str:
-    """The argparse type of every ``--prefetch-depth``: a number of slots, or 'resident'."""
-    if text == RESIDENT:
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of slots or {RESIDENT!r}, got {text!r}") from None
 
 
 def depth_text(plan: Plan, asked: int | str) -> str:
@@ -98,8 +87,8 @@ def build_plan(
     balanced: the first ``num_layers mod N`` chunks hold one extra layer. Message sizes are
     layers x ``layer_numel`` x the dtype size of weights or gradients.
     """
-    job = topology
-    topology = _replica_topology(job, replicas, num_layers)
+    job, schedule = topology, registry.get(algo)
+    topology = _replica_topology(job, replicas, num_layers, schedule)
     if not (isinstance(reuse_weights, bool) or reuse_weights == HOST):
         raise ValueError(f"reuse_weights must be True, False or {HOST!r}, got {reuse_weights!r}")
     if prefetch_depth == RESIDENT and isinstance(topology, Topology):
@@ -107,7 +96,6 @@ def build_plan(
             raise ValueError("prefetch_depth='resident' keeps fetched chunks only if they are reused: "
                              "pass reuse_weights=True, or give the depth as a number")
         prefetch_depth = resident_depth(topology)
-    schedule = registry.get(algo)
     _check_args(topology, num_layers, micro_batches, prefetch_depth, mb_per_fetch, layer_numel, weight_bytes,
                 grad_bytes, replicated_numel)
     schedule.check(topology, dict(prefetch_depth=prefetch_depth, mb_per_fetch=mb_per_fetch,
@@ -149,9 +137,8 @@ def check_replicas(job: Topology, replicas: object) -> int:
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
     if job.nodes % replicas:
-        fits = [r for r in range(1, job.nodes + 1) if job.nodes % r == 0]
         raise ValueError(f"replicas={replicas} does not divide the {job.nodes} nodes: every replica is the same "
-                         f"number of whole nodes; pick one of {fits}")
+                         f"number of whole nodes; pick one of {divisors(job.nodes)}")
     return job.world_size // replicas
 
 
@@ -162,14 +149,18 @@ def compute_actions(job: Topology, micro_batches: int, replicas: int = 1) -> int
     return 2 * n * n * micro_batches
 
 
-def _replica_topology(job: Topology, replicas: int, num_layers: int) -> Topology:
-    """The topology of one replica: G/R whole nodes (a ValueError naming the fix otherwise)."""
+def _replica_topology(job: Topology, replicas: int, num_layers: int, schedule: registry.Schedule) -> Topology:
+    """The topology of one replica: G/R whole nodes, as many ranks as ``schedule`` needs at least
+    and no more than the layers (a ValueError naming the fix otherwise)."""
     if not isinstance(job, Topology):
         return job  # _check_args names the problem
     size = check_replicas(job, replicas)
     if replicas > 1 and num_layers < size:
         raise ValueError(f"num_layers={num_layers} < {size} ranks per replica: every rank "
                          f"owns one chunk of at least one layer; use more replicas (each of fewer nodes)")
+    if replicas > 1 and size < schedule.min_ranks:
+        raise ValueError(f"{schedule.name} needs at least {schedule.min_ranks} ranks per replica, and {replicas} "
+                         f"replicas of the {job.world_size} ranks leave {size}: use fewer replicas")
     return Topology(job.nodes // replicas, job.per_node)
 
 

@@ -8,9 +8,17 @@ construction time, with a message that says what was found.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+
+def divisors(n: int) -> list[int]:
+    """``n``'s divisors, ascending, in about sqrt(n) steps (a flag may name a million nodes): the
+    replica counts a job's nodes allow, the micro-batches a fetch may serve."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass(frozen=True)

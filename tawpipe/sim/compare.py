@@ -8,7 +8,6 @@ settings (k, prefetch depth and reuse, replicas) for the fastest that fits.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ from ..models.shape import ModelDims
 from ..plan import registry
 from ..plan.plan import Plan
 from ..plan.schedule import HOST, RESIDENT, compute_actions
-from ..plan.topology import Topology
+from ..plan.topology import Topology, divisors
 from .hardware import Cluster
 from .network import Result, simulate
 from .peers import PEERS, peer_graph, peer_memory
@@ -271,12 +270,6 @@ def taw_settings(nodes: int, per_node: int, layers: int, acc: int) -> list[dict[
             for depth, reuse in ((RESIDENT, True), (1, HOST), (1, False)):
                 out.append({"replicas": r, "mb_per_fetch": k, "prefetch_depth": depth, "reuse_weights": reuse})
     return out
-
-
-def divisors(n: int) -> list[int]:
-    """``n``'s divisors, ascending, in about sqrt(n) steps: a flag may name a million nodes."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def advise(cluster: Cluster, work: Workload, acc: int, *, host: bool = False, chunked_loss: bool = False,

@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..commands import Parser, UsageError, add_reuse_weights, as_flags, reuse_flag, writable
+from ..commands import Parser, UsageError, add_reuse_weights, as_flags, prefetch_depth, reuse_flag, writable
 from ..models.presets import PRESETS
 from ..models.shape import ModelDims
-from ..plan.schedule import HOST, RESIDENT, compute_actions, prefetch_depth_arg
-from ..plan.topology import Topology
+from ..plan.schedule import HOST, RESIDENT, compute_actions
+from ..plan.topology import Topology, divisors
 from ..cost.memory import Savers, savers_ladder
 from ..sim import compare
 from ..sim.peers import CONTEXT_PARALLEL, OFFLOADING
@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--methods", nargs="+", choices=compare.methods(), default=list(compare.methods()),
                    metavar="METHOD", help=f"the methods to play, of {', '.join(compare.methods())} (default: all)")
     t.add_argument("--mb-per-fetch", type=int, help="TawPipe k (default: auto, the engine's choice within the device's memory)")
-    t.add_argument("--prefetch-depth", type=prefetch_depth_arg, help="TawPipe depth (default: auto)")
+    t.add_argument("--prefetch-depth", type=prefetch_depth, help="TawPipe depth (default: auto)")
     add_reuse_weights(t, default=None, help="TawPipe reuse; 'host': the fetched chunks kept in host memory "
                                             "(default: auto)")
     t.add_argument("--replicas", type=int, help="TawPipe replicas R, each over nodes/R nodes (default: 1)")
@@ -201,7 +201,7 @@ def _check(args: argparse.Namespace) -> None:
     _check_scope(args)
     for flag, low in (("--nodes", 1), ("--per-node", 1), ("--seq-len", 1), ("--micro-batch-size", 1),
                       ("--micro-batches", 1), ("--dtype-bytes", 1), ("--grad-bytes", 1), ("--replicas", 1),
-                      ("--mb-per-fetch", 1), ("--prefetch-depth", 1), ("--stages", 2), ("--threads", 1),
+                      ("--mb-per-fetch", 1), ("--stages", 2), ("--threads", 1),
                       ("--jobs", 1)):
         value = getattr(args, flag[2:].replace("-", "_"))
         if isinstance(value, int) and value < low:
@@ -210,7 +210,7 @@ def _check(args: argparse.Namespace) -> None:
     if c < 1 or args.per_node % c or args.seq_len % c:
         raise UsageError(f"--context-parallel {c}: must divide --per-node {args.per_node} (it runs inside a node) and "
                          f"--seq-len {args.seq_len} (each rank a slice); use one of "
-                         f"{', '.join(str(d) for d in compare.divisors(args.per_node) if args.seq_len % d == 0)}")
+                         f"{', '.join(str(d) for d in divisors(args.per_node) if args.seq_len % d == 0)}")
     if args.quota is not None and not args.quota > 0:
         raise UsageError(f"--quota {args.quota:g}: must be a number of cores above 0, such as 0.5")
     if not 0 < args.link_efficiency <= 1:
@@ -263,11 +263,11 @@ def _check_tawpipe(args: argparse.Namespace) -> None:
     """UsageError where TawPipe's settings do not fit the cluster or the batch."""
     if args.replicas and args.nodes % args.replicas:
         raise UsageError(f"--replicas {args.replicas} does not divide --nodes {args.nodes}: every replica is the same "
-                         f"number of whole nodes; use one of {', '.join(map(str, compare.divisors(args.nodes)))}")
+                         f"number of whole nodes; use one of {', '.join(map(str, divisors(args.nodes)))}")
     if args.mb_per_fetch and args.micro_batches % args.mb_per_fetch:
         raise UsageError(f"--mb-per-fetch {args.mb_per_fetch} does not divide --micro-batches {args.micro_batches}: "
                          f"each fetch serves the same number of micro-batches; use one of "
-                         f"{', '.join(map(str, compare.divisors(args.micro_batches)))}")
+                         f"{', '.join(map(str, divisors(args.micro_batches)))}")
     if args.reuse_weights is False and args.prefetch_depth in (None, RESIDENT):
         default = " (the default)" if args.prefetch_depth is None else ""
         raise UsageError(f"--no-reuse-weights: --prefetch-depth resident{default} keeps fetched chunks only to reuse "
