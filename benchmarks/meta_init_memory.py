@@ -24,10 +24,10 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from tawpipe.atomic import write_atomic
 from tawpipe.runtime.comm.base import Comm
 from tawpipe.engine.engine import TawPipe
 from tawpipe.engine.policy import CommPolicy, PrecisionPolicy, SchedulePolicy
@@ -147,9 +147,9 @@ def main() -> None:
                   f"{r['staging'] / gib:.2f} + 16 x {r['replicated_params'] / 1e6:.1f} M replicated), "
                   f"ratio {r['ratio']:.2f}", flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps({"args": {k: v for k, v in vars(a).items() if k not in ("rank", "out")},
-                                           "command": " ".join(["python", "benchmarks/meta_init_memory.py", *sys.argv[1:]]),
-                                           "results": results}, indent=2) + "\n")
+        write_atomic(a.out, json.dumps({"args": {k: v for k, v in vars(a).items() if k not in ("rank", "out")},
+                                        "command": " ".join(["python", "benchmarks/meta_init_memory.py", *sys.argv[1:]]),
+                                        "results": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

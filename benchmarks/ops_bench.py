@@ -478,7 +478,8 @@ def main(argv: list[str] | None = None) -> None:
         suffix = "" if args.backend == "native" else f"_{args.backend}"
         out = out / f"ops_bench_{device_slug(device)}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    from tawpipe.atomic import write_atomic
+    write_atomic(out, json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out}", file=sys.stderr)
 
 

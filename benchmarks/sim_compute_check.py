@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from tawpipe.atomic import write_atomic
 from tawpipe.models.llama import Llama, LlamaConfig, block_forward
 from tawpipe.models.shape import ModelDims
 from tawpipe.sim import compare
@@ -99,10 +100,10 @@ def main() -> None:
     for r in rows:
         print(f"| {r['seq']} | {r['measured_s']:.4f} | {r['predicted_s']:.4f} | {r['ratio']:.2f} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "model": args.model, "overrides": overrides,
-                       "micro_batch": args.micro_batch_size, "acc": args.micro_batches, "recompute": args.recompute,
-                       "iters": args.iters, "warmup": args.warmup, "rows": rows}, f, indent=1)
+        write_atomic(args.out, json.dumps({"device": name, "torch": torch.__version__, "model": args.model,
+                                           "overrides": overrides, "micro_batch": args.micro_batch_size,
+                                           "acc": args.micro_batches, "recompute": args.recompute,
+                                           "iters": args.iters, "warmup": args.warmup, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

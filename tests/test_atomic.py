@@ -82,3 +82,17 @@ def test_no_module_renames_files_into_place_by_itself():
               if p.name != "atomic.py"
               for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bos\.(replace|rename)\(", line)]
     assert not inline, f"use tawpipe.atomic.write_atomic instead of renaming by hand: {inline}"
+
+
+def test_no_module_writes_a_file_in_place():
+    """A file that a later run or another process reads (results, plots, calibrations, traces) is
+    written through ``write_atomic``: written in place, an interrupted write leaves half a file
+    that the reader takes for whole. The kernel's control files (cgroups, /proc) are not files."""
+    kernel_files = {"atomic.py", "cgroups.py"}  # cgroups.py writes only the cgroup file system's controls
+    in_place = [f"{p.relative_to(ROOT)}:{n}" for p in sorted([*(ROOT / "tawpipe").rglob("*.py"),
+                                                              *(ROOT / "benchmarks").rglob("*.py")])
+                if p.name not in kernel_files
+                for n, line in enumerate(p.read_text().splitlines(), 1)
+                if re.search(r"\.write_(text|bytes)\(|\bopen\([^)]*[\"'][wx]b?[\"']|\.savefig\((?!f,)|json\.dump\(|"
+                             r"pickle\.dump\(", line) and "/proc/" not in line]
+    assert not in_place, f"use tawpipe.atomic.write_atomic instead of writing in place: {in_place}"

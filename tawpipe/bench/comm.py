@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..atomic import write_atomic
 from ..cluster import LINK_ENV
 from ..commands import UsageError, env_timeout, int_at_least, nonnegative_float, positive_float, writable
 from ..cost.units import gib
@@ -508,7 +509,7 @@ def plot(result: dict, path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(title(result), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -587,8 +588,7 @@ def main(args: argparse.Namespace) -> int:
     topo_name = f"{result['nodes']}x{result['per_node']}"
     path = a["json"] or os.path.join(a["out"], f"comm_{a['backend']}_{topo_name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    write_atomic(path, json.dumps(result, indent=1))
     print(f"wrote {path}")
     png = os.path.splitext(path)[0] + ".png" if a["plot"] is None else a["plot"]
     if png:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..atomic import write_atomic
 from ..cluster import Cluster, ClusterSpec, describe_compute, host, rate_arg
 from ..cluster.counters import link_bytes
 from ..commands import UsageError, env_timeout, int_at_least, positive_float, writable
@@ -218,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "context_cluster.json").write_text(json.dumps(res, indent=2) + "\n")
-        (out / "context_cluster.md").write_text(text + "\n")
+        write_atomic(out / "context_cluster.json", json.dumps(res, indent=2) + "\n")
+        write_atomic(out / "context_cluster.md", text + "\n")
         print(f"wrote {out / 'context_cluster.json'} and {out / 'context_cluster.md'}")
     return 0

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import models
+from ..atomic import write_atomic
 from ..commands import UsageError, as_flags, env_timeout, int_at_least, nonnegative_float
 from ..cost.memory import logits_bytes, memory_per_rank
 from ..cost.units import gib
@@ -191,6 +192,6 @@ def main(args: argparse.Namespace) -> int:
     print(f"ratio overlapped / serial = {res['ratio']:.3f}")
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=2))
+        write_atomic(path, json.dumps(res, indent=2))
         print(f"wrote {path}")
     return 0

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..atomic import write_atomic
 from ..commands import UsageError, env_timeout, int_at_least
 from ..cost.units import gib
 from ..runtime.offload import DEFAULT_PIECE_NUMEL, HostOffload
@@ -243,6 +244,6 @@ def main(args: argparse.Namespace) -> int:
     if "note" in res:
         print(f"  note: {res['note']}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    write_atomic(out, json.dumps(res, indent=1))
     print(f"wrote {out}")
     return 0

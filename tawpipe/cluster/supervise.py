@@ -184,9 +184,8 @@ class Cluster:
         with tempfile.TemporaryDirectory(prefix=f"{self.spec.run_id}-") as tmp:
             if callable(target):
                 task = os.path.join(tmp, "task.pkl")
-                with open(task, "wb") as f:
-                    pickle.dump({"sys_path": list(sys.path), "out": tmp, "timeout": timeout,
-                                 "payload": pickle.dumps({"fn": target, "args": args})}, f)
+                write_atomic(task, pickle.dumps({"sys_path": list(sys.path), "out": tmp, "timeout": timeout,
+                                                 "payload": pickle.dumps({"fn": target, "args": args})}))
                 argv = [sys.executable, "-c", _BOOT, task]
             else:
                 argv = list(target)
@@ -334,6 +333,5 @@ def _work(task_path: str, rank: int, procs_fd: int) -> int:
         write_atomic(os.path.join(out, f"result{rank}.json"), json.dumps(value))
         return 0
     except BaseException:  # noqa: BLE001 - reported to the launcher
-        with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
+        write_atomic(os.path.join(out, f"error{rank}.txt"), traceback.format_exc())
         return 1

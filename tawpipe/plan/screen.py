@@ -17,7 +17,7 @@ from .plan import Plan, Programs, shift
 _TRANSFER = {op: s.transfer for op, s in OPS.items()}  # a plain dict: OpSpec's properties cost a call each
 _P2P = ("send", "recv")
 _ROUTE = {op: (s.channel, s.transfer) for op, s in OPS.items() if s.is_p2p}  # how tags count a message
-_NAMES = {op: (s.reads, s.writes) for op, s in OPS.items()}
+_NAMES = {op: (s.reads, s.writes) for op, s in OPS.items()}  # the names an op reads and writes (OpSpec)
 # the ops the hot loops compare with, looked up once (``Op.X`` costs a descriptor call per use)
 _F, _B, _ACC_G = Op.F, Op.B, Op.ACC_G
 

@@ -14,6 +14,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_atomic
 from ..plan.schedule import HOST
 from .atlas import FIT_SEQS, FULL, METHODS, PRUNE, QUICK, SHORT, GiB, Grid, largest_fits, map_rows
 from .compare import TIE, title
@@ -264,7 +265,7 @@ def write_json(rows: list[dict], path: Path, grid: Grid = FULL, stats: dict | No
     """``{"grid", "prune", "tie", "stats", "rows"}``, a row per line."""
     head = json.dumps({"grid": grid.describe(), "prune": PRUNE, "tie": TIE, "stats": stats or {}}, default=str)
     body = ",\n".join(json.dumps(r, default=str, separators=(",", ":")) for r in rows)
-    path.write_text(f'{head[:-1]}, "rows": [\n{body}\n]}}\n')
+    write_atomic(path, f'{head[:-1]}, "rows": [\n{body}\n]}}\n')
 
 
 def write_png(rows: list[dict], path: Path, grid: Grid = FULL) -> None:
@@ -319,7 +320,7 @@ def write_png(rows: list[dict], path: Path, grid: Grid = FULL) -> None:
                  f"{grid.micro_batch}, acc {grid.acc}, bf16, {'chunked' if grid.chunked_loss else 'plain'} loss, "
                  "every method's memory savers searched\n"
                  "cell: winner and TawPipe's margin; 'Taw ✗': TawPipe does not fit; grey: no margin", fontsize=8)
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
 
@@ -354,7 +355,7 @@ def main_map(out: Path, quick: bool = False, jobs: int = 1) -> int:
     md = markdown(rows, grid, stats) + "\n\n" + fits_markdown(fits, grid)
     print(md)
     write_json(rows, out / "map.json", grid, {**stats, "largest_fits": fits})
-    (out / "map.md").write_text(md + "\n")
+    write_atomic(out / "map.md", md + "\n")
     write_png(rows, out / "map.png", grid)
     if stats["bound_violations"]:
         print(f"warning: {len(stats['bound_violations'])} TawPipe settings played faster than their lower bound "

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_atomic
 from ..commands import Parser, UsageError, add_reuse_weights, as_flags, prefetch_depth, reuse_flag, writable
 from ..models.presets import PRESETS
 from ..models.shape import ModelDims
@@ -348,7 +349,7 @@ def _simulate(args: argparse.Namespace, dims: ModelDims) -> int:
         taw = next(r for r in rows if r.method == "tawpipe")
         if not isinstance(taw, compare.Row):
             raise UsageError(f"--timeline: TawPipe was not simulated: {taw.reason}")
-        args.timeline.write_text(taw.result.chrome_trace())
+        write_atomic(args.timeline, taw.result.chrome_trace())
     judged = compare.verdict([*played, *advice])
     said = _verdict_text(judged, rows, advice, dev)
     if args.json:
@@ -604,7 +605,7 @@ def _calibrate(args: argparse.Namespace, dims: ModelDims) -> int:
         if not torch.cuda.is_available():
             raise UsageError("--calibrate-on cuda: this machine has no CUDA device that torch can use")
     dev = calibrate(dims, device=args.calibrate_on, threads=args.threads, quota=args.quota)
-    args.calibrate.write_text(json.dumps(dataclasses.asdict(dev), indent=1))
+    write_atomic(args.calibrate, json.dumps(dataclasses.asdict(dev), indent=1))
     print(f"{dev.name}: matmul {dev.matmul_flops / 1e9:,.1f} GFLOP/s, attention {dev.attention_flops / 1e9:,.1f} "
           f"GFLOP/s, memory {dev.memory_bandwidth / 1e9:,.2f} GB/s, {dev.memory / GiB:,.1f} GiB; written to "
           f"{args.calibrate}", file=sys.stderr)
@@ -650,6 +651,6 @@ def _paper(args: argparse.Namespace) -> int:
     md = "\n".join(lines)
     print(md)
     args.paper.mkdir(parents=True, exist_ok=True)
-    (args.paper / "paper.json").write_text(json.dumps(doc, indent=1))
-    (args.paper / "paper.md").write_text(md + "\n")
+    write_atomic(args.paper / "paper.json", json.dumps(doc, indent=1))
+    write_atomic(args.paper / "paper.md", md + "\n")
     return 0

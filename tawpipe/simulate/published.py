@@ -28,6 +28,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..atomic import write_atomic
 from ..models.shape import from_hf_config
 from ..sim import compare
 from ..sim.hardware import DEVICES, Cluster, link
@@ -143,7 +144,7 @@ def main_published(args: argparse.Namespace) -> int:
     rows = table()
     md = markdown(rows)
     args.published.mkdir(parents=True, exist_ok=True)
-    (args.published / "published.json").write_text(json.dumps({"rows": rows}, indent=1))
-    (args.published / "published.md").write_text(md + "\n")
+    write_atomic(args.published / "published.json", json.dumps({"rows": rows}, indent=1))
+    write_atomic(args.published / "published.md", md + "\n")
     print(md)
     return 0

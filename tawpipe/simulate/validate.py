@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_atomic
 from ..cluster import shaper_burst
 from ..commands import UsageError
 from ..models.shape import ModelDims
@@ -87,9 +88,9 @@ def validate(args: argparse.Namespace) -> int:
     print(md)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "validation.json").write_text(json.dumps({"rows": out, "link_efficiency": args.link_efficiency,
-                                                              "intra": LOOPBACK}, indent=1))
-        (args.out / "validation.md").write_text(md + "\n")
+        write_atomic(args.out / "validation.json", json.dumps({"rows": out, "link_efficiency": args.link_efficiency,
+                                                               "intra": LOOPBACK}, indent=1))
+        write_atomic(args.out / "validation.md", md + "\n")
     return 0
 
 
@@ -156,7 +157,7 @@ def _measure(dims: ModelDims, threads: int, quota: float, out: Path | None) -> D
     path = _calibration_file(dims, quota, out)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dataclasses.asdict(dev), indent=1))
+        write_atomic(path, json.dumps(dataclasses.asdict(dev), indent=1))
     return dev
 
 

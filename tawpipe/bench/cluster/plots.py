@@ -7,6 +7,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from ...atomic import write_atomic
 from ..baselines import RunConfig
 from .method import predicted_busiest
 from .report import by_cluster, crossover_seq
@@ -63,7 +64,7 @@ def shape_plot(result: dict[str, Any], shape: dict[str, Any], out: str, plt: Any
     fig.tight_layout()
     path = os.path.join(out, f"cluster_{c['nodes']}x{c['per_node']}" + (f"_s{c['seq_len']}" if sweep else "")
                         + ".png")
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return path
 
@@ -101,7 +102,7 @@ def bytes_vs_seq_plot(result: dict[str, Any], out: str, plt: Any) -> str:
     fig.suptitle("inter-node bytes per iteration (closed forms; tawpipe: its plan)")
     fig.tight_layout()
     path = os.path.join(out, "cluster_bytes_vs_seq.png")
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return path
 
@@ -137,7 +138,7 @@ def sweep_plots(result: dict[str, Any], out: str, plt: Any) -> list[str]:
                      f"{result['rate'] or 'unlimited'} links, {result.get('compute', 'compute shared')}")
         fig.tight_layout()
         path = os.path.join(out, f"cluster_sweep_{key[0]}x{key[1]}.png")
-        fig.savefig(path, dpi=110)
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
         plt.close(fig)
         paths.append(path)
     return paths
