@@ -7,7 +7,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
+import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +21,8 @@ from tawpipe.commands import RENAMED, Parser
 from tawpipe.train import TrainConfig, preflight
 
 from cli_cases import nothing_starts, refused
+
+ROOT = Path(__file__).resolve().parent.parent
 
 COMMANDS = [(), ("plan",), ("train",), ("simulate",), ("bench",), ("bench", "cluster"), ("bench", "comm"),
             ("bench", "context"), ("bench", "overlap"), ("bench", "prefetch"), ("cluster",), ("cluster", "run"),
@@ -246,6 +253,13 @@ MEMORY_REFUSALS = [
      "8 ranks (--nodes 4 x --per-node 2), each 384.0 MiB before its model: the bench needs about 3.00 GiB"),
     (("overlap", "--nodes", "1", "--per-node", "2", "--layers", "2", "--model", "1b"),  # a 1.5 GiB model per rank
      "2 ranks (--nodes 1 x --per-node 2) of --model 1b x 2 --layers at --seq-len 64"),
+    (("context", "--hidden", "1024", "--seq-len", "8192"),  # before any namespace: as any user
+     "4 ranks (--nodes 2 x --per-node 2) of 4 layers of width 1024 at --seq-len 8,192, --micro-batches 2, each"),
+    (("cluster", "--nodes", "2", "--hidden", "1024", "--methods", "tawpipe"),
+     "2 x 2 ranks of 8 layers of width 1024 at --seq-len 512, --micro-batches 2 of --micro-batch-size 1: each rank "
+     "up to"),
+    (("cluster", "--nodes", "2", "--micro-batches", "64"),  # the reference on 256 sequences at once
+     "the single-process reference on the 256 sequences of a step"),
 ]
 
 
@@ -258,6 +272,52 @@ def test_a_bench_that_needs_more_memory_than_the_host_has_is_refused_before_it_s
     line = refused(capsys, "bench", *argv)
     assert named in line and "of host memory, but 1.00 GiB is available (as the test says): use " in line, line
     assert not list(tmp_path.iterdir())
+
+
+def test_a_cluster_bench_counts_its_heaviest_method_and_no_more(capsys, monkeypatch, tmp_path):
+    """bench cluster's memory check counts the heaviest method it runs: DDP's ranks hold the whole
+    model's state, TawPipe's their own chunk's, so a run of TawPipe alone needs less per rank."""
+    nothing_starts(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    _host_has(monkeypatch, 2**20)
+    hidden = str(random.choice([512, 768, 1024]))
+
+    def per_rank(*methods: str) -> float:
+        line = refused(capsys, "bench", "cluster", "--nodes", "2", "--hidden", hidden, "--methods", *methods)
+        number, unit = re.search(r"each rank up to ([\d.,]+) (MiB|GiB)", line).groups()
+        return float(number.replace(",", "")) * (1024 if unit == "GiB" else 1)
+
+    assert per_rank("tawpipe") < per_rank("ddp") == per_rank("tawpipe", "ddp") == per_rank("ddp", "fsdp")
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_cluster_references_memory_is_not_overcounted():
+    """The refusal is safe only if the estimate never exceeds what the run holds: the reference's
+    measured peak above its imports is at least ``reference_bytes`` less the runtime (measured
+    1.2 to 2.2 times), on a LLaMA of random width and length."""
+    rng = random.Random()
+    hidden, seq = rng.choice([256, 384, 512]), rng.choice([256, 512, 1024])
+    code = f"""
+import re
+from tawpipe.bench import baselines
+from tawpipe.bench.footprint import reference_bytes
+from tawpipe.train.data import load_tokens
+from tawpipe.train.preflight import RUNTIME_BYTES
+def kib(field):
+    return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read())[1]) * 1024
+load_tokens(None)
+cfg = baselines.RunConfig(hidden={hidden}, layers=4, heads=8, seq_len={seq})
+dims = cfg.model_config().dims(seq={seq}, micro_batch=1, dtype_bytes=4, grad_bytes=4, scores=False)
+open("/proc/self/clear_refs", "w").write("5")
+base = kib("VmRSS")
+baselines.reference(cfg)
+print(kib("VmHWM") - base, reference_bytes(dims, cfg.world_size * cfg.micro_batches) - RUNTIME_BYTES)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured, estimate = map(float, run.stdout.split())
+    assert measured >= estimate > 0, (hidden, seq, measured, estimate)
 
 
 @pytest.mark.parametrize("emulated, world, local, named", [

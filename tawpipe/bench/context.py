@@ -38,13 +38,16 @@ from ..cluster import Cluster, ClusterSpec, describe_compute, host, rate_arg
 from ..cluster.counters import link_bytes
 from ..commands import UsageError, env_timeout, int_at_least, positive_float, writable
 from ..cost.traffic import context_bytes, plan_traffic
+from ..cost.units import gib
 from ..engine.engine import TawPipe
 from ..engine.policy import MemoryPolicy, SchedulePolicy
 from ..models.llama import LlamaConfig, llama_parts
+from ..plan.schedule import build_plan
 from ..plan.topology import Topology, divisors
 from ..train.data import batch as draw_batch
 from ..train.data import load_tokens
-from . import DEFAULT_OUT, provenance
+from . import DEFAULT_OUT, check_memory, provenance
+from .footprint import engine_rank_bytes
 
 DESCRIPTION = ("TawPipe with context parallelism (each C ranks of a node split every sequence) against the same "
                "plan without it, on an emulated cluster: activation memory, inter-node bytes, the K/V exchange, time.")
@@ -88,10 +91,19 @@ def _check(cfg: dict[str, Any]) -> ClusterSpec:
     if seq % (2 * c):
         raise UsageError(f"--seq-len {seq} is not a multiple of 2 x --context-parallel = {2 * c}: each of a group's "
                          f"{c} ranks takes two equal mirrored slices of every sequence")
+    world = cfg["nodes"] * per_node
     try:
-        _model(cfg, cfg["nodes"] * per_node)
+        model = _model(cfg, world)
     except ValueError as e:
         raise UsageError(f"--hidden {cfg['hidden']} and --heads {cfg['heads']} make no model: {e}") from None
+    # the run without context parallelism holds the more: every rank computes whole sequences
+    dims = model.dims(seq=seq, micro_batch=1, dtype_bytes=4, grad_bytes=4, scores=False)
+    per_rank = engine_rank_bytes(dims, build_plan(Topology(cfg["nodes"], per_node), dims.layers, cfg["micro_batches"]),
+                                 cfg["micro_batches"], chunked_loss=True)
+    check_memory(world * per_rank, f"{world} ranks (--nodes {cfg['nodes']} x --per-node {per_node}) of {dims.layers} "
+                 f"layers of width {cfg['hidden']} at --seq-len {seq:,}, --micro-batches {cfg['micro_batches']}, each "
+                 f"{gib(per_rank)}", "use fewer ranks, --layers-per-rank, a smaller --hidden or --seq-len, or fewer "
+                 "--micro-batches")
     if cfg["out"]:
         writable(Path(cfg["out"]), "--out", directory=True)
     env_timeout()  # what the ranks' engines wait, read in every rank

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from .. import models
 from ..atomic import write_atomic
 from ..commands import UsageError, as_flags, env_timeout, int_at_least, nonnegative_float
-from ..cost.memory import logits_bytes, memory_per_rank
 from ..cost.units import gib
 from ..engine.engine import TawPipe
 from ..engine.policy import CommPolicy, SchedulePolicy
@@ -27,7 +26,6 @@ from ..models.parts import ModelParts
 from ..models.llama import Llama, LlamaConfig, block_forward, llama_loss
 from ..models.presets import PRESETS
 from ..plan.actions import OPS
-from ..plan.plan import Plan
 from ..plan.schedule import build_plan
 from ..plan.topology import Topology
 from ..runtime.comm import DelayComm
@@ -38,6 +36,7 @@ from ..train.data import batch as draw_batch
 from ..train.data import load_tokens
 from ..train.preflight import RUNTIME_BYTES
 from . import DEFAULT_OUT, check_memory, provenance, result_file
+from .footprint import engine_rank_bytes
 
 
 DESCRIPTION = (
@@ -142,19 +141,6 @@ def overlap(a: dict, timeout: float | None = None) -> dict:
     }
 
 
-def footprint(a: dict, plan: Plan) -> float:
-    """About the bytes one rank of ``plan`` holds at its peak: its runtime, the whole model it builds
-    in float32, its rotary tables while they are made, its batches, and one engine's memory at a
-    time (the cost model's, with the whole logits of the plain loss; no S x S attention scores, which
-    torch's CPU attention does not keep)."""
-    dims = models.dims(a["model"], layers=a["layers"], seq=a["seq_len"], micro_batch=a["micro_batch_size"],
-                       dtype_bytes=4, grad_bytes=4, scores=False)
-    model = 4 * (dims.layers * dims.layer_numel + dims.replicated_numel)
-    rope = 16 * a["seq_len"] * dims.head_size  # float64 angles and their cosines and sines, float32 tables
-    batches = 3 * 2 * 8 * a["micro_batches"] * a["micro_batch_size"] * a["seq_len"]  # 3 steps' int64 inputs, targets
-    return RUNTIME_BYTES + model + rope + batches + memory_per_rank(plan, dims).total + logits_bytes(dims)
-
-
 def _check(a: dict) -> None:
     """A UsageError naming the flag where the ranks could not run, before any starts: more ranks
     than this host has memory for, a plan the engine refuses, sequences longer than the corpus, or
@@ -170,7 +156,9 @@ def _check(a: dict) -> None:
     if a["seq_len"] >= tokens:
         raise UsageError(f"--seq-len {a['seq_len']:,}: the corpus has {tokens:,} training tokens, too few for one "
                          f"sequence and its next token; use at most {tokens - 1:,}")
-    per_rank = footprint(a, plan)
+    dims = models.dims(a["model"], layers=a["layers"], seq=a["seq_len"], micro_batch=a["micro_batch_size"],
+                       dtype_bytes=4, grad_bytes=4, scores=False)
+    per_rank = engine_rank_bytes(dims, plan, a["micro_batches"])
     check_memory(world * per_rank, f"{ranks} of --model {a['model']} x {a['layers']} --layers at --seq-len "
                  f"{a['seq_len']:,}, --micro-batch-size {a['micro_batch_size']}, --micro-batches {a['micro_batches']}, "
                  f"each {gib(per_rank)}", "use fewer ranks, a smaller model or fewer --layers, or a smaller --seq-len "

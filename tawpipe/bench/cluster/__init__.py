@@ -35,9 +35,12 @@ from typing import Any
 
 from ...cluster import add_link_arguments, describe_compute, host, spec_from_args
 from ...commands import UsageError, as_flags, env_timeout, int_at_least, positive_float, prefetch_depth, writable
+from ...cost.memory import Savers
+from ...cost.units import gib
 from ...plan.schedule import build_plan
-from .. import DEFAULT_OUT, baselines, provenance
+from .. import DEFAULT_OUT, baselines, check_memory, provenance
 from ..baselines import RunConfig
+from ..footprint import engine_rank_bytes, reference_bytes, replica_rank_bytes
 from .method import Method, build_engine, compute_only, engine_rank, for_shape, methods, predicted_busiest
 from .plots import plots, sweep_plots
 from .report import by_cluster, crossover_seq, markdown, sweep_crossovers, write_results
@@ -153,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--compute-only {bad}: name tawpipe/WeiPipe methods that run ({names})")
         chosen = [v for m in (known[n] for n in names)
                   for v in ((m, compute_only(m)) if m.name in free and m.engine_options is not None else (m,))]
-        _check_plans(cfgs, chosen)
+        _check_runs(cfgs, chosen)
     except ValueError as e:
         raise UsageError(as_flags(str(e))) from None
     writable(Path(args.out), "--out", directory=True)
@@ -196,14 +199,34 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_plans(cfgs: list[RunConfig], chosen: list[Method]) -> None:
+def _check_runs(cfgs: list[RunConfig], chosen: list[Method]) -> None:
     """The plan of every TawPipe/WeiPipe run, built here first: a schedule the engine would refuse
-    in its ranks (fewer layers than ranks) is refused before any cluster starts."""
+    in its ranks (fewer layers than ranks) is refused before any cluster starts; so is a shape whose
+    heaviest method's ranks, or the single-process reference on the whole global batch that runs
+    before them, need more memory than this host has."""
     for cfg in cfgs:
+        dims = cfg.model_config().dims(seq=cfg.seq_len, micro_batch=cfg.batch_size, dtype_bytes=4, grad_bytes=4,
+                                       scores=False)
+        chunked, heaviest = cfg.loss == "chunked", 0.0
         for m in (for_shape(m, cfg.nodes, cfg.per_node) for m in chosen):
-            if m is not None and m.engine_options is not None:
-                build_plan(cfg.topology, cfg.layers, cfg.micro_batches,
-                           **{k: v for k, v in m.engine_options.items() if k != "recompute"})
+            if m is None:
+                continue
+            if m.engine_options is None:
+                heaviest = max(heaviest, replica_rank_bytes(dims, cfg.micro_batches, chunked_loss=chunked))
+                continue
+            options = dict(m.engine_options)
+            savers = Savers(options.pop("recompute"))
+            plan = build_plan(cfg.topology, cfg.layers, cfg.micro_batches, layer_numel=dims.layer_numel, weight_bytes=4,
+                              grad_bytes=4, replicated_numel=dims.replicated_numel, **options)
+            heaviest = max(heaviest, engine_rank_bytes(dims, plan, cfg.micro_batches, savers, chunked_loss=chunked))
+        batch = cfg.world_size * cfg.micro_batches * cfg.batch_size
+        reference = reference_bytes(dims, batch)
+        check_memory(max(cfg.world_size * heaviest, reference),
+                     f"{cfg.nodes} x {cfg.per_node} ranks of {cfg.layers} layers of width {cfg.hidden} at --seq-len "
+                     f"{cfg.seq_len:,}, --micro-batches {cfg.micro_batches} of --micro-batch-size {cfg.batch_size}: "
+                     f"each rank up to {gib(heaviest)}, the single-process reference on the {batch} sequences of a "
+                     f"step {gib(reference)}", "use fewer or smaller --nodes, a smaller --hidden, --layers or "
+                     "--seq-len, or fewer --micro-batches")
 
 
 __all__ = ["DESCRIPTION", "LOSS_TOL", "PRESETS", "UPDATE_TOL", "Method", "add_arguments", "add_bounds", "build_engine",
