@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -190,6 +191,8 @@ def test_the_verdict_names_the_winner_and_tawpipes_advised_setting(capsys):
     assert out[-1] == (f"verdict: HSDP is the fastest that fits, {hsdp:.3f} s/iteration, bottleneck: compute; "
                        f"TawPipe's advised setting (k=8, depth 31, reuse, R=4) takes {advised / hsdp - 1:.1%} longer "
                        f"({advised:.3f} s), a tie within 2%")
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"\n{out[-1]}\n" in readme, f"README's verdict of this command is not what it prints: {out[-1]}"
 
 
 def test_a_row_not_simulated_names_its_method_and_why_in_flags(capsys):
