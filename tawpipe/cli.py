@@ -44,7 +44,8 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nodes", type=_COUNT, help="number of groups G (one per node); required")
     p.add_argument("--per-node", type=_COUNT, help="devices per group s; required")
-    p.add_argument("--layers", type=_COUNT, help="decoder layers L (>= G x s); default: --model's")
+    p.add_argument("--layers", type=_COUNT,
+                   help="decoder layers L (>= G x s / --replicas: a layer per rank of a pipeline); default: --model's")
     p.add_argument("--micro-batches", type=_COUNT, help="micro-batches per device; required")
     p.add_argument("--algo", choices=registry.names(), default="tawpipe",
                    help="the schedule: TawPipe, or the WeiPipe ring baseline")

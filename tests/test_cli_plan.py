@@ -138,6 +138,18 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
+def test_the_layers_help_states_the_bound_with_replicas(capsys):
+    """--layers needs one layer per rank of a pipeline, G x s / R with replicas; its help said G x s,
+    which a plan of replicas does not need."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "decoder layers L (>= G x s / --replicas: a layer per rank of a pipeline)" in " ".join(
+        capsys.readouterr().out.split())
+    out = run(capsys, "plan", "--nodes", "2", "--per-node", "2", "--layers", "2", "--micro-batches", "1",
+              "--replicas", "2", "--no-table")
+    assert "2 layers in chunks of [1, 1]" in out and "2 replicas of 2 ranks" in out
+
+
 def test_help_plan_and_train_arguments_do_not_import_torch():
     """`tawpipe --help`, `tawpipe plan` and `tawpipe train --help`, a bad train flag or a --model that
     names nothing stay fast: the package root loads its names on first use, plan and cost import no
