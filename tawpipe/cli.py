@@ -88,7 +88,8 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                         "tawpipe train and the engine) chooses within it")
     m.add_argument("--recompute", choices=("chunk", "layer", "block", "none", "auto"), default="chunk",
                    help="what the memory counts a backward running again (as tawpipe train's flag); auto, with "
-                        "--memory-budget: the fastest memory savers that fit, offloads included")
+                        "--memory-budget: of the memory savers that fit, offloads included, those that move the "
+                        "fewest inter-node bytes, then the fastest")
     m.add_argument("--offload-state", action="store_true", help="count the own chunk's 16 B per parameter on the host")
     m.add_argument("--offload-activations", action="store_true",
                    help="count what the forwards keep for their backwards on the host")

@@ -150,6 +150,16 @@ def test_the_layers_help_states_the_bound_with_replicas(capsys):
     assert "2 layers in chunks of [1, 1]" in out and "2 replicas of 2 ranks" in out
 
 
+def test_the_recompute_auto_help_says_bytes_first(capsys):
+    """--recompute auto takes, of the savers that fit, the fewest inter-node bytes, then the fastest
+    (cost.memory.auto_savers_plan; design §7.3); plan's and train's help said "the fastest"."""
+    for command in ("plan", "train"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "those that move the fewest inter-node bytes, then the fastest" in " ".join(
+            capsys.readouterr().out.split()), command
+
+
 def test_help_plan_and_train_arguments_do_not_import_torch():
     """`tawpipe --help`, `tawpipe plan` and `tawpipe train --help`, a bad train flag or a --model that
     names nothing stay fast: the package root loads its names on first use, plan and cost import no

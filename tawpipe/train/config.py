@@ -163,8 +163,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what a backward runs again: the chunk from its input (the paper's), the same a layer at a "
                         "time (one layer's activations alive at once), each layer from its input kept by the "
                         "forward (torch's per-block checkpointing: no second run), or nothing (every forward's "
-                        "graph kept); auto: the fastest memory savers that fit the memory (recompute, and on a "
-                        "GPU the offloads too), an offload flag given kept")
+                        "graph kept); auto: of the memory savers that fit the memory (recompute, and on a GPU "
+                        "the offloads too), those that move the fewest inter-node bytes, then the fastest; an "
+                        "offload flag given kept")
     p.add_argument("--offload-state", action="store_true",
                    help="keep the own chunk's float32 master, gradients and optimizer state in host memory")
     p.add_argument("--offload-activations", action="store_true",
