@@ -30,8 +30,8 @@ def resident_depth(topology: Topology) -> int:
     """The least prefetch depth at which ``reuse_weights`` keeps every chunk in a staging buffer
     once fetched: d + 1 >= N buffers. Each rank then receives each chunk once per iteration,
     whatever k, so no depth sends fewer bytes (gradients still go once per k micro-batches). It
-    costs N + 1 weight and N gradient buffers of a chunk per rank: about the model's weights and
-    gradients (design §3.2)."""
+    costs N + 1 weight and N + 1 gradient buffers of a chunk per rank on several nodes (N of each
+    on one): about the model's weights and gradients (design §3.2)."""
     return max(1, topology.world_size - 1)
 
 
