@@ -152,6 +152,27 @@ def test_main_map_writes_json_markdown_and_png(tmp_path, monkeypatch, capsys, ti
         assert f"×{r['tawpipe_margin']:.2f}" in md and not math.isnan(r["tawpipe_margin"])
 
 
+def test_the_map_read_again_keeps_its_largest_fits_while_the_source_is_the_same(tmp_path, monkeypatch, tiny):
+    """``largest_fits`` takes minutes on the full grid: ``map.json`` keeps it under the source's
+    fingerprint, a map made again reads it, and a map of another grid or source counts it again."""
+    rows, stats = tiny
+    grid = replace(TINY, contexts=(1,))
+    monkeypatch.setattr(atlas_report, "QUICK", grid)
+    monkeypatch.setattr(atlas_report, "map_rows", lambda grid, **_: (rows, stats))
+    counted = []
+    real = atlas_report.largest_fits
+    monkeypatch.setattr(atlas_report, "largest_fits", lambda g: counted.append(g) or real(g))
+    assert atlas_report.main_map(tmp_path, quick=True) == 0 and len(counted) == 1
+    first = json.loads((tmp_path / "map.json").read_text())["stats"]
+    assert first["fingerprint"] == atlas.fingerprint(grid)
+    assert atlas_report.main_map(tmp_path, quick=True) == 0 and len(counted) == 1  # read, not counted
+    assert json.loads((tmp_path / "map.json").read_text())["stats"]["largest_fits"] == first["largest_fits"]
+    monkeypatch.setattr(atlas_report, "fingerprint", lambda g: "another source")
+    assert atlas_report.main_map(tmp_path, quick=True) == 0 and len(counted) == 2
+    monkeypatch.setattr(atlas_report, "QUICK", replace(grid, acc=4))  # the same source, another grid
+    assert atlas_report.main_map(tmp_path, quick=True) == 0 and len(counted) == 3
+
+
 def test_the_map_played_in_processes_is_the_map_played_in_one(tiny):
     """``map_rows`` given a pool (``tawpipe simulate --map --jobs``): each (nodes, model) group in a
     process of its own, the rows in the grid's order and their statistics summed, as in one process."""

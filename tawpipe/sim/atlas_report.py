@@ -16,7 +16,7 @@ from typing import Any
 
 from ..atomic import write_atomic
 from ..plan.schedule import HOST
-from .atlas import FIT_SEQS, FULL, METHODS, PRUNE, QUICK, SHORT, GiB, Grid, largest_fits, map_rows
+from .atlas import FIT_SEQS, FULL, METHODS, PRUNE, QUICK, SHORT, GiB, Grid, fingerprint, largest_fits, map_rows
 from .compare import TIE, title
 from .hardware import device
 
@@ -341,20 +341,37 @@ def processes(jobs: int) -> ProcessPoolExecutor | nullcontext[None]:
     return nullcontext()
 
 
+def saved_fits(path: Path, grid: Grid, key: str) -> dict | None:
+    """``largest_fits`` as the map at ``path`` saved it, where it was made of ``grid`` under the
+    source fingerprint ``key``; else None. It takes minutes and, like a cell, changes only with
+    the source: a map read again from its cells need not count it again."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    made = saved.get("stats", {}) if isinstance(saved, dict) else {}
+    same = saved.get("grid") == json.loads(json.dumps(grid.describe(), default=str)) and made.get("fingerprint") == key
+    return made.get("largest_fits") if same else None
+
+
 def main_map(out: Path, quick: bool = False, jobs: int = 1) -> int:
     """Compute the map (``QUICK`` or the full grid) in ``jobs`` processes, print its table, and
     write ``map.json``, ``map.md`` and ``map.png`` into ``out``. Each cell is kept in ``out/cells``
-    as it is played: run again after a stop, the map plays only the cells it lacks."""
+    as it is played: run again after a stop, the map plays only the cells it lacks (and
+    ``saved_fits`` spares the largest S that fits)."""
     grid = QUICK if quick else FULL
     out.mkdir(parents=True, exist_ok=True)
+    key = fingerprint(grid)
+    fits = saved_fits(out / "map.json", grid, key)
     with processes(jobs) as pool:
-        fitting = pool.submit(largest_fits, grid) if pool else None
+        fitting = pool.submit(largest_fits, grid) if pool and fits is None else None
         rows, stats = map_rows(grid, progress=lambda row: print(progress_text(row), file=sys.stderr, flush=True),
                                pool=pool, cells=out / "cells")
-        fits = fitting.result() if fitting else largest_fits(grid)
+        if fits is None:
+            fits = fitting.result() if fitting else largest_fits(grid)
     md = markdown(rows, grid, stats) + "\n\n" + fits_markdown(fits, grid)
     print(md)
-    write_json(rows, out / "map.json", grid, {**stats, "largest_fits": fits})
+    write_json(rows, out / "map.json", grid, {**stats, "largest_fits": fits, "fingerprint": key})
     write_atomic(out / "map.md", md + "\n")
     write_png(rows, out / "map.png", grid)
     if stats["bound_violations"]:
