@@ -16,7 +16,7 @@ from ..train.preflight import RUNTIME_BYTES
 
 
 def _params(dims: ModelDims) -> int:
-    return dims.layers * dims.layer_numel + dims.replicated_numel
+    return dims.decoder_numel + dims.replicated_numel
 
 
 def _built(dims: ModelDims, micro_batches: int) -> float:

@@ -349,7 +349,9 @@ def saved_fits(path: Path, grid: Grid, key: str) -> dict | None:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    made = saved.get("stats", {}) if isinstance(saved, dict) else {}
+    if not isinstance(saved, dict):
+        return None
+    made = saved.get("stats", {})
     same = saved.get("grid") == json.loads(json.dumps(grid.describe(), default=str)) and made.get("fingerprint") == key
     return made.get("largest_fits") if same else None
 

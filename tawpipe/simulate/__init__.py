@@ -202,8 +202,7 @@ def _check(args: argparse.Namespace) -> None:
     _check_scope(args)
     for flag, low in (("--nodes", 1), ("--per-node", 1), ("--seq-len", 1), ("--micro-batch-size", 1),
                       ("--micro-batches", 1), ("--dtype-bytes", 1), ("--grad-bytes", 1), ("--replicas", 1),
-                      ("--mb-per-fetch", 1), ("--stages", 2), ("--threads", 1),
-                      ("--jobs", 1)):
+                      ("--mb-per-fetch", 1), ("--stages", 2), ("--threads", 1), ("--jobs", 1)):
         value = getattr(args, flag[2:].replace("-", "_"))
         if isinstance(value, int) and value < low:
             raise UsageError(f"{flag} {value}: must be at least {low}")
