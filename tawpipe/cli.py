@@ -169,7 +169,7 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
           f"{args.mb_per_fetch} micro-batch(es) per fetch"
           f"{', resident chunks reused' if args.reuse_weights else ''}"
           f"{', the rest kept on the host' if args.reuse_weights == HOST else ''}, "
-          f"{plan.num_slots} slots + prologue"
+          f"{plan.num_slots - 1} slots as tabled, a prologue and the step's slot"
           f"{f'; {plan.replicas} replicas of {plan.replica_size} ranks' if plan.replicas > 1 else ''}")
     ranks = (f" on replica 0's {report.ranks_run} ranks, the other replicas proven its shifts"
              if report.ranks_run < topo.world_size else "")

@@ -67,6 +67,18 @@ def test_plan_weipipe_table(capsys):
     assert "final G3→3" in out
 
 
+@pytest.mark.parametrize("algo", ["tawpipe", "weipipe"])
+def test_the_summary_counts_the_slots_the_table_prints(capsys, algo):
+    out = run(capsys, "plan", "--nodes", "2", "--per-node", "2", "--layers", "6", "--micro-batches", "3",
+              "--algo", algo)
+    rows = [line.split("|")[1].strip() for line in table_of(out).splitlines()[2:]]
+    numbered = [r for r in rows if r.lstrip("−-").isdigit()]
+    compute_slots = [r for r in numbered if not r.startswith(("−", "-"))]
+    assert compute_slots == [str(i) for i in range(len(compute_slots))]
+    m = re.search(r"(\d+) slots as tabled, a prologue and the step's slot", out)
+    assert m and int(m.group(1)) == len(compute_slots)
+
+
 def _busiest_grads(out: str) -> float:
     m = re.search(r"grads: busiest rank across nodes r\d+ ([\d,.]+)", out)
     return float(m.group(1).replace(",", ""))
