@@ -46,6 +46,23 @@ def train_then(rank: int, directory: str, bad_rank: int, bad_step: int, action: 
     return rank
 
 
+def refuses_then_waits(rank: int) -> int:
+    """Rank 1's step refuses its batch (3 rows for 2 micro-batches); its program catches that and
+    stays away, while rank 0 is in the step waiting for it."""
+    torch.manual_seed(0)
+    model = TinyLM(4)
+    engine = make_engine(model.blocks, model.embed, model.head, lm_loss, topology=Topology(1, 2),
+                         micro_batches=2, block_context=model.context)
+    x, y = global_batch(0, 8)
+    if rank == 1:
+        try:
+            engine.step((x[:3], y[:3]))
+        except ValueError:
+            time.sleep(3600)
+    engine.step((x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]))
+    return rank
+
+
 def ends_at_start(rank: int, directory: str, how: str) -> int:
     """Rank 1 ends as soon as it runs: killed, or exiting with code 3."""
     if rank == 1:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from launch_cases import (bar_then_killed, ends_at_start, freezes, inherited, late_stop, long_job, loaded, raises,
-                          random_tensors, train_then)
+                          random_tensors, refuses_then_waits, train_then)
 import tawpipe.runtime.launch as launch_module
 from tawpipe.runtime import progress
 from tawpipe.io.checkpoint import PeerCheckpointError
@@ -79,6 +79,18 @@ def test_a_rank_that_raises_is_named_not_the_peer_it_left_behind() -> None:
         run_local(raises, 2, timeout=60)
     assert info.value.summary == "rank 1 failed: ValueError: bad input on rank 1"
     assert 'raise ValueError("bad input on rank 1")' in str(info.value)  # with that rank's traceback
+
+
+def test_a_rank_that_refused_its_batch_and_stayed_away_is_named_with_the_reason() -> None:
+    """Its peer waits in the step; when that wait times out, the job names the rank and what
+    its step refused, not only that it is outside tawpipe's code."""
+    with pytest.raises(JobFailed) as info:
+        run_local(refuses_then_waits, 2, timeout=4)
+    assert info.value.summary.startswith(
+        "rank 1 stuck in code outside tawpipe's executor, having refused what step() was given at step 0 "
+        "(ValueError: step(batch): batch has 3 rows, not a positive multiple of micro_batches=2) for "), \
+        info.value.summary
+    assert (info.value.rank, info.value.kind) == (1, "stuck")
 
 
 def test_errors_about_peers_are_told_apart() -> None:

@@ -36,6 +36,7 @@ from ..plan.schedule import compute_actions
 from ..plan.topology import Topology
 from ..plan.verify import verify
 from ..runtime import comm as comm_backends
+from ..runtime import progress
 from ..runtime.comm.base import P2P, Comm
 from ..runtime.executor import Executor, Messages
 from ..runtime.timeout import timeout_seconds
@@ -223,11 +224,17 @@ class TawPipe:
         indices (the next tokens) below the outputs of ``head``'s last nn.Linear (if it has one) or
         negative (an ignore_index), else with
         more dimensions (class probabilities), which only ``loss_fn`` reads. Anything else is
-        refused before the step runs, and the engine stays usable. An exception inside the step
+        refused before the step runs, and the engine stays usable: peers already in the step wait
+        for this rank, a call with a good batch joins them, and if none comes in time their timeout
+        names this rank and the refusal. An exception inside the step
         (``loss_fn``'s own included: it runs after the step's first transfers) leaves the engine
         failed."""
         self._refuse_if_unusable()
-        state = self._step_state(batch)  # a bad batch is refused here, and the engine stays usable
+        try:
+            state = self._step_state(batch)  # a bad batch is refused here, and the engine stays usable
+        except Exception as e:
+            _published_refusal("step", self.steps, e)
+            raise
         self._check_loaded_shards_agree()
         self._state = state
         try:
@@ -528,13 +535,11 @@ class TawPipe:
         from its owner into an idle weight buffer, every rank's batches through it, the loss sums
         and the batch counts all-reduced."""
         self._refuse_if_unusable()
-        if not batches:
-            raise ValueError("evaluate needs at least one (inputs, targets) batch")
-        for i, b in enumerate(batches):
-            if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(torch.is_tensor(t) for t in b)):
-                raise TypeError(f"evaluate(batches): batches[{i}] must be a pair of tensors (inputs, targets)")
-            check_tokens(b[0], b[1], f"evaluate(batches): batches[{i}]", self.device, self._vocab,
-                         self._classes)
+        try:
+            self._check_eval_batches(batches)
+        except Exception as e:
+            _published_refusal("evaluate", self.steps, e)
+            raise
         self._check_loaded_shards_agree()
         buf = next(b for b in sorted(self.storage.bufs) if buf_kind(b) is BufKind.WEIGHTS)
         inputs, ctx, targets, weights = self._sliced([x.to(self.device) for x, _ in batches],
@@ -555,6 +560,15 @@ class TawPipe:
             self.executor.run(eval_program(self.plan, buf)[self.rank], work)
         loss_sum, count = st.totals.tolist()
         return loss_sum / count
+
+    def _check_eval_batches(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not batches:
+            raise ValueError("evaluate needs at least one (inputs, targets) batch")
+        for i, b in enumerate(batches):
+            if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(torch.is_tensor(t) for t in b)):
+                raise TypeError(f"evaluate(batches): batches[{i}] must be a pair of tensors (inputs, targets)")
+            check_tokens(b[0], b[1], f"evaluate(batches): batches[{i}]", self.device, self._vocab,
+                         self._classes)
 
     def close(self) -> None:
         """Stop the engine's channels; every method that communicates then refuses."""
@@ -629,3 +643,10 @@ class TawPipe:
         s.grad_acc.zero_()
         s.rep.zero_()
         s.loss_sum.zero_()
+
+
+def _published_refusal(call: str, steps: int, error: Exception) -> None:
+    """A rank that refused its input stays out of the step its peers are in: they wait for it, and
+    when a wait times out its message names this rank and why (``runtime.progress``)."""
+    progress.publish(f"{progress.OUTSIDE}, having refused what {call}() was given at step {steps} "
+                     f"({type(error).__name__}: {error})")
