@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tawpipe.engine.policy import PrecisionPolicy
-from tawpipe.engine.precision import NORM_PIECE, DynamicScaling, Precision
+from tawpipe.engine import precision
+from tawpipe.engine.precision import NORM_PIECE, DynamicScaling, Precision, squared_norm
 
 
 def _grads(seed: int, n_own: int = 37, n_rep: int = 11, mul: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,6 +268,22 @@ def test_the_norm_of_a_gradient_is_summed_in_float64_without_a_copy(numel):
         assert Precision.local_stats(g, torch.tensor(1.0))[1] == 1
         g[0] = float("nan")
         assert Precision.local_stats(g, torch.tensor(1.0))[1] == 1
+
+
+@pytest.mark.parametrize("numel", [5, 2 * NORM_PIECE, 5 * NORM_PIECE + 9])
+def test_a_bfloat16_gradient_is_normed_a_slice_at_a_time_as_its_float32_values(monkeypatch, numel):
+    """A bfloat16 gradient buffer (normed on the device before it goes to the host) gives the norm
+    of its float32 values, the same pieces summed in float64; it is cast a slice at a time, so no
+    float32 copy of the whole is made, and a non-finite element is still flagged."""
+    monkeypatch.setattr(precision, "CAST_SLICE", NORM_PIECE * 2)  # several slices at small sizes too
+    g = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3).bfloat16()
+    with _Allocations() as made:
+        sq = squared_norm(g)
+    assert max(made.numels) <= NORM_PIECE * 2
+    assert sq.item() == pytest.approx(squared_norm(g.float()).item(), rel=1e-12)
+    assert sq.item() == pytest.approx(g.double().square().sum().item(), rel=1e-5)  # float32 within a piece
+    g[numel // 2] = float("inf")
+    assert Precision.local_stats(g, torch.tensor(1.0))[1] == 1
 
 
 class _Allocations(TorchDispatchMode):

@@ -624,7 +624,8 @@ class TawPipe:
             grads.copy_(summed)
 
     def _all_reduce_stats(self, comm: Comm, group: tuple[int, ...]) -> None:
-        stats = Precision.local_stats(self.storage.grad_acc, self.storage.loss_sum).to(self.device)
+        s = self.storage
+        stats = Precision.local_stats(s.grad_acc, s.loss_sum, s.own_squared_norm()).to(self.device)
         if self.plan.replica_of(self.rank) > 0:
             stats[0] = 0  # each chunk's norm counted once: its owners in every replica hold the same sum
         comm.all_reduce(stats, group)

@@ -19,14 +19,20 @@ import torch
 
 NONFINITE = ("skip", "raise")
 NORM_PIECE = 1 << 16  # elements per float32 norm of a piece in ``squared_norm``
+CAST_SLICE = NORM_PIECE << 8  # elements cast to float32 at once by ``squared_norm`` (64 MiB)
 
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
     """The sum of squares of float32 ``t``, in float64, without a copy of ``t``: the float32 norm
     of each piece of ``NORM_PIECE`` elements (a reduction kernel, no temporary), squared and summed
     in float64. A float64 copy and its square (16 B per element, 6 GiB at 403 M parameters on a
-    GPU) would be the step's peak; this is within about 1e-6 of it (float32 rounding of a piece)."""
+    GPU) would be the step's peak; this is within about 1e-6 of it (float32 rounding of a piece).
+    A ``t`` of another dtype (a bfloat16 gradient) is taken ``CAST_SLICE`` elements at a time,
+    each cast to float32: the same pieces, the same sum, a temporary of one slice."""
     flat = t.reshape(-1)
+    if flat.dtype != torch.float32:
+        return sum((squared_norm(flat[i:i + CAST_SLICE].float()) for i in range(0, flat.numel(), CAST_SLICE)),
+                   torch.zeros((), dtype=torch.float64, device=flat.device))
     whole = flat.numel() // NORM_PIECE * NORM_PIECE
     pieces = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_PIECE), dim=1).double().square().sum()
     return pieces + torch.linalg.vector_norm(flat[whole:]).double().square()
@@ -100,10 +106,12 @@ class Precision:
         self.skipped_steps = 0
 
     @staticmethod
-    def local_stats(grad_acc: torch.Tensor, loss_sum: torch.Tensor) -> torch.Tensor:
+    def local_stats(grad_acc: torch.Tensor, loss_sum: torch.Tensor, sq: torch.Tensor | None = None) -> torch.Tensor:
         """[squared norm, non-finite flag] of this rank's own-chunk gradient and its loss sum, to be
-        all-reduced (``squared_norm``: no copy of the gradient, on a GPU as on a host)."""
-        sq = squared_norm(grad_acc)
+        all-reduced (``squared_norm``: no copy of the gradient, on a GPU as on a host). ``sq``: the
+        gradient's squared norm where it was taken already (on the device, before the gradient
+        went to a host accumulator), so that ``grad_acc`` is not read again."""
+        sq = squared_norm(grad_acc) if sq is None else sq
         return torch.stack([sq, (~torch.isfinite(sq)).double(), loss_sum.to(sq.device, torch.float64)])
 
     def finish(self, step: int, stats: torch.Tensor, loss: float, rep_grad: torch.Tensor,

@@ -37,6 +37,7 @@ from ..plan.plan import Plan
 from ..runtime.timeout import DEFAULT_TIMEOUT
 from ..runtime.offload import HostOffload
 from .inputs import check_same_buffers
+from .precision import squared_norm
 
 BlockForward = Callable[..., torch.Tensor]
 
@@ -128,6 +129,14 @@ class ChunkStorage:
         self._init_staging()
         self._leaves: dict[tuple, list[torch.Tensor]] = {}  # weights(): (buf, "", n); leaves(): with the mask
         self.to_host = self.from_host = 0  # bytes moved with the host: the own state (offload), stashed weights
+        # Offloaded, with one gradient buffer added to the zeroed host accumulator per iteration (a
+        # single node's plan with k = acc, world size 1 among them) and no sum over replicas after
+        # it: that buffer is the own chunk's whole gradient, so its norm and non-finite check are
+        # taken on the device before the copy, and the host only steps (``own_squared_norm``).
+        acts = plan.actions[rank]
+        self._norm_before_copy = (self.offload is not None and sum(a.op is Op.ACC_G for a in acts) == 1
+                                  and not any(a.op is Op.ALLREDUCE_G for a in acts))
+        self._own_sq: torch.Tensor | None = None
 
     def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None,
                   offload: bool, timeout: float) -> list[nn.Module]:
@@ -315,8 +324,16 @@ class ChunkStorage:
         if self.offload is None:
             self.grad_acc.add_(src)
         else:
+            if self._norm_before_copy:
+                self._own_sq = squared_norm(src)
             self.offload.accumulate_grad(src)
             self.to_host += src.nbytes
+
+    def own_squared_norm(self) -> torch.Tensor | None:
+        """The own chunk's squared gradient norm if it was taken before the copy to the host
+        (``accumulate``), once per step; None: take it from ``grad_acc``."""
+        sq, self._own_sq = self._own_sq, None
+        return sq
 
     def harvest(self, grad_buf: str, chunk: int, accumulate: bool, layer: int | None = None) -> None:
         """Move a backward's gradient from the scratch into the plan's buffer (dtype differs):
