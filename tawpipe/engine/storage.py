@@ -132,7 +132,8 @@ class ChunkStorage:
         # Offloaded, with one gradient buffer added to the zeroed host accumulator per iteration (a
         # single node's plan with k = acc, world size 1 among them) and no sum over replicas after
         # it: that buffer is the own chunk's whole gradient, so its norm and non-finite check are
-        # taken on the device before the copy, and the host only steps (``own_squared_norm``).
+        # taken on the device before the copy, and the host reads its accumulator only to step it
+        # (``own_squared_norm``).
         acts = plan.actions[rank]
         self._norm_before_copy = (self.offload is not None and sum(a.op is Op.ACC_G for a in acts) == 1
                                   and not any(a.op is Op.ALLREDUCE_G for a in acts))
