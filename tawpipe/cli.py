@@ -407,9 +407,9 @@ def _print_peers(args: argparse.Namespace, dims: ModelDims, topo: Topology, plan
           f"replicated parameters; {' and '.join(plans)} counted from plans, the others closed form):")
     print(f"{'method':>10}  {'sent per rank':>14}  {'inter-node per node':>20}")
     for method in methods():
-        if method in plans:
-            t = plan_traffic(plans[method])
-            sent, inter = t.total() / topo.world_size, max(t.per_node())
+        if method in plans:  # counted on replica 0: every replica's ranks and nodes send what its do
+            t = plan_traffic(plans[method], replica_zero=True)
+            sent, inter = t.total() / plans[method].replica_size, max(t.per_node())
         else:
             e = estimate(method, dims, topo, args.micro_batches)
             sent, inter = e.sent_per_rank, e.inter_node_per_node

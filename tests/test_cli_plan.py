@@ -79,6 +79,22 @@ def test_the_summary_counts_the_slots_the_table_prints(capsys, algo):
     assert m and int(m.group(1)) == len(compute_slots)
 
 
+def test_the_peers_rows_of_a_plan_of_replicas_are_the_whole_jobs_count(capsys):
+    """The tawpipe and weipipe rows are counted on replica 0 (every replica sends what it does):
+    the same figures as counting every rank of the job."""
+    args = ("plan", "--nodes", "6", "--per-node", "2", "--layers", "6", "--micro-batches", "2", "--replicas", "3",
+            "--no-table", "--hidden", "256", "--heads", "8", "--seq-len", "512")
+    out = run(capsys, *args)
+    dims = ModelDims(layers=6, hidden=256, heads=8, seq=512)
+    for algo in ("tawpipe", "weipipe"):
+        plan = build_plan(Topology(6, 2), 6, 2, algo=algo, replicas=3, layer_numel=dims.layer_numel,
+                          weight_bytes=dims.dtype_bytes, grad_bytes=dims.grad_bytes,
+                          replicated_numel=dims.replicated_numel)
+        whole = plan_traffic(plan)
+        row = f"{algo:>10}  {whole.total() / 12 / 1e9:>11.2f} GB  {max(whole.per_node()) / 1e9:>17.2f} GB"
+        assert row in out.splitlines(), (row, out)
+
+
 def _busiest_grads(out: str) -> float:
     m = re.search(r"grads: busiest rank across nodes r\d+ ([\d,.]+)", out)
     return float(m.group(1).replace(",", ""))
