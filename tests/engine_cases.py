@@ -169,7 +169,7 @@ _POLICIES = {
                                     "nonfinite": "nonfinite"}),
     "memory": (MemoryPolicy, {"recompute": "recompute", "offload_state": "offload_state",
                               "offload_activations": "offload_activations", "memory_budget": "budget",
-                              "chunked_loss": "chunked_loss"}),
+                              "chunked_loss": "chunked_loss", "shape": "shape"}),
     "comm": (CommPolicy, {"comm": "backend", "timeout": "timeout", "overlap": "overlap"}),
 }
 

@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from cli_cases import refused
-from engine_cases import MB_ROWS, TinyLM, _engine, adamw, global_batch, lm_loss, make_engine, reference_run, rel_err
+from engine_cases import (HIDDEN, MB_ROWS, SEQ, VOCAB, TinyLM, _engine, adamw, global_batch, lm_loss, make_engine,
+                          reference_run, rel_err)
 from tawpipe.cost import memory as cost_memory
 from tawpipe.cost.memory import (MemoryEstimate, NothingFits, Savers, auto_plan, auto_savers_plan,
                                  busiest_rank_memory, candidates, choose, memory_per_rank, savers_ladder)
 from tawpipe.models.shape import ModelDims
-from tawpipe.engine import fingerprint
+from tawpipe.engine import MemoryPolicy, fingerprint
 from tawpipe.engine.auto import memory_budget
 from tawpipe.io import checkpoint
 from tawpipe.cost.traffic import plan_traffic
@@ -293,6 +294,44 @@ def test_the_engine_takes_the_choosers_pick_and_stays_exact():
         for r in rank_results:
             assert r["err"] <= 1e-5, r
             assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+
+
+def test_the_engine_chooses_its_memory_savers_from_the_shape_it_is_given():
+    """recompute="auto" with MemoryPolicy.shape: the savers that fit the budget, fastest first, as
+    the cost model counts them here for the schedule given (a budget just above keeping every
+    graph takes "none", one between that and recomputing from the chunk's input takes "chunk");
+    trained exactly like one process. Without a shape it is refused, naming the fix."""
+    with pytest.raises(ValueError, match=r"recompute='auto' chooses the memory savers .* give shape=ModelDims"):
+        MemoryPolicy(recompute="auto")
+    with pytest.raises(ValueError, match=r"shape must be a tawpipe.models.ModelDims .* got dict"):
+        MemoryPolicy(recompute="auto", shape={"seq": SEQ})
+    torch.manual_seed(0)
+    model = TinyLM(4)
+    shape = ModelDims(hidden=HIDDEN, layers=4, heads=4, vocab=VOCAB, seq=SEQ, micro_batch=MB_ROWS, dtype_bytes=4)
+    given = dict(mb_per_fetch=4, prefetch_depth=1, reuse_weights=False)  # four forwards before the backwards
+    plan = build_plan(Topology(1, 1), 4, 4, layer_numel=_layer(model), weight_bytes=4, grad_bytes=4,
+                      replicated_numel=_replicated(model), **given)
+
+    def estimate(recompute: str) -> float:
+        return busiest_rank_memory(plan, chunk_numel=[4 * _layer(model)], replicated_numel=_replicated(model),
+                                   weight_bytes=4, grad_bytes=4, scratch_bytes=0, seq=SEQ, micro_batch=MB_ROWS,
+                                   hidden=HIDDEN, heads=4, vocab=VOCAB, savers=Savers(recompute)).total
+
+    keep, chunk = estimate("none"), estimate("chunk")
+    assert chunk < keep
+    ref, ref_losses = reference_run(model, 4 * MB_ROWS, 2, None)
+    for budget, want in ((keep * 1.001, "none"), ((keep + chunk) / 2, "chunk")):
+        m = copy.deepcopy(model)
+        engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=4,
+                             optimizer=adamw, comm=NoComm(1), block_context=m.context, recompute="auto", shape=shape,
+                             memory_budget=budget, **given)
+        assert engine.policies[2].recompute == want, engine.auto_reason
+        assert engine.auto_reason.startswith(f"recompute {want}: of the memory savers that fit"), engine.auto_reason
+        losses = [engine.step(global_batch(step, 4 * MB_ROWS)) for step in range(2)]
+        trained = dict(ref.named_parameters())
+        assert max(rel_err(p.detach(), trained[n].detach()) for n, p in engine.named_parameters()) <= 1e-5
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        engine.close()
 
 
 def test_the_measured_budget(monkeypatch):

@@ -95,7 +95,7 @@ class TawPipe:
         blocks = check_model(model, topology, optimizer, lr_scheduler)
         check_policies(model, topology, schedule, memory, comm)
         check_micro_batches(topology, micro_batches, schedule.replicas)
-        self.precision, self.policies = precision.numerics(), (schedule, precision, memory, comm)
+        self.precision = precision.numerics()
         self.timeout = timeout_seconds(comm.timeout)
         check_replicated(model.embed, model.head, model.names, None, device)  # meta first: the default device
         self.device = resolve_device(device if device is not None else next(model.embed.parameters()).device)
@@ -105,12 +105,16 @@ class TawPipe:
         replicated = unique_params([(model.names[0], model.embed), (model.names[2], model.head)])
         self.plan: Plan
         self.auto_reason: str | None  # why "auto" chose the options it did; None: all were given
-        self.plan, _, self.auto_reason = engine_plan(
-            topology, len(blocks), micro_batches, device=self.device, budget=memory.budget, savers=memory.savers(),
-            layer_numel=sum(p.numel() for p in blocks[0].parameters()),
+        self.plan, savers, self.auto_reason = engine_plan(
+            topology, len(blocks), micro_batches, device=self.device, budget=memory.budget,
+            savers=memory.savers(host_is_device=self.device.type == "cpu"),
+            batch=memory.batch(schedule.context_parallel), layer_numel=sum(p.numel() for p in blocks[0].parameters()),
             weight_bytes=precision.compute_dtype.itemsize, grad_bytes=precision.grad_wire_dtype.itemsize,
             replicated_numel=sum(p.numel() for _, p in replicated if p.requires_grad),  # frozen: no gradient
             **schedule.plan_options())
+        memory = dataclasses.replace(memory, recompute=savers.recompute, offload_state=savers.offload_state,
+                                     offload_activations=savers.offload_activations)  # recompute "auto": chosen
+        self.policies = (schedule, precision, memory, comm)
         if compute_actions(topology, micro_batches, schedule.replicas) <= VERIFY_COMPUTE_ACTIONS:
             verify(self.plan)  # a schedule bug is a PlanError here, not a silently wrong gradient
         if schedule.context_parallel > 1:

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..cost.memory import AUTO, Savers
+from ..cost.memory import AUTO, Savers, savers_to_weigh
+from ..models.shape import ModelDims
 from ..ops import SUPPORTED_DTYPES
 from ..plan import registry
 from ..plan.plan import GRAD_ROUTES
@@ -140,19 +141,45 @@ class MemoryPolicy:
     vocabulary] float32 logits (the model's ``head_loss``, equal to the plain loss to ~1e-6).
     ``offload_activations``: the chunk inputs a forward keeps for its backward wait in pinned host
     memory, stored as soon as the forward is done and fetched back ahead of the backward (with
-    recompute "chunk", "layer" or "block"; ``tawpipe.engine.activations``)."""
+    recompute "chunk", "layer" or "block"; ``tawpipe.engine.activations``).
+    ``shape``: the model and the micro-batch ``step`` will take, as the cost model counts them
+    (``ModelDims``: hidden, heads, vocab, seq, micro_batch rows; the built-in LLaMA's
+    ``LlamaConfig.dims(seq=..., micro_batch=...)``). With it, the "auto" schedule options count the
+    activations too, and ``recompute="auto"`` chooses the memory savers as ``tawpipe train
+    --recompute auto`` does (design §7.3): of those with which a schedule fits, the fewest
+    inter-node bytes, then the fastest, the host's optimizer step last (an offload given is in
+    every choice; on a CPU, none is added, since it would free nothing)."""
 
     recompute: str = "chunk"
     offload_state: bool = False
     offload_activations: bool = False
     budget: float | None = None
     chunked_loss: bool = False
+    shape: ModelDims | None = None
 
-    def savers(self) -> Savers:
-        """These options as the cost model counts them."""
-        return Savers(self.recompute, self.offload_state, self.offload_activations)
+    def savers(self, host_is_device: bool = False) -> Savers | tuple[Savers, ...]:
+        """These options as the cost model counts them; with ``recompute="auto"`` the savers to
+        choose among, fastest first (``host_is_device``: a CPU device, no offload added)."""
+        ladder = savers_to_weigh(self.recompute, self.offload_state, self.offload_activations,
+                                 host_is_device=host_is_device)
+        return ladder if self.recompute == AUTO else ladder[0]
+
+    def batch(self, context_parallel: int = 1) -> dict[str, Any] | None:
+        """What one micro-batch's activations are counted from (a rank's slice of the sequence
+        under ``context_parallel``); None without ``shape``."""
+        d = self.shape
+        return None if d is None else dict(seq=d.seq // context_parallel, micro_batch=d.micro_batch, hidden=d.hidden,
+                                           heads=d.heads, vocab=d.vocab, chunked_loss=self.chunked_loss)
 
     def __post_init__(self) -> None:
+        if self.shape is not None and not isinstance(self.shape, ModelDims):
+            raise ValueError(f"shape must be a tawpipe.models.ModelDims (hidden, heads, vocab, seq, micro_batch), "
+                             f"got {type(self.shape).__name__}")
+        if self.recompute == AUTO and self.shape is None:
+            raise ValueError("recompute='auto' chooses the memory savers by what they save, mostly activations, "
+                             "which depend on the batch: give shape=ModelDims(...) of the micro-batches step() takes "
+                             "(the built-in LLaMA's LlamaConfig.dims(seq=..., micro_batch=...)), or name the "
+                             "recompute")
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
                                         or not self.budget > 0):
             raise ValueError(f"budget must be None (measure the free memory) or bytes per rank > 0, "
