@@ -36,7 +36,7 @@ declare -A STATUS
 # e.g. GPU_CHECK_STEPS="build tests", then GPU_CHECK_STEPS="ops_bench prefetch comm". With a short
 # lease, the open issues' lines first: GPU_CHECK_STEPS="build memory" (on the H200 lent on
 # 2026-11-27 the build took 36 s, and the build, memory_bench.py and tests/test_engine_cuda.py
-# together 370-425 s), then "tests", then the rest.
+# together 370-425 s, so "build memory" takes less), then "tests", then the rest.
 STEPS=" ${GPU_CHECK_STEPS:-build tests ops_bench prefetch comm memory calibrate} "
 
 step() {  # step NAME SECONDS LOG COMMAND...: run with a time limit, record the exit code

@@ -312,10 +312,10 @@ def test_the_engine_chooses_its_memory_savers_from_the_shape_it_is_given():
     plan = build_plan(Topology(1, 1), 4, 4, layer_numel=_layer(model), weight_bytes=4, grad_bytes=4,
                       replicated_numel=_replicated(model), **given)
 
-    def estimate(recompute: str) -> float:
+    def estimate(recompute: str, offload_state: bool = False) -> float:
         return busiest_rank_memory(plan, chunk_numel=[4 * _layer(model)], replicated_numel=_replicated(model),
                                    weight_bytes=4, grad_bytes=4, scratch_bytes=0, seq=SEQ, micro_batch=MB_ROWS,
-                                   hidden=HIDDEN, heads=4, vocab=VOCAB, savers=Savers(recompute)).total
+                                   hidden=HIDDEN, heads=4, vocab=VOCAB, savers=Savers(recompute, offload_state)).total
 
     keep, chunk = estimate("none"), estimate("chunk")
     assert chunk < keep
@@ -331,7 +331,19 @@ def test_the_engine_chooses_its_memory_savers_from_the_shape_it_is_given():
         trained = dict(ref.named_parameters())
         assert max(rel_err(p.detach(), trained[n].detach()) for n, p in engine.named_parameters()) <= 1e-5
         assert losses == pytest.approx(ref_losses, rel=1e-5)
+        with pytest.raises(ValueError, match=rf"micro-batches of {2 * MB_ROWS} x {SEQ} tokens, larger than "
+                                             rf"MemoryPolicy.shape's {MB_ROWS} x {SEQ}"):
+            engine.step(global_batch(2, 8 * MB_ROWS))  # refused before the step: the engine stays usable
         engine.close()
+    # on a CPU the device is the host: no offload is weighed, so a budget that only the optimizer
+    # state on the host would meet is not met (with the leanest savers named), not "met" by an offload
+    lean, leaner = estimate("layer"), estimate("layer", offload_state=True)
+    assert leaner < lean
+    with pytest.raises(NothingFits, match=r"^even with recompute layer: "):
+        m = copy.deepcopy(model)
+        make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=4, optimizer=adamw,
+                    comm=NoComm(1), block_context=m.context, recompute="auto", shape=shape,
+                    memory_budget=(lean + leaner) / 2, **given)
 
 
 def test_the_measured_budget(monkeypatch):
@@ -371,6 +383,14 @@ def test_ranks_that_chose_differently_are_told_why():
     with pytest.raises(ValueError, match=r"rank 1 disagrees with rank 0 on prefetch_depth \(rank 0: 3, rank 1: 1\).*"
                                          r"\"auto\" .* MemoryPolicy\.budget \(tawpipe train --memory-budget\)"):
         fingerprint.compare(table, rows[0], 0)
+    # recompute="auto" chooses per rank too (MemoryPolicy.shape): the same advice
+    plan = _plan_of(m, math.inf)
+    rows = [fingerprint.fields(plan, compute_dtype=torch.float32, grad_dtype=torch.float32, block=m.blocks[0],
+                               replicated=list(m.embed.named_parameters()), optimizer=adamw(list(m.parameters())),
+                               precision={}, recompute=recompute) for recompute in ("chunk", "layer")]
+    with pytest.raises(ValueError, match=r"rank 1 disagrees with rank 0 on recompute: .* whose recompute is chunk; "
+                                         r"where it is \"auto\", each rank chooses .* MemoryPolicy\.budget"):
+        fingerprint.compare([[v for _, v, _ in row] for row in rows], rows[0], 0)
 
 
 def test_a_checkpoint_records_the_choice_and_a_resume_makes_it_again(tmp_path):

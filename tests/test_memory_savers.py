@@ -199,10 +199,11 @@ def test_with_state_on_the_host_one_gradient_a_step_is_normed_on_its_way_there(m
     engine.close()
 
 
-def test_a_gradient_normed_on_its_way_to_the_host_still_skips_a_non_finite_step():
+def test_a_gradient_normed_on_its_way_to_the_host_still_skips_a_non_finite_step(monkeypatch):
     """The non-finite check moves with the norm: blocks whose gradients turn infinite in one step
     (the loss finite, the embedding and head frozen so that only the own chunk can tell) skip that
-    step and leave every parameter as it was."""
+    step and leave every parameter as it was, the host accumulator never normed."""
+    normed = NormedTensors(monkeypatch)
     torch.manual_seed(0)
     model = TinyLM(3)
     for p in (*model.embed.parameters(), *model.head.parameters()):
@@ -228,6 +229,8 @@ def test_a_gradient_normed_on_its_way_to_the_host_still_skips_a_non_finite_step(
     engine.step(global_batch(2, 4 * MB_ROWS))
     assert engine.skipped_steps == 1
     assert any(not torch.equal(p.detach(), before[n]) for n, p in engine.named_parameters())
+    host_acc = {p.grad.untyped_storage().data_ptr() for n, p in engine.named_parameters() if n.startswith("blocks.")}
+    assert normed.storages and not host_acc & set(normed.storages)
     engine.close()
 
 

@@ -58,6 +58,8 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 # Up to this many, the engine proves its plan before it connects (about 1.5 s of one core at the
 # most); beyond, it trusts the schedules' tests and ``tawpipe plan``, which proves what it prints.
 VERIFY_COMPUTE_ACTIONS = 50_000
+# A refused input's error, as a rank's progress label gives it (the label's slot holds 230 bytes)
+REFUSAL_CHARS = 120
 
 
 def default_optimizer(params: list[nn.Parameter], lr: float = 1e-3) -> torch.optim.Optimizer:
@@ -236,7 +238,7 @@ class TawPipe:
         self._refuse_if_unusable()
         try:
             state = self._step_state(batch)  # a bad batch is refused here, and the engine stays usable
-        except Exception as e:
+        except (TypeError, ValueError) as e:
             _published_refusal("step", self.steps, e)
             raise
         self._check_loaded_shards_agree()
@@ -262,6 +264,11 @@ class TawPipe:
         if inputs.shape[0] % acc or inputs.shape[0] == 0:
             raise ValueError(f"step(batch): batch has {inputs.shape[0]} rows, not a positive "
                              f"multiple of micro_batches={acc}")
+        planned = self.policies[2].shape
+        if planned is not None and (inputs.shape[0] // acc > planned.micro_batch or inputs.shape[1] > planned.seq):
+            raise ValueError(f"step(batch): micro-batches of {inputs.shape[0] // acc} x {inputs.shape[1]} tokens, "
+                             f"larger than MemoryPolicy.shape's {planned.micro_batch} x {planned.seq}, for which this "
+                             "engine chose its memory use: give the shape of the largest micro-batches step() takes")
         mb_in, ctx, mb_targets, weights = self._sliced([t.to(self.device) for t in inputs.chunk(acc)],
                                                        [t.to(self.device) for t in targets.chunk(acc)])
         return StepState(inputs=mb_in, targets=mb_targets, ctx=ctx, loss_weights=weights,
@@ -541,7 +548,7 @@ class TawPipe:
         self._refuse_if_unusable()
         try:
             self._check_eval_batches(batches)
-        except Exception as e:
+        except (TypeError, ValueError) as e:
             _published_refusal("evaluate", self.steps, e)
             raise
         self._check_loaded_shards_agree()
@@ -629,7 +636,10 @@ class TawPipe:
 
     def _all_reduce_stats(self, comm: Comm, group: tuple[int, ...]) -> None:
         s = self.storage
-        stats = Precision.local_stats(s.grad_acc, s.loss_sum, s.own_squared_norm()).to(self.device)
+        sq = s.own_squared_norm()
+        if sq is not None and sq.is_cuda:
+            sq.record_stream(torch.cuda.current_stream())  # made on the gradients' stream, read on this one
+        stats = Precision.local_stats(s.grad_acc, s.loss_sum, sq).to(self.device)
         if self.plan.replica_of(self.rank) > 0:
             stats[0] = 0  # each chunk's norm counted once: its owners in every replica hold the same sum
         comm.all_reduce(stats, group)
@@ -652,6 +662,8 @@ class TawPipe:
 
 def _published_refusal(call: str, steps: int, error: Exception) -> None:
     """A rank that refused its input stays out of the step its peers are in: they wait for it, and
-    when a wait times out its message names this rank and why (``runtime.progress``)."""
-    progress.publish(f"{progress.OUTSIDE}, having refused what {call}() was given at step {steps} "
-                     f"({type(error).__name__}: {error})")
+    when a wait times out its message names this rank and why (``runtime.progress``; the error's
+    first line, shortened to fit the board's slot)."""
+    why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    why = why if len(why) <= REFUSAL_CHARS else why[:REFUSAL_CHARS - 1] + "…"
+    progress.publish(f"{progress.OUTSIDE}, having refused what {call}() was given at step {steps} ({why})")

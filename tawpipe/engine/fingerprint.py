@@ -109,9 +109,10 @@ def compare(table: list[list[int]], mine: Sequence[tuple[str, int, str]], rank: 
                 shown = auto = ""
                 if name in ("num_layers", "micro_batches", "replicas", "context_parallel", *_CHOSEN):
                     shown = f" (rank 0: {table[0][j]}, rank {r}: {table[r][j]})"
-                if name in _CHOSEN:
-                    auto = (f'; where it is left "auto" (the default), each rank chooses within its own free memory: '
-                            f"give every rank the same MemoryPolicy.budget (tawpipe train --memory-budget), or {name}")
+                if name in _CHOSEN or name == "recompute":
+                    left = "left \"auto\" (the default)" if name in _CHOSEN else "\"auto\""
+                    auto = (f"; where it is {left}, each rank chooses within its own free memory: give every "
+                            f"rank the same MemoryPolicy.budget (tawpipe train --memory-budget), or {name}")
                 raise ValueError(
                     f"rank {r} disagrees with rank 0 on {name}{shown}: every rank must build the "
                     f"engine with the same arguments and the same initial model (same seed); this is "

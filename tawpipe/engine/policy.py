@@ -143,12 +143,12 @@ class MemoryPolicy:
     memory, stored as soon as the forward is done and fetched back ahead of the backward (with
     recompute "chunk", "layer" or "block"; ``tawpipe.engine.activations``).
     ``shape``: the model and the micro-batch ``step`` will take, as the cost model counts them
-    (``ModelDims``: hidden, heads, vocab, seq, micro_batch rows; the built-in LLaMA's
-    ``LlamaConfig.dims(seq=..., micro_batch=...)``). With it, the "auto" schedule options count the
-    activations too, and ``recompute="auto"`` chooses the memory savers as ``tawpipe train
-    --recompute auto`` does (design §7.3): of those with which a schedule fits, the fewest
-    inter-node bytes, then the fastest, the host's optimizer step last (an offload given is in
-    every choice; on a CPU, none is added, since it would free nothing)."""
+    (``ModelDims``: hidden, layers, heads, vocab, seq, micro_batch rows; the built-in LLaMA's
+    ``LlamaConfig.dims(seq=..., micro_batch=...)``; ``step`` refuses larger micro-batches). With it,
+    the "auto" schedule options count the activations too, and ``recompute="auto"`` chooses the
+    memory savers as ``tawpipe train --recompute auto`` does (design §7.3): of those with which a
+    schedule fits, the fewest inter-node bytes, then the fastest, the host's optimizer step last
+    (an offload given is in every choice; on a CPU, none is added, since it would free nothing)."""
 
     recompute: str = "chunk"
     offload_state: bool = False
@@ -173,8 +173,8 @@ class MemoryPolicy:
 
     def __post_init__(self) -> None:
         if self.shape is not None and not isinstance(self.shape, ModelDims):
-            raise ValueError(f"shape must be a tawpipe.models.ModelDims (hidden, heads, vocab, seq, micro_batch), "
-                             f"got {type(self.shape).__name__}")
+            raise ValueError("shape must be a tawpipe.models.ModelDims (hidden, layers, heads, vocab, seq, "
+                             f"micro_batch), got {type(self.shape).__name__}")
         if self.recompute == AUTO and self.shape is None:
             raise ValueError("recompute='auto' chooses the memory savers by what they save, mostly activations, "
                              "which depend on the batch: give shape=ModelDims(...) of the micro-batches step() takes "
