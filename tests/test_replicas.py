@@ -15,7 +15,7 @@ import torch
 
 from cli_cases import refused
 from engine_cases import exactness, make_engine
-from replica_cases import resume_across_replicas
+from replica_cases import normed_over_replicas, resume_across_replicas
 from tawpipe.cli import main
 from tawpipe.cost.memory import estimate_memory, memory_per_rank
 from tawpipe.cost.traffic import estimate, plan_traffic
@@ -273,6 +273,18 @@ def test_replicas_are_exact_vs_single_process(world: int) -> None:
     results = run_local(exactness, world, CASES[world], timeout=300)
     _check(results)
     _check_traffic(results)
+
+
+def test_with_the_state_on_the_host_the_replicas_sum_is_normed_before_it_goes_there() -> None:
+    """ALLREDUCE_G sums the own chunk's gradient over the replicas in a copy on the device, in the
+    wire's dtype: the norm (clipping, the non-finite check) is taken from that copy, never from the
+    host accumulator (on a CPU only a bfloat16 wire makes a copy: a float32 one sums the
+    accumulator itself, the device being the host), and the clipped training equals one
+    process's (to bfloat16's rounding where it computes in bfloat16)."""
+    for wire, tolerance in (("float32", 1e-5), ("bfloat16", 1e-2)):
+        for r in run_local(normed_over_replicas, 4, wire, timeout=300):
+            assert r["norms"] > 0 and (wire == "float32" or not r["host_normed"]), (wire, r)
+            assert r["err"] <= tolerance, (wire, r)
 
 
 def test_checkpoints_resume_exactly_and_reshard_to_another_replica_count(tmp_path) -> None:

@@ -617,7 +617,7 @@ class TawPipe:
         if a.op is Op.ALLREDUCE_STATS:
             return lambda: self._all_reduce_stats(comm, a.group)
         if a.op is Op.ALLREDUCE_G:
-            return lambda: self._all_reduce_in_wire(comm, s.grad_acc, a.group)
+            return lambda: s.summed_over_replicas(self._all_reduce_in_wire(comm, s.grad_acc, a.group))
         raise ValueError(f"the engine cannot execute {a.op}")
 
     def _p2p(self, unit: list[Action], tensor: Callable[[Action], torch.Tensor]) -> Messages:
@@ -625,14 +625,15 @@ class TawPipe:
                         tuple(P2P(OPS[a.op].transfer, tensor(a), a.peer) for a in unit),
                         tuple(a.tag for a in unit), self.timeout)
 
-    def _all_reduce_in_wire(self, comm: Comm, grads: torch.Tensor, group: tuple[int, ...]) -> None:
+    def _all_reduce_in_wire(self, comm: Comm, grads: torch.Tensor, group: tuple[int, ...]) -> torch.Tensor:
         """A float32 gradient buffer (the own chunk's accumulator, summed over the replicas; the
         replicated modules', over the job) summed in the dtype gradients travel in
-        (``PrecisionPolicy.grad_wire_dtype``)."""
+        (``PrecisionPolicy.grad_wire_dtype``); returns the sum as it crossed, on the device."""
         summed = grads.to(self.device, self.storage.grad_dtype)  # a copy when offloaded, or cast
         comm.all_reduce(summed, group)
         if summed is not grads:
             grads.copy_(summed)
+        return summed
 
     def _all_reduce_stats(self, comm: Comm, group: tuple[int, ...]) -> None:
         s = self.storage

@@ -129,14 +129,16 @@ class ChunkStorage:
         self._init_staging()
         self._leaves: dict[tuple, list[torch.Tensor]] = {}  # weights(): (buf, "", n); leaves(): with the mask
         self.to_host = self.from_host = 0  # bytes moved with the host: the own state (offload), stashed weights
-        # Offloaded, with one gradient buffer added to the zeroed host accumulator per iteration (a
-        # single node's plan with k = acc, world size 1 among them) and no sum over replicas after
-        # it: that buffer is the own chunk's whole gradient, so its norm and non-finite check are
-        # taken on the device before the copy, and the host reads its accumulator only to step it
-        # (``own_squared_norm``).
+        # Offloaded, the own chunk's whole gradient is on the device before the host has it in two
+        # cases: the replicas' sum (ALLREDUCE_G, the last writer of the accumulator, sums a device
+        # copy), or else the one gradient buffer a single ACC_G adds to the zeroed accumulator (a
+        # single node's plan with k = acc, world size 1 among them). There its norm and non-finite
+        # check are taken before the copy, and the host reads its accumulator only to step it
+        # (``own_squared_norm``); elsewhere the host's sum is the only whole gradient.
         acts = plan.actions[rank]
-        self._norm_before_copy = (self.offload is not None and sum(a.op is Op.ACC_G for a in acts) == 1
-                                  and not any(a.op is Op.ALLREDUCE_G for a in acts))
+        summed = any(a.op is Op.ALLREDUCE_G for a in acts)
+        one = not summed and sum(a.op is Op.ACC_G for a in acts) == 1
+        self._norm_on_device = None if self.offload is None else "replicas" if summed else "acc" if one else None
         self._own_sq: torch.Tensor | None = None
 
     def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None,
@@ -325,14 +327,20 @@ class ChunkStorage:
         if self.offload is None:
             self.grad_acc.add_(src)
         else:
-            if self._norm_before_copy:
+            if self._norm_on_device == "acc":
                 self._own_sq = squared_norm(src)
             self.offload.accumulate_grad(src)
             self.to_host += src.nbytes
 
+    def summed_over_replicas(self, summed: torch.Tensor) -> None:
+        """ALLREDUCE_G's sum of the own chunk's gradient over the replicas, before it goes back to
+        an offloaded accumulator: its norm is taken there (on the device)."""
+        if self._norm_on_device == "replicas":
+            self._own_sq = squared_norm(summed)
+
     def own_squared_norm(self) -> torch.Tensor | None:
         """The own chunk's squared gradient norm if it was taken before the copy to the host
-        (``accumulate``), once per step; None: take it from ``grad_acc``."""
+        (``accumulate``, ``summed_over_replicas``), once per step; None: take it from ``grad_acc``."""
         sq, self._own_sq = self._own_sq, None
         return sq
 
