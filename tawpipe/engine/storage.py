@@ -129,12 +129,13 @@ class ChunkStorage:
         self._init_staging()
         self._leaves: dict[tuple, list[torch.Tensor]] = {}  # weights(): (buf, "", n); leaves(): with the mask
         self.to_host = self.from_host = 0  # bytes moved with the host: the own state (offload), stashed weights
-        # Offloaded, the own chunk's whole gradient is on the device before the host has it in two
+        # Offloaded, the own chunk's whole gradient is on the device as well as on the host in two
         # cases: the replicas' sum (ALLREDUCE_G, the last writer of the accumulator, sums a device
-        # copy), or else the one gradient buffer a single ACC_G adds to the zeroed accumulator (a
-        # single node's plan with k = acc, world size 1 among them). There its norm and non-finite
-        # check are taken before the copy, and the host reads its accumulator only to step it
-        # (``own_squared_norm``); elsewhere the host's sum is the only whole gradient.
+        # copy and copies it back), or else the one gradient buffer a single ACC_G adds to the
+        # zeroed accumulator (a single node's plan with k = acc, world size 1 among them). There
+        # its norm and non-finite check are taken from the device's, and the host reads its
+        # accumulator only to step it (``own_squared_norm``); elsewhere the host's sum is the only
+        # whole gradient.
         acts = plan.actions[rank]
         summed = any(a.op is Op.ALLREDUCE_G for a in acts)
         one = not summed and sum(a.op is Op.ACC_G for a in acts) == 1
@@ -333,14 +334,14 @@ class ChunkStorage:
             self.to_host += src.nbytes
 
     def summed_over_replicas(self, summed: torch.Tensor) -> None:
-        """ALLREDUCE_G's sum of the own chunk's gradient over the replicas, before it goes back to
-        an offloaded accumulator: its norm is taken there (on the device)."""
+        """ALLREDUCE_G's sum of the own chunk's gradient over the replicas, the device copy of what
+        an offloaded accumulator now holds: its norm is taken from it, not from the host's."""
         if self._norm_on_device == "replicas":
             self._own_sq = squared_norm(summed)
 
     def own_squared_norm(self) -> torch.Tensor | None:
-        """The own chunk's squared gradient norm if it was taken before the copy to the host
-        (``accumulate``, ``summed_over_replicas``), once per step; None: take it from ``grad_acc``."""
+        """The own chunk's squared gradient norm if it was taken on the device (``accumulate``,
+        ``summed_over_replicas``), once per step; None: take it from ``grad_acc``."""
         sq, self._own_sq = self._own_sq, None
         return sq
 
