@@ -119,6 +119,29 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def record_norms(patch=setattr) -> list[int]:
+    """From now on (``patch``: ``setattr``, or a test's ``monkeypatch.setattr``) the storage of
+    every tensor the engine's ``squared_norm`` reads, in the order read."""
+    from tawpipe.engine import precision, storage
+
+    storages: list[int] = []
+    norm = precision.squared_norm
+
+    def recorded(t: torch.Tensor) -> torch.Tensor:
+        storages.append(t.untyped_storage().data_ptr())
+        return norm(t)
+
+    for module in (precision, storage):
+        patch(module, "squared_norm", recorded)
+    return storages
+
+
+def host_accumulator(engine: TawPipe) -> int:
+    """The storage of the own chunk's gradient accumulator (its parameters' ``.grad`` are views)."""
+    (storage,) = {p.grad.untyped_storage().data_ptr() for n, p in engine.named_parameters() if n.startswith("blocks.")}
+    return storage
+
+
 def global_batch(step: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     tok = torch.randint(0, VOCAB, (n_rows, SEQ + 1), generator=g)

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from engine_cases import MB_ROWS, TinyLM, _engine, global_batch, reference_run, rel_err
+from engine_cases import MB_ROWS, TinyLM, _engine, global_batch, host_accumulator, record_norms, reference_run, rel_err
 from tawpipe.io import checkpoint
 from tawpipe.io.safetensors import save_sharded
 from tawpipe.plan.topology import Topology
@@ -51,20 +51,11 @@ def resume_across_replicas(rank: int, directory: str) -> dict:
 
 def normed_over_replicas(rank: int, wire: str) -> dict:
     """Two replicas of 1 x 2 with the state on the host and clipping, computing and summing the
-    gradients over the replicas in float32 or bfloat16 (``wire``): which storages ``squared_norm`` read (the host
-    accumulator's or not) and the parameters' error against single-process training."""
-    from tawpipe.engine import precision, storage
-
+    gradients over the replicas in float32 or bfloat16 (``wire``): whether ``squared_norm`` read
+    the host accumulator, how often it ran, and the parameters' error against one process."""
     world, acc, steps = torch.distributed.get_world_size(), 2, 3
     dtype = torch.bfloat16 if wire == "bfloat16" else torch.float32  # the wire's dtype is float32 or the compute's
-    seen: list[int] = []
-    norm = precision.squared_norm
-
-    def recorded(t: torch.Tensor) -> torch.Tensor:
-        seen.append(t.untyped_storage().data_ptr())
-        return norm(t)
-
-    precision.squared_norm = storage.squared_norm = recorded
+    seen = record_norms()
     torch.manual_seed(0)
     model = TinyLM(4)
     ref, _ = reference_run(model, world * acc * MB_ROWS, steps, 0.05)
@@ -72,8 +63,8 @@ def normed_over_replicas(rank: int, wire: str) -> dict:
                      max_grad_norm=0.05, compute_dtype=dtype, grad_wire_dtype=dtype)
     for step in range(steps):
         engine.step(_local(rank, world, step, acc * MB_ROWS))
-    host = {p.grad.untyped_storage().data_ptr() for n, p in engine.named_parameters() if n.startswith("blocks.")}
+    host = host_accumulator(engine)
     want = dict(ref.named_parameters())
     err = max(rel_err(p.detach(), want[n].detach()) for n, p in engine.named_parameters())
     engine.close()
-    return {"host_normed": bool(host & set(seen)), "norms": len(seen), "err": err}
+    return {"host_normed": host in seen, "norms": len(seen), "err": err}

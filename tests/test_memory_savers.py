@@ -13,7 +13,8 @@ import torch
 
 from tawpipe.plan.topology import Topology
 
-from engine_cases import HIDDEN, MB_ROWS, SEQ, TinyLM, adamw, global_batch, lm_loss, make_engine, reference_run, rel_err
+from engine_cases import (HIDDEN, MB_ROWS, SEQ, TinyLM, adamw, global_batch, host_accumulator, lm_loss, make_engine,
+                          record_norms, reference_run, rel_err)
 from test_engine_errors import NoComm
 
 
@@ -157,23 +158,6 @@ def test_the_bytes_moved_with_the_host_are_the_cost_models(options):
         assert r["moved"] == pytest.approx(r["expected"], rel=0, abs=0), r
 
 
-class NormedTensors:
-    """``precision.squared_norm`` as the engine calls it, recording the storage of each tensor."""
-
-    def __init__(self, monkeypatch) -> None:
-        from tawpipe.engine import precision, storage
-
-        self.storages: list[int] = []
-        norm = precision.squared_norm
-
-        def recorded(t: torch.Tensor) -> torch.Tensor:
-            self.storages.append(t.untyped_storage().data_ptr())
-            return norm(t)
-
-        for module in (precision, storage):
-            monkeypatch.setattr(module, "squared_norm", recorded)
-
-
 @pytest.mark.parametrize("k", [4, 1])
 def test_with_state_on_the_host_one_gradient_a_step_is_normed_on_its_way_there(monkeypatch, k):
     """World size 1 with state offload: at k = acc the own chunk's gradient goes to the host once a
@@ -183,16 +167,14 @@ def test_with_state_on_the_host_one_gradient_a_step_is_normed_on_its_way_there(m
     torch.manual_seed(0)
     model = TinyLM(3)
     ref, ref_losses = reference_run(model, 4 * MB_ROWS, 3, 0.05)
-    normed = NormedTensors(monkeypatch)
+    normed = record_norms(monkeypatch.setattr)
     m = copy.deepcopy(model)
     engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=4,
                          optimizer=adamw, comm=NoComm(1), block_context=m.context, offload_state=True,
                          mb_per_fetch=k, max_grad_norm=0.05)
     losses = [engine.step(global_batch(step, 4 * MB_ROWS)) for step in range(3)]
-    host_acc = {p.grad.untyped_storage().data_ptr() for n, p in engine.named_parameters() if n.startswith("blocks.")}
-    assert len(host_acc) == 1
-    assert (host_acc <= set(normed.storages)) == (k == 1), (k, normed.storages)
-    assert len(normed.storages) == 3 * 2  # a step: the own chunk's gradient and the replicated ones'
+    assert (host_accumulator(engine) in normed) == (k == 1), (k, normed)
+    assert len(normed) == 3 * 2  # a step: the own chunk's gradient and the replicated ones'
     want = dict(ref.named_parameters())
     assert max(rel_err(p.detach(), want[n].detach()) for n, p in engine.named_parameters()) <= 1e-5
     assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -203,7 +185,7 @@ def test_a_gradient_normed_on_its_way_to_the_host_still_skips_a_non_finite_step(
     """The non-finite check moves with the norm: blocks whose gradients turn infinite in one step
     (the loss finite, the embedding and head frozen so that only the own chunk can tell) skip that
     step and leave every parameter as it was, the host accumulator never normed."""
-    normed = NormedTensors(monkeypatch)
+    normed = record_norms(monkeypatch.setattr)
     torch.manual_seed(0)
     model = TinyLM(3)
     for p in (*model.embed.parameters(), *model.head.parameters()):
@@ -229,8 +211,7 @@ def test_a_gradient_normed_on_its_way_to_the_host_still_skips_a_non_finite_step(
     engine.step(global_batch(2, 4 * MB_ROWS))
     assert engine.skipped_steps == 1
     assert any(not torch.equal(p.detach(), before[n]) for n, p in engine.named_parameters())
-    host_acc = {p.grad.untyped_storage().data_ptr() for n, p in engine.named_parameters() if n.startswith("blocks.")}
-    assert normed.storages and not host_acc & set(normed.storages)
+    assert normed and host_accumulator(engine) not in normed
     engine.close()
 
 

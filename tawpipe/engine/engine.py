@@ -637,10 +637,7 @@ class TawPipe:
 
     def _all_reduce_stats(self, comm: Comm, group: tuple[int, ...]) -> None:
         s = self.storage
-        sq = s.own_squared_norm()
-        if sq is not None and sq.is_cuda:
-            sq.record_stream(torch.cuda.current_stream())  # made on the gradients' stream, read on this one
-        stats = Precision.local_stats(s.grad_acc, s.loss_sum, sq).to(self.device)
+        stats = Precision.local_stats(s.grad_acc, s.loss_sum, s.own_squared_norm()).to(self.device)
         if self.plan.replica_of(self.rank) > 0:
             stats[0] = 0  # each chunk's norm counted once: its owners in every replica hold the same sum
         comm.all_reduce(stats, group)

@@ -341,8 +341,11 @@ class ChunkStorage:
 
     def own_squared_norm(self) -> torch.Tensor | None:
         """The own chunk's squared gradient norm if it was taken on the device (``accumulate``,
-        ``summed_over_replicas``), once per step; None: take it from ``grad_acc``."""
+        ``summed_over_replicas``), once per step, for the current stream (it was made on the
+        gradients' or the replicas'); None: take it from ``grad_acc``."""
         sq, self._own_sq = self._own_sq, None
+        if sq is not None and sq.is_cuda:
+            sq.record_stream(torch.cuda.current_stream())
         return sq
 
     def harvest(self, grad_buf: str, chunk: int, accumulate: bool, layer: int | None = None) -> None:
