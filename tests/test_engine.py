@@ -225,6 +225,9 @@ def test_checkpoint_resume_and_full_state_dict(tmp_path) -> None:
 
 @pytest.mark.parametrize("case", [
     dict(nodes=2, acc=2, layers=5, val_batches=2),  # uneven chunks
+    # the state on the host: the step loaded each own chunk for the next step into a buffer that
+    # the evaluation then fills with other chunks, so the next step must load it again
+    dict(nodes=1, acc=2, layers=5, val_batches=2, offload_state=True),
     dict(nodes=1, acc=1, layers=4, val_batches=1, algo="weipipe"),
     # ranks with 1 and 2 batches: each divided the sum by its own count, so each returned another wrong value
     dict(nodes=1, acc=1, layers=2, val_batches=2, uneven=True, world=2),

@@ -44,6 +44,7 @@ from . import fingerprint, shard
 from .auto import engine_plan
 from .activations import ActivationOffload
 from .context import CONTEXT_CHANNEL, ContextGroup
+from .host_step import step_in_pieces, steps_in_pieces
 from .compute import ChunkCompute, EvalState, StepState
 from .precision import Precision
 from .inputs import (check_micro_batches, check_model, check_optimizer, check_policies, check_replicated,
@@ -567,8 +568,10 @@ class TawPipe:
                 return lambda: self._comms[OPS[a.op].channel].all_reduce(st.totals, a.group)
             return self._work(unit)
 
+        actions = eval_program(self.plan, buf)[self.rank]
+        self.storage.before_program(actions)
         with self.compute.eval_mode():
-            self.executor.run(eval_program(self.plan, buf)[self.rank], work)
+            self.executor.run(actions, work)
         loss_sum, count = st.totals.tolist()
         return loss_sum / count
 
@@ -647,15 +650,27 @@ class TawPipe:
         s = self.storage
         n_total = self.topology.world_size * self.micro_batches
         self._last_loss = self._stats[2].item() / n_total
-        if self.precision.finish(self.steps, self._stats, self._last_loss, s.rep, s.grad_acc):
-            if s.offload is not None:
-                s.offload.synchronize()  # streamed loads have finished reading the master
+        stepping = self.precision.finish(self.steps, self._stats, self._last_loss, s.rep, s.grad_acc)
+        if s.offload is not None:
+            s.offload.synchronize()  # streamed loads have finished reading the master
+        if s.carried_load is not None:  # state on the host: each piece loads for the next iteration once stepped
+            self.executor.settle()  # no transfer of this iteration still reads the buffer the loads fill
+            runs = s.own_pieces() if stepping and steps_in_pieces(self.optimizer) else []
+            if runs:
+                step_in_pieces(self.optimizer, [params for params, _, _ in runs], lambda i: s.carry(*runs[i][1:]))
+            else:
+                if stepping:
+                    self.optimizer.step()
+                s.carry(0, s.master.numel())
+        elif stepping:
             self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
+        if stepping and self.scheduler is not None:
+            self.scheduler.step()
         s.grad_acc.zero_()
         s.rep.zero_()
         s.loss_sum.zero_()
+        if s.carried_load is not None:
+            s.carried(self.executor.channels[Channel.WEIGHTS].stream)
 
 
 def _published_refusal(call: str, steps: int, error: Exception) -> None:

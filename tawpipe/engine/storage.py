@@ -23,7 +23,8 @@ compute-dtype scratch buffer, so autograd writes a chunk's gradient straight int
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,10 +33,11 @@ import torch.nn as nn
 
 from ..models.parts import Materialize, block_param_name
 from ..ops import ShardLayout
-from ..plan.actions import BufKind, Op, buf_kind
+from ..plan.actions import MASTER, Action, BufKind, Op, buf_kind
 from ..plan.plan import Plan
 from ..runtime.timeout import DEFAULT_TIMEOUT
 from ..runtime.offload import HostOffload
+from .host_step import pieces
 from .inputs import check_same_buffers
 from .precision import squared_norm
 
@@ -141,6 +143,13 @@ class ChunkStorage:
         one = not summed and sum(a.op is Op.ACC_G for a in acts) == 1
         self._norm_on_device = None if self.offload is None else "replicas" if summed else "acc" if one else None
         self._own_sq: torch.Tensor | None = None
+        # Offloaded, the step loads the own chunk for the next iteration as it steps it (``carry``):
+        # the load is the plan's first LOAD_W of the own chunk whose buffer no earlier action
+        # touches, so filling that buffer after every unit of this iteration (the rank's last is
+        # STEP) leaves it as that LOAD_W would, if the master does not change in between.
+        self.carried_load = (untouched_own_load(plan, acts, self.own_chunk)
+                             if self.offload is not None and acts and acts[-1].op is Op.STEP else None)
+        self._carried: tuple[int, int] | None = None  # the master (address, version) the carried load read
 
     def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None,
                   offload: bool, timeout: float) -> list[nn.Module]:
@@ -303,13 +312,53 @@ class ChunkStorage:
         return [dict(zip(self.layer_names, tensors[j:j + per])) for j in range(0, len(tensors), per)]
 
     def load_master(self, buf: str, chunk: int) -> None:
-        """LOAD_W: the own master, cast into a staging buffer."""
+        """LOAD_W: the own master, cast into a staging buffer; nothing where the last step loaded
+        it there already (``carry``) and the master is as that load read it."""
         dst = self.chunk(buf, chunk)
         if self.offload is None:
             dst.copy_(self.master)
-        else:
-            self.offload.load_weights_into(dst)
-            self.from_host += self.master.nbytes  # the float32 master crosses, cast on the device
+            return
+        a, read = self.carried_load, self._carried
+        if read is not None and a is not None and (a.buf, a.chunk) == (buf, chunk):
+            self._carried = None
+            if read == self._master_version():
+                return
+        self.offload.load_weights_into(dst)
+        self.from_host += self.master.nbytes  # the float32 master crosses, cast on the device
+
+    def own_pieces(self) -> list[tuple[list[nn.Parameter], int, int]]:
+        """The own chunk in the pieces the host steps it in (``engine.host_step``): each piece's
+        parameters and its elements start..stop of the master."""
+        sizes = [p.numel() for _, p in self.own_params]
+        at = [0, *itertools.accumulate(sizes)]
+        return [([p for _, p in self.own_params[i:j]], at[i], at[j]) for i, j in pieces(sizes)]
+
+    def carry(self, start: int, stop: int) -> None:
+        """Elements start..stop of the master, as the step has just left them, loaded into the
+        buffer of ``carried_load`` for the next iteration (stream-ordered, as LOAD_W's)."""
+        a = self.carried_load
+        assert a is not None, "carry: this rank's plan carries no load"
+        self.offload.load_weights_into(self.chunk(a.buf, a.chunk), start, stop)
+        self.from_host += (stop - start) * self.master.element_size()
+
+    def carried(self, stream: torch.cuda.Stream | None) -> None:
+        """The step's loads are all issued: once they have read the master (waited for here) it
+        may change, and ``stream`` (the weights channel's, on CUDA), which writes staging buffers
+        next, is ordered after them. The next LOAD_W of ``carried_load`` finds them done."""
+        self.offload.synchronize()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._carried = self._master_version()
+
+    def before_program(self, actions: Iterable[Action]) -> None:
+        """Another program than the step's runs next (evaluate): a carried load that it may
+        overwrite, or whose master it may change, is forgotten (the next step loads again)."""
+        if self.carried_load is not None and not leaves_carried(self.plan, self.carried_load, actions):
+            self._carried = None
+
+    def _master_version(self) -> tuple[int, int]:
+        # in-place writes through the parameters (load_state_dict's copies, a user's) bump it
+        return self.master.data_ptr(), self.master._version
 
     def stash(self, buf: str, chunk: int) -> None:
         """STASH_W: the chunk just fetched into ``buf``, copied to its host buffer (on the weights
@@ -372,3 +421,23 @@ class ChunkStorage:
             decoder_params=self.decoder_params, world_size=self.plan.replica_size,
             offloaded=self.offload is not None, host_weights=host,
         )
+
+
+def untouched_own_load(plan: Plan, actions: Sequence[Action], own: int) -> Action | None:
+    """The first LOAD_W of chunk ``own`` in ``actions`` whose buffer no earlier action reads or
+    writes, the master unchanged before it; None if there is none."""
+    touched: set[str] = set()
+    for a in actions:
+        writes = plan.writes(a)
+        if a.op is Op.LOAD_W and a.chunk == own and a.buf not in touched:
+            return a
+        if MASTER in writes:
+            return None
+        touched.update(plan.reads(a), writes)
+    return None
+
+
+def leaves_carried(plan: Plan, carried: Action, actions: Iterable[Action]) -> bool:
+    """Whether ``actions`` leave the buffer ``carried`` loads and the master as they are."""
+    return not any(carried.buf in plan.reads(a) or carried.buf in plan.writes(a) or MASTER in plan.writes(a)
+                   for a in actions)

@@ -71,6 +71,7 @@ class Executor:
                  rank: int = 0) -> None:
         self.plan, self.timeout, self.device, self.overlap, self.rank = plan, timeout, device, overlap, rank
         self.channels = {name: ChannelQueue(name, timeout, device) for name in QUEUES}
+        self._issued: list[Handle] = []  # the transfers of the run in progress, issued so far
         self._trace_dir = os.environ.get("TAWPIPE_TRACE")  # see ``run``
 
     def run(self, actions: Sequence[Action], work: Work, traced: bool = False) -> None:
@@ -91,7 +92,7 @@ class Executor:
 
     def _run(self, actions: Sequence[Action], work: Work, trace: list[tuple[str, str, Handle]] | None) -> None:
         hazards: Hazards[Handle] = Hazards()
-        issued: list[Handle] = []
+        issued = self._issued = []
         for unit in batches(actions):
             rw = [(self.plan.reads(a), self.plan.writes(a)) for a in unit]
             deps = [d for reads, writes in rw for d in hazards.deps(reads, writes)]
@@ -122,7 +123,16 @@ class Executor:
                 trace.append((channel, label, handle))
         for h in issued:
             self._wait(h)
+        self._issued = []
         progress.publish(progress.OUTSIDE)
+
+    def settle(self) -> None:
+        """From a compute unit: wait until every transfer the run has issued so far is done (on
+        CUDA, order the current stream after them too). The unit may then touch any buffer an
+        earlier unit did, which its dependencies alone do not promise (the host step's loads for
+        the next iteration, design §6.1)."""
+        for h in self._issued:
+            self._wait(h)
 
     def _post_when_ready(self, msgs: Messages, deps: list[Handle], label: str) -> Handle:
         """Post the messages as soon as every dependency is done (on the thread that finishes

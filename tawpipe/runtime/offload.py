@@ -10,6 +10,7 @@ keeps a chunk owner's state in one (``MemoryPolicy(offload_state=True)``, ``tawp
     off.master, off.grad              # float32 host tensors (pinned on CUDA)
     off.load_weights_into(buf)        # buf[:numel] = master, cast to buf.dtype; stream-ordered:
                                       # the current stream of buf's device waits, the host does not
+    off.load_weights_into(buf, a, b)  # elements a..b only (a piece the host has just stepped)
     off.accumulate_grad(gbuf, alpha)  # grad += alpha * gbuf[:numel]; returns when added (timeout)
     off.synchronize()                 # queued loads have read the master (before it changes)
     off.memory()                      # bytes on the host and on the device
@@ -119,12 +120,16 @@ class HostOffload:
         return self._prefetcher
 
     @torch.no_grad()
-    def load_weights_into(self, dst: Tensor) -> None:
-        """``dst[:numel] = master`` cast to dst's dtype. On CUDA the copies are queued on side
-        streams and the current stream waits for them; the host returns at once."""
+    def load_weights_into(self, dst: Tensor, start: int = 0, stop: int | None = None) -> None:
+        """``dst[start:stop] = master[start:stop]`` cast to dst's dtype (all of it by default).
+        On CUDA the copies are queued on side streams and the current stream waits for them; the
+        host returns at once."""
         dst = self._device_buffer("load_weights_into", dst)
+        stop = self.numel if stop is None else stop
+        if not 0 <= start < stop <= self.numel:
+            raise ValueError(f"HostOffload.load_weights_into: elements {start}..{stop} are not a piece of 0..{self.numel}")
         with self._load_lock:
-            torch.ops.tawpipe._prefetch_load(self._handle, self.master, dst)
+            torch.ops.tawpipe._prefetch_load(self._handle, self.master[start:stop], dst[start:stop])
 
     @torch.no_grad()
     def accumulate_grad(self, src: Tensor, alpha: float = 1.0) -> None:

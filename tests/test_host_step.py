@@ -1,0 +1,234 @@
+"""The host step in pieces (design §6.1): with the own chunk's state on the host, the step loads
+each piece for the next iteration as soon as it is stepped. Stepping in pieces equals one step
+bit for bit; the engine trains like one process with it; the next iteration's LOAD_W finds the
+chunk loaded, and loads it again whenever the master or the buffer changed in between."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from tawpipe.engine import TawPipe
+from tawpipe.engine.engine import default_optimizer
+from tawpipe.engine.host_step import STEP_PIECES, pieces, step_in_pieces, steps_in_pieces
+from tawpipe.plan.topology import Topology
+from tawpipe.runtime.offload import HostOffload
+
+from engine_cases import MB_ROWS, TinyLM, global_batch, lm_loss, make_engine, reference_run, rel_err
+from test_engine_errors import NoComm
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pieces_are_consecutive_runs_of_about_an_eighth(seed):
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 1000) for _ in range(rng.randint(1, 60))]
+    runs = pieces(sizes)
+    assert runs[0][0] == 0 and runs[-1][1] == len(sizes)
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(runs, runs[1:]))
+    assert len(runs) <= min(STEP_PIECES, len(sizes))
+    assert all(sum(sizes[i:j]) >= sum(sizes) / STEP_PIECES for i, j in runs[:-1])
+
+
+OPTIMIZERS = {
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-1),
+    "default, two groups": default_optimizer,
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_stepping_in_pieces_equals_one_step_bit_for_bit(name):
+    """Parameters of random shapes (a frozen one among them), random gradients, three steps: one
+    optimizer steps them at once, another in random runs (some parameters outside every run);
+    parameters and state agree exactly, every .grad is as it was, each run reported in order."""
+    torch.manual_seed(hash(name) % 1000)
+    shapes = [(7, 5), (5,), (3, 4, 2), (11,), (6, 6), (1,), (9, 3)]
+    whole = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    whole[3].requires_grad_(False)
+    split = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in whole]
+    train = [i for i, p in enumerate(whole) if p.requires_grad]
+    a, b = OPTIMIZERS[name]([whole[i] for i in train]), OPTIMIZERS[name]([split[i] for i in train])
+    assert steps_in_pieces(b)
+    for step in range(3):
+        for i in train:
+            whole[i].grad = torch.randn(shapes[i])
+            split[i].grad = whole[i].grad.clone()
+        a.step()
+        runs = [[split[0], split[2]], [split[3], split[4]], [split[6]]]  # 1 and 5 step with the first
+        before = [p.grad for p in split]
+        seen: list[int] = []
+        step_in_pieces(b, runs, seen.append)
+        assert seen == [0, 1, 2] and all(p.grad is g for p, g in zip(split, before))
+        assert all(torch.equal(p, q) for p, q in zip(whole, split)), (name, step)
+    for p, q in zip(whole, split):
+        assert all(torch.equal(x, y) for x, y in zip(a.state[p].values(), b.state[q].values())
+                   if torch.is_tensor(x))
+
+
+class CoupledAdamW(torch.optim.AdamW):
+    """A subclass: it may couple its parameters, so the engine steps it at once."""
+
+
+def test_only_per_parameter_optimizers_without_step_hooks_step_in_pieces():
+    p = [torch.nn.Parameter(torch.randn(3))]
+    assert steps_in_pieces(torch.optim.AdamW(p)) and steps_in_pieces(torch.optim.SGD(p, lr=0.1))
+    assert not steps_in_pieces(CoupledAdamW(p)) and not steps_in_pieces(torch.optim.LBFGS(p))
+    hooked = torch.optim.Adam(p)
+    handle = hooked.register_step_post_hook(lambda *_: None)  # e.g. an EMA of the weights: once a step
+    assert not steps_in_pieces(hooked)
+    handle.remove()
+    assert steps_in_pieces(hooked)
+    handle = register_optimizer_step_pre_hook(lambda *_: None)
+    try:
+        assert not steps_in_pieces(hooked)
+    finally:
+        handle.remove()
+
+
+def _loads(monkeypatch) -> list[tuple[int, int | None]]:
+    """From now on, every HostOffload load's elements (start, stop), stop None for all of them."""
+    loads: list[tuple[int, int | None]] = []
+    load = HostOffload.load_weights_into
+
+    def recorded(self, dst, start=0, stop=None):
+        loads.append((start, stop))
+        return load(self, dst, start, stop)
+
+    monkeypatch.setattr(HostOffload, "load_weights_into", recorded)
+    return loads
+
+
+def _engine(model: TinyLM, k: int, optimizer=default_optimizer, **options) -> TawPipe:
+    return make_engine(model.blocks, model.embed, model.head, lm_loss, topology=Topology(1, 1), micro_batches=4,
+                       optimizer=optimizer, comm=NoComm(1), block_context=model.context, offload_state=True,
+                       mb_per_fetch=k, **options)
+
+
+def _adamw(params, kind=torch.optim.AdamW):  # the tests' reference optimizer, fused: the engine's default kind
+    return kind([{"params": list(params)}], lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6, fused=True)
+
+
+@pytest.mark.parametrize("k", [4, 1])
+def test_the_step_loads_each_piece_for_the_next_iteration_and_trains_like_one_process(monkeypatch, k):
+    """World size 1, state on the host, clipping: three steps equal single-process training to
+    1e-5 and, bit for bit, an optimizer the engine steps at once. Only the first step loads the
+    whole chunk in its prologue; every step's STEP loads it a piece at a time for the next."""
+    torch.manual_seed(0)
+    model = TinyLM(5)
+    ref, ref_losses = reference_run(model, 4 * MB_ROWS, 3, 0.05)
+    loads = _loads(monkeypatch)
+    engine = _engine(copy.deepcopy(model), k, _adamw, max_grad_norm=0.05)
+    losses = [engine.step(global_batch(step, 4 * MB_ROWS)) for step in range(3)]
+    sizes = [p.numel() for _, p in engine.own_parameters()]
+    at, numel = [0, *itertools.accumulate(sizes)], sum(sizes)
+    runs = [(at[i], at[j]) for i, j in pieces(sizes)]
+    assert 1 < len(runs) <= STEP_PIECES and runs[-1][1] == numel
+    assert loads == [(0, None), *runs * 3]
+    want = dict(ref.named_parameters())
+    assert max(rel_err(p.detach(), want[n].detach()) for n, p in engine.named_parameters()) <= 1e-5
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+    loads.clear()  # the same run with the optimizer stepped at once: its loads follow the whole step
+    at_once = _engine(copy.deepcopy(model), k, lambda ps: _adamw(ps, CoupledAdamW),
+                      max_grad_norm=0.05)
+    assert [at_once.step(global_batch(step, 4 * MB_ROWS)) for step in range(3)] == losses
+    assert loads == [(0, None), *[(0, numel)] * 3]
+    got = dict(at_once.named_parameters())
+    assert all(torch.equal(p, got[n]) for n, p in engine.named_parameters())
+    engine.close()
+    at_once.close()
+
+
+def test_what_changes_between_steps_is_loaded_again(monkeypatch):
+    """The carried load serves the next step only if nothing changed since: a shard loaded back,
+    weights changed in place through the parameters, an evaluation that used the buffer. Each
+    such step loads the whole chunk again and trains as the engine without offload does."""
+    torch.manual_seed(1)
+    model = TinyLM(4)
+    loads = _loads(monkeypatch)
+    engine = _engine(copy.deepcopy(model), 4)
+    m = copy.deepcopy(model)
+    plain = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=4, comm=NoComm(1),
+                        block_context=m.context, mb_per_fetch=4)
+
+    def both(step: int) -> None:
+        loads.clear()
+        for e in (engine, plain):
+            e.step(global_batch(step, 4 * MB_ROWS))
+
+    def agree() -> float:
+        got = dict(plain.named_parameters())
+        return max(rel_err(p.detach(), got[n].detach()) for n, p in engine.named_parameters())
+
+    both(0)
+    saved = engine.state_dict()
+    saved_plain = plain.state_dict()
+    both(1)
+    assert loads[0] != (0, None)  # the carried load served step 1
+    engine.load_state_dict(saved)
+    plain.load_state_dict(saved_plain)
+    both(1)  # step 1 again, from the shard of step 0
+    assert loads[0] == (0, None) and agree() <= 1e-6
+    with torch.no_grad():
+        for e in (engine, plain):
+            dict(e.named_parameters())["blocks.2.up.weight"].mul_(-0.5)
+    both(2)
+    assert loads[0] == (0, None) and agree() <= 1e-6
+    x, y = global_batch(9, 2 * MB_ROWS)
+    assert engine.evaluate([(x, y)]) == pytest.approx(plain.evaluate([(x, y)]), rel=1e-6)
+    both(3)
+    assert loads[0] == (0, None) and agree() <= 1e-6
+    engine.close()
+    plain.close()
+
+
+@pytest.mark.parametrize("topology, acc, options", [
+    ((1, 1), 4, dict(mb_per_fetch=4)), ((1, 1), 4, {}), ((2, 2), 2, {}), ((1, 4), 2, dict(algo="weipipe")),
+    ((2, 2), 4, dict(mb_per_fetch=2, prefetch_depth=2, reuse_weights=True)), ((2, 2), 2, dict(replicas=2)),
+    ((3, 2), 2, dict(reuse_weights="host", prefetch_depth=1)), ((2, 2), 3, dict(algo="weipipe")),
+    ((1, 4), 2, dict(prefetch_depth="resident", reuse_weights=True)), ((1, 4), 2, {}),
+])
+def test_which_ranks_the_step_loads_the_next_iterations_chunk_for(topology, acc, options):
+    """Where the own chunk's first load of an iteration fills a buffer nothing before it touched,
+    the step before carries it: every rank with several nodes (their own chunk's buffer ``w_own``),
+    WeiPipe's (the same), world size 1, a node at the resident depth; on one node at depth 1, the
+    ranks whose chunk comes first (0 and 1): the others' first load refills a buffer the iteration
+    used already, and is made where the plan makes it."""
+    from tawpipe.engine.storage import untouched_own_load
+    from tawpipe.plan.schedule import build_plan
+
+    plan = build_plan(Topology(*topology), 9, acc, **options)
+    carries = []
+    for rank in range(plan.topology.world_size):
+        a = untouched_own_load(plan, plan.actions[rank], plan.own_chunk(rank))
+        loads = [x for x in plan.actions[rank] if x.op.name == "LOAD_W" and x.chunk == plan.own_chunk(rank)]
+        assert a is None or (a is loads[0] and a.slot <= 0 and plan.actions[rank][-1].op.name == "STEP"), rank
+        carries.append(a is not None)
+    one_node_depth_1 = topology[0] == 1 and topology[1] > 2 and not options
+    assert carries == ([True, True] + [False] * (topology[1] - 2) if one_node_depth_1 else [True] * len(carries))
+
+
+def test_a_program_that_fills_the_carried_buffer_forgets_the_carried_load():
+    """The rule ``evaluate`` runs its program under: one that writes the buffer the step loaded
+    for the next one (the evaluation's, run through that buffer) forgets that load; one that
+    touches neither it nor the master (the setup CHECK) keeps it."""
+    from tawpipe.engine.storage import leaves_carried, untouched_own_load
+    from tawpipe.plan.programs import eval_program, setup_program
+    from tawpipe.plan.schedule import build_plan
+
+    plans = [build_plan(Topology(2, 2), 6, 2), build_plan(Topology(1, 4), 6, 2)]
+    for plan, rank in [(p, r) for p in plans for r in range(4)][:6]:  # the one-node plan's ranks 0 and 1 carry one
+        carried = untouched_own_load(plan, plan.actions[rank], plan.own_chunk(rank))
+        assert leaves_carried(plan, carried, setup_program(plan, 8)[rank])
+        assert not leaves_carried(plan, carried, eval_program(plan, carried.buf)[rank])
+        assert leaves_carried(plan, carried, [x for x in eval_program(plan, carried.buf)[rank]
+                                              if x.op.name == "ALLREDUCE_EVAL"])
