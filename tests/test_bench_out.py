@@ -83,7 +83,8 @@ def test_prefetch_writes_under_out(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     prefetch.add_arguments(p)
     small = ["--device", "cpu", "--numel", str(1 << 14), "--pieces", "4096", "--repeats", "1"]
     assert prefetch.main(p.parse_args(small)) == 0
-    assert json.loads((tmp_path / DEFAULT / "prefetch_cpu.json").read_text())["benchmark"] == "prefetch"
+    doc = json.loads((tmp_path / DEFAULT / "prefetch_cpu.json").read_text())
+    assert doc["benchmark"] == "prefetch" and doc["accumulate_norm"]["t_s"] > 0  # the last addition, normed
     assert prefetch.main(p.parse_args([*small, "--out", "mine"])) == 0
     assert [f.name for f in (tmp_path / "mine").iterdir()] == ["prefetch_cpu.json"]
     assert prefetch.main(p.parse_args([*small, "--out", "named.json"])) == 0  # a .json path is the file itself

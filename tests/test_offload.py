@@ -56,6 +56,49 @@ def test_accumulate_is_float32_add(device: str, dtype: torch.dtype) -> None:
     assert torch.equal(off.grad, want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [1, 203, 300_007])  # one element, a short tail, several threads
+def test_an_addition_that_takes_the_norm_adds_alike_and_sums_the_squares_of_the_result(device, dtype, numel):
+    """``accumulate_grad(..., squared_norm=True)``: the accumulator equals the plain addition's bit
+    for bit, and the returned sum equals float64's sum of its squares; a non-finite element
+    makes the sum non-finite."""
+    layout = ShardLayout.from_tensors([torch.empty(numel)])
+    plain, normed = (HostOffload(layout, device, piece_numel=4099) for _ in range(2))
+    g = torch.Generator().manual_seed(numel)
+    for alpha in (1.0, -0.5, 3.0):
+        src = (torch.randn(numel, generator=g) * 4).to(dtype).to(device)
+        plain.accumulate_grad(src, alpha)
+        squares = normed.accumulate_grad(src, alpha, squared_norm=True)
+        assert torch.equal(normed.grad, plain.grad)
+        want = normed.grad.double().square().sum()
+        assert squares.dtype == torch.float64 and squares.item() == pytest.approx(want.item(), rel=1e-12)
+    for bad in (float("inf"), float("nan")):
+        src = torch.zeros(numel, dtype=dtype)
+        src[numel // 2] = bad
+        assert not torch.isfinite(normed.accumulate_grad(src.to(device), squared_norm=True))
+    assert plain.accumulate_grad(src.to(device)) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_piece_of_the_master_loads_into_its_place_alone(device: str) -> None:
+    params = _params(5)
+    layout = ShardLayout.from_tensors(params)
+    master = _flat(layout, params)
+    off = HostOffload(layout, device, init=master, piece_numel=64)
+    buf = torch.full((layout.numel,), 7.0, dtype=torch.bfloat16, device=device)
+    start, stop = 100, layout.numel - 30
+    off.load_weights_into(buf, start, stop)
+    off.synchronize()
+    got = buf.cpu()
+    assert torch.equal(got[start:stop], master[start:stop].to(torch.bfloat16))
+    assert torch.all(got[:start] == 7.0) and torch.all(got[stop:] == 7.0)
+    for bad in [(5, 5), (-1, 10), (0, layout.numel + 1)]:
+        with pytest.raises(ValueError, match="not a piece"):
+            off.load_weights_into(buf, *bad)
+    off.close()
+
+
 def test_bad_input_is_rejected_with_the_fix() -> None:
     layout = ShardLayout.from_tensors(_params(7))
     off = HostOffload(layout, "cpu")

@@ -31,8 +31,8 @@ struct HostPrefetcher final : tawpipe_prefetcher {
   }
 
   int accumulate(const void* src, int src_dtype, float* acc, int64_t numel, float alpha, CUstream_st*,
-                 double) override {
-    return host_accumulate("prefetch accumulate", acc, src, src_dtype, numel, alpha, num_threads);
+                 double, double* sum_of_squares) override {
+    return host_accumulate("prefetch accumulate", acc, src, src_dtype, numel, alpha, num_threads, sum_of_squares);
   }
 
   int synchronize(double) override { return TAWPIPE_OK; }
@@ -55,9 +55,12 @@ size_t dtype_size(int dtype) {
 }
 
 int host_accumulate(const char* op, float* acc, const void* src, int src_dtype, int64_t numel, float alpha,
-                    int num_threads) {
+                    int num_threads, double* sum_of_squares) {
   const tawpipe_segment seg{src, acc, numel, src_dtype, TAWPIPE_DTYPE_F32};
-  const int status = tawpipe_shard_segments_cpu(&seg, 1, 1, alpha, num_threads);
+  const int status =
+      sum_of_squares == nullptr
+          ? tawpipe_shard_segments_cpu(&seg, 1, 1, alpha, num_threads)
+          : tawpipe_accumulate_squares_cpu(acc, src, src_dtype, numel, alpha, num_threads, sum_of_squares);
   return status == TAWPIPE_OK ? status : fail(status, std::string(op) + ": " + tawpipe_status_string(status));
 }
 
@@ -89,8 +92,22 @@ int tawpipe_prefetch_accumulate(tawpipe_prefetcher* p, const void* src, int src_
                                 float alpha, CUstream_st* stream, double timeout_s) {
   if (p == nullptr) return fail(TAWPIPE_ERR_INVALID_ARGUMENT, "prefetch accumulate: null prefetcher");
   const int status = check_args("prefetch accumulate", src, acc, src_dtype, numel);
-  return status != TAWPIPE_OK || numel == 0 ? status
-                                            : p->accumulate(src, src_dtype, acc, numel, alpha, stream, timeout_s);
+  return status != TAWPIPE_OK || numel == 0
+             ? status
+             : p->accumulate(src, src_dtype, acc, numel, alpha, stream, timeout_s, nullptr);
+}
+
+int tawpipe_prefetch_accumulate_norm(tawpipe_prefetcher* p, const void* src, int src_dtype, float* acc,
+                                     int64_t numel, float alpha, CUstream_st* stream, double timeout_s,
+                                     double* sum_of_squares) {
+  if (p == nullptr || sum_of_squares == nullptr) {
+    return fail(TAWPIPE_ERR_INVALID_ARGUMENT, "prefetch accumulate norm: null prefetcher or sum_of_squares");
+  }
+  *sum_of_squares = 0.0;
+  const int status = check_args("prefetch accumulate norm", src, acc, src_dtype, numel);
+  return status != TAWPIPE_OK || numel == 0
+             ? status
+             : p->accumulate(src, src_dtype, acc, numel, alpha, stream, timeout_s, sum_of_squares);
 }
 
 int tawpipe_prefetch_synchronize(tawpipe_prefetcher* p, double timeout_s) {

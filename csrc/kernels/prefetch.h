@@ -64,6 +64,13 @@ int tawpipe_prefetch_load(tawpipe_prefetcher* p, const float* src, void* dst, in
 int tawpipe_prefetch_accumulate(tawpipe_prefetcher* p, const void* src, int src_dtype, float* acc, int64_t numel,
                                 float alpha, struct CUstream_st* stream, double timeout_s);
 
+/* As tawpipe_prefetch_accumulate, and *sum_of_squares = the sum of acc's squares after the
+ * addition, in double, taken in the same pass over acc (not finite if an element is not): the
+ * norm of a gradient whose last addition this is, without reading it again. */
+int tawpipe_prefetch_accumulate_norm(tawpipe_prefetcher* p, const void* src, int src_dtype, float* acc,
+                                     int64_t numel, float alpha, struct CUstream_st* stream, double timeout_s,
+                                     double* sum_of_squares);
+
 /* Waits until every load issued so far has finished reading its source. */
 int tawpipe_prefetch_synchronize(tawpipe_prefetcher* p, double timeout_s);
 

@@ -174,7 +174,7 @@ class CudaPrefetcher final : public tawpipe_prefetcher {
   }
 
   int accumulate(const void* src, int src_dtype, float* acc, int64_t numel, float alpha, CUstream_st* stream,
-                 double timeout_s) override {
+                 double timeout_s, double* sum_of_squares) override {
     constexpr const char* op = "prefetch accumulate";
     if (const int status = usable(op)) return status;
     DeviceScope scope(device_);
@@ -208,9 +208,11 @@ class CudaPrefetcher final : public tawpipe_prefetcher {
                         "that never comes?)");
       }
       TAWPIPE_PREFETCH_CUDA(op, waited);
+      double piece_squares = 0.0;
       const int status = host_accumulate(op, acc + k * piece_numel, host_staging_[b], src_dtype, piece_size(k), alpha,
-                                         num_threads);
+                                         num_threads, sum_of_squares != nullptr ? &piece_squares : nullptr);
       if (status != TAWPIPE_OK) return status;
+      if (sum_of_squares != nullptr) *sum_of_squares += piece_squares;
       if (k + 2 < pieces) {
         if (const int fetched = fetch(k + 2)) return fetched;
       }

@@ -57,6 +57,16 @@ const char* tawpipe_status_string(int status);
 int tawpipe_shard_segments_cpu(const tawpipe_segment* segments, int64_t num_segments, int accumulate,
                                float alpha, int num_threads);
 
+/*
+ * Host memory: acc[i] = acc[i] + alpha * float(src[i]) for i < numel, rounded as the
+ * accumulation of tawpipe_shard_segments_cpu (the same acc, bit for bit), and *sum_of_squares =
+ * the sum of acc[i]^2 after the addition, in double (not finite if an element is not). One pass
+ * over acc: a gradient's last addition takes its norm on the way. The order of the sum depends
+ * only on numel and the number of threads.
+ */
+int tawpipe_accumulate_squares_cpu(float* acc, const void* src, int src_dtype, int64_t numel, float alpha,
+                                   int num_threads, double* sum_of_squares);
+
 /* Declared compatibly with cuda_runtime_api.h, so this header needs no CUDA include. */
 struct CUstream_st;
 

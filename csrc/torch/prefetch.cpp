@@ -143,6 +143,20 @@ void accumulate(int64_t handle, const at::Tensor& src, const at::Tensor& acc, do
                                         src.numel(), static_cast<float>(alpha), current_stream(h), timeout));
 }
 
+// accumulate, returning the sum of acc's squares after it (taken in the same pass)
+double accumulate_norm(int64_t handle, const at::Tensor& src, const at::Tensor& acc, double alpha, double timeout) {
+  constexpr const char* op = "tawpipe::_prefetch_accumulate_norm";
+  const std::shared_ptr<Handle> held = handle_of(op, handle);
+  const Handle& h = *held;
+  const int dtype = check_device(op, "src", src, h);
+  check_host(op, "acc", acc, h, src.numel());
+  double squares = 0.0;
+  check(op, tawpipe_prefetch_accumulate_norm(h.prefetcher, src.const_data_ptr(), dtype, acc.mutable_data_ptr<float>(),
+                                             src.numel(), static_cast<float>(alpha), current_stream(h), timeout,
+                                             &squares));
+  return squares;
+}
+
 void synchronize(int64_t handle, double timeout) {
   constexpr const char* op = "tawpipe::_prefetch_synchronize";
   check(op, tawpipe_prefetch_synchronize(handle_of(op, handle)->prefetcher, timeout));
@@ -159,7 +173,7 @@ std::vector<int64_t> info(int64_t handle) {
 
 // Private ops behind tawpipe.offload (eager only: they move data between devices by pointer).
 // Handles are not tensors: the ops without a tensor argument are registered as plain functions,
-// the two that move data dispatch on their tensors.
+// the three that move data dispatch on their tensors.
 TORCH_LIBRARY_FRAGMENT(tawpipe, m) {
   m.def("_prefetch_create(int device, int piece_numel, int num_threads) -> int", &create);
   m.def("_prefetch_destroy(int handle) -> ()", &destroy);
@@ -167,11 +181,13 @@ TORCH_LIBRARY_FRAGMENT(tawpipe, m) {
   m.def("_prefetch_info(int handle) -> int[]", &info);
   m.def("_prefetch_load(int handle, Tensor src, Tensor(a!) dst) -> ()");
   m.def("_prefetch_accumulate(int handle, Tensor src, Tensor(a!) acc, float alpha, float timeout) -> ()");
+  m.def("_prefetch_accumulate_norm(int handle, Tensor src, Tensor(a!) acc, float alpha, float timeout) -> float");
 }
 
 TORCH_LIBRARY_IMPL(tawpipe, CompositeExplicitAutograd, m) {
   m.impl("_prefetch_load", &load);
   m.impl("_prefetch_accumulate", &accumulate);
+  m.impl("_prefetch_accumulate_norm", &accumulate_norm);
 }
 
 }  // namespace tawpipe

@@ -3,7 +3,8 @@
 Bandwidth: loading a float32 master from pinned host memory into a compute-dtype device buffer
 (copy + cast, piece by piece through two staging buffers), against one plain pinned copy of the
 same float32 bytes, which is the limit; and accumulating a device gradient into the host float32
-accumulator, against one plain device-to-host copy. Overlap: the load on its own stream while a
+accumulator, against one plain device-to-host copy, and doing so with the accumulator's norm in
+the same pass (a step's last addition, design §6.1) against adding and then norming. Overlap: the load on its own stream while a
 matmul loop runs on the compute stream, t(both) / max(t_load, t_matmul), 1.0 being perfect.
 Targets on a GPU: load >= 90% of the pinned copy, overlap <= 1.1.
 
@@ -30,6 +31,7 @@ import torch
 from ..atomic import write_atomic
 from ..commands import UsageError, env_timeout, int_at_least
 from ..cost.units import gib
+from ..engine.precision import squared_norm
 from ..runtime.offload import DEFAULT_PIECE_NUMEL, HostOffload
 from ..runtime.timeout import DEFAULT_TIMEOUT
 from ..ops import ShardLayout
@@ -164,6 +166,11 @@ def measure(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[i
     t_acc = _time(lambda: off.accumulate_grad(grad), device, repeats)
     out["load_default_piece"] = {"piece": DEFAULT_PIECE_NUMEL, "GBps": nbytes / t_load / 1e9, "of_pinned": t_h2d / t_load}
     out["accumulate"] = {"GBps": nbytes / t_acc / 1e9, "of_pinned_d2h": t_d2h / t_acc}
+    # The step's last addition with the gradient's norm (clipping, the non-finite check): taken in
+    # the same pass over the accumulator, against the addition and then the norm (a second pass).
+    t_norm = _time(lambda: off.accumulate_grad(grad, squared_norm=True), device, repeats)
+    t_then = _time(lambda: (off.accumulate_grad(grad), squared_norm(off.grad)), device, repeats)
+    out["accumulate_norm"] = {"t_s": t_norm, "t_add_then_norm_s": t_then, "saved": 1 - t_norm / t_then}
 
     # A matmul loop about as long as the load, then both at once.
     n = 4096 if device.type == "cuda" else 512
@@ -235,6 +242,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"  load, piece {int(piece):>10,}  {r['GBps']:8.2f} GB/s  = {r['of_pinned']:6.1%} of the pinned copy")
     print(f"  accumulate (d2h + add) {res['accumulate']['GBps']:7.2f} GB/s  = "
           f"{res['accumulate']['of_pinned_d2h']:6.1%} of the pinned d2h copy")
+    n = res["accumulate_norm"]
+    print(f"  accumulate with its norm {n['t_s'] * 1e3:.2f} ms, against adding then norming {n['t_add_then_norm_s'] * 1e3:.2f} "
+          f"ms: {n['saved']:.1%} saved")
     o = res["overlap"]
     print(f"  overlap with {o['matmul']}: load {o['t_load_s'] * 1e3:.2f} ms, matmul {o['t_matmul_s'] * 1e3:.2f} ms, "
           f"both {o['t_both_s'] * 1e3:.2f} ms -> t(both)/max = {o['ratio']:.3f}")

@@ -610,7 +610,7 @@ class TawPipe:
         if a.op is Op.STEP:
             return self._optimizer_step
         if a.op is Op.ACC_G:
-            return lambda: s.accumulate(a.buf, a.chunk)
+            return lambda: s.accumulate(a)
         if a.op is Op.BCAST_W:
             return lambda: comm.broadcast(s.chunk(a.buf, a.chunk), a.root, a.group)
         if a.op is Op.REDUCE_G:
@@ -653,15 +653,8 @@ class TawPipe:
         stepping = self.precision.finish(self.steps, self._stats, self._last_loss, s.rep, s.grad_acc)
         if s.offload is not None:
             s.offload.synchronize()  # streamed loads have finished reading the master
-        if s.carried_load is not None:  # state on the host: each piece loads for the next iteration once stepped
-            self.executor.settle()  # no transfer of this iteration still reads the buffer the loads fill
-            runs = s.own_pieces() if stepping and steps_in_pieces(self.optimizer) else []
-            if runs:
-                step_in_pieces(self.optimizer, [params for params, _, _ in runs], lambda i: s.carry(*runs[i][1:]))
-            else:
-                if stepping:
-                    self.optimizer.step()
-                s.carry(0, s.master.numel())
+        if s.carried_load is not None:
+            self._step_loading_ahead(stepping)
         elif stepping:
             self.optimizer.step()
         if stepping and self.scheduler is not None:
@@ -671,6 +664,20 @@ class TawPipe:
         s.loss_sum.zero_()
         if s.carried_load is not None:
             s.carried(self.executor.channels[Channel.WEIGHTS].stream)
+
+    def _step_loading_ahead(self, stepping: bool) -> None:
+        """The host's step of the own chunk, loading it for the next iteration (design §6.1): a
+        piece at a time, each loading once stepped, where the optimizer steps alike in pieces;
+        else the whole step, then the whole load."""
+        s = self.storage
+        self.executor.settle()  # no transfer of this iteration still reads the buffer the loads fill
+        if stepping and steps_in_pieces(self.optimizer):
+            runs = s.own_pieces()
+            step_in_pieces(self.optimizer, [params for params, _, _ in runs], lambda i: s.carry(*runs[i][1:]))
+            return
+        if stepping:
+            self.optimizer.step()
+        s.carry(0, s.master.numel())
 
 
 def _published_refusal(call: str, steps: int, error: Exception) -> None:

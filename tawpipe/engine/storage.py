@@ -135,13 +135,16 @@ class ChunkStorage:
         # cases: the replicas' sum (ALLREDUCE_G, the last writer of the accumulator, sums a device
         # copy and copies it back), or else the one gradient buffer a single ACC_G adds to the
         # zeroed accumulator (a single node's plan with k = acc, world size 1 among them). There
-        # its norm and non-finite check are taken from the device's, and the host reads its
-        # accumulator only to step it (``own_squared_norm``); elsewhere the host's sum is the only
-        # whole gradient.
+        # its norm and non-finite check are taken from the device's. Elsewhere (several ACC_G, no
+        # replicas) the host's sum is the only whole gradient, and the last ACC_G takes its norm
+        # in the pass that adds it. Either way the host reads its accumulator only to add to it
+        # and to step it (``own_squared_norm``).
         acts = plan.actions[rank]
+        additions = [a for a in acts if a.op is Op.ACC_G]
         summed = any(a.op is Op.ALLREDUCE_G for a in acts)
-        one = not summed and sum(a.op is Op.ACC_G for a in acts) == 1
-        self._norm_on_device = None if self.offload is None else "replicas" if summed else "acc" if one else None
+        self._norm_where = (None if self.offload is None else "replicas" if summed
+                            else "addition" if len(additions) == 1 else "last addition")
+        self._last_addition = additions[-1] if additions else None  # ACC_G runs in list order (it writes ACC)
         self._own_sq: torch.Tensor | None = None
         # Offloaded, the step loads the own chunk for the next iteration as it steps it (``carry``):
         # the load is the plan's first LOAD_W of the own chunk whose buffer no earlier action
@@ -371,27 +374,30 @@ class ChunkStorage:
         self.chunk(buf, chunk).copy_(self.host[chunk], non_blocking=True)
         self.from_host += self.host[chunk].nbytes
 
-    def accumulate(self, buf: str, chunk: int) -> None:
+    def accumulate(self, a: Action) -> None:
         """ACC_G: a gradient buffer added into the own float32 accumulator."""
-        src = self.chunk(buf, chunk)
+        src = self.chunk(a.buf, a.chunk)
         if self.offload is None:
             self.grad_acc.add_(src)
+            return
+        if self._norm_where == "addition":
+            self._own_sq = squared_norm(src)
+        if self._norm_where == "last addition" and a == self._last_addition:
+            self._own_sq = self.offload.accumulate_grad(src, squared_norm=True)
         else:
-            if self._norm_on_device == "acc":
-                self._own_sq = squared_norm(src)
             self.offload.accumulate_grad(src)
-            self.to_host += src.nbytes
+        self.to_host += src.nbytes
 
     def summed_over_replicas(self, summed: torch.Tensor) -> None:
         """ALLREDUCE_G's sum of the own chunk's gradient over the replicas, the device copy of what
         an offloaded accumulator now holds: its norm is taken from it, not from the host's."""
-        if self._norm_on_device == "replicas":
+        if self._norm_where == "replicas":
             self._own_sq = squared_norm(summed)
 
     def own_squared_norm(self) -> torch.Tensor | None:
-        """The own chunk's squared gradient norm if it was taken on the device (``accumulate``,
-        ``summed_over_replicas``), once per step, for the current stream (it was made on the
-        gradients' or the replicas'); None: take it from ``grad_acc``."""
+        """The own chunk's squared gradient norm if it was taken on its way (``accumulate``,
+        ``summed_over_replicas``), once per step, for the current stream (on the device it was
+        made on the gradients' or the replicas'); None: take it from ``grad_acc``."""
         sq, self._own_sq = self._own_sq, None
         if sq is not None and sq.is_cuda:
             sq.record_stream(torch.cuda.current_stream())

@@ -12,6 +12,8 @@ keeps a chunk owner's state in one (``MemoryPolicy(offload_state=True)``, ``tawp
                                       # the current stream of buf's device waits, the host does not
     off.load_weights_into(buf, a, b)  # elements a..b only (a piece the host has just stepped)
     off.accumulate_grad(gbuf, alpha)  # grad += alpha * gbuf[:numel]; returns when added (timeout)
+    off.accumulate_grad(gbuf, squared_norm=True)  # ... and returns grad's sum of squares after it
+                                      # (float64 scalar), taken in the same pass over grad
     off.synchronize()                 # queued loads have read the master (before it changes)
     off.memory()                      # bytes on the host and on the device
     off.close()
@@ -132,12 +134,20 @@ class HostOffload:
             torch.ops.tawpipe._prefetch_load(self._handle, self.master[start:stop], dst[start:stop])
 
     @torch.no_grad()
-    def accumulate_grad(self, src: Tensor, alpha: float = 1.0) -> None:
+    def accumulate_grad(self, src: Tensor, alpha: float = 1.0, *, squared_norm: bool = False) -> Tensor | None:
         """``grad += alpha * src[:numel]`` (float32 on the host), after the current stream's work
-        that produces src; returns when done (raises after ``timeout`` seconds)."""
+        that produces src; returns when done (raises after ``timeout`` seconds). With
+        ``squared_norm``, returns the sum of ``grad``'s squares after the addition (a float64
+        scalar on the host, not finite if an element is not), taken as each element is written:
+        the norm of a gradient whose last addition this is, without another pass over it."""
         src = self._device_buffer("accumulate_grad", src)
         with self._acc_lock:
-            torch.ops.tawpipe._prefetch_accumulate(self._handle, src, self.grad, float(alpha), self.timeout)
+            if not squared_norm:
+                torch.ops.tawpipe._prefetch_accumulate(self._handle, src, self.grad, float(alpha), self.timeout)
+                return None
+            squares = torch.ops.tawpipe._prefetch_accumulate_norm(self._handle, src, self.grad, float(alpha),
+                                                                 self.timeout)
+        return torch.tensor(squares, dtype=torch.float64)
 
     def synchronize(self) -> None:
         """Wait until queued loads have read the master (before the host changes it)."""

@@ -369,6 +369,45 @@ void check_invalid_arguments() {
 #endif
 }
 
+// tawpipe_accumulate_squares_cpu: the same accumulator as the shard kernels' accumulation, bit
+// for bit, and the sum of its squares against a long-double reference; bad arguments refused.
+void check_accumulate_squares(std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.f, 3.f);
+  for (int64_t numel : {int64_t{1}, int64_t{13}, int64_t{200003}}) {  // 200003: several threads, a tail
+    for (int sd = 0; sd < 3; ++sd) {
+      std::vector<float> values(static_cast<size_t>(numel)), acc(values.size()), want(values.size());
+      std::vector<uint8_t> src(values.size() * elem_bytes(sd));
+      for (size_t i = 0; i < values.size(); ++i) {
+        store_bits(src, sd, i, encode(sd, normal(rng)));
+        acc[i] = want[i] = normal(rng);
+      }
+      const tawpipe_segment seg{src.data(), want.data(), numel, sd, TAWPIPE_DTYPE_F32};
+      expect(tawpipe_shard_segments_cpu(&seg, 1, 1, -0.75f, 0) == TAWPIPE_OK, "squares: reference status");
+      double squares = -1.0;
+      expect(tawpipe_accumulate_squares_cpu(acc.data(), src.data(), sd, numel, -0.75f, 0, &squares) == TAWPIPE_OK,
+             "squares: status");
+      expect(std::memcmp(acc.data(), want.data(), acc.size() * 4) == 0,
+             std::string("squares: the accumulation of ") + kNames[sd]);
+      long double ref = 0;
+      for (float v : want) ref += static_cast<long double>(v) * v;
+      expect(std::fabs(static_cast<long double>(squares) - ref) <= 1e-12L * ref,
+             std::string("squares: the sum, ") + kNames[sd] + " n=" + std::to_string(numel));
+    }
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  float acc[3] = {1, 2, 3};
+  const float src[3] = {0, inf, 0};
+  double squares = 0;
+  expect(tawpipe_accumulate_squares_cpu(acc, src, TAWPIPE_DTYPE_F32, 3, 1.f, 0, &squares) == TAWPIPE_OK &&
+             std::isinf(squares), "squares: an infinite element makes the sum infinite");
+  expect(tawpipe_accumulate_squares_cpu(acc, src, 9, 3, 1.f, 0, &squares) == TAWPIPE_ERR_INVALID_ARGUMENT,
+         "squares: bad dtype");
+  expect(tawpipe_accumulate_squares_cpu(acc, src, TAWPIPE_DTYPE_F32, 3, 1.f, 0, nullptr) ==
+             TAWPIPE_ERR_INVALID_ARGUMENT, "squares: no output");
+  expect(tawpipe_accumulate_squares_cpu(nullptr, src, TAWPIPE_DTYPE_F32, 3, 1.f, 0, &squares) ==
+             TAWPIPE_ERR_INVALID_ARGUMENT, "squares: null accumulator");
+}
+
 bool cuda_device_present() {
 #ifdef TAWPIPE_KERNELS_CUDA
   int count = 0;
@@ -384,6 +423,7 @@ int main() {
   std::mt19937_64 rng(0x7a3f91);
   check_conversions();
   check_invalid_arguments();
+  check_accumulate_squares(rng);
   std::vector<Where> targets{Where::kCpu};
   if (cuda_device_present()) {
     targets.push_back(Where::kCuda);
