@@ -61,8 +61,8 @@ def test_accumulate_is_float32_add(device: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("numel", [1, 203, 300_007])  # one element, a short tail, several threads
 def test_an_addition_that_takes_the_norm_adds_alike_and_sums_the_squares_of_the_result(device, dtype, numel):
     """``accumulate_grad(..., squared_norm=True)``: the accumulator equals the plain addition's bit
-    for bit, and the returned sum equals float64's sum of its squares; a non-finite element
-    makes the sum non-finite."""
+    for bit, and the returned sum is float64's sum of its squares to 1e-6 (the squares' float32
+    sums of a block, as ``squared_norm``'s pieces); a non-finite element makes the sum non-finite."""
     layout = ShardLayout.from_tensors([torch.empty(numel)])
     plain, normed = (HostOffload(layout, device, piece_numel=4099) for _ in range(2))
     g = torch.Generator().manual_seed(numel)
@@ -72,7 +72,7 @@ def test_an_addition_that_takes_the_norm_adds_alike_and_sums_the_squares_of_the_
         squares = normed.accumulate_grad(src, alpha, squared_norm=True)
         assert torch.equal(normed.grad, plain.grad)
         want = normed.grad.double().square().sum()
-        assert squares.dtype == torch.float64 and squares.item() == pytest.approx(want.item(), rel=1e-12)
+        assert squares.dtype == torch.float64 and squares.item() == pytest.approx(want.item(), rel=1e-6)
     for bad in (float("inf"), float("nan")):
         src = torch.zeros(numel, dtype=dtype)
         src[numel // 2] = bad

@@ -138,8 +138,9 @@ class HostOffload:
         """``grad += alpha * src[:numel]`` (float32 on the host), after the current stream's work
         that produces src; returns when done (raises after ``timeout`` seconds). With
         ``squared_norm``, returns the sum of ``grad``'s squares after the addition (a float64
-        scalar on the host, not finite if an element is not), taken as each element is written:
-        the norm of a gradient whose last addition this is, without another pass over it."""
+        scalar on the host, within about 1e-6, not finite if an element is not), taken while each
+        block is in cache: the norm of a gradient whose last addition this is, without another
+        pass over it."""
         src = self._device_buffer("accumulate_grad", src)
         with self._acc_lock:
             if not squared_norm:
