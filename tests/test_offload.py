@@ -111,6 +111,8 @@ def test_bad_input_is_rejected_with_the_fix() -> None:
     # the native op checks too (direct calls skip the Python checks)
     with pytest.raises(ValueError, match="elements"):
         torch.ops.tawpipe._prefetch_load(off._prefetcher, off.master, torch.empty(layout.numel + 1))
+    with pytest.raises(ValueError, match="elements"):
+        torch.ops.tawpipe._prefetch_accumulate_norm(off._prefetcher, torch.empty(layout.numel + 1), off.grad, 1.0, 9.0)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             HostOffload(layout, "cuda")

@@ -133,27 +133,29 @@ void load(int64_t handle, const at::Tensor& src, const at::Tensor& dst) {
                                   dst.numel(), current_stream(h)));
 }
 
-void accumulate(int64_t handle, const at::Tensor& src, const at::Tensor& acc, double alpha, double timeout) {
-  constexpr const char* op = "tawpipe::_prefetch_accumulate";
+// acc += alpha * src on the host; with squares, the sum of acc's squares after it (same pass)
+void add_to_host(const char* op, int64_t handle, const at::Tensor& src, const at::Tensor& acc, double alpha,
+                 double timeout, double* squares) {
   const std::shared_ptr<Handle> held = handle_of(op, handle);
   const Handle& h = *held;
   const int dtype = check_device(op, "src", src, h);
   check_host(op, "acc", acc, h, src.numel());
-  check(op, tawpipe_prefetch_accumulate(h.prefetcher, src.const_data_ptr(), dtype, acc.mutable_data_ptr<float>(),
-                                        src.numel(), static_cast<float>(alpha), current_stream(h), timeout));
+  const void* from = src.const_data_ptr();
+  float* to = acc.mutable_data_ptr<float>();
+  const auto a = static_cast<float>(alpha);
+  check(op, squares == nullptr
+                ? tawpipe_prefetch_accumulate(h.prefetcher, from, dtype, to, src.numel(), a, current_stream(h), timeout)
+                : tawpipe_prefetch_accumulate_norm(h.prefetcher, from, dtype, to, src.numel(), a, current_stream(h),
+                                                   timeout, squares));
 }
 
-// accumulate, returning the sum of acc's squares after it (taken in the same pass)
+void accumulate(int64_t handle, const at::Tensor& src, const at::Tensor& acc, double alpha, double timeout) {
+  add_to_host("tawpipe::_prefetch_accumulate", handle, src, acc, alpha, timeout, nullptr);
+}
+
 double accumulate_norm(int64_t handle, const at::Tensor& src, const at::Tensor& acc, double alpha, double timeout) {
-  constexpr const char* op = "tawpipe::_prefetch_accumulate_norm";
-  const std::shared_ptr<Handle> held = handle_of(op, handle);
-  const Handle& h = *held;
-  const int dtype = check_device(op, "src", src, h);
-  check_host(op, "acc", acc, h, src.numel());
   double squares = 0.0;
-  check(op, tawpipe_prefetch_accumulate_norm(h.prefetcher, src.const_data_ptr(), dtype, acc.mutable_data_ptr<float>(),
-                                             src.numel(), static_cast<float>(alpha), current_stream(h), timeout,
-                                             &squares));
+  add_to_host("tawpipe::_prefetch_accumulate_norm", handle, src, acc, alpha, timeout, &squares);
   return squares;
 }
 
