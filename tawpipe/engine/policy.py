@@ -168,9 +168,7 @@ class MemoryPolicy:
     def batch(self, context_parallel: int = 1) -> dict[str, Any] | None:
         """What one micro-batch's activations are counted from (a rank's slice of the sequence
         under ``context_parallel``); None without ``shape``."""
-        d = self.shape
-        return None if d is None else dict(seq=d.seq // context_parallel, micro_batch=d.micro_batch, hidden=d.hidden,
-                                           heads=d.heads, vocab=d.vocab, chunked_loss=self.chunked_loss)
+        return None if self.shape is None else activation_batch(self.shape, self.chunked_loss, context_parallel)
 
     def __post_init__(self) -> None:
         if self.shape is not None and not isinstance(self.shape, ModelDims):
@@ -189,6 +187,14 @@ class MemoryPolicy:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self.savers()  # the recompute's name, and the savers that go together (the cost model's rules)
+
+
+def activation_batch(shape: ModelDims, chunked_loss: bool, context_parallel: int = 1) -> dict[str, Any]:
+    """The sizes the cost model counts one micro-batch's activations from (``cost.memory``'s
+    ``seq``, ``micro_batch``, ``hidden``, ``heads``, ``vocab``, ``chunked_loss``): a rank's slice
+    of the sequence under ``context_parallel``."""
+    return dict(seq=shape.seq // context_parallel, micro_batch=shape.micro_batch, hidden=shape.hidden,
+                heads=shape.heads, vocab=shape.vocab, chunked_loss=chunked_loss)
 
 
 @dataclass(frozen=True)

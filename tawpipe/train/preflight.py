@@ -25,7 +25,7 @@ from ..cost.memory import (AUTO, MemoryEstimate, Savers, describe, logits_bytes,
 from ..cost.units import gib
 from ..engine.auto import engine_plan, host_available
 from ..io import checkpoint
-from ..engine.policy import MemoryPolicy
+from ..engine.policy import MemoryPolicy, activation_batch
 from ..models.parts import parts_signature, unique_params
 from ..ops import DTYPES
 from ..plan.plan import Plan
@@ -188,9 +188,8 @@ def _rank_sizes(cfg: TrainConfig, blocks: list[torch.nn.Module], embed: torch.nn
     weight_bytes, grad_bytes = _wire_bytes(cfg)
     return dict(replicated_numel=sum(p.numel() for _, p in unique_params([("embed", embed), ("head", head)])),
                 weight_bytes=weight_bytes, grad_bytes=grad_bytes,
-                scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0, seq=shape.seq,
-                micro_batch=shape.micro_batch, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
-                chunked_loss=cfg.loss == "chunked")
+                scratch_bytes=weight_bytes if grad_bytes != weight_bytes else 0,
+                **activation_batch(shape, cfg.loss == "chunked"))
 
 
 def _chunk_numel(plan: Plan, blocks: list[torch.nn.Module]) -> list[int]:
