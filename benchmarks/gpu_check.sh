@@ -8,7 +8,8 @@
 #      engine on one GPU (tests/test_engine_cuda.py), the native NCCL backend, the offload and the
 #      comm bench (world-size-1 NCCL exactness, timeouts, the prefetcher);
 #   3. runs benchmarks/ops_bench.py on the GPU (pack/unpack vs D2D copy and _foreach_copy_);
-#   4. runs `tawpipe bench prefetch` (targets: >= 90% of pinned-copy bandwidth, overlap <= 1.1);
+#   4. runs `tawpipe bench prefetch` (targets: >= 90% of pinned-copy bandwidth, overlap <= 1.1;
+#      how much of the master's load the host step in pieces hides, #35's item 3c);
 #   5. runs `tawpipe bench comm` at world size 1 with the nccl and nccl-native backends;
 #   6. runs benchmarks/memory_bench.py: the memory savers against plain torch, and 2x2 on the one GPU;
 #   7. calibrates the simulator on the GPU (`tawpipe simulate --calibrate --calibrate-on cuda`) at
@@ -34,9 +35,9 @@ declare -A STATUS
 
 # GPU_CHECK_STEPS picks steps (default: all), so that the check fits commands of limited length:
 # e.g. GPU_CHECK_STEPS="build tests", then GPU_CHECK_STEPS="ops_bench prefetch comm". With a short
-# lease, the open issues' lines first: GPU_CHECK_STEPS="build memory" (on the H200 lent on
+# lease, the open issues' lines first: GPU_CHECK_STEPS="build memory prefetch" (on the H200 lent on
 # 2026-11-27 the build took 36 s, and the build, memory_bench.py and tests/test_engine_cuda.py
-# together 370-425 s, so "build memory" takes less), then "tests", then the rest.
+# together 370-425 s, so "build memory" takes less; prefetch has 180 s), then "tests", then the rest.
 STEPS=" ${GPU_CHECK_STEPS:-build tests ops_bench prefetch comm memory calibrate} "
 
 step() {  # step NAME SECONDS LOG COMMAND...: run with a time limit, record the exit code
@@ -114,7 +115,9 @@ try:
     p = json.load(open(os.path.join(dest, "prefetch_cuda.json")))
     summary["prefetch"] = {"load_of_pinned": p["load_default_piece"]["of_pinned"], "overlap": p["overlap"]["ratio"],
                            "pinned_h2d_GBps": p["pinned_h2d_GBps"], "load_GBps": p["load_default_piece"]["GBps"],
-                           "targets_met": p.get("targets", {}).get("met")}
+                           "targets_met": p.get("targets", {}).get("met"),
+                           "host_step_load_hidden": p["host_step"]["hidden"],
+                           "last_addition_norm_saved": p["accumulate_norm"]["saved"]}
 except Exception as e:  # noqa: BLE001
     summary["prefetch_error"] = repr(e)
 try:

@@ -4,7 +4,10 @@ Bandwidth: loading a float32 master from pinned host memory into a compute-dtype
 (copy + cast, piece by piece through two staging buffers), against one plain pinned copy of the
 same float32 bytes, which is the limit; and accumulating a device gradient into the host float32
 accumulator, against one plain device-to-host copy, and doing so with the accumulator's norm in
-the same pass (a step's last addition, design §6.1) against adding and then norming. Overlap: the load on its own stream while a
+the same pass (a step's last addition, design §6.1) against adding and then norming. The host's
+AdamW step of the master with its load for the next iteration: the step then the load, against
+the step in pieces, each loading once stepped (design §6.1; on the CPU the loads are copies in
+the calling thread, so nothing hides). Overlap: the load on its own stream while a
 matmul loop runs on the compute stream, t(both) / max(t_load, t_matmul), 1.0 being perfect.
 Targets on a GPU: load >= 90% of the pinned copy, overlap <= 1.1.
 
@@ -19,6 +22,7 @@ matmul is another thread on the same cores and memory: those numbers mean little
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -31,6 +35,8 @@ import torch
 from ..atomic import write_atomic
 from ..commands import UsageError, env_timeout, int_at_least
 from ..cost.units import gib
+from ..engine.engine import default_optimizer
+from ..engine.host_step import pieces, step_in_pieces
 from ..engine.precision import squared_norm
 from ..runtime.offload import DEFAULT_PIECE_NUMEL, HostOffload
 from ..runtime.timeout import DEFAULT_TIMEOUT
@@ -171,6 +177,7 @@ def measure(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[i
     t_norm = _time(lambda: off.accumulate_grad(grad, squared_norm=True), device, repeats)
     t_then = _time(lambda: (off.accumulate_grad(grad), squared_norm(off.grad)), device, repeats)
     out["accumulate_norm"] = {"t_s": t_norm, "t_add_then_norm_s": t_then, "saved": 1 - t_norm / t_then}
+    out["host_step"] = _host_step(off, dst, device, repeats)
 
     # A matmul loop about as long as the load, then both at once.
     n = 4096 if device.type == "cuda" else 512
@@ -197,12 +204,38 @@ def measure(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[i
     return out
 
 
+def _host_step(off: HostOffload, dst: torch.Tensor, device: torch.device, repeats: int) -> dict:
+    """The host's AdamW step of the offloaded master (fused, the engine's default) with the load
+    for the next iteration (design §6.1): the step and then the load, against the step in the
+    engine's pieces with each piece loading as soon as it is stepped. ``hidden``: the share of
+    the load's time the pieces hide (1.0: all of it)."""
+    views = list(off.master.chunk(32))
+    params = [torch.nn.Parameter(v) for v in views]
+    for p, g in zip(params, off.grad.chunk(32)):
+        p.grad = g.normal_()
+    opt = default_optimizer(params)
+    at = [0, *itertools.accumulate(v.numel() for v in views)]
+    runs = pieces([v.numel() for v in views])
+
+    def stepped(i: int) -> None:
+        off.load_weights_into(dst, at[runs[i][0]], at[runs[i][1]])
+
+    t_step = _time(opt.step, device, repeats)
+    t_load = _time(lambda: off.load_weights_into(dst), device, repeats)
+    t_serial = _time(lambda: (opt.step(), off.load_weights_into(dst)), device, repeats)
+    t_pieces = _time(lambda: step_in_pieces(opt, [params[i:j] for i, j in runs], stepped), device, repeats)
+    return {"pieces": len(runs), "t_step_s": t_step, "t_load_s": t_load, "t_step_then_load_s": t_serial,
+            "t_in_pieces_s": t_pieces, "hidden": (t_serial - t_pieces) / t_load}
+
+
 def footprint(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[int]) -> tuple[int, int]:
     """Bytes ``measure`` holds at once on the host and on a CUDA device (0 on the CPU, where the
-    device's buffers are the host's): float32 source, master, copy target and offload master and
-    accumulator on the host (20 B per element), the float32 and compute-dtype loads and the gradient
-    on the device, and on CUDA two pinned and two device staging buffers of the largest piece."""
-    host, on_device = 20 * numel, (8 + dtype.itemsize) * numel
+    device's buffers are the host's): float32 source, master, copy target, offload master and
+    accumulator (20 B per element) and the host step's fused AdamW on the host (18 B: its two
+    float32 moments, and its first step's high-water mark 9.5 B above them, measured with torch
+    2.13), the float32 and compute-dtype loads and the gradient on the device, and on CUDA two
+    pinned and two device staging buffers of the largest piece."""
+    host, on_device = 38 * numel, (8 + dtype.itemsize) * numel
     if device.type == "cpu":
         return host + on_device, 0
     staging = 2 * 4 * max(*pieces, DEFAULT_PIECE_NUMEL)
@@ -245,6 +278,10 @@ def main(args: argparse.Namespace) -> int:
     n = res["accumulate_norm"]
     print(f"  accumulate with its norm {n['t_s'] * 1e3:.2f} ms, against adding then norming {n['t_add_then_norm_s'] * 1e3:.2f} "
           f"ms: {n['saved']:.1%} saved")
+    h = res["host_step"]
+    print(f"  host AdamW step {h['t_step_s'] * 1e3:.2f} ms, load {h['t_load_s'] * 1e3:.2f} ms: step then load "
+          f"{h['t_step_then_load_s'] * 1e3:.2f} ms, in {h['pieces']} pieces each loading once stepped "
+          f"{h['t_in_pieces_s'] * 1e3:.2f} ms ({h['hidden']:.0%} of the load hidden)")
     o = res["overlap"]
     print(f"  overlap with {o['matmul']}: load {o['t_load_s'] * 1e3:.2f} ms, matmul {o['t_matmul_s'] * 1e3:.2f} ms, "
           f"both {o['t_both_s'] * 1e3:.2f} ms -> t(both)/max = {o['ratio']:.3f}")
