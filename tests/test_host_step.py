@@ -26,12 +26,20 @@ from test_engine_errors import NoComm
 @pytest.mark.parametrize("seed", range(5))
 def test_pieces_are_consecutive_runs_of_about_an_eighth(seed):
     rng = random.Random(seed)
-    sizes = [rng.randint(1, 1000) for _ in range(rng.randint(1, 60))]
+    sizes = [rng.choice([0, rng.randint(1, 1000)]) for _ in range(rng.randint(1, 60))] + [rng.randint(1, 9)]
     runs = pieces(sizes)
     assert runs[0][0] == 0 and runs[-1][1] == len(sizes)
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(runs, runs[1:]))
-    assert len(runs) <= min(STEP_PIECES, len(sizes))
+    assert len(runs) <= min(STEP_PIECES, len(sizes)) and all(sum(sizes[i:j]) > 0 for i, j in runs)
     assert all(sum(sizes[i:j]) >= sum(sizes) / STEP_PIECES for i, j in runs[:-1])
+
+
+def test_a_piece_never_loads_nothing():
+    """An empty parameter last (its run would load no element, which HostOffload refuses) joins
+    the run before it."""
+    assert pieces([100, 0]) == [(0, 2)] and pieces([0, 5, 0, 0]) == [(0, 4)]
+    assert pieces([8] * 8 + [0]) == [(i, i + 1) for i in range(7)] + [(7, 9)]
+    assert pieces([1] * 9 + [0]) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
 
 
 OPTIMIZERS = {
@@ -74,6 +82,19 @@ def test_stepping_in_pieces_equals_one_step_bit_for_bit(name):
                    if torch.is_tensor(x))
 
 
+def test_the_parameters_outside_the_runs_step_with_the_first_run_that_has_a_gradient():
+    """Torch picks a step's implementation by the devices of the parameters it sees: the ones no
+    run lists (the replicated, on the device) step with a run that has gradients, never alone."""
+    ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(4)]
+    for p in ps[1:]:
+        p.grad = torch.randn(4)
+    opt = torch.optim.SGD(ps, lr=0.1)
+    seen: list[list[int]] = []
+    opt.register_step_pre_hook(lambda o, *_: seen.append([i for i, p in enumerate(ps) if p.grad is not None]))
+    step_in_pieces(opt, [[ps[0]], [ps[1]], [ps[2]]], lambda i: None)  # ps[0]: no gradient; ps[3]: in no run
+    assert seen == [[], [1, 3], [2]]
+
+
 class CoupledAdamW(torch.optim.AdamW):
     """A subclass: it may couple its parameters, so the engine steps it at once."""
 
@@ -86,7 +107,11 @@ def test_only_per_parameter_optimizers_without_step_hooks_step_in_pieces():
     handle = hooked.register_step_post_hook(lambda *_: None)  # e.g. an EMA of the weights: once a step
     assert not steps_in_pieces(hooked)
     handle.remove()
+    torch.optim.lr_scheduler.StepLR(hooked, 1)  # wraps step() to note the call: that is all it does
     assert steps_in_pieces(hooked)
+    step = hooked.step
+    hooked.step = lambda *a, **k: step(*a, **k)  # a wrapper of the user's: it would run once a piece
+    assert not steps_in_pieces(hooked)
     handle = register_optimizer_step_pre_hook(lambda *_: None)
     try:
         assert not steps_in_pieces(hooked)
@@ -146,6 +171,36 @@ def test_the_step_loads_each_piece_for_the_next_iteration_and_trains_like_one_pr
     assert all(torch.equal(p, got[n]) for n, p in engine.named_parameters())
     engine.close()
     at_once.close()
+
+
+class EmptyLast(torch.nn.Module):
+    """A block whose last parameter has no element (its piece would load nothing)."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(h, h, bias=False)
+        self.tail = torch.nn.ParameterDict({"empty": torch.nn.Parameter(torch.zeros(0))})  # after lin's
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x)) * scale
+
+
+def test_a_chunk_that_ends_in_an_empty_parameter_steps_in_pieces():
+    """The last piece holds elements even where the last parameter has none: the engine trains,
+    as the engine with its state on the device does."""
+    torch.manual_seed(3)
+    model = TinyLM(8, EmptyLast)
+    engines = []
+    for offload in (True, False):
+        m = copy.deepcopy(model)
+        engines.append(make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=4,
+                                   comm=NoComm(1), block_context=m.context, offload_state=offload, mb_per_fetch=4))
+        for step in range(2):
+            engines[-1].step(global_batch(step, 4 * MB_ROWS))
+    got = dict(engines[1].named_parameters())
+    assert max(rel_err(p.detach(), got[n].detach()) for n, p in engines[0].named_parameters() if p.numel()) <= 1e-6
+    for e in engines:
+        e.close()
 
 
 def test_what_changes_between_steps_is_loaded_again(monkeypatch):

@@ -66,7 +66,8 @@ int tawpipe_prefetch_accumulate(tawpipe_prefetcher* p, const void* src, int src_
 
 /* As tawpipe_prefetch_accumulate, and *sum_of_squares = the sum of acc's squares after the
  * addition (tawpipe_accumulate_squares_cpu: within about 1e-6, not finite if an element is not):
- * the norm of a gradient whose last addition this is, without another pass over it. */
+ * the norm of a gradient whose last addition this is, without another pass over it. A CUDA
+ * prefetcher sums it piece by piece (piece_numel elements), in order. */
 int tawpipe_prefetch_accumulate_norm(tawpipe_prefetcher* p, const void* src, int src_dtype, float* acc,
                                      int64_t numel, float alpha, struct CUstream_st* stream, double timeout_s,
                                      double* sum_of_squares);

@@ -206,6 +206,8 @@ extern "C" int tawpipe_shard_segments_cpu(const tawpipe_segment* segments, int64
     }
     return TAWPIPE_OK;
   }
+#else
+  (void)threads;  // built without OpenMP: always one thread
 #endif
   run_span(segments, ends.data(), num_segments, 0, total, acc, alpha);
   return TAWPIPE_OK;

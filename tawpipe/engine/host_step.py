@@ -26,10 +26,14 @@ STEP_PIECES = 8
 
 
 def steps_in_pieces(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` may step a piece of its parameters at a time with the same result."""
+    """Whether ``optimizer`` may step a piece of its parameters at a time with the same result: a
+    per-parameter class, no step hooks, and no ``step`` wrapped on the instance (an EMA wrapper, a
+    compiled step) but a learning-rate scheduler's, which only notes that the step ran."""
     hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", None), _global_optimizer_pre_hooks,
              getattr(optimizer, "_optimizer_step_post_hooks", None), _global_optimizer_post_hooks)  # torch's registries
-    return type(optimizer) in PER_PARAMETER and not any(hooks)
+    wrapped = vars(optimizer).get("step")
+    return (type(optimizer) in PER_PARAMETER and not any(hooks)
+            and (wrapped is None or getattr(wrapped, "_wrapped_by_lr_sched", False)))
 
 
 def pieces(sizes: Sequence[int], count: int = STEP_PIECES) -> list[tuple[int, int]]:
@@ -38,23 +42,27 @@ def pieces(sizes: Sequence[int], count: int = STEP_PIECES) -> list[tuple[int, in
     target, runs, start, filled = sum(sizes) / count, [], 0, 0
     for i, n in enumerate(sizes):
         filled += n
-        if filled >= target or i == len(sizes) - 1:
+        if filled >= target:
             runs.append((start, i + 1))
             start, filled = i + 1, 0
+    if start < len(sizes):  # the rest: a run of its own, or the last run's where it holds no element
+        runs = [*runs[:-1], (runs[-1][0], len(sizes))] if runs and filled == 0 else [*runs, (start, len(sizes))]
     return runs
 
 
 def step_in_pieces(optimizer: torch.optim.Optimizer, runs: Sequence[Sequence[nn.Parameter]],
                    stepped: Callable[[int], None]) -> None:
-    """``optimizer.step()`` one run of parameters at a time (the optimizer's parameters outside
-    every run step with the first), calling ``stepped(i)`` after run i; every ``.grad`` is as it
-    was afterwards."""
+    """``optimizer.step()`` one run of parameters at a time, calling ``stepped(i)`` after run i;
+    every ``.grad`` is as it was afterwards. The optimizer's parameters outside every run (the
+    replicated ones, on the device) step with the first run that has a gradient to step: a call
+    then sees the devices one step would (torch picks its implementation by them)."""
     grads = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
     listed = {p for run in runs for p in run}
-    first = [p for p in grads if p not in listed]
+    rest = [p for p in grads if p not in listed]
+    first = next((i for i, run in enumerate(runs) if any(grads.get(p) is not None for p in run)), 0)
     try:
         for i, run in enumerate(runs):
-            now = {*run, *first} if i == 0 else set(run)
+            now = {*run, *rest} if i == first else set(run)
             for p, g in grads.items():
                 p.grad = g if p in now else None
             optimizer.step()

@@ -134,8 +134,9 @@ class MemoryPolicy:
     keeps every layer's input from the forward (torch's per-block checkpointing: no second run of
     the chunk, the chunk's layers times the inputs kept); "none" keeps the forward's graph (design
     §6.2). ``offload_state`` keeps the own chunk's master, gradient
-    accumulator and optimizer state in pinned host memory; the host steps it a piece at a time,
-    each piece loading for the next step while the next steps (design §6.1). ``budget``: bytes per
+    accumulator and optimizer state in pinned host memory; with torch's per-parameter optimizers
+    the host steps it a piece at a time, each piece loading for the next step while the next
+    steps, where the plan's first load of the chunk can be made that early (design §6.1). ``budget``: bytes per
     rank that the "auto" schedule options must fit (None: the free memory less a margin); given,
     it bounds a schedule given whole too (``NothingFits`` where it does not fit).
     ``chunked_loss``: the head and loss a slice of tokens at a time, never the whole [tokens,

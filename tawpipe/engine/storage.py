@@ -137,8 +137,8 @@ class ChunkStorage:
         # zeroed accumulator (a single node's plan with k = acc, world size 1 among them). There
         # its norm and non-finite check are taken from the device's. Elsewhere (several ACC_G, no
         # replicas) the host's sum is the only whole gradient, and the last ACC_G takes its norm
-        # in the pass that adds it. Either way the host reads its accumulator only to add to it
-        # and to step it (``own_squared_norm``).
+        # in the pass that adds it. Either way the host does not read its accumulator again for
+        # the norm (``own_squared_norm``).
         acts = plan.actions[rank]
         additions = [a for a in acts if a.op is Op.ACC_G]
         summed = any(a.op is Op.ALLREDUCE_G for a in acts)
