@@ -5,8 +5,9 @@ steps the next piece. The loads then hide behind the step, all but the last piec
 A torch optimizer skips a parameter whose ``.grad`` is None, so stepping the parameters piece by
 piece, each call seeing only its piece's gradients, steps each parameter once with the same
 arithmetic as one call: the optimizers below update each parameter from its own gradient and
-state alone. Any other optimizer (a subclass too: it may couple its parameters), or one with step
-hooks (they would run once a piece), steps at once; its loads follow the whole step.
+state alone. Any other optimizer (a subclass too: it may couple its parameters), or one whose step
+runs more than the update (hooks, a wrapper: they would run once a piece), steps at once; its
+loads follow the whole step.
 """
 
 from __future__ import annotations
