@@ -22,7 +22,6 @@ matmul is another thread on the same cores and memory: those numbers mean little
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -36,7 +35,7 @@ from ..atomic import write_atomic
 from ..commands import UsageError, env_timeout, int_at_least
 from ..cost.units import gib
 from ..engine.engine import default_optimizer
-from ..engine.host_step import pieces, step_in_pieces
+from ..engine.host_step import piece_ranges, step_in_pieces
 from ..engine.precision import squared_norm
 from ..runtime.offload import DEFAULT_PIECE_NUMEL, HostOffload
 from ..runtime.timeout import DEFAULT_TIMEOUT
@@ -212,21 +211,19 @@ def _host_step(off: HostOffload, dst: torch.Tensor, device: torch.device, repeat
     for the next iteration (design §6.1): the step and then the load, against the step in the
     engine's pieces with each piece loading as soon as it is stepped. ``hidden``: the share of
     the load's time the pieces hide (1.0: all of it)."""
-    views = list(off.master.chunk(32))
-    params = [torch.nn.Parameter(v) for v in views]
+    params = [torch.nn.Parameter(v) for v in off.master.chunk(32)]
     for p, g in zip(params, off.grad.chunk(32)):
         p.grad = g.normal_()
     opt = default_optimizer(params)
-    at = [0, *itertools.accumulate(v.numel() for v in views)]
-    runs = pieces([v.numel() for v in views])
+    runs = piece_ranges(params)
 
     def stepped(i: int) -> None:
-        off.load_weights_into(dst, at[runs[i][0]], at[runs[i][1]])
+        off.load_weights_into(dst, *runs[i][1:])
 
     t_step = _time(opt.step, device, repeats)
     t_load = _time(lambda: off.load_weights_into(dst), device, repeats)
     t_serial = _time(lambda: (opt.step(), off.load_weights_into(dst)), device, repeats)
-    t_pieces = _time(lambda: step_in_pieces(opt, [params[i:j] for i, j in runs], stepped), device, repeats)
+    t_pieces = _time(lambda: step_in_pieces(opt, [ps for ps, _, _ in runs], stepped), device, repeats)
     return {"pieces": len(runs), "t_step_s": t_step, "t_load_s": t_load, "t_step_then_load_s": t_serial,
             "t_in_pieces_s": t_pieces, "hidden": (t_serial - t_pieces) / t_load}
 

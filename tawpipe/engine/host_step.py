@@ -12,6 +12,7 @@ loads follow the whole step.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -49,6 +50,14 @@ def pieces(sizes: Sequence[int], count: int = STEP_PIECES) -> list[tuple[int, in
     if start < len(sizes):  # the rest: a run of its own, or the last run's where it holds no element
         runs = [*runs[:-1], (runs[-1][0], len(sizes))] if runs and filled == 0 else [*runs, (start, len(sizes))]
     return runs
+
+
+def piece_ranges(params: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], int, int]]:
+    """``params``, consecutive in one flat buffer, in the pieces the host steps them in: each
+    piece's parameters and its elements start..stop of the buffer."""
+    sizes = [p.numel() for p in params]
+    at = [0, *itertools.accumulate(sizes)]
+    return [(list(params[i:j]), at[i], at[j]) for i, j in pieces(sizes)]
 
 
 def step_in_pieces(optimizer: torch.optim.Optimizer, runs: Sequence[Sequence[nn.Parameter]],

@@ -23,7 +23,6 @@ compute-dtype scratch buffer, so autograd writes a chunk's gradient straight int
 from __future__ import annotations
 
 import copy
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -37,7 +36,7 @@ from ..plan.actions import MASTER, Action, BufKind, Op, buf_kind
 from ..plan.plan import Plan
 from ..runtime.timeout import DEFAULT_TIMEOUT
 from ..runtime.offload import HostOffload
-from .host_step import pieces
+from .host_step import piece_ranges
 from .inputs import check_same_buffers
 from .precision import squared_norm
 
@@ -332,9 +331,7 @@ class ChunkStorage:
     def own_pieces(self) -> list[tuple[list[nn.Parameter], int, int]]:
         """The own chunk in the pieces the host steps it in (``engine.host_step``): each piece's
         parameters and its elements start..stop of the master."""
-        sizes = [p.numel() for _, p in self.own_params]
-        at = [0, *itertools.accumulate(sizes)]
-        return [([p for _, p in self.own_params[i:j]], at[i], at[j]) for i, j in pieces(sizes)]
+        return piece_ranges([p for _, p in self.own_params])
 
     def carry(self, start: int, stop: int) -> None:
         """Elements start..stop of the master, as the step has just left them, loaded into the
