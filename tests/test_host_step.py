@@ -15,7 +15,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tawpipe.engine import TawPipe
 from tawpipe.engine.engine import default_optimizer
-from tawpipe.engine.host_step import STEP_PIECES, pieces, step_in_pieces, steps_in_pieces
+from tawpipe.engine.host_step import pieces, step_in_pieces, steps_in_pieces
+from tawpipe.plan.plan import STEP_PIECES
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.offload import HostOffload
 
@@ -258,13 +259,12 @@ def test_which_ranks_the_step_loads_the_next_iterations_chunk_for(topology, acc,
     WeiPipe's (the same), world size 1, a node at the resident depth; on one node at depth 1, the
     ranks whose chunk comes first (0 and 1): the others' first load refills a buffer the iteration
     used already, and is made where the plan makes it."""
-    from tawpipe.engine.storage import untouched_own_load
     from tawpipe.plan.schedule import build_plan
 
     plan = build_plan(Topology(*topology), 9, acc, **options)
     carries = []
     for rank in range(plan.topology.world_size):
-        a = untouched_own_load(plan, plan.actions[rank], plan.own_chunk(rank))
+        a = plan.carried_load(rank)
         loads = [x for x in plan.actions[rank] if x.op.name == "LOAD_W" and x.chunk == plan.own_chunk(rank)]
         assert a is None or (a is loads[0] and a.slot <= 0 and plan.actions[rank][-1].op.name == "STEP"), rank
         carries.append(a is not None)
@@ -276,14 +276,13 @@ def test_a_program_that_fills_the_carried_buffer_forgets_the_carried_load():
     """The rule ``evaluate`` runs its program under: one that writes the buffer the step loaded
     for the next one (the evaluation's, run through that buffer) forgets that load; one that
     touches neither it nor the master (the setup CHECK) keeps it."""
-    from tawpipe.engine.storage import leaves_carried, untouched_own_load
     from tawpipe.plan.programs import eval_program, setup_program
     from tawpipe.plan.schedule import build_plan
 
     plans = [build_plan(Topology(2, 2), 6, 2), build_plan(Topology(1, 4), 6, 2)]
     for plan, rank in [(p, r) for p in plans for r in range(4)][:6]:  # the one-node plan's ranks 0 and 1 carry one
-        carried = untouched_own_load(plan, plan.actions[rank], plan.own_chunk(rank))
-        assert leaves_carried(plan, carried, setup_program(plan, 8)[rank])
-        assert not leaves_carried(plan, carried, eval_program(plan, carried.buf)[rank])
-        assert leaves_carried(plan, carried, [x for x in eval_program(plan, carried.buf)[rank]
+        carried = plan.carried_load(rank)
+        assert plan.leaves_carried(carried, setup_program(plan, 8)[rank])
+        assert not plan.leaves_carried(carried, eval_program(plan, carried.buf)[rank])
+        assert plan.leaves_carried(carried, [x for x in eval_program(plan, carried.buf)[rank]
                                               if x.op.name == "ALLREDUCE_EVAL"])

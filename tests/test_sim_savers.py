@@ -13,7 +13,8 @@ import torch
 
 from tawpipe import models
 from tawpipe.cost.memory import Savers, host_bytes, loss_bytes, memory_per_rank, working_set_bytes
-from tawpipe.plan.actions import Op
+from tawpipe.plan.actions import Op, describe
+from tawpipe.plan.plan import STEP_PIECES
 from tawpipe.plan.schedule import RESIDENT
 from tawpipe.plan.topology import Topology
 from tawpipe.sim import compare
@@ -105,18 +106,53 @@ def test_activation_offload_hides_behind_compute_unless_pcie_is_slow():
     assert fast.memory.activations < plain.memory.activations and fast.memory.host > 0
 
 
-def test_the_host_steps_an_offloaded_state():
+def test_the_host_steps_an_offloaded_state_in_pieces_each_loading_once_stepped():
+    """As the engine (design §6.1): once every transfer of the rank is done the host steps the own
+    chunk in ``STEP_PIECES`` pieces, and each piece's part of the next iteration's first load
+    crosses once the piece is stepped, hidden behind the next piece: only the last piece's load
+    and cast follow the step. That load (``carried_load``, the prologue's into ``w_own``) then
+    moves nothing; the own chunk's other loads read the master as before."""
     cluster, work = _cluster(), Workload(DIMS, DEV)
     on_device = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk"))
     on_host = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk", offload_state=True))
     plan = engine_plan(cluster, work, 4, **SETTINGS)
     own = plan.chunk_numel(plan.own_chunk(0))
-    steps = [(t, s, e) for t, s, e in zip(on_host.result.graph.tasks, on_host.result.start, on_host.result.end)
-             if t.label == "host AdamW" and t.rank == 0]
-    assert len(steps) == 1 and steps[0][0].seconds == pytest.approx(own * 32 / (160e9 / cluster.per_node))
+    tasks = [(t, s, e) for t, s, e in zip(on_host.result.graph.tasks, on_host.result.start, on_host.result.end)
+             if t.rank == 0]
+    steps = [x for x in tasks if x[0].label == "host AdamW"]
+    loads = [x for x in tasks if x[0].label.startswith("load master ")]
+    casts = [x for x in tasks if x[0].label.startswith("cast ")]
+    assert len(steps) == len(loads) == len(casts) == STEP_PIECES
+    assert sum(t.seconds for t, _, _ in steps) == pytest.approx(own * 32 / (160e9 / cluster.per_node))
+    messages = [e for t, _, e in tasks if t.flows and t.lane != "state"]
+    assert steps[0][1] >= max(messages) > 0  # settled
+    piece_load = 4 * own / STEP_PIECES / cluster.host.pcie.bandwidth
+    for i in range(STEP_PIECES):
+        assert loads[i][1] >= steps[i][2] and loads[i][2] - loads[i][1] == pytest.approx(piece_load, rel=1e-3)
+        if i + 1 < STEP_PIECES:
+            assert loads[i][2] <= steps[i + 1][2]  # hidden behind the next piece's step
+    assert on_host.time_s == pytest.approx(casts[-1][2]) and casts[-1][2] - steps[-1][2] < 1.1 * piece_load
+    carried = plan.carried_load(0)
+    assert carried is not None and carried.buf == "w_own"
+    assert next(t for t, _, _ in tasks if t.label == describe(carried)).seconds == 0  # nothing to cast either
+    own_loads = [a for a in plan.actions[0] if a.op is Op.LOAD_W]
+    assert sum(t.label == "load master" for t, _, _ in tasks) == len(own_loads) - 1
     assert on_host.compute_s < on_device.compute_s  # the device no longer steps or accumulates the own chunk
     assert on_host.memory.persistent == 0 and on_host.memory.host == 16 * own
-    assert on_host.time_s >= steps[0][2]
+
+
+def test_on_a_cpu_the_stepping_thread_loads_each_piece_before_the_next():
+    """On a CPU the loads are copies in the thread that steps (design §6.1): nothing hides, each
+    piece steps once the piece before it is loaded and cast."""
+    cluster, work = _cluster(), Workload(DIMS, DEV)
+    plan = engine_plan(cluster, work, 4, **SETTINGS)
+    graph, fabric = plan_graph(plan, cluster, work, host=True, savers=Savers("chunk", offload_state=True))
+    result = simulate(graph, fabric)
+    ends = {label: [(s, e) for t, s, e in zip(graph.tasks, result.start, result.end) if t.rank == 0 and
+                    (t.label == label or t.label.startswith(label + " "))] for label in ("host AdamW", "cast")}
+    steps, casts = ends["host AdamW"], ends["cast"]
+    assert len(steps) == len(casts) == STEP_PIECES
+    assert all(steps[i + 1][0] >= casts[i][1] > steps[i][1] for i in range(STEP_PIECES - 1))
 
 
 def test_save_on_cpu_copies_run_in_line_with_compute():

@@ -19,12 +19,12 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from ..plan.plan import STEP_PIECES
+
 # Stepped a parameter at a time: each update reads only the parameter's gradient and state.
 PER_PARAMETER = frozenset(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop",
     "Adafactor") if hasattr(torch.optim, name))  # Adafactor: torch 2.5 on
-# Pieces a chunk steps in: all but the last piece's load hides behind the step (1/8 is left).
-STEP_PIECES = 8
 
 
 def steps_in_pieces(optimizer: torch.optim.Optimizer) -> bool:

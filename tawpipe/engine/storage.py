@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from ..models.parts import Materialize, block_param_name
 from ..ops import ShardLayout
-from ..plan.actions import MASTER, Action, BufKind, Op, buf_kind
+from ..plan.actions import Action, BufKind, Op, buf_kind
 from ..plan.plan import Plan
 from ..runtime.timeout import DEFAULT_TIMEOUT
 from ..runtime.offload import HostOffload
@@ -145,12 +145,9 @@ class ChunkStorage:
                             else "addition" if len(additions) == 1 else "last addition")
         self._last_addition = additions[-1] if additions else None  # ACC_G runs in list order (it writes ACC)
         self._own_sq: torch.Tensor | None = None
-        # Offloaded, the step loads the own chunk for the next iteration as it steps it (``carry``):
-        # the load is the plan's first LOAD_W of the own chunk whose buffer no earlier action
-        # touches, so filling that buffer after every unit of this iteration (the rank's last is
-        # STEP) leaves it as that LOAD_W would, if the master does not change in between.
-        self.carried_load = (untouched_own_load(plan, acts, self.own_chunk)
-                             if self.offload is not None and acts and acts[-1].op is Op.STEP else None)
+        # Offloaded, the step loads the own chunk for the next iteration as it steps it (``carry``)
+        # into the buffer of the plan's ``carried_load``, which then does nothing.
+        self.carried_load = plan.carried_load(rank) if self.offload is not None else None
         self._carried: tuple[int, int] | None = None  # the master (address, version) the carried load read
 
     def _init_own(self, blocks: Sequence[nn.Module], prefix: str, materialize: Materialize | None,
@@ -353,7 +350,7 @@ class ChunkStorage:
     def before_program(self, actions: Iterable[Action]) -> None:
         """Another program than the step's runs next (evaluate): a carried load that it may
         overwrite, or whose master it may change, is forgotten (the next step loads again)."""
-        if self.carried_load is not None and not leaves_carried(self.plan, self.carried_load, actions):
+        if self.carried_load is not None and not self.plan.leaves_carried(self.carried_load, actions):
             self._carried = None
 
     def _master_version(self) -> tuple[int, int]:
@@ -425,22 +422,3 @@ class ChunkStorage:
             offloaded=self.offload is not None, host_weights=host,
         )
 
-
-def untouched_own_load(plan: Plan, actions: Sequence[Action], own: int) -> Action | None:
-    """The first LOAD_W of chunk ``own`` in ``actions`` whose buffer no earlier action reads or
-    writes, the master unchanged before it; None if there is none."""
-    touched: set[str] = set()
-    for a in actions:
-        writes = plan.writes(a)
-        if a.op is Op.LOAD_W and a.chunk == own and a.buf not in touched:
-            return a
-        if MASTER in writes:
-            return None
-        touched.update(plan.reads(a), writes)
-    return None
-
-
-def leaves_carried(plan: Plan, carried: Action, actions: Iterable[Action]) -> bool:
-    """Whether ``actions`` leave the buffer ``carried`` loads and the master as they are."""
-    return not any(carried.buf in plan.reads(a) or carried.buf in plan.writes(a) or MASTER in plan.writes(a)
-                   for a in actions)

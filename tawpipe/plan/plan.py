@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-from .actions import OPS, Action, Names, Op
+from .actions import MASTER, OPS, Action, Names, Op
 from .tables import plan_table
 from .topology import Topology
 
@@ -23,6 +23,10 @@ _JSON_FORMAT = "tawpipe-plan/3"
 _JSON_FORMAT_ONE_REPLICA = "tawpipe-plan/2"  # before replicas: still read
 STATS_BYTES = 24  # three float64: the squared gradient norm of the own chunk, the non-finite flag, the loss sum
 EVAL_BYTES = 16  # two float64: a rank's validation loss sum and its count of batches
+# With the own chunk's state on the host, STEP steps it in about this many pieces (at parameter
+# boundaries), each loading its part of ``Plan.carried_load`` once stepped: all but the last
+# piece's load hides behind the step (design §6.1; the engine's ``host_step``, the simulator's play).
+STEP_PIECES = 8
 
 
 def shift(a: Action, offset: int) -> Action:
@@ -137,6 +141,29 @@ class Plan:
 
     def writes(self, a: Action) -> Names:
         return OPS[a.op].writes(a, self)
+
+    def carried_load(self, rank: int) -> Action | None:
+        """The LOAD_W that ``rank``'s STEP, its last action, can run for the next iteration from
+        the master it leaves, where the state is on the host (design §6.1): the first LOAD_W of
+        the own chunk whose buffer no earlier action reads or writes, the master unchanged before
+        it. None where there is none."""
+        actions, own, touched = self.actions[rank], self.own_chunk(rank), set()
+        if not actions or actions[-1].op is not Op.STEP:
+            return None
+        for a in actions:
+            writes = self.writes(a)
+            if a.op is Op.LOAD_W and a.chunk == own and a.buf not in touched:
+                return a
+            if MASTER in writes:
+                return None
+            touched.update(self.reads(a), writes)
+        return None
+
+    def leaves_carried(self, carried: Action, actions: Iterable[Action]) -> bool:
+        """Whether ``actions`` (another program, run between two steps) leave the buffer that
+        ``carried`` loads and the master as they are."""
+        return not any(carried.buf in self.reads(a) or carried.buf in self.writes(a) or MASTER in self.writes(a)
+                       for a in actions)
 
     def chunk_numel(self, chunk: int) -> int:
         start, stop = self.chunk_layers[chunk]

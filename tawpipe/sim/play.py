@@ -22,7 +22,7 @@ from ..cost.memory import AUTO, MARGIN, MemoryEstimate, Savers, auto_plan
 from ..cost.traffic import BACKWARD_GATHERS, chain_hops, ring_next
 from ..plan.actions import OPS, Action, Channel, Hazards, Op, batches, describe
 from ..plan.context import check_plan as check_context
-from ..plan.plan import Plan
+from ..plan.plan import STEP_PIECES, Plan
 from ..plan.schedule import build_plan
 from ..plan.topology import Topology
 from .hardware import Cluster
@@ -116,11 +116,14 @@ class _HostCopies:
     under "block" the engine fetches a chunk's layer inputs one at a time during its backward,
     played here as one copy of the same bytes before it); with offloaded state,
     each LOAD_W reads the float32 master before its cast, each ACC_G sends the gradient to the
-    host, which adds it, and the host steps the own chunk. A STASH_W or RESTORE_W (``reuse_weights=
-    "host"``) is its chunk's weights crossing, in order on the weights channel as the engine runs it."""
+    host, which adds it, and the host steps the own chunk, once every transfer of the rank is
+    done, in ``STEP_PIECES`` equal pieces, each piece's part of the ``carried_load`` crossing and
+    cast once it is stepped; that LOAD_W, the next iteration's, then moves nothing (design §6.1).
+    A STASH_W or RESTORE_W (``reuse_weights="host"``) is its chunk's weights crossing, in order on
+    the weights channel as the engine runs it."""
 
-    def __init__(self, g: Graph, plan: Plan, r: int, device: _Device) -> None:
-        self.g, self.plan, self.r, self.savers = g, plan, r, device.savers
+    def __init__(self, g: Graph, plan: Plan, r: int, device: _Device, host: bool) -> None:
+        self.g, self.plan, self.r, self.savers, self.host = g, plan, r, device.savers, host
         d = device.work.dims
         self.input_bytes = d.activation_numel * d.dtype_bytes
         self.own = plan.chunk_numel(plan.own_chunk(r))
@@ -129,6 +132,8 @@ class _HostCopies:
         self.stored: dict[tuple, int] = {}
         self.lanes: dict[str, int] = {}
         self.backwards: list[int] = []
+        self.carried = plan.carried_load(r) if self.savers.offload_state else None
+        self.transfers: list[int] = []  # this rank's units off the compute channel: what STEP settles
 
     def _copy(self, lane: str, label: str, nbytes: float, direction: str, deps: list[int]) -> int:
         before = [self.lanes[lane]] if lane in self.lanes else []
@@ -137,8 +142,15 @@ class _HostCopies:
         self.lanes[lane] = t
         return t
 
+    def moves(self, a: Action) -> bool:
+        """Whether ``a``'s unit does its work here: not the ``carried_load``, which the step
+        before it made."""
+        return a is not self.carried
+
     def after(self, a: Action, done: int) -> None:
         """Copies that follow unit ``done`` of ``a``."""
+        if OPS[a.op].channel is not Channel.COMPUTE:
+            self.transfers.append(done)
         if a.op is Op.F and self.savers.offload_activations:
             start, stop = self.plan.chunk_layers[a.chunk]
             nbytes = self.savers.kept_per_forward(stop - start) * self.input_bytes
@@ -162,15 +174,38 @@ class _HostCopies:
         if not self.savers.offload_state:
             return []
         if a.op is Op.LOAD_W:
-            return [self._copy("state", "load master", 4 * self.own, "h2d", deps)]
+            return [self._copy("state", "load master", 4 * self.own, "h2d", deps)] if self.moves(a) else []
         if a.op is Op.ACC_G:
             sent = self._copy("state", "gradient to host", self.grad_bytes * self.own, "d2h", deps)
             return [self.g.add("host accumulate", [sent], seconds=self.own * (8 + self.grad_bytes) / self.host_bandwidth,
                                rank=self.r, lane="host")]
         if a.op is Op.STEP:
-            return [self.g.add("host AdamW", deps, seconds=self.work.host_step(self.own, self.host_bandwidth),
-                               rank=self.r, lane="host")]
+            return [self._host_step(deps)]
         return []
+
+    def _host_step(self, deps: list[int]) -> int:
+        """The host's step of the own chunk; with a ``carried_load``, after every transfer (the
+        engine's ``settle``) and in pieces, each piece's part of the load crossing, then cast on
+        the weights lane, once the piece is stepped (on a CPU the stepping thread copies it before
+        the next piece). Returns the last piece."""
+        carried = self.carried is not None
+        n = STEP_PIECES if carried else 1
+        piece = self.own / n
+        settled = [*deps, *self.transfers] if carried else deps  # no transfer still reads the buffer
+        step: int | None = None
+        before, cast = settled, None
+        for i in range(1, n + 1):
+            step = self.g.add("host AdamW", before, seconds=self.work.host_step(piece, self.host_bandwidth),
+                              rank=self.r, lane="host")
+            before = [step]
+            if carried:
+                loaded = self._copy("state", f"load master {i}/{n}", 4 * piece, "h2d", [step])
+                cast = self.g.add(f"cast {i}/{n}", [loaded] if cast is None else [loaded, cast],
+                                  seconds=self.work.copy(piece * (4 + self.weight_bytes)), rank=self.r,
+                                  lane=str(Channel.WEIGHTS))
+                before += [cast] if self.host else []
+        assert step is not None
+        return step
 
 
 def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: dict[tuple, _Message],
@@ -179,7 +214,7 @@ def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: d
     last_compute: int | None = None
     queue_last: dict[Channel, int] = {}
     collectives: Counter = Counter()
-    copies = _HostCopies(g, plan, r, device)
+    copies = _HostCopies(g, plan, r, device, host)
     context = _Context(g, plan, r, device, exchanges) if device.work.context > 1 else None
     for unit in batches(plan.actions[r]):
         rw = [(plan.reads(a), plan.writes(a)) for a in unit]
@@ -202,8 +237,8 @@ def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: d
                 deps.append(queue_last[channel])
             if spec.transfer is None:
                 deps += copies.before(unit[0], deps)
-                done = g.add(describe(unit[0]), deps, seconds=compute_seconds(plan, unit[0], device.work, device.savers),
-                             rank=r, lane=str(channel))
+                seconds = compute_seconds(plan, unit[0], device.work, device.savers) if copies.moves(unit[0]) else 0.0
+                done = g.add(describe(unit[0]), deps, seconds=seconds, rank=r, lane=str(channel))
             else:
                 post = g.add("", deps)
                 done = g.add("", [])
