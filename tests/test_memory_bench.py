@@ -35,7 +35,7 @@ def test_the_memory_benchmark_runs_every_row_and_checks_the_shared_job(tmp_path:
     for name, r in part["rows"].items():  # the simulator's prediction beside every measurement
         p = r["predicted"]
         assert p["seconds"] > 0 and p["time_vs_measured"] == pytest.approx(p["seconds"] / r["seconds"]), name
-        assert p["peak_bytes"] > 0 and p["calibration"]["matmul_flops"] > 0, name
+        assert p["peak_bytes"] > 0 and p["calibration"]["matmul_flops"] > 0 and p["host"]["adamw_bandwidth"] > 0, name
     savers = doc["single"][0]["rows"]
     assert savers["layer+state"]["predicted"]["peak_bytes"] < savers["layer"]["predicted"]["peak_bytes"]
     assert shared["predicted_with"]["peak_bytes"] < shared["predicted_without"]["peak_bytes"]

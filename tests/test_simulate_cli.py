@@ -177,6 +177,37 @@ def test_calibration_measures_positive_rates_and_scales_with_the_quota():
     assert 0.1 < quarter.matmul_flops / full.matmul_flops < 0.6
 
 
+def test_the_host_calibration_measures_the_offloaded_states_adamw_and_copies():
+    """``calibrate_host`` (what ``layer+state`` runs on, benchmarks/memory_bench.py): AdamW's 32 B
+    per parameter over a fused step's time, and a copy's bytes over its time, each within a factor
+    of 3 of a timing taken here (a wrong unit is off by 4x to 32x)."""
+    import os
+    import time
+
+    import torch
+
+    from tawpipe.sim.calibrate import calibrate_host
+
+    numel = 1 << 22
+    host = calibrate_host("cpu", numel=numel, repeats=3, rounds=1)
+    p = torch.nn.Parameter(torch.randn(numel))
+    p.grad = torch.randn(numel)
+    opt, src, dst = torch.optim.AdamW([p], fused=True), torch.randn(numel), torch.empty(numel)
+
+    def fastest(fn):
+        fn()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    assert 1 / 3 < host.adamw_bandwidth / (32 * numel / fastest(opt.step)) < 3
+    assert 1 / 3 < host.pcie.bandwidth / (4 * numel / fastest(lambda: dst.copy_(src))) < 3
+    assert host.memory == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_the_verdict_names_the_winner_and_tawpipes_advised_setting(capsys):
     """The README's example: HSDP beats TawPipe's advised setting by under 1%, which the verdict
     says without the reader comparing two tables."""
