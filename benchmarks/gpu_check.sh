@@ -129,6 +129,12 @@ try:
 except Exception as e:  # noqa: BLE001
     summary["ops_bench_error"] = repr(e)
 for name in sorted(os.listdir(dest)):
+    if name.startswith("memory_bench_") and name.endswith(".json") and not name.endswith("_small.json"):
+        try:  # issue #35's targets and #36's simulator against them
+            m = json.load(open(os.path.join(dest, name)))
+            summary["memory"] = {"checks": m["checks"], "simulator_outside": m["simulator"]["outside"]}
+        except Exception as e:  # noqa: BLE001
+            summary["memory_error"] = repr(e)
     if name.startswith("device_cuda_") and name.endswith(".json"):
         summary[name[:-5]] = json.load(open(os.path.join(dest, name)))
 for backend in ("nccl", "nccl-native"):
