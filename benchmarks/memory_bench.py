@@ -39,7 +39,9 @@ Peaks are ``torch.cuda.max_memory_allocated`` over the timed iterations (per pro
 median of ``--iters`` iterations after ``--warmup``. ``--explain`` records the CUDA allocator's
 history over one more step of each row and lists what is alive at its peak, by the code that
 allocated it (``peak_sites``). Writes ``<out>/memory_bench_<device>.json``
-(default ``tawpipe-results/``, ``tawpipe.bench.DEFAULT_OUT``) and prints a table. Exit status 1 if a target or check failed.
+(default ``tawpipe-results/``, ``tawpipe.bench.DEFAULT_OUT``) after every part, ``complete`` once
+all have run (a run cut short keeps what it measured), and prints a table. Exit status 1 if a
+target or check failed.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
@@ -290,15 +293,17 @@ def predict(shape: RunConfig, device: torch.device, rows: dict[str, dict]) -> di
 
 
 def _single_process(port: int, shape: RunConfig, seqs: list[int], device: torch.device, warmup: int,
-                    iters: int, names: list[str], explain: bool) -> list[dict]:
-    """Part ``single`` in one process joined as a job of one (the engine's comm needs a job)."""
+                    iters: int, names: list[str], explain: bool, done: Callable[[dict], None]) -> None:
+    """Part ``single`` in one process joined as a job of one (the engine's comm needs a job),
+    handing each sequence length's part to ``done`` as it ends."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1, timeout=timedelta(seconds=300), **({"device_id": device} if cuda else {}))
     try:
-        return [single(replace(shape, seq_len=s), device, warmup, iters, names, explain) for s in seqs]
+        for s in seqs:
+            done(single(replace(shape, seq_len=s), device, warmup, iters, names, explain))
     finally:
         dist.destroy_process_group()
 
@@ -514,20 +519,28 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"device_name": name, **provenance(), "shape": asdict(shape), "seqs": seqs,
                     "warmup": args.warmup, "iters": args.iters, "targets": TARGETS, "checks": {},
                     "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
-    if "single" in parts:
-        result["single"] = _single_process(free_port(), shape, seqs, device, args.warmup, args.iters, names,
-                                           args.explain)
-        for part in result["single"]:
-            result["checks"][f"single S={part['seq']}"] = part["checks"]
-    if "shared" in parts:
-        result["shared"] = shared(args.device, replace(shape, seq_len=seqs[0]), SMALL, args.warmup, args.iters)
-        result["checks"]["shared"] = result["shared"]["checks"]
-    result["simulator"] = simulator_fit(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     label = "cpu" if args.device == "cpu" else name.lower().replace("nvidia ", "").replace(" ", "_")
     path = out / f"memory_bench_{label}{'_small' if args.small else ''}.json"
-    write_atomic(path, json.dumps(result, indent=1))
+
+    def save(complete: bool = False) -> None:
+        """The results so far, written whole after every part: a run cut short by a time limit
+        (a lent GPU's) keeps what it measured, marked ``complete: false``."""
+        result["simulator"] = simulator_fit(result)
+        write_atomic(path, json.dumps({**result, "complete": complete}, indent=1))
+
+    def single_done(part: dict) -> None:
+        result.setdefault("single", []).append(part)
+        result["checks"][f"single S={part['seq']}"] = part["checks"]
+        save()
+
+    if "single" in parts:
+        _single_process(free_port(), shape, seqs, device, args.warmup, args.iters, names, args.explain, single_done)
+    if "shared" in parts:
+        result["shared"] = shared(args.device, replace(shape, seq_len=seqs[0]), SMALL, args.warmup, args.iters)
+        result["checks"]["shared"] = result["shared"]["checks"]
+    save(complete=True)
     print(table(result))
     print(f"wrote {path}")
     return 0 if all(ok for checks in result["checks"].values() for ok in checks.values()) else 1

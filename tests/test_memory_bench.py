@@ -20,6 +20,7 @@ def test_the_memory_benchmark_runs_every_row_and_checks_the_shared_job(tmp_path:
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     doc = json.loads((tmp_path / "memory_bench_cpu_small.json").read_text())
+    assert doc["complete"] is True
     (part,) = doc["single"]
     assert list(part["rows"]) == ["torch", "chunk", "layer", "block", "layer+state", "block+bf16-grads"]
     assert all(r["seconds"] > 0 for r in part["rows"].values())
@@ -44,3 +45,26 @@ def test_the_memory_benchmark_runs_every_row_and_checks_the_shared_job(tmp_path:
     assert fit["ratios"]["S=64 layer time"] == pytest.approx(savers["layer"]["predicted"]["time_vs_measured"])
     assert "simulator against the measurement (peaks within ±10%, world-size-1 times within ±15%): " in run.stdout
     assert "| single | 64 | layer+state |" in run.stdout and "| | | layer, simulated |" in run.stdout and "targets and checks: all met" in run.stdout
+
+
+def test_a_run_cut_short_keeps_the_parts_it_measured(tmp_path: Path, monkeypatch) -> None:
+    """A lent GPU's time limit may stop the benchmark in its last part: the JSON then holds every
+    part that ended before, marked incomplete."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_bench", ROOT / "benchmarks" / "memory_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt("the time limit")
+
+    monkeypatch.setattr(bench, "shared", cut)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--device", "cpu", "--small", "--rows", "torch,layer", "--warmup", "0", "--iters", "1",
+                    "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "memory_bench_cpu_small.json").read_text())
+    assert doc["complete"] is False and "shared" not in doc
+    (part,) = doc["single"]
+    assert list(part["rows"]) == ["torch", "layer"] and all(r["seconds"] > 0 for r in part["rows"].values())
+    assert set(doc["simulator"]["ratios"]) == {"S=64 torch peak", "S=64 torch time", "S=64 layer peak", "S=64 layer time"}
