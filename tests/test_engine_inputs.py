@@ -90,6 +90,25 @@ def test_cuda_on_a_cpu_only_torch_names_what_is_available() -> None:
             _build(device=device, comm=NoConnect(1))
 
 
+def test_an_engine_device_other_than_the_current_one_names_the_call_that_fixes_it() -> None:
+    """The engine orders its streams after the current device's current stream, so it runs on the
+    current device (a torchrun worker sets it from LOCAL_RANK); the check itself needs no GPU."""
+    from tawpipe.engine.inputs import check_current
+
+    check_current(torch.device("cuda", 1), 1)
+    with pytest.raises(ValueError, match=re.escape("device='cuda:1' is not this process's current cuda device "
+                                                   "(cuda:0): the engine orders its streams after the current "
+                                                   "device's; call torch.accelerator.set_device_index(1)")):
+        check_current(torch.device("cuda", 1), 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_engine_refuses_a_device_that_is_not_current(monkeypatch) -> None:
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: torch.cuda.device_count())
+    with pytest.raises(ValueError, match="is not this process's current cuda device"):
+        _build(device="cuda:0", comm=NoConnect(1))
+
+
 @pytest.mark.parametrize("device", ["nonsense", "gpu0", 3.5])
 def test_a_device_that_is_no_device_names_what_is_available(device) -> None:
     available = "cpu" + "".join(f", cuda:{i}" for i in range(torch.cuda.device_count()))

@@ -174,6 +174,59 @@ def test_the_step_loads_each_piece_for_the_next_iteration_and_trains_like_one_pr
     at_once.close()
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("k", [1, 4])  # one addition to the host's accumulator per step, or four
+def test_loads_carried_in_pieces_train_bit_for_bit_as_loads_where_the_plan_puts_them(device, k, monkeypatch):
+    """bfloat16 compute (the cast, not a float32 copy), clipping, staging pieces of 257 elements
+    (several per step piece): the engine carrying its loads against the same engine loading where
+    the plan puts each LOAD_W, bit for bit. On CUDA each step's loads are held back on the GPU (a
+    sleep queued after ``settle``), so a piece loaded before it was stepped, a load still reading
+    the master when the next step writes it, or a read before the load lands, shows. Each step's
+    norm of the own chunk, taken on its way to the host, is the accumulator's."""
+    from tawpipe.engine.precision import Precision, squared_norm
+    from tawpipe.plan.plan import Plan
+    from tawpipe.runtime.executor import Executor
+
+    dev = torch.device(device)
+    monkeypatch.setitem(HostOffload.__init__.__kwdefaults__, "piece_numel", 257)
+    if dev.type == "cuda":
+        settle = Executor.settle
+
+        def held_back(self) -> None:
+            settle(self)
+            torch.cuda._sleep(100_000_000)
+
+        monkeypatch.setattr(Executor, "settle", held_back)
+    norms: list[tuple[float, float]] = []
+    finish = Precision.finish
+
+    def checked(self, step, stats, loss, rep_grad, own_grad):
+        norms.append((stats[0].item(), squared_norm(own_grad).item()))
+        return finish(self, step, stats, loss, rep_grad, own_grad)
+
+    monkeypatch.setattr(Precision, "finish", checked)
+    torch.manual_seed(0)
+    model = TinyLM(4)
+    runs, loads = [], _loads(monkeypatch)
+    for carry in (True, False):
+        with monkeypatch.context() as patch:
+            if not carry:
+                patch.setattr(Plan, "carried_load", lambda self, rank: None)
+            m = copy.deepcopy(model).to(dev)
+            engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=4,
+                                 comm=NoComm(1), device=dev, offload_state=True, mb_per_fetch=k,
+                                 compute_dtype=torch.bfloat16, max_grad_norm=0.05,
+                                 block_context=lambda t: {a: v.to(dev) for a, v in m.context(t).items()})
+        loads.clear()
+        losses = [engine.step(tuple(t.to(dev) for t in global_batch(s, 4 * MB_ROWS))) for s in range(3)]
+        assert (loads[1] != (0, None)) == carry  # piece by piece after the first step's prologue, or whole
+        runs.append((losses, {n: p.detach().cpu().clone() for n, p in engine.named_parameters()}))
+        engine.close()
+    (carried_losses, carried), (plain_losses, plain) = runs
+    assert carried_losses == plain_losses and all(torch.equal(carried[n], plain[n]) for n in carried)
+    assert len(norms) == 6 and all(a == pytest.approx(b, rel=2e-6) for a, b in norms), norms
+
+
 class EmptyLast(torch.nn.Module):
     """A block whose last parameter has no element (its piece would load nothing)."""
 

@@ -137,6 +137,60 @@ def test_cuda_load_is_stream_ordered_and_rejects_pageable_memory() -> None:
         off.load_weights_into(torch.empty(1 << 20))
 
 
+BUSY = 100_000_000  # torch.cuda._sleep cycles: tens of ms on a current GPU, long beyond a piece's copy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pieces_load_each_as_stepped_under_a_busy_consumer() -> None:
+    """The host step's pattern (design §6.1) with every cast held back: a piece of the master is
+    written, then loaded, then the next; after ``synchronize`` the next step may write all of it.
+    Odd boundaries, a piece of one element, pieces below and above a staging piece, a partial last."""
+    n = 1_000_003
+    off = HostOffload(ShardLayout.from_tensors([torch.empty(n)]), "cuda", init=torch.zeros(n), piece_numel=4099)
+    buf = torch.full((n,), -1.0, dtype=torch.bfloat16, device="cuda")
+    cuts = [0, 1, 4098, 4100, 130_001, 500_000, 999_999, n]
+    torch.cuda._sleep(BUSY)
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        off.master[a:b] = float(i + 1)
+        off.load_weights_into(buf, a, b)
+    off.synchronize()  # the loads have read the master ...
+    off.master.fill_(1e6)  # ... so the next step may write it
+    want = torch.cat([torch.full((b - a,), float(i + 1)) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))])
+    assert torch.equal(buf.cpu(), want.to(torch.bfloat16))
+    side = torch.cuda.Stream()  # a reader on another stream, ordered as ChunkStorage.carried orders the weights'
+    off.master.fill_(5.0)
+    torch.cuda._sleep(BUSY)
+    off.load_weights_into(buf)
+    off.synchronize()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        seen = buf.clone()
+    torch.cuda.synchronize()
+    assert torch.all(seen == 5.0)
+    off.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("side", [False, True])
+def test_cuda_the_addition_that_takes_the_norm_waits_for_its_producer(side: bool) -> None:
+    """The gradient is made late on the caller's current stream (another than the default, where
+    ``side``) and overwritten as soon as the call returns: the host adds, and squares, what was made."""
+    n = 300_007
+    off = HostOffload(ShardLayout.from_tensors([torch.empty(n)]), "cuda", piece_numel=4099)
+    src = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream() if side else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(BUSY)
+        src.fill_(3.0)
+        sq = off.accumulate_grad(src, squared_norm=True)
+        src.fill_(100.0)
+    torch.cuda.synchronize()
+    assert torch.all(off.grad == 3.0)
+    assert sq.dtype == torch.float64 and sq.item() == pytest.approx(9.0 * n, rel=1e-6)
+    off.close()
+
+
 def test_prefetch_bench_reports_every_figure(tmp_path) -> None:
     import argparse
     import json

@@ -277,7 +277,19 @@ def resolve_device(device: Any) -> torch.device:
     if dev.index >= count:
         raise ValueError(f"device={device!r} is not available: this process sees {count} {dev.type} device(s); "
                          f"available here: {available}")
+    check_current(dev, torch.accelerator.current_device_index())
     return dev
+
+
+def check_current(dev: torch.device, current: int) -> None:
+    """The engine's device is the process's current one: the engine orders its work after what
+    the caller queued on the current stream, which is the current device's (a ValueError naming
+    the call that makes it so)."""
+    if dev.index != current:
+        raise ValueError(f"device={str(dev)!r} is not this process's current {dev.type} device ({dev.type}:{current}): "
+                         f"the engine orders its streams after the current device's; call "
+                         f"torch.accelerator.set_device_index({dev.index}) (torch.cuda.set_device) before building it, "
+                         "as a torchrun worker does with its LOCAL_RANK")
 
 
 def check_replicated(embed: nn.Module, head: nn.Module, names: tuple[str, str, str],
