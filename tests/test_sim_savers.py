@@ -141,6 +141,25 @@ def test_the_host_steps_an_offloaded_state_in_pieces_each_loading_once_stepped()
     assert on_host.memory.persistent == 0 and on_host.memory.host == 16 * own
 
 
+def test_a_gradient_crosses_to_the_host_while_the_host_adds_the_piece_before():
+    """ACC_G with the state on the host as ``HostOffload.accumulate_grad`` runs it: two pinned
+    buffers, a piece's copy while the host adds the one before, a copy waiting for the addition
+    two before it (its buffer): the span is one copy, then the slower stage per piece, then one
+    addition, not every copy and then every addition."""
+    cluster, work = _cluster(pcie=8e9), Workload(DIMS, DEV)
+    row = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk", offload_state=True))
+    tasks = [(t, s, e) for t, s, e in zip(row.result.graph.tasks, row.result.start, row.result.end) if t.rank == 0]
+    firsts = [i for i, (t, _, _) in enumerate(tasks) if t.label == f"gradient to host 1/{STEP_PIECES}"]
+    assert len(firsts) == sum(a.op is Op.ACC_G for a in engine_plan(cluster, work, 4, **SETTINGS).actions[0]) > 0
+    for first in firsts:
+        copies = [x for x in tasks[first:] if x[0].label.startswith("gradient to host ")][:STEP_PIECES]
+        adds = [x for x in tasks[first:] if x[0].label.startswith("host accumulate ")][:STEP_PIECES]
+        c, a = copies[0][2] - copies[0][1], adds[0][2] - adds[0][1]
+        assert c > a > 0  # the copy is the slower stage here
+        assert adds[-1][2] - copies[0][1] == pytest.approx(c + (STEP_PIECES - 1) * max(c, a) + a, rel=1e-6)
+        assert all(copies[i][1] >= adds[i - 2][2] for i in range(2, STEP_PIECES))  # its buffer is free
+
+
 def test_on_a_cpu_the_stepping_thread_loads_each_piece_before_the_next():
     """On a CPU the loads are copies in the thread that steps (design §6.1): nothing hides, each
     piece steps once the piece before it is loaded and cast."""

@@ -116,7 +116,8 @@ class _HostCopies:
     under "block" the engine fetches a chunk's layer inputs one at a time during its backward,
     played here as one copy of the same bytes before it); with offloaded state,
     each LOAD_W reads the float32 master before its cast, each ACC_G sends the gradient to the
-    host, which adds it, and the host steps the own chunk, once every transfer of the rank is
+    host a piece at a time, the host adding each while the next crosses, and the host steps the
+    own chunk, once every transfer of the rank is
     done, in ``STEP_PIECES`` equal pieces, each piece's part of the ``carried_load`` crossing and
     cast once it is stepped; that LOAD_W, the next iteration's, then moves nothing (design §6.1).
     A STASH_W or RESTORE_W (``reuse_weights="host"``) is its chunk's weights crossing, in order on
@@ -176,12 +177,25 @@ class _HostCopies:
         if a.op is Op.LOAD_W:
             return [self._copy("state", "load master", 4 * self.own, "h2d", deps)] if self.moves(a) else []
         if a.op is Op.ACC_G:
-            sent = self._copy("state", "gradient to host", self.grad_bytes * self.own, "d2h", deps)
-            return [self.g.add("host accumulate", [sent], seconds=self.own * (8 + self.grad_bytes) / self.host_bandwidth,
-                               rank=self.r, lane="host")]
+            return [self._host_accumulate(deps)]
         if a.op is Op.STEP:
             return [self._host_step(deps)]
         return []
+
+    def _host_accumulate(self, deps: list[int]) -> int:
+        """ACC_G with the state on the host: the gradient crosses a piece at a time into one of two
+        pinned buffers while the host adds the piece before (``HostOffload.accumulate_grad``; its
+        pieces are smaller and many more than the ``STEP_PIECES`` played here), a piece's copy
+        waiting for the addition two before it, whose buffer it fills. Returns the last addition."""
+        piece = self.own / STEP_PIECES
+        added: list[int] = []
+        for i in range(STEP_PIECES):
+            sent = self._copy("state", f"gradient to host {i + 1}/{STEP_PIECES}", self.grad_bytes * piece, "d2h",
+                              [*deps, *added[-2:-1]])
+            added.append(self.g.add(f"host accumulate {i + 1}/{STEP_PIECES}", [sent, *added[-1:]],
+                                    seconds=piece * (8 + self.grad_bytes) / self.host_bandwidth, rank=self.r,
+                                    lane="host"))
+        return added[-1]
 
     def _host_step(self, deps: list[int]) -> int:
         """The host's step of the own chunk; with a ``carried_load``, after every transfer (the
