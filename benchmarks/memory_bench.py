@@ -462,12 +462,12 @@ def table(result: dict) -> str:
                          f"{r['state_dropped_of_16B_per_param']:.0%} of 16 B/param off in "
                          f"{r['state_time_vs_layer']:.2f}x layer's time")
     fit = result.get("simulator")
-    if fit and fit["ratios"]:
+    if fit and len(fit["ratios"]) > len(fit["unmeasured"]):
         lines.append(f"simulator against the measurement (peaks within ±{fit['within']['peak']:.0%}, world-size-1 "
                      f"times within ±{fit['within']['time']:.0%}): "
-                     + ("all within" if not fit["outside"] else "outside: " + ", ".join(
-                         f"{k} {fit['ratios'][k]:.2f}x" if fit["ratios"][k] else f"{k} (not measured)"
-                         for k in fit["outside"])))
+                     + ("all within" if not fit["outside"] else
+                        "outside: " + ", ".join(f"{k} {fit['ratios'][k]:.2f}x" for k in fit["outside"]))
+                     + (f"; not measured: {', '.join(fit['unmeasured'])}" if fit["unmeasured"] else ""))
     failed = [f"{p}:{c}" for p, checks in result["checks"].items() for c, ok in checks.items() if not ok]
     lines.append("targets and checks: " + ("all met" if not failed else "NOT MET: " + ", ".join(failed)))
     return "\n".join(lines)
@@ -475,7 +475,8 @@ def table(result: dict) -> str:
 
 def simulator_fit(result: dict) -> dict:
     """Each prediction against its measurement (``predicted / measured``: the single rows' peak
-    and time, the 2x2 rows' busiest rank's peak), and those outside ``SIMULATOR_WITHIN``."""
+    and time, the 2x2 rows' busiest rank's peak), those outside ``SIMULATOR_WITHIN``, and those
+    with nothing measured (a CPU's peaks)."""
     ratios: dict[str, float | None] = {}
     for part in result.get("single", []):
         for name, r in part["rows"].items():
@@ -486,8 +487,9 @@ def simulator_fit(result: dict) -> dict:
         simulated = result.get("shared", {}).get(f"predicted_{key}")
         if simulated:
             ratios[f"2x2 {key} offload peak"] = simulated["peak_vs_measured"]
-    outside = [k for k, v in ratios.items() if v is None or abs(v - 1) > SIMULATOR_WITHIN[k.rsplit(" ", 1)[1]]]
-    return {"within": SIMULATOR_WITHIN, "ratios": ratios, "outside": outside}
+    outside = [k for k, v in ratios.items() if v is not None and abs(v - 1) > SIMULATOR_WITHIN[k.rsplit(" ", 1)[1]]]
+    return {"within": SIMULATOR_WITHIN, "ratios": ratios, "outside": outside,
+            "unmeasured": [k for k, v in ratios.items() if v is None]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,8 @@ def test_the_memory_benchmark_runs_every_row_and_checks_the_shared_job(tmp_path:
     assert shared["predicted_with"]["peak_bytes"] < shared["predicted_without"]["peak_bytes"]
     fit = doc["simulator"]  # issue #36's comparison, each row's prediction over its measurement
     assert len(fit["ratios"]) == 2 * len(savers) + 2 and set(fit["outside"]) <= set(fit["ratios"])
+    assert set(fit["unmeasured"]) == {k for k in fit["ratios"] if "peak" in k}  # a CPU's peaks are not measured
+    assert not set(fit["unmeasured"]) & set(fit["outside"])
     assert fit["ratios"]["S=64 layer time"] == pytest.approx(savers["layer"]["predicted"]["time_vs_measured"])
     assert "simulator against the measurement (peaks within ±10%, world-size-1 times within ±15%): " in run.stdout
     assert "| single | 64 | layer+state |" in run.stdout and "| | | layer, simulated |" in run.stdout and "targets and checks: all met" in run.stdout

@@ -31,8 +31,10 @@ DIMS = model("1b", seq=4096, micro_batch=1)
 SETTINGS = {"mb_per_fetch": 2, "prefetch_depth": 1, "reuse_weights": False}
 
 
-def _cluster(nodes: int = 2, per_node: int = 2, pcie: float | None = None, host_memory: float = 2e12) -> Cluster:
-    host = Host(host_memory, Link("pcie", pcie, 5e-6) if pcie else link("pcie"), 160e9)
+def _cluster(nodes: int = 2, per_node: int = 2, pcie: float | None = None, host_memory: float = 2e12,
+             adamw: float = 160e9, d2h: float | None = None) -> Cluster:
+    host = Host(host_memory, Link("pcie", pcie, 5e-6) if pcie else link("pcie"), adamw,
+                Link("pcie", d2h, 5e-6) if d2h else None)
     return Cluster(nodes, per_node, DEV, link("nvlink"), link("100gb"), host=host)
 
 
@@ -107,10 +109,9 @@ def test_activation_offload_hides_behind_compute_unless_pcie_is_slow():
 
 
 def test_the_host_steps_an_offloaded_state_in_pieces_each_loading_once_stepped():
-    """As the engine (design §6.1): once every transfer of the rank is done the host steps the own
-    chunk in ``STEP_PIECES`` pieces, and each piece's part of the next iteration's first load
-    crosses once the piece is stepped, hidden behind the next piece: only the last piece's load
-    and cast follow the step. That load (``carried_load``, the prologue's into ``w_own``) then
+    """As the engine (design §6.1): the host steps the own chunk in ``STEP_PIECES`` pieces, and
+    each piece's part of the next iteration's first load crosses once the piece is stepped, hidden
+    behind the next piece: only the last piece's load and cast follow the step. That load (``carried_load``, the prologue's into ``w_own``) then
     moves nothing; the own chunk's other loads read the master as before."""
     cluster, work = _cluster(), Workload(DIMS, DEV)
     on_device = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk"))
@@ -124,8 +125,6 @@ def test_the_host_steps_an_offloaded_state_in_pieces_each_loading_once_stepped()
     casts = [x for x in tasks if x[0].label.startswith("cast ")]
     assert len(steps) == len(loads) == len(casts) == STEP_PIECES
     assert sum(t.seconds for t, _, _ in steps) == pytest.approx(own * 32 / (160e9 / cluster.per_node))
-    messages = [e for t, _, e in tasks if t.flows and t.lane != "state"]
-    assert steps[0][1] >= max(messages) > 0  # settled
     piece_load = 4 * own / STEP_PIECES / cluster.host.pcie.bandwidth
     for i in range(STEP_PIECES):
         assert loads[i][1] >= steps[i][2] and loads[i][2] - loads[i][1] == pytest.approx(piece_load, rel=1e-3)
@@ -141,12 +140,14 @@ def test_the_host_steps_an_offloaded_state_in_pieces_each_loading_once_stepped()
     assert on_host.memory.persistent == 0 and on_host.memory.host == 16 * own
 
 
-def test_a_gradient_crosses_to_the_host_while_the_host_adds_the_piece_before():
+@pytest.mark.parametrize("slower", ["copy", "addition"])
+def test_a_gradient_crosses_to_the_host_while_the_host_adds_the_piece_before(slower):
     """ACC_G with the state on the host as ``HostOffload.accumulate_grad`` runs it: two pinned
     buffers, a piece's copy while the host adds the one before, a copy waiting for the addition
     two before it (its buffer): the span is one copy, then the slower stage per piece, then one
     addition, not every copy and then every addition."""
-    cluster, work = _cluster(pcie=8e9), Workload(DIMS, DEV)
+    cluster = _cluster(pcie=8e9) if slower == "copy" else _cluster(adamw=20e9)
+    work = Workload(DIMS, DEV)
     row = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk", offload_state=True))
     tasks = [(t, s, e) for t, s, e in zip(row.result.graph.tasks, row.result.start, row.result.end) if t.rank == 0]
     firsts = [i for i, (t, _, _) in enumerate(tasks) if t.label == f"gradient to host 1/{STEP_PIECES}"]
@@ -155,9 +156,36 @@ def test_a_gradient_crosses_to_the_host_while_the_host_adds_the_piece_before():
         copies = [x for x in tasks[first:] if x[0].label.startswith("gradient to host ")][:STEP_PIECES]
         adds = [x for x in tasks[first:] if x[0].label.startswith("host accumulate ")][:STEP_PIECES]
         c, a = copies[0][2] - copies[0][1], adds[0][2] - adds[0][1]
-        assert c > a > 0  # the copy is the slower stage here
+        assert (c > a > 0) if slower == "copy" else (a > c > 0)
         assert adds[-1][2] - copies[0][1] == pytest.approx(c + (STEP_PIECES - 1) * max(c, a) + a, rel=1e-6)
-        assert all(copies[i][1] >= adds[i - 2][2] for i in range(2, STEP_PIECES))  # its buffer is free
+        if slower == "addition":  # a copy waits for its buffer, which the addition two before frees
+            assert all(copies[i][1] == pytest.approx(adds[i - 2][2], rel=1e-9) for i in range(2, STEP_PIECES))
+
+
+def test_each_direction_of_pcie_crosses_at_its_own_rate():
+    """A host whose device-to-host copies are slower than its loads (``Host.pcie_d2h``): the
+    gradients cross at that rate, the masters' loads at the other, and the lower bound knows it."""
+    from tawpipe.sim.atlas import _pcie_floor
+
+    work = Workload(DIMS, DEV)
+    same, slow = _cluster(), _cluster(d2h=link("pcie").bandwidth / 4)
+    rows = {c: compare.run("tawpipe", c, work, 4, settings=SETTINGS, savers=Savers("chunk", offload_state=True))
+            for c in (same, slow)}
+
+    def spans(row, prefix):
+        return [e - s for t, s, e in zip(row.result.graph.tasks, row.result.start, row.result.end)
+                if t.rank == 0 and t.label.startswith(prefix)]
+
+    for down, up in zip(spans(rows[slow], "gradient to host "), spans(rows[same], "gradient to host ")):
+        assert down == pytest.approx(4 * up, rel=1e-3)
+    assert spans(rows[slow], "load master") == pytest.approx(spans(rows[same], "load master"), rel=1e-9)
+    plan = engine_plan(same, work, 4, **SETTINGS)
+    savers = Savers("chunk", offload_state=True)
+    to_host, from_host = host_bytes(plan, 0, own_numel=plan.chunk_numel(plan.own_chunk(0)),
+                                    weight_bytes=DIMS.dtype_bytes, grad_bytes=DIMS.grad_bytes,
+                                    input_bytes=DIMS.activation_numel * DIMS.dtype_bytes, savers=savers)
+    assert _pcie_floor(plan, work, savers, slow) == pytest.approx(
+        max(4 * to_host, from_host) / link("pcie").bandwidth)
 
 
 def test_on_a_cpu_the_stepping_thread_loads_each_piece_before_the_next():

@@ -179,8 +179,8 @@ def test_calibration_measures_positive_rates_and_scales_with_the_quota():
 
 def test_the_host_calibration_measures_the_offloaded_states_adamw_and_copies():
     """``calibrate_host`` (what ``layer+state`` runs on, benchmarks/memory_bench.py): AdamW's 32 B
-    per parameter over a fused step's time, and a copy's bytes over its time, each within a factor
-    of 3 of a timing taken here (a wrong unit is off by 4x to 32x)."""
+    per parameter over a fused step's time, and each direction's copy bytes over its time, each
+    within a factor of 2 of a timing taken here (a wrong unit is off by 4x to 32x)."""
     import os
     import time
 
@@ -203,8 +203,9 @@ def test_the_host_calibration_measures_the_offloaded_states_adamw_and_copies():
             times.append(time.perf_counter() - start)
         return min(times)
 
-    assert 1 / 3 < host.adamw_bandwidth / (32 * numel / fastest(opt.step)) < 3
-    assert 1 / 3 < host.pcie.bandwidth / (4 * numel / fastest(lambda: dst.copy_(src))) < 3
+    assert 1 / 2 < host.adamw_bandwidth / (32 * numel / fastest(opt.step)) < 2
+    copied = 4 * numel / fastest(lambda: dst.copy_(src))
+    assert 1 / 2 < host.pcie.bandwidth / copied < 2 and 1 / 2 < host.to_host.bandwidth / copied < 2
     assert host.memory == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

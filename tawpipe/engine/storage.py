@@ -421,4 +421,3 @@ class ChunkStorage:
             decoder_params=self.decoder_params, world_size=self.plan.replica_size,
             offloaded=self.offload is not None, host_weights=host,
         )
-

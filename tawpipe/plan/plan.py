@@ -147,7 +147,8 @@ class Plan:
         the master it leaves, where the state is on the host (design §6.1): the first LOAD_W of
         the own chunk whose buffer no earlier action reads or writes, the master unchanged before
         it. None where there is none."""
-        actions, own, touched = self.actions[rank], self.own_chunk(rank), set()
+        actions, own = self.actions[rank], self.own_chunk(rank)
+        touched: set[str] = set()
         if not actions or actions[-1].op is not Op.STEP:
             return None
         for a in actions:

@@ -111,7 +111,7 @@ class Grid:
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
         d["host"] = {"memory_bytes": self.host.memory, "pcie_bytes_per_s": self.host.pcie.bandwidth,
-                     "adamw_bytes_per_s": self.host.adamw_bandwidth}
+                     "pcie_d2h_bytes_per_s": self.host.to_host.bandwidth, "adamw_bytes_per_s": self.host.adamw_bandwidth}
         dev, intra = device(self.device), link(self.intra)
         d["device_detail"] = {"memory_bytes": dev.memory, "matmul_flops": dev.matmul_flops,
                               "attention_flops": dev.attention_flops, "peak_flops": dev.peak_flops}
@@ -197,12 +197,13 @@ def _resolved(s: dict, plan: Plan) -> dict:
 
 
 def _pcie_floor(plan: Plan, work: Workload, savers: Savers, cluster: Cluster) -> float:
-    """Rank 0's busier PCIe direction under ``savers`` over the link's rate."""
+    """Rank 0's busier PCIe direction under ``savers``: its bytes over its link's rate."""
     d = work.dims
     moved = host_bytes(plan, 0, own_numel=plan.chunk_numel(plan.own_chunk(0)), weight_bytes=d.dtype_bytes,
                        grad_bytes=d.grad_bytes,
                        input_bytes=d.activation_numel * d.dtype_bytes, savers=savers)
-    return max(moved) / cluster.host.pcie.bandwidth
+    to_host, from_host = moved
+    return max(to_host / cluster.host.to_host.bandwidth, from_host / cluster.host.pcie.bandwidth)
 
 
 def _short(savers: Savers) -> str:

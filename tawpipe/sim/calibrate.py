@@ -1,14 +1,14 @@
-"""Measure the current device's achieved rates at a model's shapes (design §9.2).
+"""Measure the current device's achieved rates at a model's shapes, and its host's (design §9.2).
 
-Three timings, each the median of a few repeats after a warm-up: a linear layer's forward and
-backward ([T, H] x [H, F], 6·T·H·F FLOPs), causal attention's forward and backward
+Three timings of the device, each the median of a few repeats after a warm-up: a linear layer's
+forward and backward ([T, H] x [H, F], 6·T·H·F FLOPs), causal attention's forward and backward
 (``scaled_dot_product_attention``, 2·B·S²·H·(1 + 2.5) FLOPs as ``Workload`` counts them) and an
-AdamW step (32 bytes per parameter). ``calibrate_host`` measures the host the memory savers
-use: its fused AdamW and its copies to and from the device. ``calibrate`` measures a CPU rank of the emulated cluster,
+AdamW step (32 bytes per parameter). ``calibrate`` measures a CPU rank of the emulated cluster,
 ``threads`` threads under a quota of ``quota`` cores, from outside: with that many threads,
 scaled by quota / threads. ``on_rank`` measures it from inside, as a run uses it: every rank of
 the cluster at once, each under its own quota (the scheduler's throttling included), and also
-what its transfers cost it (``transfer_rate``), which a GPU does not pay.
+what its transfers cost it (``transfer_rate``), which a GPU does not pay. ``calibrate_host``
+measures the host the memory savers use: its fused AdamW and its copies to and from the device.
 """
 
 from __future__ import annotations
@@ -74,27 +74,27 @@ def calibrate(dims: ModelDims, *, device: str = "cpu", threads: int | None = Non
     )
 
 
-def calibrate_host(device: str = "cuda", *, numel: int = 1 << 24, repeats: int = 5, rounds: int = 3) -> Host:
+def calibrate_host(device: str, *, numel: int = 1 << 24, repeats: int = 5, rounds: int = 3) -> Host:
     """This machine's host as the memory savers use it (``Host``): the bytes/s a fused AdamW
     reaches on the CPU (``ADAMW_BYTES`` per parameter, as the engine's default optimizer steps an
-    offloaded state), the link between pinned host memory and ``device`` (``cuda``: the harmonic
-    mean of a pinned copy's two directions, which the state's loads and gradients split alike;
-    ``cpu``: a copy within host memory, as a CPU rank offloads) and the host's memory. Each rate is
-    the median over ``rounds`` of the fastest of ``repeats``; ``numel`` float32 elements (64 MB)
-    go beyond the caches."""
+    offloaded state), each direction of the link between pinned host memory and ``device``
+    (``cuda``; ``cpu``: a copy within host memory, as a CPU rank offloads) and the host's memory.
+    Each rate is the median over ``rounds`` of the fastest of ``repeats``; ``numel`` float32
+    elements (64 MB) go beyond the caches."""
     dev = torch.device(device)
     p = torch.nn.Parameter(torch.randn(numel))
     p.grad = torch.randn(numel)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-    host = torch.randn(numel, pin_memory=dev.type == "cuda")
+    pinned = torch.randn(numel, pin_memory=dev.type == "cuda")
     other = torch.empty(numel, device=dev)
-    kernels = (opt.step, lambda: other.copy_(host, non_blocking=True), lambda: host.copy_(other, non_blocking=True))
+    kernels = (opt.step, lambda: other.copy_(pinned, non_blocking=True),
+               lambda: pinned.copy_(other, non_blocking=True))
     times = [[_seconds(fn, dev, repeats) for fn in kernels] for _ in range(rounds)]
     step, to_device, to_host = (statistics.median(col) for col in zip(*times))
-    nbytes = numel * 4
-    rate = 2 / (to_device / nbytes + to_host / nbytes)
+    link = LINKS["pcie"]  # its latency; the rates measured, whole (efficiency 1)
     return Host(memory=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
-                pcie=dataclasses.replace(LINKS["pcie"], rate=rate, efficiency=1.0),  # the preset's latency
+                pcie=dataclasses.replace(link, rate=4 * numel / to_device, efficiency=1.0),
+                pcie_d2h=dataclasses.replace(link, rate=4 * numel / to_host, efficiency=1.0),
                 adamw_bandwidth=ADAMW_BYTES * numel / step)
 
 

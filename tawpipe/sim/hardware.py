@@ -95,17 +95,23 @@ LINKS: dict[str, Link] = {
 class Host:
     """A node's host, as the memory savers use it: ``memory`` bytes of host memory per node (what
     every rank's offloaded bytes must fit in together), ``pcie`` one device's link to it (each
-    device its own x16 link, full duplex), and ``adamw_bandwidth`` the bytes/s of memory traffic a
-    fused CPU AdamW reaches over the node's cores (``ADAMW_BYTES`` per parameter), which the
-    node's ranks share."""
+    device its own x16 link, full duplex; ``pcie_d2h`` the device-to-host direction's where it
+    differs), and ``adamw_bandwidth`` the bytes/s of memory traffic a fused CPU AdamW reaches over
+    the node's cores (``ADAMW_BYTES`` per parameter), which the node's ranks share."""
 
     memory: float
     pcie: Link
     adamw_bandwidth: float
+    pcie_d2h: Link | None = None
 
     def __post_init__(self) -> None:
         if self.memory <= 0 or self.adamw_bandwidth <= 0:
             raise ValueError(f"host: memory and adamw_bandwidth must be positive, got {self}")
+
+    @property
+    def to_host(self) -> Link:
+        """The device-to-host direction's link."""
+        return self.pcie_d2h or self.pcie
 
 
 # Basis: an 8-GPU H100 node (DGX H100: 2 TB of host memory, one PCIe 5 x16 switch port per GPU,
@@ -191,7 +197,7 @@ class Cluster:
             cores = d.host_ranks / self.world_size * cpu
         return Fabric(self.per_node, self.intra.bandwidth, self.inter.bandwidth, self.rails, fold,
                       burst=self.inter.burst, cpu=cpu, cpu_credit=credit, cpu_peak=peak, cores=cores,
-                      pcie=self.host.pcie.bandwidth)
+                      pcie=self.host.pcie.bandwidth, pcie_d2h=self.host.to_host.bandwidth)
 
     def hop_latency(self, crosses_nodes: bool) -> float:
         return self.inter.latency if crosses_nodes else self.intra.latency

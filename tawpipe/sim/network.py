@@ -122,9 +122,10 @@ class Fabric:
     # that many times their number (a graph folded to one rank gets one rank's share; None: no limit)
     cores: float | None = None
     pcie: float | None = None  # each device's link to its host, bytes/s per direction (None: no host copies)
+    pcie_d2h: float | None = None  # the device-to-host direction's, where it differs (None: ``pcie``)
 
     def __post_init__(self) -> None:
-        rates = (self.cpu, self.cpu_peak, self.cores, self.pcie)
+        rates = (self.cpu, self.cpu_peak, self.cores, self.pcie, self.pcie_d2h)
         if self.per_node < 1 or self.intra <= 0 or self.inter <= 0 or any(r is not None and r <= 0 for r in rates):
             raise ValueError(f"a fabric needs per_node >= 1 and positive rates: {self}")
         if self.cpu_credit and not (self.cpu and self.cpu_peak and self.cpu_peak > self.cpu):
@@ -156,7 +157,8 @@ class Fabric:
         if f.pcie is not None:
             if not self.pcie or f.pcie not in ("d2h", "h2d") or f.src != f.dst:
                 raise ValueError(f"a host copy needs a fabric with PCIe, direction d2h or h2d and one device: {f}")
-            return ((("pcie " + f.pcie, self.mirror(f.src)), self.pcie),)
+            rate = self.pcie_d2h if f.pcie == "d2h" and self.pcie_d2h else self.pcie
+            return ((("pcie " + f.pcie, self.mirror(f.src)), rate),)
         s = self.per_node
         gs, gd = f.src // s, f.dst // s
         if gs == gd:

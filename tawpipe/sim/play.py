@@ -117,9 +117,9 @@ class _HostCopies:
     played here as one copy of the same bytes before it); with offloaded state,
     each LOAD_W reads the float32 master before its cast, each ACC_G sends the gradient to the
     host a piece at a time, the host adding each while the next crosses, and the host steps the
-    own chunk, once every transfer of the rank is
-    done, in ``STEP_PIECES`` equal pieces, each piece's part of the ``carried_load`` crossing and
-    cast once it is stepped; that LOAD_W, the next iteration's, then moves nothing (design §6.1).
+    own chunk: where the rank has a ``carried_load``, once every transfer of the rank is done, in
+    ``STEP_PIECES`` equal pieces, each piece's part of that load crossing and cast once it is
+    stepped (the next iteration's LOAD_W then moves nothing, design §6.1); elsewhere at once.
     A STASH_W or RESTORE_W (``reuse_weights="host"``) is its chunk's weights crossing, in order on
     the weights channel as the engine runs it."""
 
@@ -146,7 +146,7 @@ class _HostCopies:
     def moves(self, a: Action) -> bool:
         """Whether ``a``'s unit does its work here: not the ``carried_load``, which the step
         before it made."""
-        return a is not self.carried
+        return a != self.carried
 
     def after(self, a: Action, done: int) -> None:
         """Copies that follow unit ``done`` of ``a``."""
@@ -179,14 +179,16 @@ class _HostCopies:
         if a.op is Op.ACC_G:
             return [self._host_accumulate(deps)]
         if a.op is Op.STEP:
-            return [self._host_step(deps)]
+            return self._host_step(deps)
         return []
 
     def _host_accumulate(self, deps: list[int]) -> int:
         """ACC_G with the state on the host: the gradient crosses a piece at a time into one of two
-        pinned buffers while the host adds the piece before (``HostOffload.accumulate_grad``; its
-        pieces are smaller and many more than the ``STEP_PIECES`` played here), a piece's copy
-        waiting for the addition two before it, whose buffer it fills. Returns the last addition."""
+        pinned buffers while the host adds the piece before, a piece's copy waiting for the
+        addition two before it, whose buffer it fills (``HostOffload.accumulate_grad`` on a GPU,
+        in pieces of its staging size: many more than the ``STEP_PIECES`` played here for a chunk
+        of more than 32 M elements, fewer below; on a CPU it adds straight from the gradient,
+        played alike). Returns the last addition."""
         piece = self.own / STEP_PIECES
         added: list[int] = []
         for i in range(STEP_PIECES):
@@ -197,29 +199,29 @@ class _HostCopies:
                                     lane="host"))
         return added[-1]
 
-    def _host_step(self, deps: list[int]) -> int:
+    def _host_step(self, deps: list[int]) -> list[int]:
         """The host's step of the own chunk; with a ``carried_load``, after every transfer (the
         engine's ``settle``) and in pieces, each piece's part of the load crossing, then cast on
         the weights lane, once the piece is stepped (on a CPU the stepping thread copies it before
-        the next piece). Returns the last piece."""
+        the next piece). Returns what the device's part of the step (the replicated parameters,
+        stepped in the same call as the first piece: on a CPU by the same thread) waits for
+        besides ``deps``."""
         carried = self.carried is not None
         n = STEP_PIECES if carried else 1
         piece = self.own / n
-        settled = [*deps, *self.transfers] if carried else deps  # no transfer still reads the buffer
-        step: int | None = None
-        before, cast = settled, None
+        settle = list(self.transfers) if carried else []  # no transfer still reads the buffer
+        before, cast, first = [*deps, *settle], None, []
         for i in range(1, n + 1):
             step = self.g.add("host AdamW", before, seconds=self.work.host_step(piece, self.host_bandwidth),
                               rank=self.r, lane="host")
-            before = [step]
+            before, first = [step], first or [step]
             if carried:
                 loaded = self._copy("state", f"load master {i}/{n}", 4 * piece, "h2d", [step])
                 cast = self.g.add(f"cast {i}/{n}", [loaded] if cast is None else [loaded, cast],
                                   seconds=self.work.copy(piece * (4 + self.weight_bytes)), rank=self.r,
                                   lane=str(Channel.WEIGHTS))
                 before += [cast] if self.host else []
-        assert step is not None
-        return step
+        return [*settle, *first] if self.host else settle
 
 
 def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: dict[tuple, _Message],
