@@ -84,7 +84,9 @@ class TawPipe:
     ``tawpipe.models.ModelParts``: the blocks (which may live on the meta device, with
     ``materialize`` giving each rank its own chunk's real blocks), the replicated ``embed`` and
     ``head``, the loss and the hooks. ``optimizer(params)`` and ``lr_scheduler(optimizer)`` are
-    factories: the engine owns the optimizer of its own chunk and the replicated parameters. The
+    factories: the engine owns the optimizer of its own chunk and the replicated parameters.
+    ``device`` (default: the embedding's) is the process's current device on an accelerator
+    (``torch.cuda.set_device``), whose current stream the engine orders its work after. The
     four policies (``tawpipe.engine.policy``) say which schedule runs, in what precision, with
     what memory savers and over which backend; ``mb_per_fetch``, ``prefetch_depth``,
     ``reuse_weights`` and ``auto_reason`` say what "auto" chose and why.
