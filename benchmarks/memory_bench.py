@@ -47,6 +47,7 @@ target or check failed.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -75,7 +76,7 @@ from tawpipe.plan.topology import Topology
 from tawpipe.runtime.launch import free_port, run_local
 from tawpipe.sim import compare
 from tawpipe.sim.calibrate import calibrate, calibrate_host
-from tawpipe.sim.hardware import Cluster, link
+from tawpipe.sim.hardware import Cluster, Host, link
 from tawpipe.sim.hardware import device as sim_device
 from tawpipe.sim.workload import Workload
 
@@ -267,12 +268,18 @@ def single(shape: RunConfig, device: torch.device, warmup: int, iters: int, name
     return out
 
 
+@functools.cache
+def _host(device: str) -> Host:
+    """This host's rates (``calibrate_host``): they do not depend on the shape, so once a run."""
+    return calibrate_host(device)
+
+
 def predict(shape: RunConfig, device: torch.device, rows: dict[str, dict]) -> dict[str, dict]:
     """The simulator's peak and time for each of ``rows`` at world size 1, calibrated here: plain
     torch as DDP on one device (per-block checkpointing), the engine's rows as the plan each ran
     with its savers, every row with the chunked loss; and each against the measurement."""
     dims = shape.model_config().dims(seq=shape.seq_len, micro_batch=1, dtype_bytes=2, grad_bytes=4, scores=False)
-    dev, host = calibrate(dims, device=device.type), calibrate_host(device.type)  # the host steps and copies state
+    dev, host = calibrate(dims, device=device.type), _host(device.type)  # the host steps and copies state
     cluster = Cluster(1, 1, dev, link("nvlink"), link("10gbe"), host=host)
     out = {}
     for name, measured in rows.items():

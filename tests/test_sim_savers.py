@@ -38,6 +38,11 @@ def _cluster(nodes: int = 2, per_node: int = 2, pcie: float | None = None, host_
     return Cluster(nodes, per_node, DEV, link("nvlink"), link("100gb"), host=host)
 
 
+def _timeline(result, rank: int = 0) -> list[tuple]:
+    """``rank``'s tasks of a played graph, each with its start and end."""
+    return [(t, s, e) for t, s, e in zip(result.graph.tasks, result.start, result.end) if t.rank == rank]
+
+
 @pytest.mark.parametrize("savers", [Savers("chunk", offload_activations=True), Savers("block", offload_activations=True),
                                     Savers("layer", offload_state=True),
                                     Savers("block", offload_state=True, offload_activations=True)])
@@ -111,15 +116,15 @@ def test_activation_offload_hides_behind_compute_unless_pcie_is_slow():
 def test_the_host_steps_an_offloaded_state_in_pieces_each_loading_once_stepped():
     """As the engine (design §6.1): the host steps the own chunk in ``STEP_PIECES`` pieces, and
     each piece's part of the next iteration's first load crosses once the piece is stepped, hidden
-    behind the next piece: only the last piece's load and cast follow the step. That load (``carried_load``, the prologue's into ``w_own``) then
-    moves nothing; the own chunk's other loads read the master as before."""
+    behind the next piece: only the last piece's load and cast follow the step. That load
+    (``carried_load``, the prologue's into ``w_own``) then moves nothing; the own chunk's other
+    loads read the master as before."""
     cluster, work = _cluster(), Workload(DIMS, DEV)
     on_device = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk"))
     on_host = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk", offload_state=True))
     plan = engine_plan(cluster, work, 4, **SETTINGS)
     own = plan.chunk_numel(plan.own_chunk(0))
-    tasks = [(t, s, e) for t, s, e in zip(on_host.result.graph.tasks, on_host.result.start, on_host.result.end)
-             if t.rank == 0]
+    tasks = _timeline(on_host.result)
     steps = [x for x in tasks if x[0].label == "host AdamW"]
     loads = [x for x in tasks if x[0].label.startswith("load master ")]
     casts = [x for x in tasks if x[0].label.startswith("cast ")]
@@ -149,7 +154,7 @@ def test_a_gradient_crosses_to_the_host_while_the_host_adds_the_piece_before(slo
     cluster = _cluster(pcie=8e9) if slower == "copy" else _cluster(adamw=20e9)
     work = Workload(DIMS, DEV)
     row = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk", offload_state=True))
-    tasks = [(t, s, e) for t, s, e in zip(row.result.graph.tasks, row.result.start, row.result.end) if t.rank == 0]
+    tasks = _timeline(row.result)
     firsts = [i for i, (t, _, _) in enumerate(tasks) if t.label == f"gradient to host 1/{STEP_PIECES}"]
     assert len(firsts) == sum(a.op is Op.ACC_G for a in engine_plan(cluster, work, 4, **SETTINGS).actions[0]) > 0
     for first in firsts:
@@ -173,8 +178,7 @@ def test_each_direction_of_pcie_crosses_at_its_own_rate():
             for c in (same, slow)}
 
     def spans(row, prefix):
-        return [e - s for t, s, e in zip(row.result.graph.tasks, row.result.start, row.result.end)
-                if t.rank == 0 and t.label.startswith(prefix)]
+        return [e - s for t, s, e in _timeline(row.result) if t.label.startswith(prefix)]
 
     for down, up in zip(spans(rows[slow], "gradient to host "), spans(rows[same], "gradient to host ")):
         assert down == pytest.approx(4 * up, rel=1e-3)
@@ -195,8 +199,8 @@ def test_on_a_cpu_the_stepping_thread_loads_each_piece_before_the_next():
     plan = engine_plan(cluster, work, 4, **SETTINGS)
     graph, fabric = plan_graph(plan, cluster, work, host=True, savers=Savers("chunk", offload_state=True))
     result = simulate(graph, fabric)
-    ends = {label: [(s, e) for t, s, e in zip(graph.tasks, result.start, result.end) if t.rank == 0 and
-                    (t.label == label or t.label.startswith(label + " "))] for label in ("host AdamW", "cast")}
+    ends = {label: [(s, e) for t, s, e in _timeline(result) if t.label == label or t.label.startswith(label + " ")]
+            for label in ("host AdamW", "cast")}
     steps, casts = ends["host AdamW"], ends["cast"]
     assert len(steps) == len(casts) == STEP_PIECES
     assert all(steps[i + 1][0] >= casts[i][1] > steps[i][1] for i in range(STEP_PIECES - 1))
