@@ -163,38 +163,96 @@ def test_the_bytes_moved_with_the_host_are_the_cost_models(options):
         assert r["moved"] == pytest.approx(r["expected"], rel=0, abs=0), r
 
 
+@pytest.mark.parametrize("recompute", ["chunk", "layer"])
 @pytest.mark.parametrize("k", [4, 1])
-def test_with_state_on_the_host_the_gradient_is_normed_on_its_way_there(monkeypatch, k):
+def test_with_state_on_the_host_the_gradient_is_normed_on_its_way_there(monkeypatch, k, recompute):
     """World size 1 with state offload: the host never reads its accumulator for the norm
     (clipping, the non-finite check). At k = acc the own chunk's gradient goes to the host once a
     step, and its norm is taken from the device buffer before the copy; at k = 1 (acc additions)
-    the last addition takes it in the same pass as it adds. Both train like one process, clipped."""
+    the last addition takes it in the same pass as it adds. A backward that runs a layer at a
+    time hands each layer's slice to the host as it finishes it, last layer first, and the last
+    addition's norm is its slices'. All train like one process, clipped."""
     from tawpipe.runtime.offload import HostOffload
 
     torch.manual_seed(0)
     model = TinyLM(3)
     ref, ref_losses = reference_run(model, 4 * MB_ROWS, 3, 0.05)
     normed = record_norms(monkeypatch.setattr)
-    additions: list[bool] = []
+    additions: list[tuple[bool, int, int | None]] = []
     add = HostOffload.accumulate_grad
 
-    def recorded(self, src, alpha=1.0, *, squared_norm=False):
-        additions.append(squared_norm)
-        return add(self, src, alpha, squared_norm=squared_norm)
+    def recorded(self, src, alpha=1.0, *, squared_norm=False, start=0, stop=None):
+        additions.append((squared_norm, start, stop))
+        return add(self, src, alpha, squared_norm=squared_norm, start=start, stop=stop)
 
     monkeypatch.setattr(HostOffload, "accumulate_grad", recorded)
     m = copy.deepcopy(model)
     engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=4,
                          optimizer=adamw, comm=NoComm(1), block_context=m.context, offload_state=True,
-                         mb_per_fetch=k, max_grad_norm=0.05)
+                         mb_per_fetch=k, max_grad_norm=0.05, recompute=recompute)
     losses = [engine.step(global_batch(step, 4 * MB_ROWS)) for step in range(3)]
+    numel = engine.memory_report().master // 4
+    per = numel // 3
+    slices = [(0, numel)] if recompute == "chunk" else [(j * per, (j + 1) * per) for j in (2, 1, 0)]
     assert host_accumulator(engine) not in normed
     assert len(normed) == 3 * (2 if k == 4 else 1)  # a step: the own chunk's gradient on the device, the replicated
-    assert additions == ([False] if k == 4 else [False, False, False, True]) * 3  # the last of a step normed
+    plain, last = [(False, *s) for s in slices], [(True, *s) for s in slices]  # the last of a step normed
+    assert additions == (plain if k == 4 else plain * 3 + last) * 3
     want = dict(ref.named_parameters())
     assert max(rel_err(p.detach(), want[n].detach()) for n, p in engine.named_parameters()) <= 1e-5
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     engine.close()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_gradient_streamed_to_the_host_a_layer_at_a_time_trains_bit_for_bit_as_one_sent_whole(monkeypatch, device):
+    """bfloat16 compute, clipping, staging pieces of 257 elements: each layer's slice handed to
+    the host as the backward finishes it against the whole gradient after the backward, bit for
+    bit, and every step's norm the accumulator's. On CUDA each layer's gradient is held back on
+    the GPU (a sleep queued before it is written), so a slice sent before its layer is done shows."""
+    from tawpipe.engine.precision import Precision, squared_norm
+    from tawpipe.engine.storage import ChunkStorage
+    from tawpipe.plan.plan import Plan
+    from tawpipe.runtime.offload import HostOffload
+
+    dev = torch.device(device)
+    monkeypatch.setitem(HostOffload.__init__.__kwdefaults__, "piece_numel", 257)
+    if dev.type == "cuda":
+        harvest = ChunkStorage.harvest
+
+        def held_back(self, *args, **kwargs) -> None:
+            torch.cuda._sleep(20_000_000)
+            harvest(self, *args, **kwargs)
+
+        monkeypatch.setattr(ChunkStorage, "harvest", held_back)
+    norms: list[tuple[float, float]] = []
+    finish = Precision.finish
+
+    def checked(self, step, stats, loss, rep_grad, own_grad):
+        norms.append((stats[0].item(), squared_norm(own_grad).item()))
+        return finish(self, step, stats, loss, rep_grad, own_grad)
+
+    monkeypatch.setattr(Precision, "finish", checked)
+    torch.manual_seed(0)
+    model = TinyLM(4)
+    runs = []
+    for streamed in (True, False):
+        with monkeypatch.context() as patch:
+            if not streamed:
+                patch.setattr(Plan, "streamed_accumulations", lambda self, rank: {})
+            m = copy.deepcopy(model).to(dev)
+            engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=4,
+                                 comm=NoComm(1), device=dev, offload_state=True, recompute="layer",
+                                 compute_dtype=torch.bfloat16, max_grad_norm=0.05,
+                                 block_context=lambda t: {a: v.to(dev) for a, v in m.context(t).items()})
+        assert bool(engine.storage.streamed) == streamed
+        losses = [engine.step(tuple(t.to(dev) for t in global_batch(s, 4 * MB_ROWS))) for s in range(3)]
+        runs.append((losses, {n: p.detach().cpu().clone() for n, p in engine.named_parameters()}))
+        engine.close()
+    (streamed_losses, streamed_params), (whole_losses, whole_params) = runs
+    assert streamed_losses == whole_losses
+    assert all(torch.equal(streamed_params[n], whole_params[n]) for n in streamed_params)
+    assert len(norms) == 6 and all(a == pytest.approx(b, rel=2e-6) for a, b in norms), norms
 
 
 @pytest.mark.parametrize("k", [4, 1])

@@ -167,6 +167,41 @@ def test_a_gradient_crosses_to_the_host_while_the_host_adds_the_piece_before(slo
             assert all(copies[i][1] == pytest.approx(adds[i - 2][2], rel=1e-9) for i in range(2, STEP_PIECES))
 
 
+@pytest.mark.parametrize("recompute", ["layer", "block"])
+def test_a_backward_a_layer_at_a_time_hands_each_piece_of_its_gradient_to_the_host_once_whole(recompute,
+                                                                                             monkeypatch):
+    """World size 1, state on the host, a backward a layer at a time (design §6.1): each piece of
+    the gradient crosses once the layers that make it whole are done, last layers first (under
+    "layer" after the chunk's re-run), so the copies run beside the backward. With nothing
+    streamed they wait for the whole backward, and the iteration is longer."""
+    import math
+
+    from tawpipe.plan.plan import Plan
+
+    cluster, work = _cluster(1, 1), Workload(DIMS, DEV)
+    settings = {"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": False}
+    savers = Savers(recompute, offload_state=True)
+    row = compare.run("tawpipe", cluster, work, 4, settings=settings, savers=savers)
+    plan = engine_plan(cluster, work, 4, **settings)
+    n = DIMS.layers
+    lead = (savers.forwards_in_backward - 1) * n * work.layer_forward()
+    per_layer = work.layer_backward(forwards=1)
+    tasks = _timeline(row.result)
+    backwards = [a for a in plan.actions[0] if a.op is Op.B]
+    assert len(backwards) == 4 and set(plan.streamed_accumulations(0)) == set(backwards)
+    for b in backwards:
+        parts = [(s, e) for t, s, e in tasks if t.label == describe(b)]
+        at = next(i for i, (t, s, _) in enumerate(tasks) if t.label == describe(b) and s == parts[0][0])
+        copies = [(s, e) for t, s, e in tasks[at:] if t.label.startswith("gradient to host ")][:STEP_PIECES]
+        for i, (start, _) in enumerate(copies):
+            whole = parts[0][0] + lead + math.ceil((i + 1) * n / STEP_PIECES) * per_layer
+            assert start >= whole - 1e-9 and (i > 0 or start == pytest.approx(whole, rel=1e-9))
+        assert copies[0][0] < parts[-1][1] - per_layer  # beside the backward, not after it
+    monkeypatch.setattr(Plan, "streamed_accumulations", lambda self, rank: {})
+    waiting = compare.run("tawpipe", cluster, work, 4, settings=settings, savers=savers)
+    assert waiting.time_s > row.time_s
+
+
 def test_each_direction_of_pcie_crosses_at_its_own_rate():
     """A host whose device-to-host copies are slower than its loads (``Host.pcie_d2h``): the
     gradients cross at that rate, the masters' loads at the other, and the lower bound knows it."""

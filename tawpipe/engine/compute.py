@@ -203,13 +203,15 @@ class ChunkCompute:
         st.dy[(pos, m)] = y.grad
 
     @torch.no_grad()
-    def backward(self, a: Action, st: StepState) -> None:
+    def backward(self, a: Action, st: StepState, layer_done: Callable[[int], None] | None = None) -> None:
+        """B; a backward that runs a layer at a time calls ``layer_done(j)`` once layer j's slice
+        of the gradient buffer is whole (its work issued), last layer first."""
         pos, m = self.s.position[a.chunk], a.mb
         if self.s.scratch is not None or not a.accumulate:
             self.s.grad_target(a.grad_buf, a.chunk).zero_()
         if self.s.layerwise:
             input_of, states = self._inputs_of(a, (pos, m), st)
-            dx = self._backward_by_layer(a, input_of, states, st.dy.pop((pos, m)), st.ctx[m])
+            dx = self._backward_by_layer(a, input_of, states, st.dy.pop((pos, m)), st.ctx[m], layer_done)
         else:
             if self.recompute == "none":
                 x, y = st.graphs.pop((pos, m))
@@ -266,7 +268,8 @@ class ChunkCompute:
         return inputs
 
     def _backward_by_layer(self, a: Action, input_of: Callable[[int], torch.Tensor], states: list[RngState],
-                           dy: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+                           dy: torch.Tensor, ctx: dict[str, Any],
+                           layer_done: Callable[[int], None] | None) -> torch.Tensor:
         """Each layer, last first, from its input (``input_of(j)``, ``_inputs_of``) run with
         gradients (drawing from ``states[j]``) and back-propagated at once, its weight gradient
         moved out of the one-layer scratch; the gradient of the chunk's input. Only one layer's activations and weight
@@ -280,6 +283,8 @@ class ChunkCompute:
             with torch.enable_grad(), replaying(states[j], self.s.device):
                 torch.autograd.backward(functional_call(run, layers[j], (xj, ctx)), dy)
             self.s.harvest(a.grad_buf, a.chunk, a.accumulate, layer=j)
+            if layer_done is not None:
+                layer_done(j)
             dy = xj.grad
         return dy
 

@@ -37,7 +37,7 @@ from ..plan.topology import Topology
 from ..plan.verify import verify
 from ..runtime import comm as comm_backends
 from ..runtime import progress
-from ..runtime.comm.base import P2P, Comm
+from ..runtime.comm.base import P2P, Comm, Handle
 from ..runtime.executor import Executor, Messages
 from ..runtime.timeout import timeout_seconds
 from . import fingerprint, shard
@@ -602,7 +602,9 @@ class TawPipe:
         if a.op is Op.F:
             return lambda: self.compute.forward(a, self._state)
         if a.op is Op.B:
-            return lambda: self.compute.backward(a, self._state)
+            addition = s.streamed.get(a)
+            done = None if addition is None else (lambda layer: self._stream_slice(addition, layer))
+            return lambda: self.compute.backward(a, self._state, done)
         if a.op is Op.LOAD_W:
             return lambda: s.load_master(a.buf, a.chunk)
         if a.op is Op.STASH_W:
@@ -624,6 +626,19 @@ class TawPipe:
         if a.op is Op.ALLREDUCE_G:
             return lambda: s.summed_over_replicas(self._all_reduce_in_wire(comm, s.grad_acc, a.group))
         raise ValueError(f"the engine cannot execute {a.op}")
+
+    def _stream_slice(self, addition: Action, layer: int) -> None:
+        """A streamed ACC_G's addition of ``layer``'s slice (design §6.1), queued on the gradients'
+        channel behind the backward's work so far, ahead of the ACC_G's own unit; on a CPU, or
+        with ``overlap=False``, done now."""
+        work = lambda: self.storage.accumulate(addition, layer)  # noqa: E731
+        if self.device.type != "cuda" or not self.executor.overlap:
+            work()
+            return
+        produced = torch.cuda.Event()
+        produced.record()
+        self.executor.channels[Channel.GRADS].submit(work, [Handle.completed(produced)],
+                                                     f"{addition.op.value} layer {layer}")
 
     def _p2p(self, unit: list[Action], tensor: Callable[[Action], torch.Tensor]) -> Messages:
         return Messages(self._comms[OPS[unit[0].op].channel],

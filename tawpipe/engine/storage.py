@@ -145,6 +145,12 @@ class ChunkStorage:
                             else "addition" if len(additions) == 1 else "last addition")
         self._last_addition = additions[-1] if additions else None  # ACC_G runs in list order (it writes ACC)
         self._own_sq: torch.Tensor | None = None
+        # Offloaded, a backward that runs a layer at a time hands each layer's gradient to the
+        # host as it finishes it, where the plan's ACC_G of that gradient follows with nothing
+        # touching it in between (design §6.1): the last layers' cross while the first run.
+        self.streamed = (plan.streamed_accumulations(rank) if self.offload is not None and layerwise else {})
+        self._streamed_additions = set(self.streamed.values())
+        self._slice_sq: list[torch.Tensor] = []  # the last addition's slices' squared norms, so far
         # Offloaded, the step loads the own chunk for the next iteration as it steps it (``carry``)
         # into the buffer of the plan's ``carried_load``, which then does nothing.
         self.carried_load = plan.carried_load(rank) if self.offload is not None else None
@@ -368,19 +374,32 @@ class ChunkStorage:
         self.chunk(buf, chunk).copy_(self.host[chunk], non_blocking=True)
         self.from_host += self.host[chunk].nbytes
 
-    def accumulate(self, a: Action) -> None:
-        """ACC_G: a gradient buffer added into the own float32 accumulator."""
+    def accumulate(self, a: Action, layer: int | None = None) -> None:
+        """ACC_G: a gradient buffer added into the own float32 accumulator. A streamed one
+        (``streamed``) adds layer ``layer``'s slice of it as its backward finishes each, last
+        layer first; its unit then has only the norm left to take where it is the device's."""
         src = self.chunk(a.buf, a.chunk)
         if self.offload is None:
             self.grad_acc.add_(src)
             return
-        if self._norm_where == "addition":
+        streamed = a in self._streamed_additions
+        if self._norm_where == "addition" and layer is None:
             self._own_sq = squared_norm(src)
+        if streamed and layer is None:
+            if a == self._last_addition and self._norm_where == "last addition":
+                self._own_sq, self._slice_sq = torch.stack(self._slice_sq).sum(), []
+            return
+        per = self.layer_layout.numel
+        start, stop = (0, src.numel()) if layer is None else (layer * per, (layer + 1) * per)
         if self._norm_where == "last addition" and a == self._last_addition:
-            self._own_sq = self.offload.accumulate_grad(src, squared_norm=True)
+            sq = self.offload.accumulate_grad(src, squared_norm=True, start=start, stop=stop)
+            if layer is None:
+                self._own_sq = sq
+            else:  # the last layer's slice comes first: what an earlier, failed step left is dropped
+                self._slice_sq = [sq] if (layer + 1) * per == src.numel() else [*self._slice_sq, sq]
         else:
-            self.offload.accumulate_grad(src)
-        self.to_host += src.nbytes
+            self.offload.accumulate_grad(src, start=start, stop=stop)
+        self.to_host += (stop - start) * src.element_size()
 
     def summed_over_replicas(self, summed: torch.Tensor) -> None:
         """ALLREDUCE_G's sum of the own chunk's gradient over the replicas, the device copy of what

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-from .actions import MASTER, OPS, Action, Names, Op
+from .actions import ACC, MASTER, OPS, Action, Names, Op
 from .tables import plan_table
 from .topology import Topology
 
@@ -165,6 +165,25 @@ class Plan:
         ``carried`` loads and the master as they are."""
         return not any(carried.buf in self.reads(a) or carried.buf in self.writes(a) or MASTER in self.writes(a)
                        for a in actions)
+
+    def streamed_accumulations(self, rank: int) -> dict[Action, Action]:
+        """Each B of ``rank`` whose gradient buffer the ACC_G after it adds to the accumulator with
+        nothing touching either between them, mapped to that ACC_G: a backward that runs a layer
+        at a time may start the addition of each layer's slice as the layer finishes it, since no
+        later unit changes the slice before the ACC_G reads it (design §6.1)."""
+        out: dict[Action, Action] = {}
+        pending: dict[str, Action] = {}  # gradient buffer -> the B that wrote it, untouched since
+        for a in self.actions[rank]:
+            touched = {*self.reads(a), *self.writes(a)}
+            if a.op is Op.ACC_G and a.buf in pending:
+                out[pending[a.buf]] = a
+            if ACC in touched:
+                pending.clear()
+            for b in touched:
+                pending.pop(b, None)
+            if a.op is Op.B:
+                pending[a.grad_buf] = a
+        return out
 
     def chunk_numel(self, chunk: int) -> int:
         start, stop = self.chunk_layers[chunk]

@@ -14,6 +14,7 @@ keeps a chunk owner's state in one (``MemoryPolicy(offload_state=True)``, ``tawp
     off.accumulate_grad(gbuf, alpha)  # grad += alpha * gbuf[:numel]; returns when added (timeout)
     off.accumulate_grad(gbuf, squared_norm=True)  # ... and returns grad's sum of squares after it
                                       # (float64 scalar), taken in the same pass over grad
+    off.accumulate_grad(gbuf, start=a, stop=b)  # elements a..b only
     off.synchronize()                 # queued loads have read the master (before it changes)
     off.memory()                      # bytes on the host and on the device
     off.close()
@@ -134,20 +135,25 @@ class HostOffload:
             torch.ops.tawpipe._prefetch_load(self._handle, self.master[start:stop], dst[start:stop])
 
     @torch.no_grad()
-    def accumulate_grad(self, src: Tensor, alpha: float = 1.0, *, squared_norm: bool = False) -> Tensor | None:
+    def accumulate_grad(self, src: Tensor, alpha: float = 1.0, *, squared_norm: bool = False, start: int = 0,
+                        stop: int | None = None) -> Tensor | None:
         """``grad += alpha * src[:numel]`` (float32 on the host), after the current stream's work
-        that produces src; returns when done (raises after ``timeout`` seconds). With
-        ``squared_norm``, returns the sum of ``grad``'s squares after the addition (a float64
-        scalar on the host, within about 1e-6, not finite if an element is not), taken while each
-        block is in cache: the norm of a gradient whose last addition this is, without another
-        pass over it."""
+        that produces src; returns when done (raises after ``timeout`` seconds). With ``start``
+        and ``stop``, elements start..stop only (a slice whose gradient is whole before the rest
+        of src's). With ``squared_norm``, returns the sum of those elements' squares in ``grad``
+        after the addition (a float64 scalar on the host, within about 1e-6, not finite if an
+        element is not), taken while each block is in cache: the norm of a gradient whose last
+        addition this is, without another pass over it."""
         src = self._device_buffer("accumulate_grad", src)
+        stop = self.numel if stop is None else stop
+        if not 0 <= start < stop <= self.numel:
+            raise ValueError(f"HostOffload.accumulate_grad: elements {start}..{stop} are not a piece of 0..{self.numel}")
+        src, grad = src[start:stop], self.grad[start:stop]
         with self._acc_lock:
             if not squared_norm:
-                torch.ops.tawpipe._prefetch_accumulate(self._handle, src, self.grad, float(alpha), self.timeout)
+                torch.ops.tawpipe._prefetch_accumulate(self._handle, src, grad, float(alpha), self.timeout)
                 return None
-            squares = torch.ops.tawpipe._prefetch_accumulate_norm(self._handle, src, self.grad, float(alpha),
-                                                                 self.timeout)
+            squares = torch.ops.tawpipe._prefetch_accumulate_norm(self._handle, src, grad, float(alpha), self.timeout)
         return torch.tensor(squares, dtype=torch.float64)
 
     def synchronize(self) -> None:

@@ -14,6 +14,7 @@ replicas send their hops to the mirror images of replica 0's ranks.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,6 +136,11 @@ class _HostCopies:
         self.backwards: list[int] = []
         self.carried = plan.carried_load(r) if self.savers.offload_state else None
         self.transfers: list[int] = []  # this rank's units off the compute channel: what STEP settles
+        # A backward a layer at a time hands each layer's gradient to its ACC_G as it finishes it
+        # (on a GPU: on a CPU the compute thread adds it, the same work in the same place)
+        self.streamed = (plan.streamed_accumulations(r) if self.savers.offload_state and self.savers.layerwise
+                         and not host else {})
+        self.whole: dict[Action, tuple[int, list[int]]] = {}  # streamed ACC_G -> its B, where each piece is whole
 
     def _copy(self, lane: str, label: str, nbytes: float, direction: str, deps: list[int]) -> int:
         before = [self.lanes[lane]] if lane in self.lanes else []
@@ -177,23 +183,44 @@ class _HostCopies:
         if a.op is Op.LOAD_W:
             return [self._copy("state", "load master", 4 * self.own, "h2d", deps)] if self.moves(a) else []
         if a.op is Op.ACC_G:
-            return [self._host_accumulate(deps)]
+            return [self._host_accumulate(deps, self.whole.pop(a, None))]
         if a.op is Op.STEP:
             return self._host_step(deps)
         return []
 
-    def _host_accumulate(self, deps: list[int]) -> int:
+    def backward(self, a: Action, label: str, deps: list[int], seconds: float) -> int:
+        """A streamed B (``Plan.streamed_accumulations``) in parts, each ending where one more
+        piece of its gradient is whole, last layers first: after the chunk's re-run ("layer"),
+        a layer at a time, then the embedding's backward (the first chunk's). Its ACC_G's pieces
+        cross from there. Returns the last part."""
+        start, stop = self.plan.chunk_layers[a.chunk]
+        n = stop - start
+        lead = (self.savers.forwards_in_backward - 1) * n * self.work.layer_forward()
+        tail = self.work.embed() if a.chunk == self.plan.model_order[0] else 0.0
+        per_layer = (seconds - lead - tail) / n
+        whole = [lead + math.ceil((i + 1) * n / STEP_PIECES) * per_layer for i in range(STEP_PIECES)]
+        parts, at, before = {}, 0.0, deps
+        for cut in sorted({*whole, seconds}):
+            before = [self.g.add(label, before, seconds=cut - at, rank=self.r)]
+            parts[cut], at = before[0], cut
+        self.whole[self.streamed[a]] = (before[0], [parts[cut] for cut in whole])
+        return before[0]
+
+    def _host_accumulate(self, deps: list[int], whole: tuple[int, list[int]] | None) -> int:
         """ACC_G with the state on the host: the gradient crosses a piece at a time into one of two
         pinned buffers while the host adds the piece before, a piece's copy waiting for the
         addition two before it, whose buffer it fills (``HostOffload.accumulate_grad`` on a GPU,
         in pieces of its staging size: many more than the ``STEP_PIECES`` played here for a chunk
         of more than 32 M elements, fewer below; on a CPU it adds straight from the gradient,
-        played alike). Returns the last addition."""
+        played alike). A streamed one's piece crosses once its backward has made it whole (``whole``:
+        that backward, and where each piece is), not after the whole backward. Returns the last
+        addition."""
         piece = self.own / STEP_PIECES
         added: list[int] = []
         for i in range(STEP_PIECES):
+            ready = deps if whole is None else [*(d for d in deps if d != whole[0]), whole[1][i]]
             sent = self._copy("state", f"gradient to host {i + 1}/{STEP_PIECES}", self.grad_bytes * piece, "d2h",
-                              [*deps, *added[-2:-1]])
+                              [*ready, *added[-2:-1]])
             added.append(self.g.add(f"host accumulate {i + 1}/{STEP_PIECES}", [sent, *added[-1:]],
                                     seconds=piece * (8 + self.grad_bytes) / self.host_bandwidth, rank=self.r,
                                     lane="host"))
@@ -243,6 +270,8 @@ def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: d
             seconds = compute_seconds(plan, unit[0], device.work, device.savers)
             if context is not None and unit[0].op in (Op.F, Op.B):
                 done = last_compute = context.compute(unit[0], deps, seconds)
+            elif unit[0] in copies.streamed:
+                done = last_compute = copies.backward(unit[0], describe(unit[0]), deps, seconds)
             else:
                 done = last_compute = g.add(describe(unit[0]), deps, seconds=seconds, rank=r)
         else:
