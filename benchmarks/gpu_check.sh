@@ -7,8 +7,9 @@
 #   2. runs the CUDA tests: the shard ops (tests/test_ops.py, tests/test_kernels_build.py), the
 #      engine on one GPU (tests/test_engine_cuda.py), the native NCCL backend, the offload and the
 #      comm bench (world-size-1 NCCL exactness, timeouts, the prefetcher), the host step's loads in
-#      pieces held back on the GPU (tests/test_host_step.py), each layer's gradient streamed to the host
-#      as its backward finishes it, held back too (tests/test_memory_savers.py);
+#      pieces held back on the GPU, and stepped beside the next forward (tests/test_host_step.py),
+#      each layer's gradient streamed to the host as its backward finishes it, held back too
+#      (tests/test_memory_savers.py);
 #   3. runs benchmarks/ops_bench.py on the GPU (pack/unpack vs D2D copy and _foreach_copy_);
 #   4. runs `tawpipe bench prefetch` (targets: >= 90% of pinned-copy bandwidth, overlap <= 1.1;
 #      how much of the master's load the host step in pieces hides, #35's item 3c);
@@ -75,6 +76,7 @@ step tests 360 "$DEST/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider $XDI
   "tests/test_memory_savers.py::test_a_re_run_draws_the_dropout_masks_its_forward_drew" \
   "tests/test_memory_savers.py::test_a_gradient_streamed_to_the_host_a_layer_at_a_time_trains_bit_for_bit_as_one_sent_whole" \
   "tests/test_host_step.py::test_loads_carried_in_pieces_train_bit_for_bit_as_loads_where_the_plan_puts_them" \
+  "tests/test_host_step.py::test_the_host_steps_beside_the_next_forward_bit_for_bit_as_at_once" \
   "tests/test_engine_inputs.py::test_on_a_gpu_the_engine_refuses_a_device_that_is_not_current"
 
 step ops_bench 240 "$DEST/ops_bench.log" "$PY" benchmarks/ops_bench.py --iters 20 --warmup 3 \

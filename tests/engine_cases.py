@@ -119,6 +119,22 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def finished_norms(patch=setattr) -> list[tuple[float, float]]:
+    """From now on (``patch`` as ``record_norms``'s) each step's own-chunk squared norm as the
+    step's statistics carry it, beside the one of the accumulator the step unscales and clips."""
+    from tawpipe.engine.precision import Precision, squared_norm
+
+    norms: list[tuple[float, float]] = []
+    finish = Precision.finish
+
+    def checked(self, step, stats, loss, rep_grad, own_grad):
+        norms.append((stats[0].item(), squared_norm(own_grad).item()))
+        return finish(self, step, stats, loss, rep_grad, own_grad)
+
+    patch(Precision, "finish", checked)
+    return norms
+
+
 def record_norms(patch=setattr) -> list[int]:
     """From now on (``patch``: ``setattr``, or a test's ``monkeypatch.setattr``) the storage of
     every tensor the engine's ``squared_norm`` reads, in the order read."""

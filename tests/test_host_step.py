@@ -20,7 +20,7 @@ from tawpipe.plan.plan import STEP_PIECES
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.offload import HostOffload
 
-from engine_cases import MB_ROWS, TinyLM, global_batch, lm_loss, make_engine, reference_run, rel_err
+from engine_cases import MB_ROWS, TinyLM, finished_norms, global_batch, lm_loss, make_engine, reference_run, rel_err
 from test_engine_errors import NoComm
 
 
@@ -134,8 +134,9 @@ def _loads(monkeypatch) -> list[tuple[int, int | None]]:
 
 
 def _engine(model: TinyLM, k: int, optimizer=default_optimizer, **options) -> TawPipe:
+    context = options.pop("block_context", model.context)
     return make_engine(model.blocks, model.embed, model.head, lm_loss, topology=Topology(1, 1), micro_batches=4,
-                       optimizer=optimizer, comm=NoComm(1), block_context=model.context, offload_state=True,
+                       optimizer=optimizer, comm=NoComm(1), block_context=context, offload_state=True,
                        mb_per_fetch=k, **options)
 
 
@@ -183,7 +184,6 @@ def test_loads_carried_in_pieces_train_bit_for_bit_as_loads_where_the_plan_puts_
     sleep queued after ``settle``), so a piece loaded before it was stepped, a load still reading
     the master when the next step writes it, or a read before the load lands, shows. Each step's
     norm of the own chunk, taken on its way to the host, is the accumulator's."""
-    from tawpipe.engine.precision import Precision, squared_norm
     from tawpipe.plan.plan import Plan
     from tawpipe.runtime.executor import Executor
 
@@ -197,14 +197,7 @@ def test_loads_carried_in_pieces_train_bit_for_bit_as_loads_where_the_plan_puts_
             torch.cuda._sleep(100_000_000)
 
         monkeypatch.setattr(Executor, "settle", held_back)
-    norms: list[tuple[float, float]] = []
-    finish = Precision.finish
-
-    def checked(self, step, stats, loss, rep_grad, own_grad):
-        norms.append((stats[0].item(), squared_norm(own_grad).item()))
-        return finish(self, step, stats, loss, rep_grad, own_grad)
-
-    monkeypatch.setattr(Precision, "finish", checked)
+    norms = finished_norms(monkeypatch.setattr)
     torch.manual_seed(0)
     model = TinyLM(4)
     runs, loads = [], _loads(monkeypatch)
@@ -339,3 +332,91 @@ def test_a_program_that_fills_the_carried_buffer_forgets_the_carried_load():
         assert not plan.leaves_carried(carried, eval_program(plan, carried.buf)[rank])
         assert plan.leaves_carried(carried, [x for x in eval_program(plan, carried.buf)[rank]
                                               if x.op.name == "ALLREDUCE_EVAL"])
+
+
+def _held_back(monkeypatch, seconds: float = 0.02) -> None:
+    """Every piece's load waits ``seconds`` first, on the host and (on CUDA) on the stream it is
+    queued on: a forward that reads a layer before its piece is loaded reads the weights before
+    the step."""
+    import time
+
+    from tawpipe.engine.storage import ChunkStorage
+
+    carry = ChunkStorage.carry
+
+    def slow(self, start, stop):
+        time.sleep(seconds)
+        if self.device.type == "cuda":
+            torch.cuda._sleep(int(seconds * 1e9))  # cycles: about `seconds` at 1 GHz
+        carry(self, start, stop)
+
+    monkeypatch.setattr(ChunkStorage, "carry", slow)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("recompute", ["layer", "block", "chunk"])
+def test_the_host_steps_beside_the_next_forward_bit_for_bit_as_at_once(monkeypatch, recompute, device):
+    """On a GPU the host steps the own chunk on a thread beside the next iteration (design §6.1);
+    on a CPU it is forced here. Each piece's load is held back (on CUDA on its stream too). The
+    next forward runs each layer once its piece is loaded, the pieces step with the learning rate
+    the step began with (the scheduler has moved on), ``state_dict`` between steps waits for the
+    step: three steps with clipping equal the engine stepping at once, bit for bit, state
+    included."""
+    import tawpipe.engine.engine as engine_module
+
+    dev = torch.device(device)
+    _held_back(monkeypatch)
+    torch.manual_seed(0)
+    model = TinyLM(4).to(dev)
+    gated: list[int] = []
+    gate = TawPipe._gate
+    monkeypatch.setattr(TawPipe, "_gate", lambda self, layer: (gated.append(layer), gate(self, layer))[1])
+    runs = []
+    for beside in (True, False):
+        monkeypatch.setattr(engine_module, "steps_beside", lambda device: beside)
+        m = copy.deepcopy(model)
+        engine = _engine(m, 1, _adamw, max_grad_norm=0.05, recompute=recompute, device=dev,
+                         block_context=lambda t: {a: v.to(dev) for a, v in m.context(t).items()},
+                         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
+        losses = [engine.step(tuple(t.to(dev) for t in global_batch(0, 4 * MB_ROWS)))]
+        states = [engine.state_dict()]
+        losses += [engine.step(tuple(t.to(dev) for t in global_batch(s, 4 * MB_ROWS))) for s in (1, 2)]
+        states.append(engine.state_dict())
+        runs.append((losses, states, {n: p.detach().clone() for n, p in engine.named_parameters()}))
+        engine.close()
+    (losses, states, params), (at_once_losses, at_once_states, at_once) = runs
+    assert losses == at_once_losses
+    assert all(torch.equal(p, at_once[n]) for n, p in params.items())
+    for got, want in zip(states, at_once_states):
+        assert got["params"].keys() == want["params"].keys()
+        assert all(torch.equal(got["params"][n], want["params"][n]) for n in got["params"])
+        for n, moments in want["optimizer"]["state"].items():
+            assert all(torch.equal(got["optimizer"]["state"][n][k], v) for k, v in moments.items())
+    assert gated == list(range(4))  # the third step's first forward (the second began after state_dict waited)
+
+
+def test_a_failed_step_beside_fails_the_next_call(monkeypatch):
+    """The host's step beside the next iteration fails in its third piece: the next call that
+    needs it raises, naming it and its cause, and the engine refuses to go on."""
+    import tawpipe.engine.engine as engine_module
+    import tawpipe.engine.host_step as host_step
+
+    monkeypatch.setattr(engine_module, "steps_beside", lambda device: True)
+    torch.manual_seed(0)
+    engine = _engine(TinyLM(4), 1)
+    stepping, calls = host_step._stepping, []
+
+    def failing(optimizer, groups, params):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("host memory error")
+        stepping(optimizer, groups, params)
+
+    monkeypatch.setattr(host_step, "_stepping", failing)
+    engine.step(global_batch(0, 4 * MB_ROWS))
+    with pytest.raises(RuntimeError, match="host's step of the own chunk failed") as info:
+        engine.state_dict()
+    assert isinstance(info.value.__cause__, OSError)
+    with pytest.raises(RuntimeError, match="an earlier step failed"):
+        engine.step(global_batch(1, 4 * MB_ROWS))
+    engine.close()

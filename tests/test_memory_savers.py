@@ -13,8 +13,8 @@ import torch
 
 from tawpipe.plan.topology import Topology
 
-from engine_cases import (HIDDEN, MB_ROWS, SEQ, TinyLM, adamw, global_batch, host_accumulator, lm_loss, make_engine,
-                          record_norms, reference_run, rel_err)
+from engine_cases import (HIDDEN, MB_ROWS, SEQ, TinyLM, adamw, finished_norms, global_batch, host_accumulator, lm_loss,
+                          make_engine, record_norms, reference_run, rel_err)
 from test_engine_errors import NoComm
 
 
@@ -210,7 +210,6 @@ def test_a_gradient_streamed_to_the_host_a_layer_at_a_time_trains_bit_for_bit_as
     the host as the backward finishes it against the whole gradient after the backward, bit for
     bit, and every step's norm the accumulator's. On CUDA each layer's gradient is held back on
     the GPU (a sleep queued before it is written), so a slice sent before its layer is done shows."""
-    from tawpipe.engine.precision import Precision, squared_norm
     from tawpipe.engine.storage import ChunkStorage
     from tawpipe.plan.plan import Plan
     from tawpipe.runtime.offload import HostOffload
@@ -225,14 +224,7 @@ def test_a_gradient_streamed_to_the_host_a_layer_at_a_time_trains_bit_for_bit_as
             harvest(self, *args, **kwargs)
 
         monkeypatch.setattr(ChunkStorage, "harvest", held_back)
-    norms: list[tuple[float, float]] = []
-    finish = Precision.finish
-
-    def checked(self, step, stats, loss, rep_grad, own_grad):
-        norms.append((stats[0].item(), squared_norm(own_grad).item()))
-        return finish(self, step, stats, loss, rep_grad, own_grad)
-
-    monkeypatch.setattr(Precision, "finish", checked)
+    norms = finished_norms(monkeypatch.setattr)
     torch.manual_seed(0)
     model = TinyLM(4)
     runs = []

@@ -7,6 +7,7 @@ memory per rank is what the engine allocates on the emulated cluster."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -114,11 +115,12 @@ def test_activation_offload_hides_behind_compute_unless_pcie_is_slow():
 
 
 def test_the_host_steps_an_offloaded_state_in_pieces_each_loading_once_stepped():
-    """As the engine (design §6.1): the host steps the own chunk in ``STEP_PIECES`` pieces, and
-    each piece's part of the next iteration's first load crosses once the piece is stepped, hidden
-    behind the next piece: only the last piece's load and cast follow the step. That load
-    (``carried_load``, the prologue's into ``w_own``) then moves nothing; the own chunk's other
-    loads read the master as before."""
+    """As the engine on a GPU (design §6.1): the host steps the own chunk in ``STEP_PIECES``
+    pieces beside the next iteration (played as the previous step, from the start), and each
+    piece's part of that iteration's first load crosses once the piece is stepped, hidden behind
+    the next piece. That load (``carried_load``, the prologue's into ``w_own``) then moves
+    nothing; every unit that reads or writes the master, the accumulator or the carried buffer
+    waits for the step, and the STEP at the end is the device's part alone, after every transfer."""
     cluster, work = _cluster(), Workload(DIMS, DEV)
     on_device = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk"))
     on_host = compare.run("tawpipe", cluster, work, 4, settings=SETTINGS, savers=Savers("chunk", offload_state=True))
@@ -128,14 +130,20 @@ def test_the_host_steps_an_offloaded_state_in_pieces_each_loading_once_stepped()
     steps = [x for x in tasks if x[0].label == "host AdamW"]
     loads = [x for x in tasks if x[0].label.startswith("load master ")]
     casts = [x for x in tasks if x[0].label.startswith("cast ")]
-    assert len(steps) == len(loads) == len(casts) == STEP_PIECES
+    assert len(steps) == len(loads) == len(casts) == STEP_PIECES and steps[0][1] == 0
     assert sum(t.seconds for t, _, _ in steps) == pytest.approx(own * 32 / (160e9 / cluster.per_node))
     piece_load = 4 * own / STEP_PIECES / cluster.host.pcie.bandwidth
     for i in range(STEP_PIECES):
         assert loads[i][1] >= steps[i][2] and loads[i][2] - loads[i][1] == pytest.approx(piece_load, rel=1e-3)
         if i + 1 < STEP_PIECES:
-            assert loads[i][2] <= steps[i + 1][2]  # hidden behind the next piece's step
-    assert on_host.time_s == pytest.approx(casts[-1][2]) and casts[-1][2] - steps[-1][2] < 1.1 * piece_load
+            assert loads[i][2] <= steps[i + 1][2] and steps[i + 1][1] == steps[i][2]  # hidden behind the next piece
+    done = next(e for t, _, e in tasks if t.label == "host step done")
+    assert done == pytest.approx(loads[-1][2])
+    touching = [x for x in tasks if x[0].label == "load master" or x[0].label.startswith("gradient to host")
+                or x[0].label == describe(plan.actions[0][-1])]
+    assert touching and all(s >= done - 1e-12 for _, s, _ in touching)
+    step = next(x for x in tasks if x[0].label == describe(plan.actions[0][-1]))
+    assert step[2] == max(e for _, _, e in tasks)  # the device's part of the step ends the iteration
     carried = plan.carried_load(0)
     assert carried is not None and carried.buf == "w_own"
     assert next(t for t, _, _ in tasks if t.label == describe(carried)).seconds == 0  # nothing to cast either
@@ -200,6 +208,38 @@ def test_a_backward_a_layer_at_a_time_hands_each_piece_of_its_gradient_to_the_ho
     monkeypatch.setattr(Plan, "streamed_accumulations", lambda self, rank: {})
     waiting = compare.run("tawpipe", cluster, work, 4, settings=settings, savers=savers)
     assert waiting.time_s > row.time_s
+
+
+@pytest.mark.parametrize("recompute", ["layer", "block", "chunk", "none"])
+def test_the_next_forward_runs_each_layer_once_the_host_has_stepped_and_loaded_it(recompute):
+    """World size 1, state on the host, on a GPU (design §6.1): the first forward of the carried
+    buffer runs each layer once the piece of the step beside it that holds the layer is cast, so
+    part of the host's step hides behind it: a layer-wise backward streaming its gradient, the
+    iteration is shorter than the same without offloaded state plus the whole host step. Without
+    recompute the forward keeps its graph and waits for the whole step."""
+    import math
+
+    cluster, work = _cluster(1, 1), Workload(DIMS, DEV)
+    settings = {"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": False}
+    plan = engine_plan(cluster, work, 4, **settings)
+    row = compare.run("tawpipe", cluster, work, 4, settings=settings, savers=Savers(recompute, offload_state=True))
+    plain = compare.run("tawpipe", cluster, work, 4, settings=settings, savers=Savers(recompute))
+    tasks = _timeline(row.result)
+    casts = [e for t, _, e in tasks if t.label.startswith("cast ")]
+    steps = [t.seconds for t, _, _ in tasks if t.label == "host AdamW"]
+    first = next(a for a in plan.actions[0] if a.op is Op.F)
+    parts = [(t, s) for t, s, _ in tasks if t.label == describe(first)]
+    n, layer = DIMS.layers, work.layer_forward()
+    if recompute == "none":
+        done = next(e for t, _, e in tasks if t.label == "host step done")
+        assert len(parts) == 1 and parts[0][1] >= done
+        return
+    needs = [math.ceil((j + 1) * STEP_PIECES / n) - 1 for j in range(n)]
+    runs = [(p, len(list(g))) for p, g in itertools.groupby(needs)]
+    assert [t.seconds for t, _ in parts[:len(runs)]] == pytest.approx([k * layer for _, k in runs])
+    assert all(s >= casts[p] - 1e-12 for (p, _), (_, s) in zip(runs, parts))
+    if recompute != "chunk":  # a backward a layer at a time streams its gradient: the rest hides too
+        assert row.time_s < plain.time_s + sum(steps)
 
 
 def test_each_direction_of_pcie_crosses_at_its_own_rate():

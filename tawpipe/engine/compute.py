@@ -158,7 +158,9 @@ class ChunkCompute:
         return functional_call(self.s.runners[n], params, (x, ctx))
 
     @torch.no_grad()
-    def forward(self, a: Action, st: StepState) -> None:
+    def forward(self, a: Action, st: StepState, gate: Callable[[int], None] | None = None) -> None:
+        """F; with ``gate`` (not under ``recompute="none"``) the chunk runs a layer at a time,
+        ``gate(j)`` called before layer j reads its weights (the host still loading them)."""
         pos, m = self.s.position[a.chunk], a.mb
         if pos == 0:  # the backward runs the embedding again: it must draw what it drew here (dropout)
             st.embed_rng[m] = rng_state(self.s.device)
@@ -176,8 +178,14 @@ class ChunkCompute:
             weights = self.s.weights(a.buf, a.chunk)
             st.rng[(pos, m)] = states = []
             if self.recompute == "block":  # every layer's input, kept: the backward need not re-run the chunk
-                kept = self._layer_inputs(weights, x, st.ctx[m], last=True, states=states)
+                kept = self._layer_inputs(weights, x, st.ctx[m], last=True, states=states, gate=gate)
                 y = kept.pop()
+            elif gate is not None:
+                states.append(rng_state(self.s.device))
+                y, kept = x, [x]
+                for j, params in enumerate(self.s.layer_params(weights)):
+                    gate(j)
+                    y = functional_call(self.s.layer_runner, params, (y, st.ctx[m]))
             else:
                 states.append(rng_state(self.s.device))
                 y, kept = self._run(a.chunk, x, weights, st.ctx[m]), [x]
@@ -256,12 +264,16 @@ class ChunkCompute:
         return inputs.pop, layer_states
 
     def _layer_inputs(self, weights: list[torch.Tensor], x: torch.Tensor, ctx: dict[str, Any],
-                      last: bool, states: list[RngState]) -> list[torch.Tensor]:
+                      last: bool, states: list[RngState],
+                      gate: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         """``x`` and each layer's output in turn, without gradients: every layer's input, and the
-        chunk's output too where ``last``; ``states`` gets where each layer starts drawing."""
+        chunk's output too where ``last``; ``states`` gets where each layer starts drawing;
+        ``gate(j)`` runs before layer j."""
         inputs = [x]
         layers = self.s.layer_params(weights)
         for j, params in enumerate(layers):
+            if gate is not None:
+                gate(j)
             states.append(rng_state(self.s.device))
             if last or j < len(layers) - 1:
                 inputs.append(functional_call(self.s.layer_runner, params, (inputs[-1], ctx)))

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..models.parts import ModelParts, block_param_name, model_signature, param_signature, unique_params
-from ..plan.actions import OPS, QUEUES, Action, BufKind, Channel, Op, buf_kind
+from ..plan.actions import ACC, MASTER, OPS, QUEUES, Action, BufKind, Channel, Op, buf_kind
 from ..plan.context import check_plan as check_context_plan
 from ..plan.context import context_groups
 from ..plan.plan import Plan
@@ -44,7 +44,7 @@ from . import fingerprint, shard
 from .auto import engine_plan
 from .activations import ActivationOffload
 from .context import CONTEXT_CHANNEL, ContextGroup
-from .host_step import step_in_pieces, steps_in_pieces
+from .host_step import BesideStep, step_beside, step_in_pieces, steps_in_pieces
 from .compute import ChunkCompute, EvalState, StepState
 from .precision import Precision
 from .inputs import (check_micro_batches, check_model, check_optimizer, check_policies, check_replicated,
@@ -73,6 +73,13 @@ def default_optimizer(params: list[nn.Parameter], lr: float = 1e-3) -> torch.opt
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr, betas=(0.9, 0.95), fused=all(p.device.type in ("cpu", "cuda") for p in params) or None,
     )
+
+
+def steps_beside(device: torch.device) -> bool:
+    """Whether the host steps the own chunk beside the next iteration (design §6.1): on a GPU,
+    whose compute it then overlaps; on a CPU the host is the device, and a thread stepping beside
+    the compute would take its cores."""
+    return device.type == "cuda"
 
 
 class TawPipe:
@@ -137,6 +144,9 @@ class TawPipe:
         self._closed = False
         self._stats: torch.Tensor | None = None
         self._state: StepState | None = None
+        self._beside: BesideStep | None = None  # the host's step of the own chunk, still running
+        self._piece_stops: list[int] = []  # where each of its pieces ends, and the event after its load
+        self._piece_loaded: list[torch.cuda.Event | None] = []
         self._last_loss = float("nan")
         self._check_ranks_agree(blocks[0], replicated)
         self._context = self._connect_context(schedule.context_parallel)  # after the ranks agree on it
@@ -323,6 +333,7 @@ class TawPipe:
         self._loaded_unchecked = False
 
     def memory_report(self) -> MemoryReport:
+        self.finish_step()  # the optimizer's state: created by the first step
         return self.storage.memory_report(self.optimizer)
 
     def host_traffic(self) -> tuple[int, int]:
@@ -330,6 +341,7 @@ class TawPipe:
         gradients and master with ``offload_state``, the chunk inputs with
         ``offload_activations``, the stashed chunks with ``reuse_weights="host"``
         (``cost.memory.host_bytes`` counts the same from the plan)."""
+        self.finish_step()
         a = self.compute.activations
         to_host = self.storage.to_host + (a.stored_bytes if a is not None else 0)
         return to_host, self.storage.from_host + (a.fetched_bytes if a is not None else 0)
@@ -342,6 +354,7 @@ class TawPipe:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters (own chunk and replicated) under the original names."""
+        self.finish_step()
         return self.storage.own_params + self.storage.replicated
 
     def state_dict(self, *, snapshot: bool = True) -> dict[str, Any]:
@@ -356,6 +369,7 @@ class TawPipe:
         optimizer and scheduler state live, to be written at once without a second copy of the
         moments (``checkpoint.save`` does)."""
         self._refuse_if_failed()
+        self.finish_step()
         names, by_id = self._optimizer_names(), self._param_name
         opt = self.optimizer.state_dict()
         aliases = {f"{prefix}.{n}": by_id[id(p)]
@@ -396,6 +410,7 @@ class TawPipe:
         engine keeps copies, never ``state``'s tensors, so one dict loads into several engines;
         ``assign=True`` lets the optimizer keep them instead, for a dict nobody else holds
         (``checkpoint.restore``'s, read from a file)."""
+        self.finish_step()
         own, names, by_id = dict(self.named_parameters()), self._optimizer_names(), self._param_name
         groups = [[by_id[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
         shard.check(state, params=own, optimizer=self.optimizer, groups=groups, scheduler=self.scheduler,
@@ -459,6 +474,7 @@ class TawPipe:
 
     def own_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's chunk: (name in the model, float32 master view), in layer order."""
+        self.finish_step()
         return list(self.storage.own_params)
 
     def replicated_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -512,6 +528,7 @@ class TawPipe:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather every chunk on rank 0 under the original parameter names (None elsewhere)."""
         self._refuse_if_unusable()
+        self.finish_step()
         self._check_loaded_shards_agree()
         received: dict[int, torch.Tensor] = {}
         actions = gather_program(self.plan, root=0)[self.rank]
@@ -549,6 +566,7 @@ class TawPipe:
         from its owner into an idle weight buffer, every rank's batches through it, the loss sums
         and the batch counts all-reduced."""
         self._refuse_if_unusable()
+        self.finish_step()
         try:
             self._check_eval_batches(batches)
         except (TypeError, ValueError) as e:
@@ -587,15 +605,23 @@ class TawPipe:
                          self._classes)
 
     def close(self) -> None:
-        """Stop the engine's channels; every method that communicates then refuses."""
+        """Stop the engine's channels, once the last step is done (its failure raised after);
+        every method that communicates then refuses."""
         self._closed = True
-        self.executor.close()
+        try:
+            self.finish_step()
+        finally:
+            self.executor.close()
 
     # ------------------------------------------------------------------ actions -> calls
 
     def _work(self, unit: list[Action]) -> Callable[[], None]:
         """The call that performs one unit of the plan (design §4.2 says what each op means)."""
         a, s = unit[0], self.storage
+        if self._beside is not None and any(self._waits_for_step(x) for x in unit):
+            if a.op is Op.F and a.buf == s.carried_load.buf and self.compute.recompute != "none":
+                return lambda: self.compute.forward(a, self._state, gate=self._gate)  # a layer once loaded
+            self.finish_step()
         if OPS[a.op].is_p2p:
             return self._p2p(unit, lambda x: s.chunk(x.buf, x.chunk))
         comm = self._comms.get(OPS[a.op].channel)
@@ -670,31 +696,95 @@ class TawPipe:
         stepping = self.precision.finish(self.steps, self._stats, self._last_loss, s.rep, s.grad_acc)
         if s.offload is not None:
             s.offload.synchronize()  # streamed loads have finished reading the master
+        beside = None
         if s.carried_load is not None:
-            self._step_loading_ahead(stepping)
+            beside = self._step_loading_ahead(stepping)
         elif stepping:
             self.optimizer.step()
         if stepping and self.scheduler is not None:
-            self.scheduler.step()
-        s.grad_acc.zero_()
+            self.scheduler.step()  # the pieces still to step keep the groups as they were (host_step)
         s.rep.zero_()
         s.loss_sum.zero_()
+        if beside is not None:
+            self._beside = beside
+            return
+        s.grad_acc.zero_()
         if s.carried_load is not None:
             s.carried(self.executor.channels[Channel.WEIGHTS].stream)
 
-    def _step_loading_ahead(self, stepping: bool) -> None:
+    def _step_loading_ahead(self, stepping: bool) -> BesideStep | None:
         """The host's step of the own chunk, loading it for the next iteration (design §6.1): a
-        piece at a time, each loading once stepped, where the optimizer steps alike in pieces;
-        else the whole step, then the whole load."""
+        piece at a time, each loading once stepped, where the optimizer steps alike in pieces (on
+        a GPU beside the next iteration: returned, still running); else the whole step, then the
+        whole load."""
         s = self.storage
         self.executor.settle()  # no transfer of this iteration still reads the buffer the loads fill
         if stepping and steps_in_pieces(self.optimizer):
             runs = s.own_pieces()
+            if steps_beside(self.device):
+                return self._step_beside(runs)
             step_in_pieces(self.optimizer, [params for params, _, _ in runs], lambda i: s.carry(*runs[i][1:]))
-            return
+            return None
         if stepping:
             self.optimizer.step()
         s.carry(0, s.master.numel())
+        return None
+
+    def _step_beside(self, runs: list[tuple[list[nn.Parameter], int, int]]) -> BesideStep:
+        """The pieces stepped on a thread, each loaded on the weights channel's stream once
+        stepped and an event recorded after it, for the forward's layers that read it (``_gate``);
+        the accumulator zeroed and the loads' reads of the master awaited last."""
+        s, stream = self.storage, self.executor.channels[Channel.WEIGHTS].stream
+        self._piece_stops = [stop for _, _, stop in runs]
+        self._piece_loaded = [torch.cuda.Event() if stream is not None else None for _ in runs]
+
+        def loaded(i: int) -> None:  # on the step's thread, whose current device is its own
+            if stream is None:
+                s.carry(*runs[i][1:])
+                return
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                s.carry(*runs[i][1:])
+                self._piece_loaded[i].record(stream)
+
+        def finish() -> None:
+            s.grad_acc.zero_()
+            s.offload.synchronize()
+
+        s.carry_beside()
+        return step_beside(self.optimizer, [params for params, _, _ in runs], loaded, finish, self.timeout)
+
+    def _gate(self, layer: int) -> None:
+        """Before the forward runs layer ``layer`` of the own chunk from the carried buffer while
+        the host steps beside it: the piece that holds the layer is loaded (the compute stream
+        waits for its load)."""
+        i = self.storage.piece_of_layer(self._piece_stops, layer)
+        self._beside.wait_piece(i)
+        if self._piece_loaded[i] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._piece_loaded[i])
+
+    def _waits_for_step(self, a: Action) -> bool:
+        """Whether ``a`` reads or writes what the host's step beside still changes (the master,
+        the accumulator, the carried buffer); the carried LOAD_W, which moves nothing, does not."""
+        s = self.storage
+        return a != s.carried_load and bool({MASTER, ACC, s.carried_load.buf}
+                                            & {*self.plan.reads(a), *self.plan.writes(a)})
+
+    def finish_step(self) -> None:
+        """Wait until the last step is done. On a GPU with ``offload_state`` the host steps the own
+        chunk beside the next iteration (design §6.1), and ``step()`` returns before it is done;
+        every method of the engine waits for it first (the next ``step()`` only where it needs
+        to), so call this only before reading the own parameters or the optimizer's state
+        directly. The optimizer's ``param_groups`` may be changed at any time: the step runs with
+        the values they had when it began."""
+        beside, self._beside = self._beside, None
+        if beside is None:
+            return
+        try:
+            beside.join()
+        except BaseException as e:
+            self._failure = e
+            raise
+        self.storage.carried_beside()
 
 
 def _published_refusal(call: str, steps: int, error: Exception) -> None:

@@ -8,11 +8,21 @@ arithmetic as one call: the optimizers below update each parameter from its own 
 state alone. Any other optimizer (a subclass too: it may couple its parameters), or one whose step
 runs more than the update (hooks, a wrapper: they would run once a piece), steps at once; its
 loads follow the whole step.
+
+On a GPU the engine steps the pieces on a thread of their own, beside the next iteration
+(``step_beside``): the device's parameters step at once, and the next iteration's forward of the
+own chunk runs each layer once the piece that holds it is loaded. The pieces step through a
+second optimizer object that shares the optimizer's state and sees a copy of its groups as they
+were at the step: the learning-rate scheduler, or the caller, may change the groups meanwhile
+for the next step.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -80,3 +90,82 @@ def step_in_pieces(optimizer: torch.optim.Optimizer, runs: Sequence[Sequence[nn.
     finally:
         for p, g in grads.items():
             p.grad = g
+
+
+def _stepping(optimizer: torch.optim.Optimizer, groups: list[dict], params: set[torch.Tensor]) -> None:
+    """One step of ``params`` alone, with the hyper-parameters of ``groups`` (copies of the
+    optimizer's), through an optimizer object that shares ``optimizer``'s state."""
+    view = copy.copy(optimizer)  # the optimizer's pickling state: its defaults, state and groups
+    view.param_groups = []
+    for g in groups:
+        kept = [p for p in g["params"] if p in params]
+        if kept:
+            view.param_groups.append({**g, "params": kept})
+    view.step()
+
+
+class BesideStep:
+    """The host's step of the own chunk, a piece at a time, on a thread of its own (design §6.1):
+    piece i steps, then ``loaded(i)`` queues its load; ``finish()`` runs after the last. A failure
+    or a wait past ``timeout`` seconds is raised to whoever waits for it."""
+
+    def __init__(self, pieces: list[Callable[[], None]], loaded: Callable[[int], None], finish: Callable[[], None],
+                 timeout: float) -> None:
+        self.timeout = timeout
+        self._ready = [threading.Event() for _ in pieces]
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(pieces, loaded, finish), name="tawpipe host step",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, pieces: list[Callable[[], None]], loaded: Callable[[int], None], finish: Callable[[], None]) -> None:
+        try:
+            for i, piece in enumerate(pieces):
+                piece()
+                loaded(i)
+                self._ready[i].set()
+            finish()
+        except BaseException as e:  # noqa: BLE001 - raised to whoever waits
+            self._error = e
+        finally:
+            for ready in self._ready:
+                ready.set()
+            self._done.set()
+
+    def _wait(self, event: threading.Event, what: str) -> None:
+        if not event.wait(self.timeout):
+            raise TimeoutError(f"the host's step of the own chunk has not {what} after {self.timeout:g} s "
+                               "(CommPolicy.timeout): the host is overloaded or the step hangs")
+        if self._error is not None:
+            raise RuntimeError("the host's step of the own chunk failed (see the cause); the engine's "
+                               "parameters and optimizer state are not usable") from self._error
+
+    def wait_piece(self, i: int) -> None:
+        """Until piece ``i`` is stepped and its load queued."""
+        self._wait(self._ready[i], f"loaded piece {i}")
+
+    def join(self) -> None:
+        """Until every piece is stepped and ``finish`` has run."""
+        self._wait(self._done, "finished")
+
+
+def step_beside(optimizer: torch.optim.Optimizer, runs: Sequence[Sequence[nn.Parameter]],
+                loaded: Callable[[int], None], finish: Callable[[], None], timeout: float) -> BesideStep:
+    """``step_in_pieces`` with the runs stepped on a thread (``BesideStep``), ``loaded(i)`` after
+    run i. The optimizer's parameters outside every run (the replicated ones, on the device) step
+    here, before it returns, in one ``optimizer.step()`` that sees no run's gradient (so a
+    learning-rate scheduler sees the optimizer step); the runs step with the hyper-parameters the
+    groups have now."""
+    groups = [dict(g) for g in optimizer.param_groups]
+    listed = [p for run in runs for p in run]
+    grads = [p.grad for p in listed]
+    try:
+        for p in listed:
+            p.grad = None
+        optimizer.step()
+    finally:
+        for p, g in zip(listed, grads):
+            p.grad = g
+    pieces = [functools.partial(_stepping, optimizer, groups, set(run)) for run in runs]
+    return BesideStep(pieces, loaded, finish, timeout)

@@ -22,6 +22,7 @@ compute-dtype scratch buffer, so autograd writes a chunk's gradient straight int
 
 from __future__ import annotations
 
+import bisect
 import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from ..runtime.offload import HostOffload
 from .host_step import piece_ranges
 from .inputs import check_same_buffers
 from .precision import squared_norm
+
+BESIDE = (-1, -1)  # the carried load's master version while the host steps beside the next iteration
 
 BlockForward = Callable[..., torch.Tensor]
 
@@ -326,7 +329,7 @@ class ChunkStorage:
         a, read = self.carried_load, self._carried
         if read is not None and a is not None and (a.buf, a.chunk) == (buf, chunk):
             self._carried = None
-            if read == self._master_version():
+            if read is BESIDE or read == self._master_version():
                 return
         self.offload.load_weights_into(dst)
         self.from_host += self.master.nbytes  # the float32 master crosses, cast on the device
@@ -352,6 +355,23 @@ class ChunkStorage:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         self._carried = self._master_version()
+
+    def carry_beside(self) -> None:
+        """The step's loads are queued by the host's step beside the next iteration (design §6.1),
+        each before the forward's layers that read it: the next LOAD_W of ``carried_load`` moves
+        nothing (``carried_beside`` once that step is done, if no such LOAD_W ran meanwhile)."""
+        self._carried = BESIDE
+
+    def carried_beside(self) -> None:
+        """The step beside is done and its loads have read the master: a carried load still to
+        come checks the master against it, as after ``carried``."""
+        if self._carried is BESIDE:
+            self._carried = self._master_version()
+
+    def piece_of_layer(self, stops: Sequence[int], layer: int) -> int:
+        """The index of the piece (element ranges ending at ``stops``, in order) that holds the
+        own chunk's layer ``layer``'s last element."""
+        return bisect.bisect_right(stops, (layer + 1) * self.layer_layout.numel - 1)
 
     def before_program(self, actions: Iterable[Action]) -> None:
         """Another program than the step's runs next (evaluate): a carried load that it may

@@ -14,6 +14,7 @@ replicas send their hops to the mirror images of replica 0's ranks.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from ..cost.memory import AUTO, MARGIN, MemoryEstimate, Savers, auto_plan
 from ..cost.traffic import BACKWARD_GATHERS, chain_hops, ring_next
-from ..plan.actions import OPS, Action, Channel, Hazards, Op, batches, describe
+from ..plan.actions import ACC, MASTER, OPS, Action, Channel, Hazards, Op, batches, describe
 from ..plan.context import check_plan as check_context
 from ..plan.plan import STEP_PIECES, Plan
 from ..plan.schedule import build_plan
@@ -141,6 +142,14 @@ class _HostCopies:
         self.streamed = (plan.streamed_accumulations(r) if self.savers.offload_state and self.savers.layerwise
                          and not host else {})
         self.whole: dict[Action, tuple[int, list[int]]] = {}  # streamed ACC_G -> its B, where each piece is whole
+        # On a GPU the host steps the own chunk beside the next iteration: played as the step
+        # before this iteration's, from its start, this iteration's STEP then the device's part
+        self.beside = self.carried is not None and not host
+        self.loaded: list[int] = []  # each piece's cast, which the forward's layers of it wait for
+        self.stepped: int | None = None  # that step done, and its loads' reads of the master
+        self.released = False  # the rank's thread has gone past a unit that waits for that step
+        if self.beside:
+            self._step_before()
 
     def _copy(self, lane: str, label: str, nbytes: float, direction: str, deps: list[int]) -> int:
         before = [self.lanes[lane]] if lane in self.lanes else []
@@ -188,6 +197,53 @@ class _HostCopies:
             return self._host_step(deps)
         return []
 
+    def _step_before(self) -> None:
+        """The previous iteration's step of the own chunk, on the host beside this one (design
+        §6.1): ``STEP_PIECES`` pieces from the start, each loaded and cast once stepped."""
+        piece, before, cast = self.own / STEP_PIECES, [], None
+        for i in range(1, STEP_PIECES + 1):
+            step = self.g.add("host AdamW", before, seconds=self.work.host_step(piece, self.host_bandwidth),
+                              rank=self.r, lane="host")
+            loaded = self._copy("state", f"load master {i}/{STEP_PIECES}", 4 * piece, "h2d", [step])
+            cast = self.g.add(f"cast {i}/{STEP_PIECES}", [loaded] if cast is None else [loaded, cast],
+                              seconds=self.work.copy(piece * (4 + self.weight_bytes)), rank=self.r,
+                              lane=str(Channel.WEIGHTS))
+            self.loaded.append(cast)
+            before = [step]
+        self.stepped = self.g.add("host step done", [step, loaded], rank=self.r, lane="host")
+
+    def beside_deps(self, a: Action) -> list[int]:
+        """What ``a``'s unit waits for of the step beside: its end where ``a`` reads or writes what
+        it changes (the master, the accumulator, the carried buffer; not the carried load), or
+        follows such a unit or a forward it held back (the rank's thread waited there)."""
+        if not self.beside or self.stepped is None:
+            return []
+        touches = {MASTER, ACC, self.carried.buf} & {*self.plan.reads(a), *self.plan.writes(a)}
+        if self.released or (touches and a != self.carried):
+            self.released = True
+            return [self.stepped]
+        return []
+
+    def held_back(self, a: Action) -> bool:
+        """Whether ``a`` is a forward of the carried buffer while the host still steps: it runs each
+        layer once the piece that holds it is loaded (``forward``)."""
+        return (self.beside and not self.released and a.op is Op.F and a.buf == self.carried.buf
+                and self.savers.recompute != "none")
+
+    def forward(self, a: Action, label: str, deps: list[int], seconds: float) -> int:
+        """A held-back forward (``held_back``) in parts: each run of layers once the piece holding
+        their last layer is cast, then the head (the last chunk's). Returns the last part."""
+        start, stop = self.plan.chunk_layers[a.chunk]
+        n = stop - start
+        layer = self.work.layer_forward()
+        before = deps
+        for p, run in itertools.groupby(range(n), key=lambda j: math.ceil((j + 1) * STEP_PIECES / n) - 1):
+            before = [self.g.add(label, [*before, self.loaded[p]], seconds=len(list(run)) * layer, rank=self.r)]
+        if seconds > n * layer:
+            before = [self.g.add(label, before, seconds=seconds - n * layer, rank=self.r)]
+        self.released = True
+        return before[0]
+
     def backward(self, a: Action, label: str, deps: list[int], seconds: float) -> int:
         """A streamed B (``Plan.streamed_accumulations``) in parts, each ending where one more
         piece of its gradient is whole, last layers first: after the chunk's re-run ("layer"),
@@ -233,6 +289,8 @@ class _HostCopies:
         the next piece). Returns what the device's part of the step (the replicated parameters,
         stepped in the same call as the first piece: on a CPU by the same thread) waits for
         besides ``deps``."""
+        if self.beside:  # played at the start, as the step before this iteration's
+            return list(self.transfers)
         carried = self.carried is not None
         n = STEP_PIECES if carried else 1
         piece = self.own / n
@@ -262,6 +320,9 @@ def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: d
     for unit in batches(plan.actions[r]):
         rw = [(plan.reads(a), plan.writes(a)) for a in unit]
         deps = [d for reads, writes in rw for d in hazards.deps(reads, writes)]
+        held = copies.held_back(unit[0])
+        if not held:
+            deps += sorted({d for a in unit for d in copies.beside_deps(a)})
         spec = OPS[unit[0].op]
         channel = spec.channel
         if channel is Channel.COMPUTE:
@@ -270,6 +331,8 @@ def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: d
             seconds = compute_seconds(plan, unit[0], device.work, device.savers)
             if context is not None and unit[0].op in (Op.F, Op.B):
                 done = last_compute = context.compute(unit[0], deps, seconds)
+            elif held:
+                done = last_compute = copies.forward(unit[0], describe(unit[0]), deps, seconds)
             elif unit[0] in copies.streamed:
                 done = last_compute = copies.backward(unit[0], describe(unit[0]), deps, seconds)
             else:
