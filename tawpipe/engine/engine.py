@@ -772,9 +772,9 @@ class TawPipe:
     def finish_step(self) -> None:
         """Wait until the last step is done. On a GPU with ``offload_state`` the host steps the own
         chunk beside the next iteration (design §6.1), and ``step()`` returns before it is done;
-        every method of the engine waits for it first (the next ``step()`` only where it needs
-        to), so call this only before reading the own parameters or the optimizer's state
-        directly. The optimizer's ``param_groups`` may be changed at any time: the step runs with
+        every method of the engine that reads what it changes waits for it first (the next
+        ``step()`` only where it needs to), so call this only before reading the own parameters
+        or the optimizer's state directly. The optimizer's ``param_groups`` may be changed at any time: the step runs with
         the values they had when it began."""
         beside, self._beside = self._beside, None
         if beside is None:
