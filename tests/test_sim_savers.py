@@ -175,13 +175,15 @@ def test_a_gradient_crosses_to_the_host_while_the_host_adds_the_piece_before(slo
             assert all(copies[i][1] == pytest.approx(adds[i - 2][2], rel=1e-9) for i in range(2, STEP_PIECES))
 
 
+@pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("recompute", ["layer", "block"])
-def test_a_backward_a_layer_at_a_time_hands_each_piece_of_its_gradient_to_the_host_once_whole(recompute,
+def test_a_backward_a_layer_at_a_time_hands_each_piece_of_its_gradient_to_the_host_once_whole(recompute, host,
                                                                                              monkeypatch):
-    """World size 1, state on the host, a backward a layer at a time (design §6.1): each piece of
-    the gradient crosses once the layers that make it whole are done, last layers first (under
-    "layer" after the chunk's re-run), so the copies run beside the backward. With nothing
-    streamed they wait for the whole backward, and the iteration is longer."""
+    """World size 1, state on the host, a backward a layer at a time (design §6.1), on a GPU and
+    on a CPU: each piece of the gradient crosses once the layers that make it whole are done,
+    last layers first (under "layer" after the chunk's re-run), so the copies run beside the
+    backward. With nothing streamed they wait for the whole backward, and the iteration is
+    longer."""
     import math
 
     from tawpipe.plan.plan import Plan
@@ -189,7 +191,7 @@ def test_a_backward_a_layer_at_a_time_hands_each_piece_of_its_gradient_to_the_ho
     cluster, work = _cluster(1, 1), Workload(DIMS, DEV)
     settings = {"mb_per_fetch": 1, "prefetch_depth": 1, "reuse_weights": False}
     savers = Savers(recompute, offload_state=True)
-    row = compare.run("tawpipe", cluster, work, 4, settings=settings, savers=savers)
+    row = compare.run("tawpipe", cluster, work, 4, host=host, settings=settings, savers=savers)
     plan = engine_plan(cluster, work, 4, **settings)
     n = DIMS.layers
     lead = (savers.forwards_in_backward - 1) * n * work.layer_forward()
@@ -206,7 +208,7 @@ def test_a_backward_a_layer_at_a_time_hands_each_piece_of_its_gradient_to_the_ho
             assert start >= whole - 1e-9 and (i > 0 or start == pytest.approx(whole, rel=1e-9))
         assert copies[0][0] < parts[-1][1] - per_layer  # beside the backward, not after it
     monkeypatch.setattr(Plan, "streamed_accumulations", lambda self, rank: {})
-    waiting = compare.run("tawpipe", cluster, work, 4, settings=settings, savers=savers)
+    waiting = compare.run("tawpipe", cluster, work, 4, host=host, settings=settings, savers=savers)
     assert waiting.time_s > row.time_s
 
 

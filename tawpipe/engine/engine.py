@@ -144,6 +144,7 @@ class TawPipe:
         self._closed = False
         self._stats: torch.Tensor | None = None
         self._state: StepState | None = None
+        self._slices: dict[Action, list[Handle]] = {}  # a streamed ACC_G's slices, queued (``_stream_slice``)
         self._beside: BesideStep | None = None  # the host's step of the own chunk, still running
         self._piece_stops: list[int] = []  # where each of its pieces ends, and the event after its load
         self._piece_loaded: list[torch.cuda.Event | None] = []
@@ -640,7 +641,7 @@ class TawPipe:
         if a.op is Op.STEP:
             return self._optimizer_step
         if a.op is Op.ACC_G:
-            return lambda: s.accumulate(a)
+            return lambda: self._accumulate(a)
         if a.op is Op.BCAST_W:
             return lambda: comm.broadcast(s.chunk(a.buf, a.chunk), a.root, a.group)
         if a.op is Op.REDUCE_G:
@@ -655,16 +656,25 @@ class TawPipe:
 
     def _stream_slice(self, addition: Action, layer: int) -> None:
         """A streamed ACC_G's addition of ``layer``'s slice (design §6.1), queued on the gradients'
-        channel behind the backward's work so far, ahead of the ACC_G's own unit; on a CPU, or
-        with ``overlap=False``, done now."""
+        channel behind the backward's work so far (an event on the compute stream) and waited for
+        by the ACC_G's own unit; with ``overlap=False``, done now."""
         work = lambda: self.storage.accumulate(addition, layer)  # noqa: E731
-        if self.device.type != "cuda" or not self.executor.overlap:
+        if not self.executor.overlap:
             work()
             return
-        produced = torch.cuda.Event()
-        produced.record()
-        self.executor.channels[Channel.GRADS].submit(work, [Handle.completed(produced)],
-                                                     f"{addition.op.value} layer {layer}")
+        produced = None
+        if self.device.type == "cuda":
+            produced = torch.cuda.Event()
+            produced.record()
+        label = f"{addition.op.value} layer {layer}"
+        self._slices.setdefault(addition, []).append(
+            self.executor.channels[Channel.GRADS].submit(work, [Handle.completed(produced, label)], label))
+
+    def _accumulate(self, a: Action) -> None:
+        """ACC_G, once the slices its backward streamed are added."""
+        for handle in self._slices.pop(a, ()):
+            handle.wait(self.timeout)
+        self.storage.accumulate(a)
 
     def _p2p(self, unit: list[Action], tensor: Callable[[Action], torch.Tensor]) -> Messages:
         return Messages(self._comms[OPS[unit[0].op].channel],

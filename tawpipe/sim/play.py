@@ -137,11 +137,11 @@ class _HostCopies:
         self.backwards: list[int] = []
         self.carried = plan.carried_load(r) if self.savers.offload_state else None
         self.transfers: list[int] = []  # this rank's units off the compute channel: what STEP settles
+        self.computed: set[int] = set()  # its compute units
         # A backward a layer at a time hands each layer's gradient to its ACC_G as it finishes it
-        # (on a GPU: on a CPU the compute thread adds it, the same work in the same place)
         self.streamed = (plan.streamed_accumulations(r) if self.savers.offload_state and self.savers.layerwise
-                         and not host else {})
-        self.whole: dict[Action, tuple[int, list[int]]] = {}  # streamed ACC_G -> its B, where each piece is whole
+                         else {})
+        self.whole: dict[Action, list[int]] = {}  # streamed ACC_G -> where its B has made each piece whole
         # On a GPU the host steps the own chunk beside the next iteration: played as the step
         # before this iteration's, from its start, this iteration's STEP then the device's part
         self.beside = self.carried is not None and not host
@@ -167,6 +167,8 @@ class _HostCopies:
         """Copies that follow unit ``done`` of ``a``."""
         if OPS[a.op].channel is not Channel.COMPUTE:
             self.transfers.append(done)
+        else:
+            self.computed.add(done)
         if a.op is Op.F and self.savers.offload_activations:
             start, stop = self.plan.chunk_layers[a.chunk]
             nbytes = self.savers.kept_per_forward(stop - start) * self.input_bytes
@@ -259,22 +261,22 @@ class _HostCopies:
         for cut in sorted({*whole, seconds}):
             before = [self.g.add(label, before, seconds=cut - at, rank=self.r)]
             parts[cut], at = before[0], cut
-        self.whole[self.streamed[a]] = (before[0], [parts[cut] for cut in whole])
+        self.whole[self.streamed[a]] = [parts[cut] for cut in whole]
         return before[0]
 
-    def _host_accumulate(self, deps: list[int], whole: tuple[int, list[int]] | None) -> int:
+    def _host_accumulate(self, deps: list[int], whole: list[int] | None) -> int:
         """ACC_G with the state on the host: the gradient crosses a piece at a time into one of two
         pinned buffers while the host adds the piece before, a piece's copy waiting for the
         addition two before it, whose buffer it fills (``HostOffload.accumulate_grad`` on a GPU,
         in pieces of its staging size: many more than the ``STEP_PIECES`` played here for a chunk
         of more than 32 M elements, fewer below; on a CPU it adds straight from the gradient,
         played alike). A streamed one's piece crosses once its backward has made it whole (``whole``:
-        that backward, and where each piece is), not after the whole backward. Returns the last
-        addition."""
+        where each piece is), not after the whole backward or the compute the calling thread ran
+        since. Returns the last addition."""
         piece = self.own / STEP_PIECES
         added: list[int] = []
         for i in range(STEP_PIECES):
-            ready = deps if whole is None else [*(d for d in deps if d != whole[0]), whole[1][i]]
+            ready = deps if whole is None else [*(d for d in deps if d not in self.computed), whole[i]]
             sent = self._copy("state", f"gradient to host {i + 1}/{STEP_PIECES}", self.grad_bytes * piece, "d2h",
                               [*ready, *added[-2:-1]])
             added.append(self.g.add(f"host accumulate {i + 1}/{STEP_PIECES}", [sent, *added[-1:]],
