@@ -784,8 +784,8 @@ class TawPipe:
         chunk beside the next iteration (design §6.1), and ``step()`` returns before it is done;
         every method of the engine that reads what it changes waits for it first (the next
         ``step()`` only where it needs to), so call this only before reading the own parameters
-        or the optimizer's state directly. The optimizer's ``param_groups`` may be changed at any time: the step runs with
-        the values they had when it began."""
+        or the optimizer's state directly. The optimizer's ``param_groups`` may be changed at any
+        time: the step runs with the values they had when it began."""
         beside, self._beside = self._beside, None
         if beside is None:
             return

@@ -123,7 +123,12 @@ class _HostCopies:
     ``STEP_PIECES`` equal pieces, each piece's part of that load crossing and cast once it is
     stepped (the next iteration's LOAD_W then moves nothing, design §6.1); elsewhere at once.
     A STASH_W or RESTORE_W (``reuse_weights="host"``) is its chunk's weights crossing, in order on
-    the weights channel as the engine runs it."""
+    the weights channel as the engine runs it. A backward a layer at a time streams its gradient
+    to the ACC_G after it where the plan allows (``Plan.streamed_accumulations``), each piece
+    crossing once whole (``backward``). On a GPU the host steps beside the next iteration: the
+    previous step's pieces are played from the start (``_step_before``), the first forward of the
+    carried buffer runs each layer once its piece is cast (``forward``), and whatever touches the
+    step's state waits for its end (``beside_deps``)."""
 
     def __init__(self, g: Graph, plan: Plan, r: int, device: _Device, host: bool) -> None:
         self.g, self.plan, self.r, self.savers, self.host = g, plan, r, device.savers, host
@@ -322,7 +327,7 @@ def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: d
     for unit in batches(plan.actions[r]):
         rw = [(plan.reads(a), plan.writes(a)) for a in unit]
         deps = [d for reads, writes in rw for d in hazards.deps(reads, writes)]
-        held = copies.held_back(unit[0])
+        held = context is None and copies.held_back(unit[0])  # with context parallelism: played whole, after the step
         if not held:
             deps += sorted({d for a in unit for d in copies.beside_deps(a)})
         spec = OPS[unit[0].op]
