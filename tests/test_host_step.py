@@ -420,3 +420,24 @@ def test_a_failed_step_beside_fails_the_next_call(monkeypatch):
     with pytest.raises(RuntimeError, match="an earlier step failed"):
         engine.step(global_batch(1, 4 * MB_ROWS))
     engine.close()
+
+
+BESIDE_CASES = [dict(nodes=2, acc=4, layers=6, offload_state=True, recompute=recompute, beside=True, max_grad_norm=0.05,
+                     mb_per_fetch=k, prefetch_depth=1, reuse_weights=False)
+                for recompute, k in (("layer", 1), ("block", 2), ("chunk", 4))]
+BESIDE_CASES += [dict(nodes=2, acc=4, layers=4, offload_state=True, recompute="layer", beside=True, replicas=2),
+                 dict(nodes=2, acc=2, layers=4, offload_state=True, recompute="layer", beside=True, algo="weipipe")]
+
+
+def test_the_step_beside_on_four_ranks_trains_like_one_process():
+    """The host's step beside the next iteration (a GPU's, forced on the CPU) on a 2x2 job over
+    gloo: TawPipe at three k, replicas, WeiPipe, clipping. Each rank's first units that touch
+    the stepped state wait for it; every rank's parameters and losses equal one process's."""
+    from tawpipe.runtime.launch import run_local
+
+    from engine_cases import exactness
+
+    for rank_results in run_local(exactness, 4, BESIDE_CASES, timeout=300):
+        for r in rank_results:
+            assert r["param_err"] <= 1e-5, (r["case"], r["rank"], r["worst"], r["param_err"])
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], r["ref_losses"])), r["case"]
