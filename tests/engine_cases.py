@@ -253,7 +253,7 @@ def exactness(rank: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         beside = contextlib.ExitStack()
         if case.get("beside"):  # the host's step beside the next iteration, a GPU's, forced on the CPU
-            beside.enter_context(mock.patch("tawpipe.engine.engine.steps_beside", lambda device: True))
+            beside.enter_context(mock.patch("tawpipe.engine.update.steps_beside", lambda device: True))
         nodes, acc, layers = case["nodes"], case["acc"], case["layers"]
         steps, dtype = case.get("steps", 3), case.get("dtype", torch.float32)
         clip = case.get("max_grad_norm")

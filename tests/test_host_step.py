@@ -362,18 +362,18 @@ def test_the_host_steps_beside_the_next_forward_bit_for_bit_as_at_once(monkeypat
     the step began with (the scheduler has moved on), ``state_dict`` between steps waits for the
     step: three steps with clipping equal the engine stepping at once, bit for bit, state
     included."""
-    import tawpipe.engine.engine as engine_module
+    import tawpipe.engine.update as update_module
 
     dev = torch.device(device)
     _held_back(monkeypatch)
     torch.manual_seed(0)
     model = TinyLM(4).to(dev)
     gated: list[int] = []
-    gate = TawPipe._gate
-    monkeypatch.setattr(TawPipe, "_gate", lambda self, layer: (gated.append(layer), gate(self, layer))[1])
+    gate = update_module.Update.gate
+    monkeypatch.setattr(update_module.Update, "gate", lambda self, layer: (gated.append(layer), gate(self, layer))[1])
     runs = []
     for beside in (True, False):
-        monkeypatch.setattr(engine_module, "steps_beside", lambda device: beside)
+        monkeypatch.setattr(update_module, "steps_beside", lambda device: beside)
         m = copy.deepcopy(model)
         engine = _engine(m, 1, _adamw, max_grad_norm=0.05, recompute=recompute, device=dev,
                          block_context=lambda t: {a: v.to(dev) for a, v in m.context(t).items()},
@@ -398,10 +398,10 @@ def test_the_host_steps_beside_the_next_forward_bit_for_bit_as_at_once(monkeypat
 def test_a_failed_step_beside_fails_the_next_call(monkeypatch):
     """The host's step beside the next iteration fails in its third piece: the next call that
     needs it raises, naming it and its cause, and the engine refuses to go on."""
-    import tawpipe.engine.engine as engine_module
     import tawpipe.engine.host_step as host_step
+    import tawpipe.engine.update as update_module
 
-    monkeypatch.setattr(engine_module, "steps_beside", lambda device: True)
+    monkeypatch.setattr(update_module, "steps_beside", lambda device: True)
     torch.manual_seed(0)
     engine = _engine(TinyLM(4), 1)
     stepping, calls = host_step._stepping, []

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..models.parts import ModelParts, block_param_name, model_signature, param_signature, unique_params
-from ..plan.actions import ACC, MASTER, OPS, QUEUES, Action, BufKind, Channel, Op, buf_kind
+from ..plan.actions import OPS, QUEUES, Action, BufKind, Channel, Op, buf_kind
 from ..plan.context import check_plan as check_context_plan
 from ..plan.context import context_groups
 from ..plan.plan import Plan
@@ -37,14 +37,13 @@ from ..plan.topology import Topology
 from ..plan.verify import verify
 from ..runtime import comm as comm_backends
 from ..runtime import progress
-from ..runtime.comm.base import P2P, Comm, Handle
+from ..runtime.comm.base import P2P, Comm
 from ..runtime.executor import Executor, Messages
 from ..runtime.timeout import timeout_seconds
 from . import fingerprint, shard
 from .auto import engine_plan
 from .activations import ActivationOffload
 from .context import CONTEXT_CHANNEL, ContextGroup
-from .host_step import BesideStep, step_beside, step_in_pieces, steps_in_pieces
 from .compute import ChunkCompute, EvalState, StepState
 from .precision import Precision
 from .inputs import (check_micro_batches, check_model, check_optimizer, check_policies, check_replicated,
@@ -52,6 +51,7 @@ from .inputs import (check_micro_batches, check_model, check_optimizer, check_po
                      resolve_device)
 from .policy import CommPolicy, MemoryPolicy, PrecisionPolicy, SchedulePolicy
 from .storage import ChunkStorage, MemoryReport
+from .update import Update
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -73,13 +73,6 @@ def default_optimizer(params: list[nn.Parameter], lr: float = 1e-3) -> torch.opt
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr, betas=(0.9, 0.95), fused=all(p.device.type in ("cpu", "cuda") for p in params) or None,
     )
-
-
-def steps_beside(device: torch.device) -> bool:
-    """Whether the host steps the own chunk beside the next iteration (design §6.1): on a GPU,
-    whose compute it then overlaps; on a CPU the host is the device, and a thread stepping beside
-    the compute would take its cores."""
-    return device.type == "cuda"
 
 
 class TawPipe:
@@ -144,10 +137,6 @@ class TawPipe:
         self._closed = False
         self._stats: torch.Tensor | None = None
         self._state: StepState | None = None
-        self._slices: dict[Action, list[Handle]] = {}  # a streamed ACC_G's slices, queued (``_stream_slice``)
-        self._beside: BesideStep | None = None  # the host's step of the own chunk, still running
-        self._piece_stops: list[int] = []  # where each of its pieces ends, and the event after its load
-        self._piece_loaded: list[torch.cuda.Event | None] = []
         self._last_loss = float("nan")
         self._check_ranks_agree(blocks[0], replicated)
         self._context = self._connect_context(schedule.context_parallel)  # after the ranks agree on it
@@ -175,6 +164,8 @@ class TawPipe:
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         check_scheduler(self.scheduler, lr_scheduler)
         self.executor = Executor(self.plan, self.timeout, self.device, comm.overlap, self.rank)
+        self._update = Update(self.plan, self.storage, self.optimizer, self.scheduler, self.precision, self.executor,
+                              self.timeout)
 
     def _check_ranks_agree(self, block: nn.Module, replicated: list[tuple[str, nn.Parameter]]) -> None:
         """Run the setup program: every rank's fingerprint, compared with rank 0's."""
@@ -619,9 +610,9 @@ class TawPipe:
     def _work(self, unit: list[Action]) -> Callable[[], None]:
         """The call that performs one unit of the plan (design §4.2 says what each op means)."""
         a, s = unit[0], self.storage
-        if self._beside is not None and any(self._waits_for_step(x) for x in unit):
+        if self._update.beside and any(self._update.waits_for(x) for x in unit):
             if a.op is Op.F and a.buf == s.carried_load.buf and self.compute.recompute != "none":
-                return lambda: self.compute.forward(a, self._state, gate=self._gate)  # a layer once loaded
+                return lambda: self.compute.forward(a, self._state, gate=self._update.gate)  # a layer once loaded
             self.finish_step()
         if OPS[a.op].is_p2p:
             return self._p2p(unit, lambda x: s.chunk(x.buf, x.chunk))
@@ -630,7 +621,7 @@ class TawPipe:
             return lambda: self.compute.forward(a, self._state)
         if a.op is Op.B:
             addition = s.streamed.get(a)
-            done = None if addition is None else (lambda layer: self._stream_slice(addition, layer))
+            done = None if addition is None else (lambda layer: self._update.stream_slice(addition, layer))
             return lambda: self.compute.backward(a, self._state, done)
         if a.op is Op.LOAD_W:
             return lambda: s.load_master(a.buf, a.chunk)
@@ -641,7 +632,7 @@ class TawPipe:
         if a.op is Op.STEP:
             return self._optimizer_step
         if a.op is Op.ACC_G:
-            return lambda: self._accumulate(a)
+            return lambda: self._update.accumulate(a)
         if a.op is Op.BCAST_W:
             return lambda: comm.broadcast(s.chunk(a.buf, a.chunk), a.root, a.group)
         if a.op is Op.REDUCE_G:
@@ -653,28 +644,6 @@ class TawPipe:
         if a.op is Op.ALLREDUCE_G:
             return lambda: s.summed_over_replicas(self._all_reduce_in_wire(comm, s.grad_acc, a.group))
         raise ValueError(f"the engine cannot execute {a.op}")
-
-    def _stream_slice(self, addition: Action, layer: int) -> None:
-        """A streamed ACC_G's addition of ``layer``'s slice (design §6.1), queued on the gradients'
-        channel behind the backward's work so far (an event on the compute stream) and waited for
-        by the ACC_G's own unit; with ``overlap=False``, done now."""
-        work = lambda: self.storage.accumulate(addition, layer)  # noqa: E731
-        if not self.executor.overlap:
-            work()
-            return
-        produced = None
-        if self.device.type == "cuda":
-            produced = torch.cuda.Event()
-            produced.record()
-        label = f"{addition.op.value} layer {layer}"
-        self._slices.setdefault(addition, []).append(
-            self.executor.channels[Channel.GRADS].submit(work, [Handle.completed(produced, label)], label))
-
-    def _accumulate(self, a: Action) -> None:
-        """ACC_G, once the slices its backward streamed are added."""
-        for handle in self._slices.pop(a, ()):
-            handle.wait(self.timeout)
-        self.storage.accumulate(a)
 
     def _p2p(self, unit: list[Action], tensor: Callable[[Action], torch.Tensor]) -> Messages:
         return Messages(self._comms[OPS[unit[0].op].channel],
@@ -700,84 +669,8 @@ class TawPipe:
         self._stats = stats
 
     def _optimizer_step(self) -> None:
-        s = self.storage
-        n_total = self.topology.world_size * self.micro_batches
-        self._last_loss = self._stats[2].item() / n_total
-        stepping = self.precision.finish(self.steps, self._stats, self._last_loss, s.rep, s.grad_acc)
-        if s.offload is not None:
-            s.offload.synchronize()  # streamed loads have finished reading the master
-        beside = None
-        if s.carried_load is not None:
-            beside = self._step_loading_ahead(stepping)
-        elif stepping:
-            self.optimizer.step()
-        if stepping and self.scheduler is not None:
-            self.scheduler.step()  # the pieces still to step keep the groups as they were (host_step)
-        s.rep.zero_()
-        s.loss_sum.zero_()
-        if beside is not None:
-            self._beside = beside
-            return
-        s.grad_acc.zero_()
-        if s.carried_load is not None:
-            s.carried(self.executor.channels[Channel.WEIGHTS].stream)
-
-    def _step_loading_ahead(self, stepping: bool) -> BesideStep | None:
-        """The host's step of the own chunk, loading it for the next iteration (design §6.1): a
-        piece at a time, each loading once stepped, where the optimizer steps alike in pieces (on
-        a GPU beside the next iteration: returned, still running); else the whole step, then the
-        whole load."""
-        s = self.storage
-        self.executor.settle()  # no transfer of this iteration still reads the buffer the loads fill
-        if stepping and steps_in_pieces(self.optimizer):
-            runs = s.own_pieces()
-            if steps_beside(self.device):
-                return self._step_beside(runs)
-            step_in_pieces(self.optimizer, [params for params, _, _ in runs], lambda i: s.carry(*runs[i][1:]))
-            return None
-        if stepping:
-            self.optimizer.step()
-        s.carry(0, s.master.numel())
-        return None
-
-    def _step_beside(self, runs: list[tuple[list[nn.Parameter], int, int]]) -> BesideStep:
-        """The pieces stepped on a thread, each loaded on the weights channel's stream once
-        stepped and an event recorded after it, for the forward's layers that read it (``_gate``);
-        the accumulator zeroed and the loads' reads of the master awaited last."""
-        s, stream = self.storage, self.executor.channels[Channel.WEIGHTS].stream
-        self._piece_stops = [stop for _, _, stop in runs]
-        self._piece_loaded = [torch.cuda.Event() if stream is not None else None for _ in runs]
-
-        def loaded(i: int) -> None:  # on the step's thread, whose current device is its own
-            if stream is None:
-                s.carry(*runs[i][1:])
-                return
-            with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                s.carry(*runs[i][1:])
-                self._piece_loaded[i].record(stream)
-
-        def finish() -> None:
-            s.grad_acc.zero_()
-            s.offload.synchronize()
-
-        s.carry_beside()
-        return step_beside(self.optimizer, [params for params, _, _ in runs], loaded, finish, self.timeout)
-
-    def _gate(self, layer: int) -> None:
-        """Before the forward runs layer ``layer`` of the own chunk from the carried buffer while
-        the host steps beside it: the piece that holds the layer is loaded (the compute stream
-        waits for its load)."""
-        i = self.storage.piece_of_layer(self._piece_stops, layer)
-        self._beside.wait_piece(i)
-        if self._piece_loaded[i] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._piece_loaded[i])
-
-    def _waits_for_step(self, a: Action) -> bool:
-        """Whether ``a`` reads or writes what the host's step beside still changes (the master,
-        the accumulator, the carried buffer); the carried LOAD_W, which moves nothing, does not."""
-        s = self.storage
-        return a != s.carried_load and bool({MASTER, ACC, s.carried_load.buf}
-                                            & {*self.plan.reads(a), *self.plan.writes(a)})
+        self._last_loss = self._stats[2].item() / (self.topology.world_size * self.micro_batches)
+        self._update.step(self.steps, self._stats, self._last_loss)
 
     def finish_step(self) -> None:
         """Wait until the last step is done. On a GPU with ``offload_state`` the host steps the own
@@ -786,15 +679,11 @@ class TawPipe:
         ``step()`` only where it needs to), so call this only before reading the own parameters
         or the optimizer's state directly. The optimizer's ``param_groups`` may be changed at any
         time: the step runs with the values they had when it began."""
-        beside, self._beside = self._beside, None
-        if beside is None:
-            return
         try:
-            beside.join()
+            self._update.finish()
         except BaseException as e:
             self._failure = e
             raise
-        self.storage.carried_beside()
 
 
 def _published_refusal(call: str, steps: int, error: Exception) -> None:
