@@ -89,7 +89,8 @@ class TawPipe:
     (``torch.cuda.set_device``), whose current stream the engine orders its work after. The
     four policies (``tawpipe.engine.policy``) say which schedule runs, in what precision, with
     what memory savers and over which backend; ``mb_per_fetch``, ``prefetch_depth``,
-    ``reuse_weights`` and ``auto_reason`` say what "auto" chose and why.
+    ``reuse_weights`` and ``auto_reason`` say what "auto" chose and why. On a GPU with the state on
+    the host, ``step`` returns while the host still steps the own chunk (``finish_step``).
     """
 
     def __init__(self, model: ModelParts, *, topology: Topology, micro_batches: int,
