@@ -124,6 +124,7 @@ try:
                            "pinned_h2d_GBps": p["pinned_h2d_GBps"], "load_GBps": p["load_default_piece"]["GBps"],
                            "targets_met": p.get("targets", {}).get("met"),
                            "host_step_load_hidden": p["host_step"]["hidden"],
+                           "launches_beside_host_step": p["host_step"]["launches"]["slowdown"],
                            "last_addition_norm_saved": p["accumulate_norm"]["saved"]}
 except Exception as e:  # noqa: BLE001
     summary["prefetch_error"] = repr(e)

@@ -85,6 +85,8 @@ def test_prefetch_writes_under_out(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert prefetch.main(p.parse_args(small)) == 0
     doc = json.loads((tmp_path / DEFAULT / "prefetch_cpu.json").read_text())
     assert doc["benchmark"] == "prefetch" and doc["accumulate_norm"]["t_s"] > 0  # the last addition, normed
+    launches = doc["host_step"]["launches"]  # small kernels beside the host step on a thread, and alone
+    assert launches["kernels"] >= 1 and launches["slowdown"] == launches["t_beside_step_s"] / launches["t_alone_s"] > 0
     assert prefetch.main(p.parse_args([*small, "--out", "mine"])) == 0
     assert [f.name for f in (tmp_path / "mine").iterdir()] == ["prefetch_cpu.json"]
     assert prefetch.main(p.parse_args([*small, "--out", "named.json"])) == 0  # a .json path is the file itself

@@ -225,7 +225,36 @@ def _host_step(off: HostOffload, dst: torch.Tensor, device: torch.device, repeat
     t_serial = _time(lambda: (opt.step(), off.load_weights_into(dst)), device, repeats)
     t_pieces = _time(lambda: step_in_pieces(opt, [ps for ps, _, _ in runs], stepped), device, repeats)
     return {"pieces": len(runs), "t_step_s": t_step, "t_load_s": t_load, "t_step_then_load_s": t_serial,
-            "t_in_pieces_s": t_pieces, "hidden": (t_serial - t_pieces) / t_load}
+            "t_in_pieces_s": t_pieces, "hidden": (t_serial - t_pieces) / t_load,
+            "launches": _launches_beside(opt.step, t_step, device, repeats)}
+
+
+def _launches_beside(step: Callable[[], None], t_step: float, device: torch.device, repeats: int) -> dict:
+    """What the host's step on a thread beside the compute (design §6.1) costs the thread that
+    launches the compute's kernels: a loop of small kernels (its time the launches'), about half
+    as long as the step, alone and while ``step`` runs on a thread. ``slowdown``: the second over
+    the first."""
+    small = torch.randn(64, 64, device=device)
+    t_one = _time(lambda: small.add_(1.0), device, repeats)
+    count = max(1, round(t_step / 2 / t_one))
+
+    def launches() -> None:
+        for _ in range(count):
+            small.add_(1.0)
+
+    t_alone = _time(launches, device, repeats)
+    beside = []
+    for _ in range(repeats):
+        _sync(device)
+        thread = threading.Thread(target=step)
+        thread.start()
+        t0 = time.perf_counter()
+        launches()
+        _sync(device)
+        beside.append(time.perf_counter() - t0)
+        thread.join()
+    t_beside = statistics.median(beside)
+    return {"kernels": count, "t_alone_s": t_alone, "t_beside_step_s": t_beside, "slowdown": t_beside / t_alone}
 
 
 def footprint(device: torch.device, numel: int, dtype: torch.dtype, pieces: list[int]) -> tuple[int, int]:
@@ -282,6 +311,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"  host AdamW step {h['t_step_s'] * 1e3:.2f} ms, load {h['t_load_s'] * 1e3:.2f} ms: step then load "
           f"{h['t_step_then_load_s'] * 1e3:.2f} ms, in {h['pieces']} pieces each loading once stepped "
           f"{h['t_in_pieces_s'] * 1e3:.2f} ms ({h['hidden']:.0%} of the load hidden)")
+    k = h["launches"]
+    print(f"  {k['kernels']} small kernels launched {k['t_alone_s'] * 1e3:.2f} ms, beside the host step on a thread "
+          f"{k['t_beside_step_s'] * 1e3:.2f} ms: x{k['slowdown']:.2f}")
     o = res["overlap"]
     print(f"  overlap with {o['matmul']}: load {o['t_load_s'] * 1e3:.2f} ms, matmul {o['t_matmul_s'] * 1e3:.2f} ms, "
           f"both {o['t_both_s'] * 1e3:.2f} ms -> t(both)/max = {o['ratio']:.3f}")
