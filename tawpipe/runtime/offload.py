@@ -116,6 +116,13 @@ class HostOffload:
             )
         return t[: self.numel]
 
+    def _piece(self, what: str, start: int, stop: int | None) -> int:
+        """``stop`` (None: the end), once start..stop is a piece of the layout's elements."""
+        stop = self.numel if stop is None else stop
+        if not 0 <= start < stop <= self.numel:
+            raise ValueError(f"HostOffload.{what}: elements {start}..{stop} are not a piece of 0..{self.numel}")
+        return stop
+
     @property
     def _handle(self) -> int:
         if self._prefetcher is None:
@@ -128,9 +135,7 @@ class HostOffload:
         On CUDA the copies are queued on side streams and the current stream waits for them; the
         host returns at once."""
         dst = self._device_buffer("load_weights_into", dst)
-        stop = self.numel if stop is None else stop
-        if not 0 <= start < stop <= self.numel:
-            raise ValueError(f"HostOffload.load_weights_into: elements {start}..{stop} are not a piece of 0..{self.numel}")
+        stop = self._piece("load_weights_into", start, stop)
         with self._load_lock:
             torch.ops.tawpipe._prefetch_load(self._handle, self.master[start:stop], dst[start:stop])
 
@@ -145,9 +150,7 @@ class HostOffload:
         element is not), taken while each block is in cache: the norm of a gradient whose last
         addition this is, without another pass over it."""
         src = self._device_buffer("accumulate_grad", src)
-        stop = self.numel if stop is None else stop
-        if not 0 <= start < stop <= self.numel:
-            raise ValueError(f"HostOffload.accumulate_grad: elements {start}..{stop} are not a piece of 0..{self.numel}")
+        stop = self._piece("accumulate_grad", start, stop)
         src, grad = src[start:stop], self.grad[start:stop]
         with self._acc_lock:
             if not squared_norm:
