@@ -207,17 +207,27 @@ class _HostCopies:
     def _step_before(self) -> None:
         """The previous iteration's step of the own chunk, on the host beside this one (design
         §6.1): ``STEP_PIECES`` pieces from the start, each loaded and cast once stepped."""
-        piece, before, cast = self.own / STEP_PIECES, [], None
-        for i in range(1, STEP_PIECES + 1):
+        steps, self.loaded, loaded = self._pieces([], STEP_PIECES, load=True)
+        self.stepped = self.g.add("host step done", [steps[-1], loaded], rank=self.r, lane="host")
+
+    def _pieces(self, before: list[int], n: int, load: bool) -> tuple[list[int], list[int], int | None]:
+        """The host's AdamW of the own chunk in ``n`` pieces after ``before``; with ``load``, each
+        piece's part of the carried load crossing, then cast on the weights lane, once the piece is
+        stepped (on a CPU the stepping thread casts it before the next piece). Returns each piece's
+        step, each one's cast, and the last load."""
+        piece, steps, casts, loaded = self.own / n, [], [], None
+        for i in range(1, n + 1):
             step = self.g.add("host AdamW", before, seconds=self.work.host_step(piece, self.host_bandwidth),
                               rank=self.r, lane="host")
-            loaded = self._copy("state", f"load master {i}/{STEP_PIECES}", 4 * piece, "h2d", [step])
-            cast = self.g.add(f"cast {i}/{STEP_PIECES}", [loaded] if cast is None else [loaded, cast],
-                              seconds=self.work.copy(piece * (4 + self.weight_bytes)), rank=self.r,
-                              lane=str(Channel.WEIGHTS))
-            self.loaded.append(cast)
+            steps.append(step)
             before = [step]
-        self.stepped = self.g.add("host step done", [step, loaded], rank=self.r, lane="host")
+            if load:
+                loaded = self._copy("state", f"load master {i}/{n}", 4 * piece, "h2d", [step])
+                casts.append(self.g.add(f"cast {i}/{n}", [loaded, *casts[-1:]],
+                                        seconds=self.work.copy(piece * (4 + self.weight_bytes)), rank=self.r,
+                                        lane=str(Channel.WEIGHTS)))
+                before += casts[-1:] if self.host else []
+        return steps, casts, loaded
 
     def beside_deps(self, a: Action) -> list[int]:
         """What ``a``'s unit waits for of the step beside: its end where ``a`` reads or writes what
@@ -299,21 +309,9 @@ class _HostCopies:
         if self.beside:  # played at the start, as the step before this iteration's
             return list(self.transfers)
         carried = self.carried is not None
-        n = STEP_PIECES if carried else 1
-        piece = self.own / n
         settle = list(self.transfers) if carried else []  # no transfer still reads the buffer
-        before, cast, first = [*deps, *settle], None, []
-        for i in range(1, n + 1):
-            step = self.g.add("host AdamW", before, seconds=self.work.host_step(piece, self.host_bandwidth),
-                              rank=self.r, lane="host")
-            before, first = [step], first or [step]
-            if carried:
-                loaded = self._copy("state", f"load master {i}/{n}", 4 * piece, "h2d", [step])
-                cast = self.g.add(f"cast {i}/{n}", [loaded] if cast is None else [loaded, cast],
-                                  seconds=self.work.copy(piece * (4 + self.weight_bytes)), rank=self.r,
-                                  lane=str(Channel.WEIGHTS))
-                before += [cast] if self.host else []
-        return [*settle, *first] if self.host else settle
+        steps, _, _ = self._pieces([*deps, *settle], STEP_PIECES if carried else 1, load=carried)
+        return [*settle, steps[0]] if self.host else settle
 
 
 def _rank(g: Graph, plan: Plan, r: int, device: _Device, host: bool, messages: dict[tuple, _Message],
