@@ -314,8 +314,8 @@ def test_the_engine_chooses_its_memory_savers_from_the_shape_it_is_given():
 
     def estimate(recompute: str, offload_state: bool = False) -> float:
         return busiest_rank_memory(plan, chunk_numel=[4 * _layer(model)], replicated_numel=_replicated(model),
-                                   weight_bytes=4, grad_bytes=4, scratch_bytes=0, seq=SEQ, micro_batch=MB_ROWS,
-                                   hidden=HIDDEN, heads=4, vocab=VOCAB, savers=Savers(recompute, offload_state)).total
+                                   weight_bytes=4, grad_bytes=4, scratch_bytes=0, shape=shape,
+                                   savers=Savers(recompute, offload_state)).total
 
     keep, chunk = estimate("none"), estimate("chunk")
     assert chunk < keep
@@ -423,7 +423,7 @@ def test_train_defaults_choose_and_the_budget_is_a_flag(monkeypatch, capsys):
                             "recompute": "chunk", "offload_state": False, "offload_activations": False}
     assert pre.auto.startswith("k=2, resident depth 3, reuse — the fewest inter-node bytes (")
     assert "shared by 4 rank(s), less 10%, less 384.0 MiB of runtime" in pre.auto
-    pre = preflight.validate(TrainConfig(memory_budget=0.036))  # the own memory estimate of k=1, depth 1, reuse: 36.2 MiB
+    pre = preflight.validate(TrainConfig(memory_budget=0.030))  # k=2 takes 28.1 MiB at depth 1, 33.7 MiB resident
     assert pre.schedule["prefetch_depth"] == 1 and "(--memory-budget)" in pre.auto and "would move" in pre.auto
     monkeypatch.setattr(job, "run_local", lambda *a, **k: pytest.fail("a worker was started"))
     assert re.match(r"tawpipe train: schedule: no schedule fits within 1\.0 MiB per rank \(--memory-budget\): "

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -127,8 +128,8 @@ def test_the_estimate_counts_what_the_engine_allocates(recompute):
     blocks, embed, head, _ = models.meta_model("micro")
     est = rank_memory(engine.plan, 0, chunk_numel=[sum(p.numel() for b in blocks for p in b.parameters())],
                       replicated_numel=sum({id(p): p.numel() for m in (embed, head) for p in m.parameters()}.values()),
-                      weight_bytes=2, grad_bytes=4, scratch_bytes=2, seq=16, micro_batch=2, hidden=64, heads=4,
-                      vocab=256, savers=Savers(recompute))
+                      weight_bytes=2, grad_bytes=4, scratch_bytes=2,
+                      shape=replace(models.PRESETS["micro"], seq=16, micro_batch=2), savers=Savers(recompute))
     assert est.persistent == report.persistent
     assert est.staging == sum(report.staging.values()) and "scratch" in report.staging
     assert est.replicated == 4 * report.replicated  # float32 weights, gradients and two AdamW moments

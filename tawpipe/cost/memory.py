@@ -187,28 +187,35 @@ def logits_bytes(dims: ModelDims) -> float:
 
 
 def loss_bytes(dims: ModelDims, *, chunked: bool) -> float:
-    """What the head and loss hold for one micro-batch (``_loss``)."""
-    return _loss(dims.micro_batch, dims.seq, dims.hidden, dims.vocab, dims.dtype_bytes, chunked)
-
-
-def _loss(micro_batch: int, seq: int, hidden: int, vocab: int, dtype_bytes: int, chunked: bool) -> float:
-    """The plain loss: the whole float32 logits, their log-softmax and gradient (3·T·V·4 bytes).
-    The chunked one (``models.loss.linear_cross_entropy``): one slice's float32 logits and their
-    gradient cast to the compute dtype, the hidden states' gradient and the head weight's float32
-    gradient, all of which it holds at once."""
-    tokens = micro_batch * seq
+    """What the head and loss hold for one micro-batch. The plain loss: the whole float32 logits,
+    their log-softmax and gradient (3·T·V·4 bytes). The chunked one
+    (``models.loss.linear_cross_entropy``): one slice's float32 logits and their gradient cast to
+    the compute dtype, the hidden states' gradient and the head weight's float32 gradient, all of
+    which it holds at once."""
+    tokens = dims.micro_batch * dims.seq
     if not chunked:
-        return 3 * tokens * vocab * 4
-    return min(tokens, LOSS_CHUNK_TOKENS) * vocab * (4 + dtype_bytes) + tokens * hidden * dtype_bytes + vocab * hidden * 4
+        return 3 * tokens * dims.vocab * 4
+    return (min(tokens, LOSS_CHUNK_TOKENS) * dims.vocab * (4 + dims.dtype_bytes) + tokens * dims.hidden * dims.dtype_bytes
+            + dims.vocab * dims.hidden * 4)
 
 
 def working_set_bytes(dims: ModelDims, layers: int) -> float:
-    """Activations of ``layers`` transformer layers for one micro-batch while backward runs:
-    s·b·h·(34 + 5·a·s/h) bytes per layer at 2-byte activations (Korthikanti et al. 2022,
-    attention scores materialised), scaled to ``dims.dtype_bytes``; without the 5·a·s/h term when
-    ``dims.scores`` is off (a fused attention kernel keeps no scores). An estimate, not a count."""
-    return _working_set(dims.seq, dims.micro_batch, dims.hidden, dims.heads if dims.scores else 0, layers,
-                        dims.dtype_bytes)
+    """What ``layers`` decoder layers of the built-in LLaMA (``models.llama``) keep for their
+    backward, for one micro-batch: autograd's saved tensors, counted (``tests/test_activation_count.py``
+    holds this to them). Per token, in the compute dtype: each norm's output before and after its
+    weight, the queries, keys, values and output of attention, the output projection's input, and
+    the MLP's gate, up, activation and product (4·H + 3·q + 2·kv + 4·F elements); in float32: each
+    norm's float32 input (in float32 compute only the second's, the first's is the layer's own
+    input), each norm's inverse RMS and attention's log-sum-exp per head. Korthikanti et al.'s
+    34·H bytes at 16 bits (GPT's 4·H GeLU MLP, no float32 norms) is 0.7x of this for LLaMA's
+    shapes. With ``dims.scores`` (eager attention) the S x S scores too, as they count them
+    (5·a·S bytes per token at 16 bits). Not counted: the backward's own temporaries."""
+    d = dims
+    per_token = d.dtype_bytes * (4 * d.hidden + 3 * d.q_dim + 2 * d.kv_dim + 4 * d.ffn_hidden)
+    per_token += 4 * ((1 if d.dtype_bytes == 4 else 2) * d.hidden + d.heads + 2)
+    if d.scores:
+        per_token += 5 * d.heads * d.seq * d.dtype_bytes / 2
+    return layers * d.micro_batch * d.seq * per_token
 
 
 def gathered_kv_bytes(dims: ModelDims, context: int) -> float:
@@ -218,11 +225,6 @@ def gathered_kv_bytes(dims: ModelDims, context: int) -> float:
     if context == 1:
         return 0.0
     return 2 * 2 * dims.micro_batch * dims.seq * context * dims.kv_dim * dims.dtype_bytes
-
-
-def _working_set(s: int, b: int, h: int, a: int, layers: int, dtype_bytes: int) -> float:
-    """``a`` heads whose scores are kept (0: none)."""
-    return layers * s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2
 
 
 def memory_per_rank(plan: Plan, dims: ModelDims, savers: Savers = Savers(), *,
@@ -293,8 +295,8 @@ def _layout(dims: ModelDims, chunk_layers: int, chunks: int, k: int, weight_bufs
 
 
 def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated_numel: int, weight_bytes: int,
-                grad_bytes: int, scratch_bytes: int, seq: int = 0, micro_batch: int = 0, hidden: int = 0,
-                heads: int = 1, vocab: int = 0, chunked_loss: bool = False, savers: Savers = Savers()) -> MemoryEstimate:
+                grad_bytes: int, scratch_bytes: int, shape: ModelDims | None = None, chunked_loss: bool = False,
+                savers: Savers = Savers()) -> MemoryEstimate:
     """``rank``'s memory as the engine lays it out for ``plan`` (``tawpipe.engine.storage``): its
     own chunk's float32 master, gradient accumulator and AdamW moments (16 B per parameter, counted
     from ``chunk_numel``, each chunk's parameters); one staging buffer of the largest chunk per
@@ -302,11 +304,12 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     plus a scratch in ``scratch_bytes`` (0: none) when those differ, of one layer where the backward
     runs a layer at a time (``savers.recompute`` "layer" or "block"); the replicated parameters at
     16 B each (the gradient norm takes no copy: ``engine.precision.squared_norm``).
-    Activations are estimated: the saved chunk inputs, one chunk's working set
-    (``working_set_bytes``) and what the head and loss hold (``_loss``: plain or ``chunked_loss``); none
-    where the batch is not known (``seq`` 0: the engine before its first batch). ``savers`` move
-    the own chunk's state and the chunk inputs to ``host``; what crosses to and from it per
-    iteration is ``host_traffic`` (``host_bytes``; the chunk inputs only where ``seq`` is known)."""
+    Activations of one micro-batch of ``shape`` (its sequence a rank's slice), in ``weight_bytes``:
+    the saved chunk inputs, one chunk's working set (``working_set_bytes``) and what the head and
+    loss hold (``loss_bytes``: plain or ``chunked_loss``); none where the batch is not known
+    (``shape`` None: the engine before its first batch). ``savers`` move the own chunk's state and
+    the chunk inputs to ``host``; what crosses to and from it per iteration is ``host_traffic``
+    (``host_bytes``; the chunk inputs only where ``shape`` is known)."""
     own = chunk_numel[plan.own_chunk(rank)]
     largest = max(chunk_numel)
     names = {b for a in plan.actions[rank] for b in (a.buf, a.grad_buf) if b}
@@ -314,16 +317,16 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     chunk_layers = max(b - a for a, b in plan.chunk_layers)
     scratch = largest // chunk_layers if savers.layerwise else largest
     staging = largest * sum(per_element[buf_kind(b)] for b in names) + scratch * scratch_bytes
-    activations = offloaded = 0.0
-    if seq:
-        k = int(plan.options.get("mb_per_fetch", 1))
-        activations, offloaded = savers.activations(
-            plan.replica_size * k, k, micro_batch * seq * hidden * weight_bytes, chunk_layers,
-            lambda layers: _working_set(seq, micro_batch, hidden, heads, layers, weight_bytes))
-        activations += _loss(micro_batch, seq, hidden, vocab, weight_bytes, chunked_loss)
+    activations = offloaded = input_bytes = 0.0
+    if shape is not None:
+        dims = dataclasses.replace(shape, dtype_bytes=weight_bytes)
+        k, input_bytes = int(plan.options.get("mb_per_fetch", 1)), dims.activation_numel * weight_bytes
+        activations, offloaded = savers.activations(plan.replica_size * k, k, input_bytes, chunk_layers,
+                                                    lambda layers: working_set_bytes(dims, layers))
+        activations += loss_bytes(dims, chunked=chunked_loss)
     state = 0.0 if savers.offload_state else 16 * own
     traffic = host_bytes(plan, rank, own_numel=own, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
-                         input_bytes=micro_batch * seq * hidden * weight_bytes, savers=savers)
+                         input_bytes=input_bytes, savers=savers)
     stashed = stashed_bytes(plan, rank, chunk_numel.__getitem__, weight_bytes)
     return MemoryEstimate(persistent=state, staging=staging, replicated=16 * replicated_numel,
                           activations=activations, host=(0.0 if state else 16 * own) + offloaded + stashed,

@@ -10,7 +10,7 @@ builds the same objects from its flags (``tawpipe.train.job``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -191,11 +191,10 @@ class MemoryPolicy:
 
 
 def activation_batch(shape: ModelDims, chunked_loss: bool, context_parallel: int = 1) -> dict[str, Any]:
-    """The sizes the cost model counts one micro-batch's activations from (``cost.memory``'s
-    ``seq``, ``micro_batch``, ``hidden``, ``heads``, ``vocab``, ``chunked_loss``): a rank's slice
-    of the sequence under ``context_parallel``."""
-    return dict(seq=shape.seq // context_parallel, micro_batch=shape.micro_batch, hidden=shape.hidden,
-                heads=shape.heads, vocab=shape.vocab, chunked_loss=chunked_loss)
+    """What the cost model counts one micro-batch's activations from (``cost.memory.rank_memory``'s
+    ``shape`` and ``chunked_loss``): ``shape`` with a rank's slice of the sequence under
+    ``context_parallel``."""
+    return dict(shape=replace(shape, seq=shape.seq // context_parallel), chunked_loss=chunked_loss)
 
 
 @dataclass(frozen=True)

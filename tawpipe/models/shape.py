@@ -29,7 +29,7 @@ class ModelDims:
     dtype_bytes: int = 2  # weights and activations on the wire
     grad_bytes: int = 4  # gradients on the wire
     ffn: int | None = None  # None: the LLaMA sizing of ``ffn_hidden``
-    scores: bool = True  # attention keeps its S x S scores for backward (False: FlashAttention)
+    scores: bool = False  # attention keeps its S x S scores for backward: eager attention (not SDPA, the built-in's)
     tied: bool = True  # the head's weight is the embedding's (False: a second V x H matrix)
     head_dim: int | None = None  # None: hidden // heads (Qwen3's and Gemma's configs set their own)
 

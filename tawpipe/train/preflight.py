@@ -154,7 +154,7 @@ def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], e
     sizes = _rank_sizes(cfg, blocks, embed, head, shape)
     gpu = under_torchrun() and torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
-    batch = {k: sizes[k] for k in ("seq", "micro_batch", "hidden", "heads", "vocab", "chunked_loss")}
+    batch = {k: sizes[k] for k in ("shape", "chunked_loss")}
     savers = savers_to_weigh(cfg.recompute, cfg.offload_state, cfg.offload_activations,
                              host_is_device=device.type == "cpu")
     plan, chosen, why = engine_plan(
@@ -169,9 +169,9 @@ def _plan(cfg: TrainConfig, topology: Topology, blocks: list[torch.nn.Module], e
 
 def _loss(chunkable: bool, shape: models.ModelDims) -> str:
     """--loss auto: chunked where the model has a chunked loss (``chunkable``) and a micro-batch's
-    float32 logits, with their softmax and gradient, would outweigh one layer's activations without
-    attention scores (12·V against 17·H·dtype bytes per token: LLaMA-sized vocabularies); plain
-    otherwise."""
+    float32 logits, with their softmax and gradient, would outweigh what one layer keeps for its
+    backward without attention scores (12·V against about 24·H·dtype bytes per token at LLaMA's
+    shapes: LLaMA-sized vocabularies); plain otherwise."""
     layer = working_set_bytes(replace(shape, scores=False), 1)
     return "chunked" if chunkable and logits_bytes(shape) > layer else "plain"
 
