@@ -55,7 +55,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -72,6 +72,7 @@ from tawpipe.engine import TawPipe
 from tawpipe.engine.engine import default_optimizer
 from tawpipe.engine.policy import CommPolicy, MemoryPolicy, PrecisionPolicy
 from tawpipe.models.llama import Llama, block_forward, chunked_head_loss, llama_loss, llama_parts
+from tawpipe.models.shape import ModelDims
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.launch import free_port, run_local
 from tawpipe.sim import compare
@@ -278,24 +279,59 @@ def predict(shape: RunConfig, device: torch.device, rows: dict[str, dict]) -> di
     """The simulator's peak and time for each of ``rows`` at world size 1, calibrated here: plain
     torch as DDP on one device (per-block checkpointing), the engine's rows as the plan each ran
     with its savers, every row with the chunked loss; and each against the measurement."""
-    dims = shape.model_config().dims(seq=shape.seq_len, micro_batch=1, dtype_bytes=2, grad_bytes=4, scores=False)
+    dims = _dims(shape)
     dev, host = calibrate(dims, device=device.type), _host(device.type)  # the host steps and copies state
     cluster = Cluster(1, 1, dev, link("nvlink"), link("10gbe"), host=host)
     out = {}
     for name, measured in rows.items():
-        memory = ROWS[name]
-        if memory is None:
-            row = compare.run("ddp", cluster, Workload(dims, dev), shape.micro_batches, chunked_loss=True)
-        else:
-            wire = memory.get("grad_wire_dtype")
-            d = replace(dims, grad_bytes=wire.itemsize) if wire is not None else dims
-            savers = Savers(memory["recompute"], memory.get("offload_state", False))
-            row = compare.run("tawpipe", cluster, Workload(d, dev), shape.micro_batches, settings=measured["plan"],
-                              savers=savers, chunked_loss=True)
+        row = _simulated(name, shape, cluster, measured.get("plan"))
         peak, seconds = row.memory.total, row.time_s
         out[name] = {"peak_bytes": peak, "seconds": seconds, "calibration": asdict(dev), "host": asdict(host),
                      "peak_vs_measured": peak / measured["peak_bytes"] if measured["peak_bytes"] else None,
                      "time_vs_measured": seconds / measured["seconds"]}
+    return out
+
+
+def _dims(shape: RunConfig) -> ModelDims:
+    """The model and micro-batch of ``shape`` as the simulator counts them (bf16, SDPA)."""
+    return shape.model_config().dims(seq=shape.seq_len, micro_batch=1, dtype_bytes=2, grad_bytes=4)
+
+
+def _simulated(name: str, shape: RunConfig, cluster: Cluster, plan: dict | None) -> compare.Row:
+    """Row ``name`` at world size 1 as the simulator plays it: plain torch as DDP on one device
+    (per-block checkpointing), the engine's rows as the plan each ran with (``plan``: its k, depth
+    and reuse) and its savers; the chunked loss in all."""
+    memory, dims, dev = ROWS[name], _dims(shape), cluster.device
+    if memory is None:
+        return compare.run("ddp", cluster, Workload(dims, dev), shape.micro_batches, chunked_loss=True)
+    wire = memory.get("grad_wire_dtype")
+    d = replace(dims, grad_bytes=wire.itemsize) if wire is not None else dims
+    savers = Savers(memory["recompute"], memory.get("offload_state", False))
+    return compare.run("tawpipe", cluster, Workload(d, dev), shape.micro_batches, settings=plan, savers=savers,
+                       chunked_loss=True)
+
+
+def peaks_of(paths: list[Path], mb_per_fetch: int) -> list[dict]:
+    """The simulator's peak for each world-size-1 row that this benchmark measured on a GPU and
+    saved in ``paths``, against the measured one: a check of the memory model that needs no GPU (a
+    peak does not depend on the device's rates). A row saved without the plan it ran (before they
+    were recorded) is taken at ``mb_per_fetch`` micro-batches per fetch."""
+    cluster = Cluster(1, 1, sim_device("h100"), link("nvlink"), link("10gbe"))
+    known = {f.name for f in fields(RunConfig)}
+    out = []
+    for path in paths:
+        result = json.loads(path.read_text())
+        shape = RunConfig(**{k: v for k, v in result["shape"].items() if k in known})
+        for part in result.get("single", []):
+            at = replace(shape, seq_len=part["seq"])
+            for name, measured in part["rows"].items():
+                if measured.get("peak_bytes") is None:
+                    continue
+                plan = measured.get("plan") or {"mb_per_fetch": mb_per_fetch}
+                peak = _simulated(name, at, cluster, plan).memory.total
+                out.append({"file": path.name, "seq": part["seq"], "row": name, "plan": plan,
+                            "measured_bytes": measured["peak_bytes"], "simulated_bytes": peak,
+                            "ratio": peak / measured["peak_bytes"]})
     return out
 
 
@@ -512,7 +548,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--peaks-of", nargs="+", type=Path, metavar="JSON",
+                   help="measure nothing: the simulator's peak for each row of these saved results against the "
+                        "measured one (exit status 1 if one is off by more than ±10%%)")
+    p.add_argument("--mb-per-fetch", type=int, default=4,
+                   help="with --peaks-of: k for rows saved without their plan (default 4, the engine's choice at "
+                        "world size 1 without a batch)")
     args = p.parse_args(argv)
+    if args.peaks_of:
+        fit = peaks_of(args.peaks_of, args.mb_per_fetch)
+        print("| file | S | row | k | measured GiB | simulated GiB | simulated / measured |\n|---|---|---|---|---|---|---|")
+        for r in fit:
+            print(f"| {r['file']} | {r['seq']} | {r['row']} | {r['plan'].get('mb_per_fetch', '-') if r['row'] != 'torch' else '-'}"
+                  f" | {_gib(r['measured_bytes'])} | {_gib(r['simulated_bytes'])} | {r['ratio']:.3f} |")
+        return 0 if all(abs(r["ratio"] - 1) <= SIMULATOR_WITHIN["peak"] for r in fit) else 1
     parts = args.parts.split(",")
     if not set(parts) <= {"single", "shared"}:
         p.error(f"--parts: unknown {sorted(set(parts) - {'single', 'shared'})}; choose from single, shared")

@@ -49,14 +49,33 @@ def test_the_memory_benchmark_runs_every_row_and_checks_the_shared_job(tmp_path:
     assert "| single | 64 | layer+state |" in run.stdout and "| | | layer, simulated |" in run.stdout and "targets and checks: all met" in run.stdout
 
 
-def test_a_run_cut_short_keeps_the_parts_it_measured(tmp_path: Path, monkeypatch) -> None:
-    """A lent GPU's time limit may stop the benchmark in its last part: the JSON then holds every
-    part that ended before, marked incomplete."""
+def _bench():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("memory_bench", ROOT / "benchmarks" / "memory_bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_simulator_predicts_the_peaks_an_h200_measured(capsys) -> None:
+    """Issue #36's "Against the GPU", for the peaks: each world-size-1 row an H200 measured
+    (``benchmarks/results/memory_h200``, at the commit its README names; the engine chose k = 4
+    there) against the simulator's memory model as it is now, within ±10%."""
+    bench = _bench()
+    saved = [ROOT / "benchmarks" / "results" / "memory_h200" / f"s{s}.json" for s in (8192, 32768)]
+    fit = bench.peaks_of(saved, mb_per_fetch=4)
+    assert len(fit) == 11 and {r["row"] for r in fit} == set(bench.ROWS)
+    for r in fit:
+        assert abs(r["ratio"] - 1) <= bench.SIMULATOR_WITHIN["peak"], r
+    assert bench.main(["--peaks-of", *map(str, saved)]) == 0
+    assert "| s32768.json | 32768 | layer+state | 4 | 10.00 GiB |" in capsys.readouterr().out
+
+
+def test_a_run_cut_short_keeps_the_parts_it_measured(tmp_path: Path, monkeypatch) -> None:
+    """A lent GPU's time limit may stop the benchmark in its last part: the JSON then holds every
+    part that ended before, marked incomplete."""
+    bench = _bench()
 
     def cut(*args, **kwargs):
         raise KeyboardInterrupt("the time limit")
