@@ -212,12 +212,17 @@ def torch_row(shape: RunConfig, device: torch.device, warmup: int, iters: int, e
 
 def engine(shape: RunConfig, device: torch.device, topology: Topology, memory: dict, dtype: torch.dtype,
            comm: str = "torch", optimizer=default_optimizer) -> TawPipe:
+    """The engine on the built-in LLaMA of ``shape``, with the savers ``memory``; k, the prefetch
+    depth and reuse chosen by ``auto`` from the micro-batches' shape, as ``tawpipe train`` has it
+    choose them (without it the engine counts no activations: at world size 1, where every k moves
+    nothing, it would take the k with the fewest gradient buffers, whatever the inputs k keeps)."""
     parts = llama_parts(shape.model_config(), seed=SEED, device=device, compute_dtype=dtype)
     memory = dict(memory)
     wire = memory.pop("grad_wire_dtype", torch.float32)
+    dims = replace(_dims(shape), micro_batch=shape.batch_size, dtype_bytes=dtype.itemsize, grad_bytes=wire.itemsize)
     return TawPipe(parts, topology=topology, micro_batches=shape.micro_batches, device=device, optimizer=optimizer,
                    precision=PrecisionPolicy(compute_dtype=dtype, grad_wire_dtype=wire),
-                   memory=MemoryPolicy(chunked_loss=True, **memory), comm=CommPolicy(comm))
+                   memory=MemoryPolicy(chunked_loss=True, shape=dims, **memory), comm=CommPolicy(comm))
 
 
 def own_params(eng: TawPipe) -> int:
@@ -409,8 +414,7 @@ def shared_rank(rank: int, kind: str, shape: RunConfig, offload: bool, warmup: i
 
     try:
         out = timed(step, device, warmup, iters)
-        dims = shape.model_config().dims(seq=shape.seq_len, micro_batch=1, dtype_bytes=2, scores=False)
-        kept = [memory_per_rank(eng.plan, dims, Savers("layer", offload_activations=o)).activations
+        kept = [memory_per_rank(eng.plan, _dims(shape), Savers("layer", offload_activations=o)).activations
                 for o in (False, True)]
         plan = {k: eng.plan.options[k] for k in ("mb_per_fetch", "prefetch_depth", "reuse_weights")}
         return {**out, "rank": rank, "cost_model_moved_off_bytes": kept[0] - kept[1],
@@ -432,7 +436,7 @@ def shared(kind: str, shape: RunConfig, small: RunConfig, warmup: int, iters: in
               flush=True)
     out = {"seq": shape.seq_len, **exact, "without": runs[False], "with": runs[True],
            "checks": {"exact": err <= TARGETS["update_err"]}}
-    dims = shape.model_config().dims(seq=shape.seq_len, micro_batch=1, dtype_bytes=2, grad_bytes=4, scores=False)
+    dims = _dims(shape)
     cluster = Cluster(2, 2, sim_device("h100"), link("nvlink"), link("10gbe"))  # rates unread: memory only
     for offload, ranks in runs.items():  # the simulator's busiest rank against the measured busiest (no time: shared)
         row = compare.run("tawpipe", cluster, Workload(dims, cluster.device), shape.micro_batches,
