@@ -146,7 +146,8 @@ class MemoryPolicy:
     recompute "chunk", "layer" or "block"; ``tawpipe.engine.activations``).
     ``shape``: the model and the micro-batch ``step`` will take, as the cost model counts them
     (``ModelDims``: hidden, layers, heads, vocab, seq, micro_batch rows; the built-in LLaMA's
-    ``LlamaConfig.dims(seq=..., micro_batch=...)``; ``step`` refuses larger micro-batches). With it,
+    ``LlamaConfig.dims(seq=..., micro_batch=...)``; ``step`` refuses larger micro-batches; a model
+    whose attention keeps its S x S scores, eager attention, says ``scores=True``). With it,
     the "auto" schedule options count the activations too, and ``recompute="auto"`` chooses the
     memory savers as ``tawpipe train --recompute auto`` does (design §7.3): of those with which a
     schedule fits, the fewest inter-node bytes, then the fastest, the host's optimizer step last
