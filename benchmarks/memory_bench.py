@@ -73,6 +73,7 @@ from tawpipe.engine.engine import default_optimizer
 from tawpipe.engine.policy import CommPolicy, MemoryPolicy, PrecisionPolicy
 from tawpipe.models.llama import Llama, block_forward, chunked_head_loss, llama_loss, llama_parts
 from tawpipe.models.shape import ModelDims
+from tawpipe.plan.schedule import RESIDENT
 from tawpipe.plan.topology import Topology
 from tawpipe.runtime.launch import free_port, run_local
 from tawpipe.sim import compare
@@ -316,17 +317,41 @@ def _simulated(name: str, shape: RunConfig, cluster: Cluster, plan: dict | None)
                        chunked_loss=True)
 
 
+def _shared_simulated(shape: RunConfig, plan: dict, offload: bool) -> int:
+    """The busiest rank's peak in the simulator for the 2x2 job of part ``shared`` (layer
+    recompute, activations offloaded or not, the chunked loss), as ``plan`` ran it: memory only,
+    since the ranks share one device's time."""
+    cluster = Cluster(2, 2, sim_device("h100"), link("nvlink"), link("10gbe"))  # rates unread
+    row = compare.run("tawpipe", cluster, Workload(_dims(shape), cluster.device), shape.micro_batches,
+                      settings=plan, savers=Savers("layer", offload_activations=offload), chunked_loss=True)
+    return row.memory.total
+
+
 def peaks_of(paths: list[Path], mb_per_fetch: int) -> list[dict]:
     """The simulator's peak for each world-size-1 row that this benchmark measured on a GPU and
-    saved in ``paths``, against the measured one: a check of the memory model that needs no GPU (a
-    peak does not depend on the device's rates). A row saved without the plan it ran (before they
-    were recorded) is taken at ``mb_per_fetch`` micro-batches per fetch; plain torch's has none."""
+    saved in ``paths``, and for the busiest rank of each 2x2 row, against the measured one: a check
+    of the memory model that needs no GPU (a peak does not depend on the device's rates). A row
+    saved without the plan it ran (before they were recorded) is taken at ``mb_per_fetch``
+    micro-batches per fetch, and on 2x2 at the resident depth with reuse: what the engine's
+    ``auto`` chose there without the batch's shape (the fewest inter-node bytes). Plain torch's
+    row has no plan."""
     cluster = Cluster(1, 1, sim_device("h100"), link("nvlink"), link("10gbe"))
     known = {f.name for f in fields(RunConfig)}
     out = []
     for path in paths:
         result = json.loads(path.read_text())
         shape = RunConfig(**{k: v for k, v in result["shape"].items() if k in known})
+        if part := result.get("shared"):
+            at = replace(shape, seq_len=part["seq"])
+            for key in ("without", "with"):
+                ranks = part[key]
+                plan = ranks[0].get("plan") or {"mb_per_fetch": mb_per_fetch, "prefetch_depth": RESIDENT,
+                                                "reuse_weights": True}
+                measured = max(r["peak_bytes"] for r in ranks)
+                peak = _shared_simulated(at, plan, key == "with")
+                out.append({"file": path.name, "seq": part["seq"], "row": f"2x2 layer, {key} activation offload",
+                            "plan": plan, "measured_bytes": measured, "simulated_bytes": peak,
+                            "ratio": peak / measured})
         for part in result.get("single", []):
             at = replace(shape, seq_len=part["seq"])
             for name, measured in part["rows"].items():
@@ -436,15 +461,11 @@ def shared(kind: str, shape: RunConfig, small: RunConfig, warmup: int, iters: in
               flush=True)
     out = {"seq": shape.seq_len, **exact, "without": runs[False], "with": runs[True],
            "checks": {"exact": err <= TARGETS["update_err"]}}
-    dims = _dims(shape)
-    cluster = Cluster(2, 2, sim_device("h100"), link("nvlink"), link("10gbe"))  # rates unread: memory only
     for offload, ranks in runs.items():  # the simulator's busiest rank against the measured busiest (no time: shared)
-        row = compare.run("tawpipe", cluster, Workload(dims, cluster.device), shape.micro_batches,
-                          settings=ranks[0]["plan"], savers=Savers("layer", offload_activations=offload),
-                          chunked_loss=True)
+        simulated = _shared_simulated(shape, ranks[0]["plan"], offload)
         peak = max((r["peak_bytes"] or 0) for r in ranks)
         out["predicted_with" if offload else "predicted_without"] = {
-            "peak_bytes": row.memory.total, "peak_vs_measured": row.memory.total / peak if peak else None}
+            "peak_bytes": simulated, "peak_vs_measured": simulated / peak if peak else None}
     if kind == "cuda":
         dropped = [(a["peak_bytes"] - b["peak_bytes"]) / b["cost_model_moved_off_bytes"]
                    for a, b in zip(runs[False], runs[True])]
@@ -557,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                         "measured one (exit status 1 if one is off by more than ±10%%)")
     p.add_argument("--mb-per-fetch", type=int, default=4,
                    help="with --peaks-of: k for rows saved without their plan (default 4, the engine's choice at "
-                        "world size 1 without a batch)")
+                        "world size 1 and on 2x2 without a batch)")
     args = p.parse_args(argv)
     if args.peaks_of:
         fit = peaks_of(args.peaks_of, args.mb_per_fetch)

@@ -59,17 +59,24 @@ def _bench():
 
 
 def test_the_simulator_predicts_the_peaks_an_h200_measured(capsys) -> None:
-    """Issue #36's "Against the GPU", for the peaks: each world-size-1 row an H200 measured
-    (``benchmarks/results/memory_h200``, at the commit its README names; the engine chose k = 4
-    there) against the simulator's memory model as it is now, within ±10%."""
+    """Issue #36's "Against the GPU", for the peaks: each world-size-1 row an H200 measured, and
+    the busiest rank of each 2x2 row (``benchmarks/results/memory_h200``, at the commit its README
+    names; the engine chose k = 4 there, resident on 2x2) against the simulator's memory model as
+    it is now, within ±10%."""
     bench = _bench()
-    saved = [ROOT / "benchmarks" / "results" / "memory_h200" / f"s{s}.json" for s in (8192, 32768)]
+    results = ROOT / "benchmarks" / "results" / "memory_h200"
+    saved = [results / f"s{s}.json" for s in (8192, 32768)] + [results / "shared.json"]
     fit = bench.peaks_of(saved, mb_per_fetch=4)
-    assert len(fit) == 11 and {r["row"] for r in fit} == set(bench.ROWS)
+    single = [r for r in fit if r["file"] != "shared.json"]
+    assert len(single) == 11 and {r["row"] for r in single} == set(bench.ROWS)
+    assert [r["row"] for r in fit if r["file"] == "shared.json"] == [
+        "2x2 layer, without activation offload", "2x2 layer, with activation offload"]
     for r in fit:
         assert abs(r["ratio"] - 1) <= bench.SIMULATOR_WITHIN["peak"], r
     assert bench.main(["--peaks-of", *map(str, saved)]) == 0
-    assert "| s32768.json | 32768 | layer+state | 4 | 10.00 GiB |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| s32768.json | 32768 | layer+state | 4 | 10.00 GiB |" in out
+    assert "| shared.json | 8192 | 2x2 layer, with activation offload | 4 | 7.92 GiB |" in out
 
 
 def test_a_run_cut_short_keeps_the_parts_it_measured(tmp_path: Path, monkeypatch) -> None:
