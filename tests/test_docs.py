@@ -3,6 +3,8 @@ outside the repository."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 from pathlib import Path
 
@@ -105,3 +107,23 @@ def test_design_section_1_names_every_module_and_package():
     table = readme[readme.index("| layer | where | what it does |"):readme.index("## The schedule, printed")]
     for sub in sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file()):
         assert f"tawpipe/{sub}/" in table or f"`{sub}/`" in table, f"README's table lacks tawpipe/{sub}/"
+
+
+def test_readme_says_what_fits_where_as_the_committed_map_does():
+    """README's "What fits where" table is the committed map's ``largest_fits`` (``map.json``),
+    row by row in the map's order of methods: the README copies the simulator's figures, and a map
+    played again must bring the table along."""
+    from tawpipe.sim.atlas import METHODS
+
+    fits = json.loads((ROOT / "benchmarks" / "results" / "sim_map" / "map.json").read_text())["stats"]["largest_fits"]
+    after = (ROOT / "README.md").read_text().split("**What fits where.**", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(after) if line.startswith("|"))
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), after[start:]))
+    header, rows = [c.strip() for c in table[0].strip("|").split("|")], table[2:]
+    models = [m.lower() for m in header[1:]]
+    assert models == list(fits), f"README's columns {header[1:]} are not the map's models {list(fits)}"
+    assert len(rows) == len(METHODS), f"README's table has {len(rows)} rows, the map {len(METHODS)} methods"
+    for method, row in zip(METHODS, rows):
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        want = ["none" if fits[m][method] is None else f"{fits[m][method] // 1024}k" for m in models]
+        assert cells == want, f"README's row {row!r} is not the map's {method}: {want}"

@@ -247,8 +247,10 @@ def markdown(rows: list[dict], grid: Grid = FULL, stats: dict | None = None) -> 
               f"{sum(against.values())} cells: " + ", ".join(f"{k} {against[k]}" for k in STANDINGS if k in against) + "."]
     lines += ["", shortfalls_markdown(rows)]
     if stats:
-        lines += [f"{len(rows)} cells in {stats['elapsed_s']:.0f} s; TawPipe settings and savers played "
-                  f"{stats['played']}, skipped by their lower bound {stats['pruned']}."]
+        lines += [f"{len(rows)} cells, {sum(stats['seconds'].values()):,.0f} s of play summed over them (the run that "
+                  f"wrote this took {stats['elapsed_s']:,.0f} s: cells played before are read from their folder); "
+                  f"TawPipe settings and savers played {stats['played']}, skipped by their lower bound "
+                  f"{stats['pruned']}."]
     return "\n".join(lines)
 
 
