@@ -317,6 +317,11 @@ def _simulated(name: str, shape: RunConfig, cluster: Cluster, plan: dict | None)
                        chunked_loss=True)
 
 
+def _busiest_peak(ranks: list[dict]) -> int | None:
+    """The largest peak among the ranks of a 2x2 row (None: nothing measured, as on a CPU)."""
+    return max((r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None), default=None)
+
+
 def _shared_simulated(shape: RunConfig, plan: dict, offload: bool) -> int:
     """The busiest rank's peak in the simulator for the 2x2 job of part ``shared`` (layer
     recompute, activations offloaded or not, the chunked loss), as ``plan`` ran it: memory only,
@@ -347,7 +352,9 @@ def peaks_of(paths: list[Path], mb_per_fetch: int) -> list[dict]:
                 ranks = part[key]
                 plan = ranks[0].get("plan") or {"mb_per_fetch": mb_per_fetch, "prefetch_depth": RESIDENT,
                                                 "reuse_weights": True}
-                measured = max(r["peak_bytes"] for r in ranks)
+                measured = _busiest_peak(ranks)
+                if measured is None:
+                    continue
                 peak = _shared_simulated(at, plan, key == "with")
                 out.append({"file": path.name, "seq": part["seq"], "row": f"2x2 layer, {key} activation offload",
                             "plan": plan, "measured_bytes": measured, "simulated_bytes": peak,
@@ -463,7 +470,7 @@ def shared(kind: str, shape: RunConfig, small: RunConfig, warmup: int, iters: in
            "checks": {"exact": err <= TARGETS["update_err"]}}
     for offload, ranks in runs.items():  # the simulator's busiest rank against the measured busiest (no time: shared)
         simulated = _shared_simulated(shape, ranks[0]["plan"], offload)
-        peak = max((r["peak_bytes"] or 0) for r in ranks)
+        peak = _busiest_peak(ranks)
         out["predicted_with" if offload else "predicted_without"] = {
             "peak_bytes": simulated, "peak_vs_measured": simulated / peak if peak else None}
     if kind == "cuda":
