@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 
+from tawpipe.cost.memory import Savers, rank_memory
 from tawpipe.plan.topology import Topology
 
 from engine_cases import (HIDDEN, MB_ROWS, SEQ, TinyLM, adamw, finished_norms, global_batch, host_accumulator, lm_loss,
@@ -116,6 +117,35 @@ def test_k_micro_batches_add_their_gradients_once_through_the_scratch(recompute)
             moved, grad = before[n] - p.detach(), want[n.removeprefix("blocks.")]
             assert ((moved - grad).norm() / grad.norm()).item() <= 1e-2, (seed, n)
     engine.close()
+
+
+@pytest.mark.parametrize("recompute", ["none", "chunk", "layer", "block"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_alone_in_its_replica_a_rank_adds_its_gradients_into_the_accumulator(k, recompute):
+    """World size 1: with the accumulator on the device and float32 gradients the backwards add
+    into it, no gradient buffer is allocated, and the cost model counts none; with the state on
+    the host the plan's buffer is back. Both train like one process, clipped, over 4 micro-batches
+    at k per fetch (the first backward of a fetch must add too: the accumulator already holds the
+    fetches before)."""
+    torch.manual_seed(int(torch.randint(0, 10_000, ())))
+    model = TinyLM(3)
+    ref, ref_losses = reference_run(model, 4 * MB_ROWS, 3, 0.05)
+    want = dict(ref.named_parameters())
+    for offload_state in (False, True):
+        m = copy.deepcopy(model)
+        engine = make_engine(m.blocks, m.embed, m.head, lm_loss, topology=Topology(1, 1), micro_batches=4,
+                             optimizer=adamw, comm=NoComm(1), block_context=m.context, offload_state=offload_state,
+                             mb_per_fetch=k, max_grad_norm=0.05, recompute=recompute)
+        losses = [engine.step(global_batch(step, 4 * MB_ROWS)) for step in range(3)]
+        staging = engine.memory_report().staging
+        assert sorted(n for n in staging if n.startswith("g")) == (["g0"] if offload_state else []), staging
+        est = rank_memory(engine.plan, 0, chunk_numel=[engine.memory_report().master // 4], replicated_numel=0,
+                          weight_bytes=4, grad_bytes=4, scratch_bytes=0,
+                          savers=Savers(recompute, offload_state=offload_state))
+        assert est.staging == sum(staging.values())
+        assert max(rel_err(p.detach(), want[n].detach()) for n, p in engine.named_parameters()) <= 1e-5
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        engine.close()
 
 
 def _moved(rank: int, case: dict) -> dict:

@@ -54,6 +54,31 @@ def test_plan_methods_agree_with_the_built_plan(algo):
     assert comm and all(a.bytes == plan.message_bytes(a.op, a.chunk) for a in comm)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(mb_per_fetch=2, reuse_weights=True),
+                                     dict(mb_per_fetch=4, prefetch_depth="resident", reuse_weights=True),
+                                     dict(algo="weipipe")])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 1, 3), (1, 2, 1), (2, 2, 1), (2, 2, 2), (4, 1, 2)])
+def test_only_a_rank_alone_in_its_replica_adds_its_gradients_in_place(shape, options):
+    """``accumulated_in_place``: every gradient buffer of a rank that is its replica's only one,
+    none of any other (an owner's ACC_G adds what other ranks sent); and none where something
+    reads the accumulator while a backward's gradient still waits for its ACC_G."""
+    nodes, per_node, replicas = shape
+    try:
+        plan = build_plan(Topology(nodes, per_node), 4, 4, replicas=replicas, layer_numel=10, **options)
+    except ValueError as e:  # WeiPipe's ring needs two ranks per replica
+        assert "weipipe needs at least 2 ranks" in str(e) and nodes * per_node == replicas
+        return
+    for rank in range(plan.topology.world_size):
+        acts = plan.actions[rank]
+        grads = {a.buf for a in acts if a.op is Op.ACC_G}
+        assert grads and plan.accumulated_in_place(rank) == (grads if plan.replica_size == 1 else set())
+        if plan.replica_size == 1:
+            b = next(i for i, a in enumerate(acts) if a.op is Op.B)  # the accumulator read before its ACC_G
+            early = dataclasses.replace(plan, actions=[(*acts[:b + 1], new_action(0, rank, Op.ALLREDUCE_STATS,
+                                                                                  group=(rank,)), *acts[b + 1:])])
+            assert early.accumulated_in_place(0) == frozenset()
+
+
 # ------------------------------------------------------------------------------- making actions
 
 

@@ -234,6 +234,7 @@ def memory_per_rank(plan: Plan, dims: ModelDims, savers: Savers = Savers(), *,
     ``rank_memory`` counts it) and keeps there (the chunks it stashes, ``stashed_bytes``);
     ``buffers``: ``staging_buffers(plan)``, where the caller has counted them already."""
     weight_bufs, grad_bufs = buffers or staging_buffers(plan)
+    grad_bufs -= len(in_place_gradients(plan, 0, dims.grad_bytes, savers))  # none but where a replica is one rank
     out = _layout(dims, max(stop - start for start, stop in plan.chunk_layers), plan.replica_size,
                   int(plan.options.get("mb_per_fetch", 1)), weight_bufs, grad_bufs, savers)
     if not (savers.offload_state or savers.offload_activations or plan.options.get("reuse_weights") == HOST):
@@ -300,7 +301,8 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     """``rank``'s memory as the engine lays it out for ``plan`` (``tawpipe.engine.storage``): its
     own chunk's float32 master, gradient accumulator and AdamW moments (16 B per parameter, counted
     from ``chunk_numel``, each chunk's parameters); one staging buffer of the largest chunk per
-    buffer the plan names on this rank, weights in ``weight_bytes``, gradients in ``grad_bytes``,
+    buffer the plan names on this rank (but those ``in_place_gradients`` does without), weights
+    in ``weight_bytes``, gradients in ``grad_bytes``,
     plus a scratch in ``scratch_bytes`` (0: none) when those differ, of one layer where the backward
     runs a layer at a time (``savers.recompute`` "layer" or "block"); the replicated parameters at
     16 B each (the gradient norm takes no copy: ``engine.precision.squared_norm``).
@@ -313,6 +315,7 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     own = chunk_numel[plan.own_chunk(rank)]
     largest = max(chunk_numel)
     names = {b for a in plan.actions[rank] for b in (a.buf, a.grad_buf) if b}
+    names -= in_place_gradients(plan, rank, grad_bytes, savers)
     per_element = {BufKind.WEIGHTS: weight_bytes, BufKind.GRADS: grad_bytes, BufKind.STATE: 4}
     chunk_layers = max(b - a for a, b in plan.chunk_layers)
     scratch = largest // chunk_layers if savers.layerwise else largest
@@ -331,6 +334,16 @@ def rank_memory(plan: Plan, rank: int, *, chunk_numel: Sequence[int], replicated
     return MemoryEstimate(persistent=state, staging=staging, replicated=16 * replicated_numel,
                           activations=activations, host=(0.0 if state else 16 * own) + offloaded + stashed,
                           host_traffic=sum(traffic))
+
+
+def in_place_gradients(plan: Plan, rank: int, grad_bytes: int, savers: Savers) -> frozenset[str]:
+    """The gradient buffers ``rank`` does without (``Plan.accumulated_in_place``): its backwards
+    add into the own float32 accumulator instead, where that is on the device (not
+    ``offload_state``) and gradients are float32 (``grad_bytes`` 4) as it is, so that a gradient
+    lands there as it would in the buffer: directly, or through the scratch it is born in."""
+    if savers.offload_state or grad_bytes != 4:
+        return frozenset()
+    return plan.accumulated_in_place(rank)
 
 
 def host_bytes(plan: Plan, rank: int, *, own_numel: int, weight_bytes: int, grad_bytes: int, input_bytes: float,

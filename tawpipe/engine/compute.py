@@ -215,7 +215,7 @@ class ChunkCompute:
         """B; a backward that runs a layer at a time calls ``layer_done(j)`` once layer j's slice
         of the gradient buffer is whole (its work issued), last layer first."""
         pos, m = self.s.position[a.chunk], a.mb
-        if self.s.scratch is not None or not a.accumulate:
+        if self.s.scratch is not None or not self.s.accumulates(a):
             self.s.grad_target(a.grad_buf, a.chunk).zero_()
         if self.s.layerwise:
             input_of, states = self._inputs_of(a, (pos, m), st)
@@ -231,7 +231,7 @@ class ChunkCompute:
             with torch.enable_grad():
                 torch.autograd.backward(y, st.dy.pop((pos, m)))
             dx = x.grad
-            self.s.harvest(a.grad_buf, a.chunk, a.accumulate)
+            self.s.harvest(a.grad_buf, a.chunk, self.s.accumulates(a))
         if pos > 0:
             st.dy[(pos - 1, m)] = dx
             return
@@ -294,7 +294,7 @@ class ChunkCompute:
                 scratch.zero_()
             with torch.enable_grad(), replaying(states[j], self.s.device):
                 torch.autograd.backward(functional_call(run, layers[j], (xj, ctx)), dy)
-            self.s.harvest(a.grad_buf, a.chunk, a.accumulate, layer=j)
+            self.s.harvest(a.grad_buf, a.chunk, self.s.accumulates(a), layer=j)
             if layer_done is not None:
                 layer_done(j)
             dy = xj.grad

@@ -18,6 +18,9 @@ in pinned host memory, written right after the chunk's fetch and read back by ``
 Gradients are harvested without packing: the leaves a chunk's backward differentiates carry
 persistent ``.grad`` views into the plan's gradient buffer (when the dtypes agree) or into one
 compute-dtype scratch buffer, so autograd writes a chunk's gradient straight into flat memory.
+A rank alone in its replica (world size 1, one rank per replica) has no gradient buffers where
+the accumulator is on the device and gradients are float32 (``cost.memory.in_place_gradients``):
+its backwards add into the accumulator, and its ACC_Gs do nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..cost.memory import Savers, in_place_gradients
 from ..models.parts import Materialize, block_param_name
 from ..ops import ShardLayout
 from ..plan.actions import Action, BufKind, Op, buf_kind
@@ -123,6 +127,7 @@ class ChunkStorage:
         masks: dict[tuple[bool, ...], int] = {}
         self._mask = [masks.setdefault(m, len(masks)) for m in self.trainable]  # leaves are cached per mask
         own = self._init_own(blocks, block_prefix, materialize, offload, timeout)
+        self.in_place = in_place_gradients(plan, rank, grad_dtype.itemsize, Savers(offload_state=offload))
         self._init_buffers(blocks, own)
         # The templates functional_call runs (design §6.2): one per chunk size, and one block, for
         # recomputing a chunk a layer at a time (every block has its structure, so every layer runs
@@ -255,7 +260,7 @@ class ChunkStorage:
             p.grad = view
 
     def _init_staging(self) -> None:
-        names = {b for a in self.plan.actions[self.rank] for b in (a.buf, a.grad_buf) if b}
+        names = {b for a in self.plan.actions[self.rank] for b in (a.buf, a.grad_buf) if b} - self.in_place
         numel = max(layout.numel for layout in self.layouts.values())
         dtype = {BufKind.WEIGHTS: self.compute_dtype, BufKind.GRADS: self.grad_dtype}
         # zeros, not empty: their pages are the rank's from the start (the first step writes them all)
@@ -293,7 +298,17 @@ class ChunkStorage:
     def grad_target(self, grad_buf: str, chunk: int) -> torch.Tensor:
         """Where autograd writes a backward's chunk gradient (see the module docstring); a
         layerwise scratch is one layer's, all of it."""
-        return (self.scratch if self.scratch is not None else self.bufs[grad_buf])[: self.numel(chunk)]
+        if self.scratch is not None:
+            return self.scratch[: self.numel(chunk)]
+        return self._gradients(grad_buf, chunk)
+
+    def _gradients(self, grad_buf: str, chunk: int) -> torch.Tensor:
+        """The plan's gradient buffer ``grad_buf`` holding ``chunk``, or the accumulator for it."""
+        return self.grad_acc if grad_buf in self.in_place else self.chunk(grad_buf, chunk)
+
+    def accumulates(self, a: Action) -> bool:
+        """Whether B ``a`` adds its gradient to what its target holds (an accumulator always)."""
+        return a.accumulate or a.grad_buf in self.in_place
 
     def leaves(self, weight_buf: str, grad_buf: str, chunk: int) -> list[torch.Tensor]:
         """Persistent leaf tensors viewing ``weight_buf`` whose ``.grad`` view the grad target
@@ -398,6 +413,8 @@ class ChunkStorage:
         """ACC_G: a gradient buffer added into the own float32 accumulator. A streamed one
         (``streamed``) adds layer ``layer``'s slice of it as its backward finishes each, last
         layer first; its unit then has only the norm left to take where it is the device's."""
+        if a.buf in self.in_place:
+            return  # its backwards added it
         src = self.chunk(a.buf, a.chunk)
         if self.offload is None:
             self.grad_acc.add_(src)
@@ -440,7 +457,7 @@ class ChunkStorage:
         """Move a backward's gradient from the scratch into the plan's buffer (dtype differs):
         the chunk's, or with a layerwise scratch layer ``layer``'s (its slice of the chunk)."""
         if self.scratch is not None:
-            dst = self.chunk(grad_buf, chunk)
+            dst = self._gradients(grad_buf, chunk)
             if layer is not None:
                 per = self.layer_layout.numel
                 dst = dst[layer * per:(layer + 1) * per]

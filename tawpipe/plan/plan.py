@@ -185,6 +185,29 @@ class Plan:
                 pending[a.grad_buf] = a
         return out
 
+    def accumulated_in_place(self, rank: int) -> frozenset[str]:
+        """The gradient buffers of ``rank`` whose backwards may add straight into the own
+        accumulator, their ACC_Gs then doing nothing: every action that touches one is a B of the
+        own chunk writing it or an ACC_G adding it, and while a B's gradient waits for its ACC_G
+        nothing but an ACC_G touches the accumulator (it would see the gradient early). All of
+        the rank's ACC_Gs or none, so that nothing adds into the accumulator beside a backward.
+        Only a rank alone in its replica qualifies (world size 1, or one rank per replica): an
+        owner's ACC_G elsewhere adds what other ranks reduced or sent into its buffers."""
+        if self.replica_size > 1:
+            return frozenset()
+        acts, own = self.actions[rank], self.own_chunk(rank)
+        grads = {a.buf for a in acts if a.op is Op.ACC_G}
+        waiting: set[str] = set()  # buffers holding a gradient not yet added
+        for a in acts:
+            touched = {*self.reads(a), *self.writes(a)}
+            if a.op is Op.B and a.chunk == own and a.grad_buf in grads:
+                waiting.add(a.grad_buf)
+            elif a.op is Op.ACC_G:
+                waiting.discard(a.buf)
+            elif touched & grads or (ACC in touched and waiting):
+                return frozenset()
+        return frozenset(grads)
+
     def chunk_numel(self, chunk: int) -> int:
         start, stop = self.chunk_layers[chunk]
         return (stop - start) * int(self.options.get("layer_numel", 1))

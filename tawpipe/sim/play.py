@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..cost.memory import AUTO, MARGIN, MemoryEstimate, Savers, auto_plan
+from ..cost.memory import AUTO, MARGIN, MemoryEstimate, Savers, auto_plan, in_place_gradients
 from ..cost.traffic import BACKWARD_GATHERS, chain_hops, ring_next
 from ..plan.actions import ACC, MASTER, OPS, Action, Channel, Hazards, Op, batches, describe
 from ..plan.context import check_plan as check_context
@@ -94,8 +94,10 @@ def compute_seconds(plan: Plan, a: Action, work: Workload, savers: Savers = Save
         return t
     if a.op is Op.LOAD_W:  # a cast of the float32 master into the compute dtype
         return work.copy(plan.chunk_numel(a.chunk) * (4 + d.dtype_bytes))
-    if a.op is Op.ACC_G:  # float32 += a received gradient (on the host with offloaded state)
-        return 0.0 if savers.offload_state else work.copy(plan.chunk_numel(a.chunk) * (8 + d.grad_bytes))
+    if a.op is Op.ACC_G:  # float32 += a received gradient (on the host with offloaded state; or added by its B)
+        if savers.offload_state or a.buf in in_place_gradients(plan, a.rank, d.grad_bytes, savers):
+            return 0.0
+        return work.copy(plan.chunk_numel(a.chunk) * (8 + d.grad_bytes))
     if a.op is Op.STEP:  # the replicated parameters always, the own chunk's where its state is
         own = 0 if savers.offload_state else plan.chunk_numel(plan.own_chunk(a.rank))
         return work.step(own + d.replicated_numel)
