@@ -17,7 +17,7 @@ from cli_cases import refused
 from engine_cases import exactness, make_engine
 from replica_cases import normed_over_replicas, resume_across_replicas
 from tawpipe.cli import main
-from tawpipe.cost.memory import estimate_memory, memory_per_rank
+from tawpipe.cost.memory import Savers, estimate_memory, memory_per_rank
 from tawpipe.cost.traffic import estimate, plan_traffic
 from tawpipe.models.shape import ModelDims
 from tawpipe.plan.actions import OPS, Op, PlanError
@@ -184,12 +184,17 @@ def test_traffic_counts_every_replica(shape) -> None:
 
 
 @pytest.mark.parametrize("g,s,r,depth,k", [(4, 2, 1, 1, 1), (4, 2, 2, 2, 2), (4, 2, 4, 1, 4), (6, 1, 3, 1, 2),
-                                           (2, 3, 2, 3, 1)])
+                                           (2, 3, 2, 3, 1), (3, 1, 3, 1, 2), (1, 1, 1, 2, 4)])
 def test_memory_closed_form_equals_the_plan_count(g, s, r, depth, k) -> None:
+    """Replicas of one rank (3 x 1 in 3, and 1 x 1) hold their one chunk in one weight buffer
+    whatever the depth, and no gradient buffer but with the state on the host."""
     dims = ModelDims(hidden=64, layers=13, heads=4, vocab=100, seq=32)
     plan = build_plan(Topology(g, s), 13, 4, replicas=r, prefetch_depth=depth, mb_per_fetch=k)
     assert estimate_memory(dims, Topology(g, s), replicas=r, prefetch_depth=depth, mb_per_fetch=k) == \
         memory_per_rank(plan, dims)
+    host = Savers(offload_state=True)  # the closed form leaves the host's traffic out
+    assert estimate_memory(dims, Topology(g, s), replicas=r, prefetch_depth=depth, mb_per_fetch=k,
+                           savers=host).staging == memory_per_rank(plan, dims, host).staging
 
 
 def test_closed_form_bytes_follow_the_plan() -> None:

@@ -269,9 +269,12 @@ def estimate_memory(dims: ModelDims, topology: Topology, *, replicas: int = 1, p
     alone: for clusters whose plans are too large to build once per choice (``tawpipe plan``
     advising R). The staging buffers are the schedule's closed-form layout (``Schedule.staging``;
     TawPipe's: w_own + d + 1 weight and d + 1 gradient buffers, plus g_recv where gradients arrive
-    from other nodes of its replica, ``verify``'s bound)."""
+    from other nodes of its replica, ``verify``'s bound; a replica of one rank holds its one chunk).
+    The bytes to and from the host are left out (``host_traffic`` 0)."""
     n = topology.world_size // replicas
     weight_bufs, grad_bufs = registry.get(algo).staging(prefetch_depth, topology.nodes // replicas > 1)
+    if n == 1:  # its one chunk, its own: a weight buffer, and a gradient buffer unless it adds in place
+        weight_bufs, grad_bufs = 1, int(not _adds_in_place(dims.grad_bytes, savers))
     return _layout(dims, -(-dims.layers // n), n, mb_per_fetch, weight_bufs, grad_bufs, savers)
 
 
@@ -341,9 +344,12 @@ def in_place_gradients(plan: Plan, rank: int, grad_bytes: int, savers: Savers) -
     add into the own float32 accumulator instead, where that is on the device (not
     ``offload_state``) and gradients are float32 (``grad_bytes`` 4) as it is, so that a gradient
     lands there as it would in the buffer: directly, or through the scratch it is born in."""
-    if savers.offload_state or grad_bytes != 4:
-        return frozenset()
-    return plan.accumulated_in_place(rank)
+    return plan.accumulated_in_place(rank) if _adds_in_place(grad_bytes, savers) else frozenset()
+
+
+def _adds_in_place(grad_bytes: int, savers: Savers) -> bool:
+    """Whether a backward can add into the own accumulator: on the device, in its dtype."""
+    return not savers.offload_state and grad_bytes == 4
 
 
 def host_bytes(plan: Plan, rank: int, *, own_numel: int, weight_bytes: int, grad_bytes: int, input_bytes: float,
