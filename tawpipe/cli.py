@@ -149,6 +149,18 @@ def _run_plan(parser: Parser, args: argparse.Namespace, rest: Sequence[str]) -> 
     except ValueError as e:
         raise UsageError(as_flags(str(e))) from None
     gc.freeze()  # the plan lives to the end: the collector need not walk its millions of objects again
+    try:
+        return _report_plan(args, topo, dims, sizes, build, plan)
+    finally:
+        # the collector as it was: in a caller's process (a test, a notebook) what was frozen with
+        # the plan would otherwise never be collected (cycles other libraries left, kept to exit)
+        gc.unfreeze()
+
+
+def _report_plan(args: argparse.Namespace, topo: Topology, dims: ModelDims | None, sizes: dict,
+                 build: Callable[..., Plan], plan: Plan) -> int:
+    """The plan's proof, table, traffic and, with a model, its memory, the k and replica advice and
+    the other schedules' traffic."""
     report = verify(plan)
     if args.json:
         memory = _json_memory(args, dims, sizes, build, plan) if dims is not None and not args.actions else None

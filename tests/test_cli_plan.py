@@ -60,6 +60,20 @@ def test_plan_json_is_the_plan(capsys):
     assert plan == build_plan(Topology(2, 3), 7, 2, layer_numel=1, weight_bytes=1, grad_bytes=1)
 
 
+@pytest.mark.parametrize("json_out", [False, True])
+def test_plan_leaves_the_collector_as_it_found_it(capsys, json_out):
+    """The command freezes what is alive while it proves and prints a plan (the collector need not
+    walk it), then unfreezes it: a caller's process (this test's) goes on collecting its cycles,
+    instead of keeping them to exit (where nanobind reports triton's, imported by torch, as leaks)."""
+    import gc
+
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    main(["plan", "--nodes", "2", "--per-node", "2", "--layers", "4", "--micro-batches", "2", "--model", "micro",
+          *(["--json"] if json_out else [])])
+    assert capsys.readouterr().out
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+
 def test_plan_weipipe_table(capsys):
     out = run(capsys, "plan", "--nodes", "1", "--per-node", "4", "--layers", "4", "--micro-batches", "2",
               "--algo", "weipipe")
