@@ -195,6 +195,15 @@ class Plan:
         owner's ACC_G elsewhere adds what other ranks reduced or sent into its buffers."""
         if self.replica_size > 1:
             return frozenset()
+        if rank not in self._in_place:  # the simulator asks at every ACC_G
+            self._in_place[rank] = self._accumulated_in_place(rank)
+        return self._in_place[rank]
+
+    @functools.cached_property
+    def _in_place(self) -> dict[int, frozenset[str]]:
+        return {}
+
+    def _accumulated_in_place(self, rank: int) -> frozenset[str]:
         acts, own = self.actions[rank], self.own_chunk(rank)
         grads = {a.buf for a in acts if a.op is Op.ACC_G}
         waiting: set[str] = set()  # buffers holding a gradient not yet added
